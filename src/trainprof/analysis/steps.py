@@ -1,0 +1,151 @@
+"""Step statistics: warm-up vs steady state, step-time percentiles, the phase breakdown.
+
+Definitions used throughout trainprof:
+
+* **Warm-up** is the prefix of steps before step times settle (worker start,
+  lazy initialisation, allocator growth, cuDNN autotuning). It ends at the
+  first step ``i`` such that step ``i`` *and* the median of the window that
+  starts at ``i`` both lie within a tolerance of the steady-state reference
+  (the median of the second half of the run). The tolerance is the larger of
+  10% of the reference and 3 robust standard deviations (1.4826 x MAD) of the
+  second half, so noisy runs are not called "still warming up". Warm-up is
+  capped at half the steps.
+* **Step-time percentiles** are over steady-state steps only (numpy's
+  default linear interpolation).
+* **Breakdown** shares are *time-weighted*: the sum of each phase over steady
+  steps divided by the sum of their durations. Because phases are exclusive
+  (see :mod:`trainprof.capture.clock`), the shares add up to 1, and an
+  evaluation that makes every 100th step slow weighs as much as it costs.
+  ``zero_grad`` is reported inside ``optimizer`` (optimizer bookkeeping) and
+  named regions inside ``other``; both are also given on their own in
+  ``breakdown_detail``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from trainprof.schema import FLAG_BACKWARD, FLAG_MANUAL, FLAG_PARTIAL
+
+BREAKDOWN_KEYS = ("data_wait", "forward", "backward", "optimizer", "gc", "other")
+
+
+def complete_steps(steps: np.ndarray) -> np.ndarray:
+    """Steps that ran to their boundary (the run's cut-off last step is dropped)."""
+    if len(steps) == 0:
+        return steps
+    return steps[(steps["flags"] & FLAG_PARTIAL) == 0]
+
+
+def detect_warmup(durations: np.ndarray) -> int:
+    """Number of warm-up steps at the start of ``durations`` (see module docstring)."""
+    n = len(durations)
+    if n < 3:
+        return 0
+    tail = durations[n // 2 :]
+    ref = float(np.median(tail))
+    mad = float(np.median(np.abs(tail - ref)))
+    tol = max(0.10 * ref, 3 * 1.4826 * mad)
+    window = max(3, min(20, n // 20))
+    limit = n // 2
+    for i in range(limit + 1):
+        if abs(durations[i] - ref) > tol:
+            continue
+        if abs(float(np.median(durations[i : i + window])) - ref) <= tol:
+            return i
+    return limit
+
+
+def delimiter_of(steps: np.ndarray) -> str | None:
+    """How steps were delimited: ``optimizer``, ``backward`` or ``manual``."""
+    if len(steps) == 0:
+        return None
+    flags = int(steps["flags"][-1])
+    if flags & FLAG_MANUAL:
+        return "manual"
+    if flags & FLAG_BACKWARD:
+        return "backward"
+    return "optimizer"
+
+
+def step_statistics(steps: np.ndarray) -> dict[str, Any]:
+    """The ``steps``, ``breakdown`` and ``samples_per_s`` parts of a run summary."""
+    done = complete_steps(steps)
+    n = len(done)
+    out: dict[str, Any] = {
+        "steps": {
+            "count": n,
+            "warmup": 0,
+            "steady_count": 0,
+            "median_s": None,
+            "p10_s": None,
+            "p90_s": None,
+            "mean_s": None,
+            "warmup_median_s": None,
+            "delimiter": delimiter_of(done),
+        },
+        "breakdown": None,
+        "breakdown_detail": None,
+        "samples_per_s": None,
+        "steps_per_s": None,
+        "syncs": None,
+        "gc": None,
+    }
+    if n == 0:
+        return out
+    dur = done["dur_ns"].astype(np.float64) / 1e9
+    warm = detect_warmup(dur)
+    steady = done[warm:]
+    sd = dur[warm:]
+    total_s = float(sd.sum())
+    p10, p50, p90 = np.percentile(sd, [10, 50, 90])
+    out["steps"].update(
+        warmup=warm,
+        steady_count=len(steady),
+        median_s=float(p50),
+        p10_s=float(p10),
+        p90_s=float(p90),
+        mean_s=float(sd.mean()),
+        warmup_median_s=float(np.median(dur[:warm])) if warm else None,
+    )
+    if total_s <= 0:
+        return out
+
+    def share(field: str) -> float:
+        return float(steady[field].sum()) / 1e9 / total_s
+
+    detail = {
+        "data_wait": share("data_wait_ns"),
+        "forward": share("forward_ns"),
+        "backward": share("backward_ns"),
+        "optimizer_step": share("optimizer_ns"),
+        "zero_grad": share("zero_grad_ns"),
+        "gc": share("gc_ns"),
+        "region": share("region_ns"),
+        "other": share("other_ns"),
+    }
+    out["breakdown_detail"] = detail
+    out["breakdown"] = {
+        "data_wait": detail["data_wait"],
+        "forward": detail["forward"],
+        "backward": detail["backward"],
+        "optimizer": detail["optimizer_step"] + detail["zero_grad"],
+        "gc": detail["gc"],
+        "other": detail["other"] + detail["region"],
+    }
+    samples = int(steady["samples"].sum())
+    out["samples_per_s"] = samples / total_s if samples else None
+    out["steps_per_s"] = len(steady) / total_s
+    k = len(steady)
+    out["syncs"] = {
+        "per_step": float(steady["sync_n"].sum()) / k,
+        "share": share("sync_ns"),
+        "host_reads_per_step": float(steady["host_reads"].sum()) / k,
+    }
+    out["gc"] = {
+        "collections_per_step": float(steady["gc_n"].sum()) / k,
+        "gen2_per_step": float(steady["gc_gen2_n"].sum()) / k,
+    }
+    return out

@@ -1,0 +1,94 @@
+"""One Run, summarised: the document `trainprof run --json` and `trainprof report --json` print.
+
+Everything a renderer shows is computed here, so the terminal, JSON and HTML
+outputs cannot disagree.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from datetime import datetime
+from typing import Any
+
+from trainprof.analysis.steps import complete_steps, step_statistics
+from trainprof.analysis.system import load_samples, summarize_system
+from trainprof.store import Run
+
+
+def _duration_s(meta: dict[str, Any]) -> float | None:
+    try:
+        start = datetime.fromisoformat(meta["started_at"])
+        end = datetime.fromisoformat(meta["ended_at"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return (end - start).total_seconds()
+
+
+def _regions(events: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0, "total_s": 0.0})
+    for ev in events:
+        if ev.get("kind") == "region":
+            r = out[str(ev.get("name"))]
+            r["count"] += 1
+            r["total_s"] += ev.get("dur_ns", 0) / 1e9
+    return dict(out)
+
+
+def _environment(fp: dict[str, Any] | None) -> dict[str, Any]:
+    """The few fingerprint facts worth a line in the summary (the rest stays in run.json)."""
+    if not fp:
+        return {}
+    torch_info = fp.get("torch") or {}
+    cpu = fp.get("cpu") or {}
+    threads = fp.get("threads") or {}
+    gpus = fp.get("gpus") or []
+    return {
+        "python": (fp.get("python") or {}).get("version"),
+        "torch": torch_info.get("version"),
+        "cuda": torch_info.get("cuda"),
+        "gpu": gpus[0].get("name") if gpus else None,
+        "gpu_count": len(gpus),
+        "cpu_model": cpu.get("model"),
+        "usable_cores": cpu.get("usable_cores"),
+        "torch_num_threads": threads.get("torch_num_threads"),
+    }
+
+
+def summarize_run(run: Run) -> dict[str, Any]:
+    """The summary document of a Run, in whatever status it is."""
+    meta = run.meta
+    stats = step_statistics(run.steps)
+    done = complete_steps(run.steps)
+    t_start = t_end = None
+    warm = stats["steps"]["warmup"]
+    origin = meta.get("clock_origin_s")
+    if origin is not None and len(done) > warm:
+        steady = done[warm:]
+        t_start = origin + float(steady["t_start_ns"][0]) / 1e9
+        t_end = origin + float(steady["t_start_ns"][-1] + steady["dur_ns"][-1]) / 1e9
+    samples = load_samples(run.samples_path)
+    system = summarize_system(samples, t_start, t_end)
+    if system.get("n_samples", 0) == 0 and samples:
+        system = summarize_system(samples)  # run too short for a steady window
+    summary: dict[str, Any] = {
+        "run_dir": str(run.path),
+        "name": meta.get("name"),
+        "status": run.status,
+        "exit_code": meta.get("exit_code"),
+        "command": meta.get("command"),
+        "started_at": meta.get("started_at"),
+        "ended_at": meta.get("ended_at"),
+        "duration_s": _duration_s(meta),
+        **stats,
+        "regions": _regions(run.events),
+        "dataloaders": meta.get("dataloaders")
+        or [ev for ev in run.events if ev.get("kind") == "dataloader"],
+        "system": system,
+        "environment": _environment(meta.get("fingerprint")),
+        "missing": meta.get("missing", []),
+        "notes": meta.get("notes", []),
+        "findings": run.findings,
+    }
+    if "recorded_status" in meta:
+        summary["recorded_status"] = meta["recorded_status"]
+    return summary

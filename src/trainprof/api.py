@@ -1,0 +1,128 @@
+"""The Python API: ``with trainprof.profile() as prof: ... prof.step()``.
+
+For users who want control: explicit step boundaries and named regions, in a
+script they run with plain ``python``. Automatic instrumentation stays on
+(phases, data wait, syncs, GC); the first ``prof.step()`` turns automatic
+step boundaries off. ``profile(enabled=False)`` returns a :class:`NullProfile`
+whose methods do nothing, so the calls can stay in production code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from trainprof.store import default_run_dir
+
+_NULL_CONTEXT = contextlib.nullcontext()
+
+
+class NullProfile:
+    """What ``profile(enabled=False)`` returns: every method is a no-op."""
+
+    run_dir: Path | None = None
+    summary: dict[str, Any] | None = None
+
+    def __enter__(self) -> NullProfile:
+        return self
+
+    def __exit__(self, *exc: object) -> bool:
+        return False
+
+    def step(self) -> None:
+        pass
+
+    def region(self, name: str) -> contextlib.nullcontext[None]:
+        return _NULL_CONTEXT
+
+
+class Profile:
+    """An always-on capture of the code inside the ``with`` block."""
+
+    def __init__(
+        self,
+        out: str | Path | None = None,
+        name: str | None = None,
+        *,
+        max_steps: int | None = None,
+        sample_interval_s: float = 0.2,
+        report: bool = True,
+    ) -> None:
+        from trainprof.capture.recorder import Recorder
+
+        main = sys.modules.get("__main__")
+        script = getattr(main, "__file__", None)
+        self.name = name or (Path(script).stem if script else "profile")
+        self.run_dir = Path(out) if out is not None else default_run_dir(self.name)
+        self.report = report
+        self.summary: dict[str, Any] | None = None
+        self._recorder = Recorder(
+            self.run_dir,
+            name=self.name,
+            command=[sys.executable, *sys.argv],
+            script=script,
+            max_steps=max_steps,
+            sample_interval_s=sample_interval_s,
+        )
+
+    def __enter__(self) -> Profile:
+        self._recorder.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        from trainprof.capture.clock import StopTraining
+
+        if exc_type is None or issubclass(exc_type, StopTraining):
+            status, code = "finished", 0
+        elif issubclass(exc_type, KeyboardInterrupt):
+            status, code = "interrupted", 130
+        else:
+            status, code = "crashed", 1
+        self._recorder.stop(status, code)
+        from trainprof.commands import finalize_run
+
+        self.summary = finalize_run(self.run_dir)
+        if self.report:
+            from trainprof.report.terminal import render_summary
+
+            render_summary(self.summary, file=sys.stderr)
+        return exc_type is not None and issubclass(exc_type, StopTraining)
+
+    def step(self) -> None:
+        """Mark the end of a training step."""
+        self._recorder.step()
+
+    def region(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """Time a named stretch (``with prof.region("eval"): ...``) apart from the phases."""
+        return self._recorder.region(name)
+
+
+def profile(
+    out: str | Path | None = None,
+    name: str | None = None,
+    *,
+    enabled: bool = True,
+    max_steps: int | None = None,
+    sample_interval_s: float = 0.2,
+    report: bool = True,
+) -> Profile | NullProfile:
+    """Profile the training loop inside a ``with`` block.
+
+    ``out``: the run folder (default ``./trainprof-runs/<timestamp>-<script>``);
+    ``max_steps``: stop the loop (by raising out of the step boundary, caught
+    by this block) after that many steps; ``report``: print the summary to
+    stderr at the end. ``enabled=False`` returns a null object with no cost.
+    """
+    if not enabled:
+        return NullProfile()
+    return Profile(
+        out, name, max_steps=max_steps, sample_interval_s=sample_interval_s, report=report
+    )

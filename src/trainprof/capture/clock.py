@@ -1,0 +1,222 @@
+"""The step clock: where every nanosecond of a training step went.
+
+The clock keeps one *current phase* and a small stack. Entering a phase charges
+the time since the last transition to the phase that was current, so time is
+attributed *exclusively*: GC that runs inside ``forward`` counts as GC, not as
+forward, and the phases of a step always add up to the step's wall time
+exactly ("other" is the time spent at top level, outside any tracked phase).
+This is the same exclusive-time convention as the PyTorch-profiler TensorBoard
+plugin's step-time breakdown, applied to host phases.
+
+Step boundaries come from three sources, decided at run time:
+
+* ``optimizer``: the post-hook of the *primary* optimizer (the first one seen
+  to step). Other optimizers (a GAN's second one) do not split steps; if the
+  primary stops stepping while another one keeps stepping, the other becomes
+  primary.
+* ``backward``: scripts without a ``torch.optim`` optimizer (manual
+  ``param.data.add_`` updates) are delimited by ``backward()`` calls: a step
+  closes when data loading or a top-level forward begins after a backward.
+  Until the clock has seen an optimizer step it cannot know which kind of
+  script it is, so backward-delimited sub-steps are kept as cumulative
+  snapshots and merged into one step if an optimizer step arrives (gradient
+  accumulation), or emitted as steps once :data:`AUTO_DECIDE_AFTER` of them
+  have passed without any optimizer step.
+* ``manual``: :meth:`StepClock.step` from the Python API; once used, automatic
+  boundaries are off.
+
+The hot path only does integer arithmetic on a flat list; finished steps are
+appended as tuples to a thread-safe deque that a background thread drains to
+disk (see :mod:`trainprof.store`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import deque
+from time import perf_counter_ns
+
+from trainprof.schema import (
+    FLAG_BACKWARD,
+    FLAG_MANUAL,
+    FLAG_PARTIAL,
+    N_ACC,
+    N_PHASES,
+    OTHER,
+)
+
+#: Backward-delimited sub-steps seen without any optimizer step before the
+#: clock decides the script has no optimizer. Large enough for gradient
+#: accumulation over 64 micro-batches, small enough to be decided early.
+AUTO_DECIDE_AFTER = 64
+
+
+class StopTraining(BaseException):  # noqa: N818 - a control-flow signal, like KeyboardInterrupt
+    """Raised from a step boundary when ``--max-steps`` is reached.
+
+    A ``BaseException`` so that the script's ``except Exception`` does not
+    swallow it; its ``finally`` blocks and context managers still run.
+    """
+
+
+class StepClock:
+    """Exclusive per-phase timing of training steps (see the module docstring)."""
+
+    def __init__(self, max_steps: int | None = None) -> None:
+        self.origin_ns = perf_counter_ns()
+        self.owner = threading.get_ident()
+        self.max_steps = max_steps
+        self.records: deque[tuple[int, ...]] = deque()
+        self.mode = "auto"  # auto | optimizer | backward | manual
+        self.n_steps = 0
+        self.started = False
+        self.current = OTHER
+        self.stack: list[int] = []
+        self.acc = [0] * N_ACC
+        self.mark = 0
+        self.step_start = 0
+        self.bwd_pending = False
+        self._subs: list[tuple[int, list[int]]] = []
+        self._primary: int | None = None
+        self._others_since_primary: dict[int, int] = {}
+
+    # -- phase transitions (hot path) -------------------------------------
+    def begin(self, now: int) -> None:
+        """Start the first step at the first instrumented event of the run.
+
+        Import time and set-up before the loop are not part of any step.
+        """
+        self.started = True
+        self.mark = now
+        self.step_start = now
+
+    def enter(self, phase: int) -> None:
+        now = perf_counter_ns()
+        if not self.started:
+            self.begin(now)
+        acc = self.acc
+        acc[self.current] += now - self.mark
+        self.stack.append(self.current)
+        self.current = phase
+        self.mark = now
+
+    def exit(self) -> None:
+        now = perf_counter_ns()
+        self.acc[self.current] += now - self.mark
+        self.current = self.stack.pop() if self.stack else OTHER
+        self.mark = now
+
+    # -- step boundaries ---------------------------------------------------
+    def top_level_event(self) -> None:
+        """Called when data loading, a top-level forward or a top-level backward begins.
+
+        Closes a backward-delimited step if a backward ran since the last one.
+        """
+        if self.bwd_pending:
+            self.bwd_pending = False
+            self._backward_boundary()
+
+    def backward_done(self) -> None:
+        if self.mode in ("auto", "backward"):
+            self.bwd_pending = True
+
+    def optimizer_stepped(self, optimizer: object) -> None:
+        """Global optimizer post-hook: close the step if this is the primary optimizer."""
+        if self.mode == "manual" or not self.started:
+            return
+        key = id(optimizer)
+        if self._primary is None:
+            self._primary = key
+        elif key != self._primary:
+            seen = self._others_since_primary.get(key, 0) + 1
+            self._others_since_primary[key] = seen
+            if seen < 2:
+                return
+            self._primary = key  # the old primary stopped stepping
+        self._others_since_primary.clear()
+        self.mode = "optimizer"
+        self.bwd_pending = False
+        self._subs.clear()
+        self._close(0)
+
+    def manual_step(self) -> None:
+        """Explicit boundary from ``prof.step()``; turns automatic boundaries off."""
+        if not self.started:
+            self.begin(perf_counter_ns())
+            self.mode = "manual"
+            return
+        self.mode = "manual"
+        self.bwd_pending = False
+        self._subs.clear()
+        self._close(FLAG_MANUAL)
+
+    def _backward_boundary(self) -> None:
+        if self.mode == "backward":
+            self._close(FLAG_BACKWARD)
+        elif self.mode == "auto":
+            now = perf_counter_ns()
+            self.acc[self.current] += now - self.mark
+            self.mark = now
+            self._subs.append((now, self.acc.copy()))
+            if len(self._subs) >= AUTO_DECIDE_AFTER:
+                self.mode = "backward"
+                self._emit_subs()
+
+    def _emit_subs(self) -> None:
+        """Turn pending backward-delimited snapshots into steps."""
+        prev_t = self.step_start
+        prev = [0] * N_ACC
+        for t, snap in self._subs:
+            diff = [a - b for a, b in zip(snap, prev, strict=True)]
+            self._append(prev_t, t - prev_t, diff, FLAG_BACKWARD)
+            prev_t, prev = t, snap
+        self.acc = [a - b for a, b in zip(self.acc, prev, strict=True)]
+        self.step_start = prev_t
+        self._subs.clear()
+        self._check_max_steps()
+
+    def _close(self, flags: int) -> None:
+        now = perf_counter_ns()
+        acc = self.acc
+        acc[self.current] += now - self.mark
+        self.mark = now
+        self._append(self.step_start, now - self.step_start, acc, flags)
+        self.acc = [0] * N_ACC
+        self.step_start = now
+        self._check_max_steps()
+
+    def _append(self, t_start: int, dur: int, acc: list[int], flags: int) -> None:
+        self.records.append(
+            (self.n_steps, t_start - self.origin_ns, dur, *acc, flags)
+        )
+        self.n_steps += 1
+
+    def _check_max_steps(self) -> None:
+        if self.max_steps is not None and self.n_steps >= self.max_steps:
+            self.max_steps = None  # raise once; cleanup code may step again
+            raise StopTraining(f"reached --max-steps after {self.n_steps} steps")
+
+    def finish(self) -> None:
+        """End of run: emit undecided sub-steps and the partial last step."""
+        if not self.started:
+            return
+        if self.mode == "auto" and self._subs:
+            self.mode = "backward"
+            with contextlib.suppress(StopTraining):
+                self._emit_subs()
+        if self.mode == "backward" and self.bwd_pending:
+            self.bwd_pending = False
+            self._append_tail(FLAG_BACKWARD)
+            return
+        self._append_tail(FLAG_PARTIAL)
+
+    def _append_tail(self, flags: int) -> None:
+        now = perf_counter_ns()
+        self.acc[self.current] += now - self.mark
+        self.mark = now
+        dur = now - self.step_start
+        if dur > 0 and any(self.acc[:N_PHASES]) and self.acc[OTHER] != dur:
+            self._append(self.step_start, dur, self.acc, flags)
+        self.acc = [0] * N_ACC
+        self.step_start = now

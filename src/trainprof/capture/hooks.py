@@ -1,0 +1,363 @@
+"""Auto-instrumentation: find steps and phases in an unmodified training script.
+
+Everything here patches *class-level* entry points once, before the script
+runs, and restores them afterwards:
+
+* optimizer steps: torch's global ``register_optimizer_step_pre_hook`` /
+  ``register_optimizer_step_post_hook`` (every ``torch.optim.Optimizer``,
+  whenever it was created);
+* data wait: ``_BaseDataLoaderIter.__next__``, the one ``__next__`` that both
+  the single- and multi-process DataLoader iterators inherit;
+* forward: ``nn.Module.__call__``, timed only for the *outermost* call (the
+  model, or the loss module) - nested module calls see that a phase is
+  already open and go straight through. A patched ``__call__`` is used rather
+  than ``register_module_forward_pre_hook`` because global module hooks force
+  every module call onto the slow hook path of ``Module._call_impl``;
+* backward: ``torch.autograd.backward`` (what ``Tensor.backward`` calls) and
+  ``torch.autograd.grad``;
+* zero_grad: ``Optimizer.zero_grad`` and ``Module.zero_grad``;
+* GC: ``gc.callbacks``;
+* host reads: ``Tensor.item/.tolist/.numpy/.cpu`` and
+  ``torch.cuda.synchronize``. Reads of a tensor that is not on the CPU force
+  a host-device synchronization; those are counted and timed as syncs.
+
+Only the thread that started profiling is measured, and forked children
+(DataLoader workers) restore the originals at fork, so workers run
+uninstrumented.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from time import perf_counter_ns
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+from torch.utils.data import dataloader as _dl
+
+from trainprof.capture.clock import StepClock
+from trainprof.schema import (
+    BACKWARD,
+    DATA,
+    FORWARD,
+    GC,
+    GC_GEN2_N,
+    GC_N,
+    HOST_READS,
+    OPTIMIZER,
+    OTHER,
+    SAMPLES,
+    SYNC_N,
+    SYNC_NS,
+    ZERO_GRAD,
+)
+
+_INHERITED = object()
+
+
+def batch_size_of(batch: Any) -> int:
+    """Leading dimension of the first tensor found in a batch (0 if none).
+
+    Looks at the batch itself, the first element of a list/tuple, or the first
+    value of a mapping: the layouts ``default_collate`` produces.
+    """
+    for _ in range(3):
+        if isinstance(batch, torch.Tensor):
+            return int(batch.shape[0]) if batch.dim() else 1
+        if isinstance(batch, (list, tuple)) and batch:
+            batch = batch[0]
+        elif isinstance(batch, dict) and batch:
+            batch = next(iter(batch.values()))
+        else:
+            return 0
+    return 0
+
+
+def _qualname(obj: Any) -> str | None:
+    if obj is None:
+        return None
+    cls = obj if isinstance(obj, type) else type(obj)
+    if callable(obj) and not isinstance(obj, type) and hasattr(obj, "__qualname__"):
+        return f"{getattr(obj, '__module__', '?')}.{obj.__qualname__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def describe_loader(loader: DataLoader) -> dict[str, Any]:
+    """The DataLoader settings that decide input-pipeline speed, as plain JSON."""
+    dataset = loader.dataset
+    try:
+        length: int | None = len(dataset)  # type: ignore[arg-type]
+    except Exception:
+        length = None
+    ctx = loader.multiprocessing_context
+    return {
+        "dataset": _qualname(dataset),
+        "len": length,
+        "batch_size": loader.batch_size,
+        "num_workers": loader.num_workers,
+        "pin_memory": loader.pin_memory,
+        "prefetch_factor": loader.prefetch_factor,
+        "persistent_workers": loader.persistent_workers,
+        "drop_last": loader.drop_last,
+        "timeout": loader.timeout,
+        "collate_fn": _qualname(loader.collate_fn),
+        "sampler": _qualname(loader.sampler),
+        "batch_sampler": _qualname(loader.batch_sampler),
+        "multiprocessing_context": ctx.get_start_method() if ctx is not None else None,
+        "in_order": getattr(loader, "in_order", None),
+        "iterable_dataset": isinstance(dataset, torch.utils.data.IterableDataset),
+    }
+
+
+class LoaderRegistry:
+    """DataLoaders seen in the run: their settings, live iterators and worker pids.
+
+    ``worker_pids`` is a tuple replaced as a whole, so the sampler thread can
+    read it without locking.
+    """
+
+    def __init__(self, on_new_loader: Callable[[int, dict[str, Any]], None]) -> None:
+        self._on_new_loader = on_new_loader
+        self._ids: dict[int, int] = {}
+        self._iterators: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.configs: list[dict[str, Any]] = []
+        self.worker_pids: tuple[int, ...] = ()
+        self.all_worker_pids: set[int] = set()
+
+    def iterator_created(self, loader: DataLoader, it: Any) -> None:
+        key = id(loader)
+        if key not in self._ids:
+            self._ids[key] = len(self.configs)
+            try:
+                config = describe_loader(loader)
+            except Exception as exc:  # a loader we cannot describe is still timed
+                config = {"error": f"{type(exc).__name__}: {exc}"}
+            config["index"] = self._ids[key]
+            self.configs.append(config)
+            self._on_new_loader(self._ids[key], config)
+        self._iterators.add(it)
+        self._refresh_pids()
+
+    def _refresh_pids(self) -> None:
+        pids = []
+        for it in list(self._iterators):
+            for w in getattr(it, "_workers", ()) or ():
+                if w.pid is not None:
+                    pids.append(w.pid)
+        self.all_worker_pids.update(pids)
+        self.worker_pids = tuple(pids)
+
+    def shutdown_workers(self) -> None:
+        """Stop the workers of every live iterator (the run is over, however it ended)."""
+        for it in list(self._iterators):
+            shutdown = getattr(it, "_shutdown_workers", None)
+            if shutdown is not None:
+                with contextlib.suppress(Exception):
+                    shutdown()
+        self.worker_pids = ()
+
+
+class Instrumentation:
+    """Installs and removes the patches above around one StepClock."""
+
+    def __init__(self, clock: StepClock, loaders: LoaderRegistry) -> None:
+        self.clock = clock
+        self.loaders = loaders
+        self._restore: list[tuple[Any, str, Any]] = []
+        self._handles: list[Any] = []
+        self._gc_cb: Callable[[str, dict[str, Any]], None] | None = None
+        self.installed = False
+
+    def _patch(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
+        # An inherited attribute (Tensor.item lives on TensorBase) is restored
+        # by deleting our override, so the class is left exactly as found.
+        own = owner.__dict__.get(name, _INHERITED) if isinstance(owner, type) else _INHERITED
+        if own is _INHERITED and not isinstance(owner, type):
+            own = getattr(owner, name)
+        self._restore.append((owner, name, own))
+        setattr(owner, name, make(getattr(owner, name)))
+
+    def install(self) -> None:
+        clock = self.clock
+        owner = clock.owner
+        get_ident = threading.get_ident
+        enter, exit_ = clock.enter, clock.exit
+        acc_ref = clock  # acc is replaced every step; always read it through the clock
+
+        # -- data wait -----------------------------------------------------
+        def make_next(orig: Callable[[Any], Any]) -> Callable[[Any], Any]:
+            def __next__(it: Any) -> Any:  # noqa: N807 - replaces a dunder
+                if get_ident() != owner:
+                    return orig(it)
+                clock.top_level_event()
+                enter(DATA)
+                try:
+                    batch = orig(it)
+                finally:
+                    exit_()
+                acc_ref.acc[SAMPLES] += batch_size_of(batch)
+                return batch
+
+            return __next__
+
+        self._patch(_dl._BaseDataLoaderIter, "__next__", make_next)
+
+        loaders = self.loaders
+
+        def make_iter(orig: Callable[[Any], Any]) -> Callable[[Any], Any]:
+            def __iter__(loader: Any) -> Any:  # noqa: N807
+                it = orig(loader)
+                with contextlib.suppress(Exception):
+                    loaders.iterator_created(loader, it)
+                return it
+
+            return __iter__
+
+        self._patch(DataLoader, "__iter__", make_iter)
+
+        # -- forward (outermost module call only) --------------------------
+        def make_call(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def __call__(module: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
+                if clock.current != OTHER or get_ident() != owner:
+                    return orig(module, *args, **kwargs)
+                clock.top_level_event()
+                enter(FORWARD)
+                try:
+                    return orig(module, *args, **kwargs)
+                finally:
+                    exit_()
+
+            return __call__
+
+        self._patch(torch.nn.Module, "__call__", make_call)
+
+        # -- backward ------------------------------------------------------
+        def make_backward(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def backward(*args: Any, **kwargs: Any) -> Any:
+                if get_ident() != owner:
+                    return orig(*args, **kwargs)
+                if clock.current == OTHER:
+                    # a script with no DataLoader or module calls still gets
+                    # backward-delimited steps: the next backward closes one
+                    clock.top_level_event()
+                enter(BACKWARD)
+                try:
+                    return orig(*args, **kwargs)
+                finally:
+                    exit_()
+                    clock.backward_done()
+
+            return backward
+
+        self._patch(torch.autograd, "backward", make_backward)
+        self._patch(torch.autograd, "grad", make_backward)
+
+        # -- optimizer step and zero_grad ----------------------------------
+        def pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+            if get_ident() == owner:
+                enter(OPTIMIZER)
+
+        def post_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+            if get_ident() == owner:
+                exit_()
+                clock.optimizer_stepped(optimizer)
+
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+
+        self._handles.append(register_optimizer_step_pre_hook(pre_hook))
+        self._handles.append(register_optimizer_step_post_hook(post_hook))
+
+        def make_zero_grad(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def zero_grad(self_: Any, *args: Any, **kwargs: Any) -> Any:
+                if get_ident() != owner:
+                    return orig(self_, *args, **kwargs)
+                enter(ZERO_GRAD)
+                try:
+                    return orig(self_, *args, **kwargs)
+                finally:
+                    exit_()
+
+            return zero_grad
+
+        self._patch(torch.optim.Optimizer, "zero_grad", make_zero_grad)
+        self._patch(torch.nn.Module, "zero_grad", make_zero_grad)
+
+        # -- host reads / syncs --------------------------------------------
+        def make_read(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def read(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+                t0 = perf_counter_ns()
+                out = orig(tensor, *args, **kwargs)
+                acc = acc_ref.acc
+                acc[HOST_READS] += 1
+                if not tensor.is_cpu:
+                    acc[SYNC_N] += 1
+                    acc[SYNC_NS] += perf_counter_ns() - t0
+                return out
+
+            return read
+
+        for name in ("item", "tolist", "numpy", "cpu"):
+            self._patch(torch.Tensor, name, make_read)
+
+        def make_sync(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def synchronize(*args: Any, **kwargs: Any) -> Any:
+                t0 = perf_counter_ns()
+                out = orig(*args, **kwargs)
+                acc = acc_ref.acc
+                acc[SYNC_N] += 1
+                acc[SYNC_NS] += perf_counter_ns() - t0
+                return out
+
+            return synchronize
+
+        self._patch(torch.cuda, "synchronize", make_sync)
+
+        # -- garbage collection --------------------------------------------
+        def on_gc(phase: str, info: dict[str, Any]) -> None:
+            # GC before the first step (imports, dataset set-up) must not start the clock.
+            if get_ident() != owner or not clock.started:
+                return
+            if phase == "start":
+                enter(GC)
+            else:
+                exit_()
+                acc = acc_ref.acc
+                acc[GC_N] += 1
+                if info.get("generation") == 2:
+                    acc[GC_GEN2_N] += 1
+
+        self._gc_cb = on_gc
+        gc.callbacks.append(on_gc)
+        self.installed = True
+        os.register_at_fork(after_in_child=self._after_fork_in_child)
+
+    def _after_fork_in_child(self) -> None:
+        """DataLoader workers (forked) run the original, uninstrumented code."""
+        if self.installed:
+            self.uninstall()
+
+    def uninstall(self) -> None:
+        if not self.installed:
+            return
+        self.installed = False
+        for owner, name, original in reversed(self._restore):
+            if original is _INHERITED:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+        self._restore.clear()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._gc_cb is not None and self._gc_cb in gc.callbacks:
+            gc.callbacks.remove(self._gc_cb)
+        self._gc_cb = None

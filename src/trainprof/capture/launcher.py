@@ -1,0 +1,173 @@
+"""Run an unmodified script or module as ``python SCRIPT`` / ``python -m MODULE`` would.
+
+Same ``sys.argv``, ``__main__``, ``sys.path[0]`` and working directory, in
+this process (like cProfile and pyinstrument), so the instrumentation sees
+every step. The outcome maps onto the run status:
+
+=============================  ===========  =========
+how the script ended           status       exit code
+=============================  ===========  =========
+returned                       finished     0
+``sys.exit(n)``                finished     n
+``--max-steps`` reached        finished     0
+raised                         crashed      1
+Ctrl-C                         interrupted  130
+SIGTERM                        interrupted  143
+=============================  ===========  =========
+
+A crash's traceback is printed as Python prints it: frames of trainprof and
+``runpy`` are removed, so the user sees only their code and the libraries
+it called.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import runpy
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from trainprof.capture.clock import StopTraining
+from trainprof.errors import UsageError
+
+_OWN_DIR = str(Path(__file__).resolve().parents[1])
+_RUNPY = runpy.__file__
+
+
+class Terminated(BaseException):  # noqa: N818 - a signal, like KeyboardInterrupt
+    """SIGTERM arrived (a scheduler's preemption, ``kill``)."""
+
+
+@dataclass
+class Outcome:
+    """How the script ended; ``message`` is a line for stderr, if any."""
+
+    status: str
+    exit_code: int
+    message: str | None = None
+
+
+def check_target(target: str, module: bool) -> str:
+    """Fail early, with a one-line error, when the script or module does not exist."""
+    if module:
+        try:
+            spec = importlib.util.find_spec(target)
+        except (ImportError, ValueError) as exc:
+            raise UsageError(f"cannot find module {target!r}: {exc}") from exc
+        if spec is None:
+            raise UsageError(f"no module named {target!r}")
+        return target
+    path = Path(target)
+    if not path.exists():
+        raise UsageError(f"no such script: {target}")
+    if path.is_dir() and not (path / "__main__.py").exists():
+        raise UsageError(f"{target} is a directory with no __main__.py")
+    return target
+
+
+def _is_ours(filename: str) -> bool:
+    return filename.startswith(_OWN_DIR) or filename == _RUNPY
+
+
+def _strip_own_frames(exc: BaseException | None, seen: set[int] | None = None) -> None:
+    """Remove trainprof and runpy frames from a traceback (and its causes), in place."""
+    seen = seen if seen is not None else set()
+    if exc is None or id(exc) in seen:
+        return
+    seen.add(id(exc))
+    frames: list[TracebackType] = []
+    tb = exc.__traceback__
+    while tb is not None:
+        if not _is_ours(tb.tb_frame.f_code.co_filename):
+            frames.append(tb)
+        tb = tb.tb_next
+    for a, b in zip(frames, frames[1:], strict=False):
+        a.tb_next = b
+    if frames:
+        frames[-1].tb_next = None
+        exc.__traceback__ = frames[0]
+    _strip_own_frames(exc.__cause__, seen)
+    _strip_own_frames(exc.__context__, seen)
+
+
+def print_exception(exc: BaseException) -> None:
+    """Print a script's uncaught exception exactly as the interpreter would."""
+    _strip_own_frames(exc)
+    sys.stdout.flush()
+    sys.excepthook(type(exc), exc, exc.__traceback__)
+    sys.stderr.flush()
+
+
+@contextmanager
+def _sigterm_as_exception() -> Iterator[None]:
+    """Turn SIGTERM into an exception so the record is closed as ``interrupted``.
+
+    Only when the script would otherwise die silently (default handler) and we
+    are in the main thread; a script that installs its own handler keeps it.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise Terminated()
+
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is not signal.SIG_DFL:
+        yield
+        return
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGTERM) is handler:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_code(code: object) -> tuple[int, str | None]:
+    if code is None:
+        return 0, None
+    if isinstance(code, int):
+        return code, None
+    return 1, str(code)  # sys.exit("message") prints the message, exits 1
+
+
+def run_target(target: str, args: list[str], module: bool) -> Outcome:
+    """Execute the script/module in this process and report how it ended."""
+    saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None
+    if module:
+        sys.argv = [target, *args]  # runpy replaces argv[0] with the module's file
+        sys.path[0:1] = [os.getcwd()]
+    else:
+        sys.argv = [target, *args]
+        sys.path[0:1] = [str(Path(target).resolve().parent)]
+    try:
+        with _sigterm_as_exception():
+            if module:
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(target, run_name="__main__")
+    except SystemExit as exc:
+        code, message = _exit_code(exc.code)
+        return Outcome("finished", code, message)
+    except StopTraining as exc:
+        return Outcome("finished", 0, f"trainprof: stopped the script: {exc}")
+    except KeyboardInterrupt:
+        return Outcome("interrupted", 130, "trainprof: interrupted by Ctrl-C")
+    except Terminated:
+        return Outcome("interrupted", 128 + signal.SIGTERM, "trainprof: terminated by SIGTERM")
+    except BaseException as exc:
+        print_exception(exc)
+        return Outcome("crashed", 1, f"{type(exc).__name__}: {exc}")
+    finally:
+        sys.argv = saved_argv
+        if saved_path0 is not None:
+            sys.path[0:1] = [saved_path0]
+    return Outcome("finished", 0)

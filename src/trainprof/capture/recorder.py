@@ -1,0 +1,166 @@
+"""The Recorder: everything that is always on during a profiled run, started and stopped together.
+
+It owns the step clock, the auto-instrumentation, the system sampler and the
+Run writer. The sampler thread also drains finished steps to disk once per
+tick, so the training thread never writes files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from trainprof import __version__
+from trainprof.capture.clock import StepClock
+from trainprof.capture.fingerprint import collect_fingerprint
+from trainprof.capture.hooks import Instrumentation, LoaderRegistry
+from trainprof.capture.sampler import SystemSampler
+from trainprof.schema import REGION
+from trainprof.store import SAMPLES_JSONL, RunWriter
+
+
+class Recorder:
+    """Always-on capture of one training run into one Run folder."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        name: str,
+        command: list[str],
+        script: str | None = None,
+        max_steps: int | None = None,
+        sample_interval_s: float = 0.2,
+        auto: bool = True,
+    ) -> None:
+        self.run_dir = run_dir
+        self.clock = StepClock(max_steps=max_steps)
+        self._script = script
+        self._command = command
+        self._fingerprinted = False
+        self.writer = RunWriter(
+            run_dir,
+            {
+                "name": name,
+                "command": command,
+                "script": script,
+                "trainprof_version": __version__,
+                "clock_origin_s": self.clock.origin_ns / 1e9,
+                "wall_origin_s": time.time(),
+                "max_steps": max_steps,
+                "sample_interval_s": sample_interval_s,
+                "fingerprint": None,
+                "dataloaders": [],
+                "missing": [],
+            },
+        )
+        self.loaders = LoaderRegistry(self._on_new_loader)
+        self.instrumentation = Instrumentation(self.clock, self.loaders) if auto else None
+        self.sampler = SystemSampler(
+            run_dir / SAMPLES_JSONL,
+            interval_s=sample_interval_s,
+            pid=os.getpid(),
+            worker_pids=lambda: self.loaders.worker_pids,
+            on_tick=self.flush,
+        )
+        self._started = False
+        self._stopped = False
+
+    # -- lifecycle -----------------------------------------------------------
+    def start(self) -> Recorder:
+        if self.instrumentation is not None:
+            self.instrumentation.install()
+        try:
+            self.sampler.start()
+        except Exception as exc:  # training goes on without system samples
+            self.writer.meta["missing"].append(f"system sampler: {exc}")
+        self._started = True
+        return self
+
+    def stop(self, status: str, exit_code: int | None) -> Path:
+        """Close the record. Safe to call once; later calls return the folder."""
+        if self._stopped:
+            return self.run_dir
+        self._stopped = True
+        self.clock.finish()
+        if self.instrumentation is not None:
+            self.instrumentation.uninstall()
+        self.loaders.shutdown_workers()
+        self._kill_leftover_workers()
+        with contextlib.suppress(Exception):
+            self.sampler.stop()
+        self.flush()
+        missing = list(dict.fromkeys(self.writer.meta["missing"] + list(self.sampler.missing)))
+        self.writer.close(
+            status,
+            exit_code,
+            steps_recorded=self.clock.n_steps,
+            step_delimiter=self.clock.mode,
+            dataloaders=self.loaders.configs,
+            missing=missing,
+        )
+        return self.run_dir
+
+    def flush(self) -> None:
+        """Drain finished steps to disk (called from the sampler thread, and at stop).
+
+        The environment fingerprint is taken here too, once the first step is
+        done: by then the script has set ``CUDA_VISIBLE_DEVICES`` and friends,
+        which probing CUDA earlier would freeze; and it happens off the
+        training thread.
+        """
+        records = self.clock.records
+        n = len(records)
+        if n:
+            self.writer.append_steps([records.popleft() for _ in range(n)])
+        if not self._fingerprinted and (self.clock.n_steps > 0 or self._stopped):
+            self._fingerprinted = True
+            self.writer.update_meta(fingerprint=collect_fingerprint(self._script, self._command))
+
+    def _on_new_loader(self, index: int, config: dict[str, Any]) -> None:
+        self.writer.event("dataloader", **config)
+
+    def _kill_leftover_workers(self) -> None:
+        """No DataLoader worker may outlive the run, however the script ended."""
+        import psutil
+
+        deadline = time.monotonic() + 2.0
+        for pid in self.loaders.all_worker_pids:
+            try:
+                proc = psutil.Process(pid)
+                if proc.ppid() != os.getpid():
+                    continue
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except psutil.TimeoutExpired:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            except (psutil.Error, OSError):
+                continue
+
+    # -- API used by trainprof.profile ---------------------------------------
+    def step(self) -> None:
+        self.clock.manual_step()
+
+    @contextlib.contextmanager
+    def region(self, name: str) -> Iterator[None]:
+        """Time a named stretch (evaluation, checkpointing) apart from the step phases."""
+        clock = self.clock
+        t0 = time.perf_counter_ns()
+        step = clock.n_steps
+        clock.enter(REGION)
+        try:
+            yield
+        finally:
+            clock.exit()
+            self.writer.event(
+                "region",
+                name=str(name),
+                step=step,
+                t_start_ns=t0 - clock.origin_ns,
+                dur_ns=time.perf_counter_ns() - t0,
+            )

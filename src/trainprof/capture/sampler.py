@@ -1,0 +1,915 @@
+"""Background sampler of process, DataLoader-worker, system and GPU counters.
+
+A step timeline tells *that* a step was slow; these samples tell *why*: was the main process
+pegged at one core (Python-bound input pipeline), were the DataLoader workers saturated, was the
+disk busy, was the GPU idle?  The sampler runs in a daemon thread of the training process and
+appends one JSON object per tick to a JSON-lines file.
+
+Design constraints, and how they are met:
+
+* **Never crash or slow training.**  Every section of a tick is guarded; a failure degrades that
+  field to ``null`` and leaves one human-readable note in :attr:`SystemSampler.missing`.
+* **Few GIL hand-offs.**  The sampler is a Python thread, so every syscall that releases the GIL
+  lets a Python-bound training thread take it back, and re-acquiring it can then cost the sampler
+  up to ``sys.getswitchinterval()`` (5 ms).  psutil opens, stats, reads and closes a file per
+  call: ~70 syscalls per tick, which stretched a 50 ms tick to ~180 ms against a busy main thread.
+  On Linux we therefore keep ``/proc`` files open and re-read each with a single ``pread``
+  (about six syscalls per tick); psutil remains the portable fallback.
+* **Crash safety.**  Each line is written and flushed to the OS immediately, so a ``kill -9``
+  loses at most the tick being written (the loader ignores a truncated last line).
+* **Same clock as the step timeline.**  ``t`` is :func:`time.perf_counter`, which the step clock of
+  the same process also uses, so samples and steps align without conversion.
+* **No shared global state.**  CPU percentages come from our own deltas of cumulative counters,
+  not ``psutil.cpu_percent()``: ``cpu_percent(interval=x)`` blocks for ``x`` seconds, and
+  ``cpu_percent(interval=None)`` keeps its "previous call" state in globals that any other caller
+  in the process silently resets, corrupting our windows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+import orjson
+import psutil
+
+try:  # Not available on Windows.
+    import resource
+except ImportError:  # pragma: no cover - platform dependent
+    resource = None  # type: ignore[assignment]
+
+__all__ = ["SystemSampler"]
+
+# The procfs fast path needs Linux's /proc and CLOCK_BOOTTIME (the clock of stat's starttime).
+_PROCFS = (
+    sys.platform.startswith("linux")
+    and os.path.exists("/proc/self/stat")
+    and hasattr(time, "CLOCK_BOOTTIME")
+)
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if _PROCFS else 100
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if _PROCFS else 4096
+_SECTOR_BYTES = 512  # /proc/diskstats always counts 512-byte sectors, whatever the device
+
+# Discovering descendants means walking /proc (psutil's ``children(recursive=True)`` reads the
+# stat file of *every* process on the machine: ~1 ms with 70 processes, tens of ms on a busy node).
+# Non-worker children (compile workers, decoders, ...) are long-lived, so one rescan a second is
+# plenty; their CPU is still sampled every tick through cached probes.
+_CHILD_SCAN_PERIOD_S = 1.0
+
+# Upper bound on how long stop() waits for the thread; only reached if a tick hangs (e.g. a wedged
+# NVML driver call).  We would rather return and leak a daemon thread than hang the training exit.
+_JOIN_TIMEOUT_S = 5.0
+
+_MAIN_KEYS = ("proc_cpu_pct", "rss_bytes", "ctx_switches_ps")
+_WORKER_KEYS = ("workers", "workers_rss_bytes", "children_cpu_pct")
+_SYS_KEYS = ("sys_cpu_pct", "iowait_pct")
+_DISK_KEYS = ("disk_read_bps",)
+
+
+def _round1(x: float) -> float:
+    """Round to 0.1: keeps lines short (per-core lists on 128-core hosts) at no loss of meaning."""
+    return round(x, 1)
+
+
+def _pct(part: float, whole: float) -> float:
+    """``part / whole`` in percent, clamped to [0, 100] (counters are read non-atomically)."""
+    if whole <= 0:
+        return 0.0
+    return _round1(min(max(part / whole * 100.0, 0.0), 100.0))
+
+
+class _Rate:
+    """Per-second rate of a cumulative counter, with its own timestamps.
+
+    Each source keeps the time at which *it* was read, not the tick start: under GIL contention a
+    tick can take milliseconds of wall time, and one shared timestamp would skew the windows of
+    the counters read last.
+    """
+
+    def __init__(self, clamp_negative: bool = False) -> None:
+        self._last: tuple[float, float] | None = None
+        self._clamp_negative = clamp_negative
+
+    def update(self, value: float, t: float) -> float | None:
+        """Record ``value`` read at ``t``; return the rate since the previous reading, if any.
+
+        A counter going backwards is a reset or wrap, so that window is skipped (None) rather than
+        reported wrong, unless ``clamp_negative``: for a difference of two counters read a few
+        microseconds apart (process minus sampler thread), a tiny negative is jitter and means 0.
+        """
+        last, self._last = self._last, (value, t)
+        if last is None:
+            return None
+        dv, dt = value - last[0], t - last[1]
+        if dt <= 0:
+            return None
+        if dv < 0:
+            if not self._clamp_negative:
+                return None
+            dv = 0.0
+        return dv / dt
+
+
+# -- Linux /proc access ----------------------------------------------------------------------------
+
+
+class _ProcFile:
+    """A ``/proc`` file kept open and re-read with one ``pread`` per read.
+
+    ``/proc`` regenerates the content on every read from offset 0, so the open/fstat/read/close
+    dance (each a GIL release) is unnecessary.
+    """
+
+    def __init__(self, path: str, initial_size: int = 4096) -> None:
+        self._fd = os.open(path, os.O_RDONLY)
+        self._size = initial_size
+
+    def read(self, enough: bytes | None = None) -> bytes:
+        """Return the content; stop growing the buffer once it contains ``enough`` (if given)."""
+        while True:
+            data = os.pread(self._fd, self._size, 0)
+            if len(data) < self._size or (enough is not None and enough in data):
+                return data
+            self._size *= 2
+
+    def close(self) -> None:
+        """Close the descriptor (idempotent)."""
+        if self._fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = -1
+
+
+class _Gone(Exception):
+    """The process exited (or became a zombie, or is not ours to read)."""
+
+
+class _Probe(Protocol):
+    def read(self) -> tuple[float, int, float]:
+        """Return (cumulative CPU seconds, RSS bytes, age in seconds); raise _Gone if exited."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class _ProcfsProbe:
+    """CPU, RSS and age of one pid from a kept-open ``/proc/<pid>/stat``.
+
+    One ``pread`` per tick, and the open descriptor pins the process identity: once it exits, reads
+    fail with ESRCH even if the pid number is reused, so we never report a stranger's counters.
+    """
+
+    def __init__(self, pid: int) -> None:
+        try:
+            self._file = _ProcFile(f"/proc/{pid}/stat", initial_size=1024)
+        except OSError as exc:
+            raise _Gone(pid) from exc
+
+    def read(self) -> tuple[float, int, float]:
+        """Return (cumulative CPU seconds, RSS bytes, age in seconds)."""
+        try:
+            data = self._file.read()
+        except OSError as exc:
+            raise _Gone() from exc
+        # The command name may contain spaces and parentheses: split after the *last* ')'.
+        fields = data.rpartition(b")")[2].split()
+        if fields[0] in (b"Z", b"X"):  # exited, not yet reaped
+            raise _Gone()
+        cpu_s = (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime + stime (fields 14, 15)
+        rss = int(fields[21]) * _PAGE_SIZE  # field 24, in pages
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / _CLK_TCK  # field 22
+        return cpu_s, rss, age
+
+    def close(self) -> None:
+        """Release the descriptor."""
+        self._file.close()
+
+
+class _PsutilProbe:
+    """Portable fallback for :class:`_ProcfsProbe`."""
+
+    def __init__(self, pid: int) -> None:
+        try:
+            self._proc = psutil.Process(pid)
+        except psutil.Error as exc:
+            raise _Gone(pid) from exc
+
+    def read(self) -> tuple[float, int, float]:
+        """Return (cumulative CPU seconds, RSS bytes, age in seconds)."""
+        try:
+            with self._proc.oneshot():
+                times = self._proc.cpu_times()
+                rss = self._proc.memory_info().rss
+            age = time.time() - self._proc.create_time()
+        except psutil.Error as exc:  # NoSuchProcess (incl. ZombieProcess), AccessDenied
+            raise _Gone() from exc
+        return times.user + times.system, rss, age
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+def _new_probe(pid: int) -> _Probe:
+    return _ProcfsProbe(pid) if _PROCFS else _PsutilProbe(pid)
+
+
+# -- per-process CPU -------------------------------------------------------------------------------
+
+
+@dataclass
+class _Tracked:
+    probe: _Probe
+    cpu_s: float
+    t: float
+
+
+class _ProcTable:
+    """CPU % and RSS of a changing set of pids, with one cached probe per pid.
+
+    Without ``persistent_workers`` the DataLoader replaces all its workers every epoch, so the
+    table drops (and closes) probes of pids that exited or are no longer requested and creates
+    probes only for new pids.
+    """
+
+    def __init__(self, min_window_s: float) -> None:
+        self._min_window_s = min_window_s
+        self._tracked: dict[int, _Tracked] = {}
+
+    def sample(self, pids: Iterable[int]) -> tuple[dict[int, float], int]:
+        """Return ({pid: cpu %}, summed RSS bytes) for the live pids among ``pids``."""
+        wanted = set(pids)
+        for pid in [p for p in self._tracked if p not in wanted]:
+            self._drop(pid)
+        pcts: dict[int, float] = {}
+        rss_total = 0
+        for pid in wanted:
+            got = self._sample_one(pid)
+            if got is not None:
+                pcts[pid], rss = got
+                rss_total += rss
+        return pcts, rss_total
+
+    def close(self) -> None:
+        """Release every probe."""
+        for pid in list(self._tracked):
+            self._drop(pid)
+
+    def _drop(self, pid: int) -> None:
+        tracked = self._tracked.pop(pid, None)
+        if tracked is not None:
+            tracked.probe.close()
+
+    def _sample_one(self, pid: int) -> tuple[float, int] | None:
+        tracked = self._tracked.get(pid)
+        if tracked is not None:
+            try:
+                cpu_s, rss, _ = tracked.probe.read()
+            except _Gone:  # exited; the pid number may already belong to a new process
+                self._drop(pid)
+                tracked = None
+            else:
+                now = time.perf_counter()
+                dt = now - tracked.t
+                pct = (cpu_s - tracked.cpu_s) / dt * 100.0 if dt > 0 else 0.0
+                tracked.cpu_s, tracked.t = cpu_s, now
+                return max(pct, 0.0), rss
+        try:
+            probe = _new_probe(pid)
+            cpu_s, rss, age = probe.read()
+        except _Gone:
+            return None
+        self._tracked[pid] = _Tracked(probe, cpu_s, time.perf_counter())
+        return self._first_sight_pct(cpu_s, age), rss
+
+    def _first_sight_pct(self, cpu_s: float, age_s: float) -> float:
+        """CPU % of a process first seen now: its CPU since creation over its age.
+
+        Workers start between ticks and burn real CPU at startup (imports, unpickling the
+        dataset); reporting 0 for their first tick would hide that.  The age is floored at one
+        interval because start times have clock-tick (10 ms) resolution: a 5 ms old process would
+        otherwise show absurd percentages.
+        """
+        return cpu_s / max(age_s, self._min_window_s) * 100.0
+
+
+class _MainProcess:
+    """CPU %, RSS and context-switch rate of the training process.
+
+    For our own process CPU and switches come from ``getrusage``: microsecond resolution
+    (``/proc/<pid>/stat`` counts 10 ms clock ticks, i.e. 5 % quantisation at 5 Hz), no GIL release,
+    and, unlike psutil's ``num_ctx_switches()`` on Linux, which reads ``/proc/<pid>/status`` and so
+    counts the *main thread only*, it covers every thread.  The sampler thread's own CPU and
+    switches are subtracted so the numbers describe training, not the profiler; the sampler's cost
+    is reported separately as ``SystemSampler.self_cpu_s``.
+    """
+
+    def __init__(self, pid: int, note: Callable[[str, str], None]) -> None:
+        self.pid = pid
+        self._proc = psutil.Process(pid)  # validates the pid; used for ctx switches of others
+        self._probe = _new_probe(pid)
+        self._note = note
+        self._own = pid == os.getpid() and resource is not None
+        self._cpu = _Rate(clamp_negative=self._own)
+        self._ctx = _Rate(clamp_negative=self._own)
+
+    def sample(self, rec: dict[str, Any], in_sampler_thread: bool) -> None:
+        """Fill the main-process fields.
+
+        ``in_sampler_thread`` is False only for the baseline taken by ``start()`` in the caller's
+        thread, before the sampler thread (whose usage is then 0) exists.
+        """
+        cpu_s, rss, _ = self._probe.read()
+        now = time.perf_counter()
+        if self._own:
+            # Thread usage first, process usage right after: neither call releases the GIL, so
+            # the two readings are microseconds apart and the difference is training's share.
+            own_cpu_s, own_ctx = _thread_usage() if in_sampler_thread else (0.0, 0)
+            ru = resource.getrusage(resource.RUSAGE_SELF)
+            cpu_s = ru.ru_utime + ru.ru_stime - own_cpu_s
+            ctx = ru.ru_nvcsw + ru.ru_nivcsw - own_ctx
+        else:
+            switches = self._proc.num_ctx_switches()
+            ctx = switches.voluntary + switches.involuntary
+            if sys.platform.startswith("linux"):
+                self._note("ctx", "ctx switches: main thread only (pid is another process)")
+        cpu_rate = self._cpu.update(cpu_s, now)
+        ctx_rate = self._ctx.update(float(ctx), now)
+        rec["proc_cpu_pct"] = None if cpu_rate is None else _round1(cpu_rate * 100.0)
+        rec["rss_bytes"] = rss
+        rec["ctx_switches_ps"] = None if ctx_rate is None else _round1(ctx_rate)
+
+    def close(self) -> None:
+        """Release the probe."""
+        self._probe.close()
+
+
+# -- system CPU and disk ---------------------------------------------------------------------------
+
+# Per core: (total, idle, iowait or None); psutil's definition of busy is total - idle - iowait.
+_CoreTimes = tuple[float, float, float | None]
+
+
+def _read_cores_procfs(f: _ProcFile) -> list[_CoreTimes]:
+    """Per-core times from ``/proc/stat``.
+
+    The file ends with a per-IRQ line that can be tens of kB on big hosts; only the ``cpuN`` lines
+    at the top are needed.  ``guest``/``guest_nice`` are already included in ``user``/``nice``, so
+    only the first eight columns are summed.
+    """
+    cores: list[_CoreTimes] = []
+    for line in f.read(enough=b"\nintr").split(b"\n"):
+        if not line.startswith(b"cpu"):
+            if cores:
+                break
+            continue
+        if line[3:4] == b" ":  # the aggregate "cpu " line
+            continue
+        cols = [int(x) for x in line.split()[1:9]]
+        cores.append((float(sum(cols)), float(cols[3]), float(cols[4])))
+    return cores
+
+
+def _read_cores_psutil() -> list[_CoreTimes]:
+    cores: list[_CoreTimes] = []
+    for t in psutil.cpu_times(percpu=True):
+        total = sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+        cores.append((total, t.idle, getattr(t, "iowait", None)))
+    return cores
+
+
+class _SystemCpu:
+    """Per-core busy % and system-wide iowait % from deltas of cumulative per-core times.
+
+    iowait is idle time with I/O outstanding: a hint of storage stalls, not a utilisation.
+    """
+
+    def __init__(self) -> None:
+        self._file = _ProcFile("/proc/stat", initial_size=16384) if _PROCFS else None
+        self._last: list[_CoreTimes] | None = None
+
+    def sample(self) -> tuple[list[float] | None, float | None]:
+        """Return (per-core busy %, iowait % or None where the platform has none)."""
+        cur = _read_cores_procfs(self._file) if self._file else _read_cores_psutil()
+        last, self._last = self._last, cur
+        if last is None or len(last) != len(cur):  # first call, or CPU hotplug
+            return None, None
+        per_core: list[float] = []
+        all_sum = io_sum = 0.0
+        for (tot_a, idle_a, io_a), (tot_b, idle_b, io_b) in zip(last, cur, strict=True):
+            all_d = tot_b - tot_a
+            io_d = (io_b - io_a) if io_a is not None and io_b is not None else 0.0
+            per_core.append(_pct(all_d - (idle_b - idle_a) - io_d, all_d))
+            all_sum += all_d
+            io_sum += io_d
+        return per_core, (None if cur[0][2] is None else _pct(io_sum, all_sum))
+
+    def close(self) -> None:
+        """Release the descriptor."""
+        if self._file is not None:
+            self._file.close()
+
+
+def _physical_disks() -> set[str]:
+    """Block devices not stacked on other block devices.
+
+    Device-mapper (LVM, dm-crypt) and md RAID devices have ``slaves``; a read through them is also
+    counted on the disk beneath, so summing both (as psutil does) would double it.
+    """
+    disks: set[str] = set()
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/sys/block"):
+            try:
+                stacked = bool(os.listdir(f"/sys/block/{name}/slaves"))
+            except OSError:
+                stacked = False
+            if not stacked:
+                disks.add(name.replace("!", "/"))  # sysfs spells "cciss/c0d0" as "cciss!c0d0"
+    return disks
+
+
+class _Disk:
+    """System-wide read throughput of local block devices.
+
+    Network filesystems (NFS, Lustre, FUSE object stores) do not appear here at all; reads served
+    from the page cache do not either.  A ``null`` means "unknown", never "no I/O".
+    """
+
+    def __init__(self) -> None:
+        self._rate = _Rate()
+        self.available = True
+        self._file: _ProcFile | None = None
+        self._disks: set[str] = set()
+        if _PROCFS:
+            with contextlib.suppress(OSError):
+                self._file = _ProcFile("/proc/diskstats", initial_size=8192)
+                self._disks = _physical_disks()
+
+    def sample(self) -> float | None:
+        """Return bytes/s read since the previous call, or None (first call / unavailable)."""
+        read_bytes = self._read_procfs() if self._file is not None else self._read_psutil()
+        if read_bytes is None:  # no disks visible (some containers)
+            self.available = False
+            return None
+        rate = self._rate.update(float(read_bytes), time.perf_counter())
+        return None if rate is None else round(rate)
+
+    def _read_procfs(self) -> int | None:
+        assert self._file is not None
+        sectors = 0
+        seen = False
+        for line in self._file.read().split(b"\n"):
+            cols = line.split()
+            if len(cols) > 5 and cols[2].decode() in self._disks:
+                sectors += int(cols[5])
+                seen = True
+        return sectors * _SECTOR_BYTES if seen else None
+
+    @staticmethod
+    def _read_psutil() -> int | None:
+        # nowrap=False: psutil's wrap correction keeps a module-global cache; a counter that goes
+        # backwards yields null for one tick instead (see _Rate).
+        counters = psutil.disk_io_counters(nowrap=False)
+        return None if counters is None else counters.read_bytes
+
+    def close(self) -> None:
+        """Release the descriptor."""
+        if self._file is not None:
+            self._file.close()
+
+
+# -- descendants and GPUs --------------------------------------------------------------------------
+
+
+def _read_once(path: str) -> bytes:
+    """Read a small file with three syscalls (``open()`` adds fstat/ioctl/extra reads)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.read(fd, 65536)
+    finally:
+        os.close(fd)
+
+
+class _Descendants:
+    """Pids of all descendants of ``pid``, rescanned at most once per period.
+
+    On Linux we follow ``/proc/<pid>/task/<tid>/children`` for every thread (a child belongs to
+    the thread that forked it), so the cost scales with our own process tree rather than with the
+    whole machine; elsewhere, or without CONFIG_PROC_CHILDREN, we fall back to psutil.
+    """
+
+    def __init__(self, pid: int, period_s: float) -> None:
+        self._pid = pid
+        self._period_s = period_s
+        self._next_scan = 0.0
+        self._pids: set[int] = set()
+        self._procfs = _PROCFS and os.path.exists(f"/proc/{pid}/task/{pid}/children")
+
+    def pids(self) -> set[int]:
+        """Return the (possibly cached) set of descendant pids."""
+        now = time.perf_counter()
+        if now >= self._next_scan:
+            self._pids = self._scan_procfs() if self._procfs else self._scan_psutil()
+            self._next_scan = now + self._period_s
+        return self._pids
+
+    def _scan_psutil(self) -> set[int]:
+        try:
+            return {c.pid for c in psutil.Process(self._pid).children(recursive=True)}
+        except psutil.Error:
+            return set()
+
+    def _scan_procfs(self) -> set[int]:
+        found: set[int] = set()
+        stack = [self._pid]
+        while stack:
+            pid = stack.pop()
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:  # process gone
+                continue
+            for tid in tids:
+                try:
+                    data = _read_once(f"/proc/{pid}/task/{tid}/children")
+                except OSError:  # thread gone
+                    continue
+                for child in map(int, data.split()):
+                    if child not in found:
+                        found.add(child)
+                        stack.append(child)
+        return found
+
+
+class _Nvml:
+    """Per-GPU counters via NVML (``pynvml`` from the optional ``nvidia-ml-py`` package).
+
+    Imported lazily so the sampler works on CPU-only hosts without the package.  ``util_pct`` is
+    NVML's "percent of time a kernel was running" over the driver's sample period, not SM
+    occupancy: a GPU running one tiny kernel at a time shows 100 %.  All physical devices are
+    sampled (NVML ignores CUDA_VISIBLE_DEVICES, and mapping it to NVML indices is ambiguous);
+    ``index`` is the NVML index.
+    """
+
+    def __init__(self, note: Callable[[str, str], None]) -> None:
+        self._note = note
+        self._nv: Any = None
+        self._handles: list[Any] = []
+        self._unsupported: set[tuple[int, str]] = set()
+
+    def open(self) -> int:
+        """Initialise NVML; return the device count (0, with a note, when unavailable)."""
+        try:
+            import pynvml
+        except ImportError:
+            self._note("gpu", "gpu: nvidia-ml-py not installed")
+            return 0
+        try:
+            pynvml.nvmlInit()
+        except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
+            self._note("gpu", f"gpu: no NVIDIA GPU (NVML init failed: {exc})")
+            return 0
+        try:
+            count = pynvml.nvmlDeviceGetCount()
+            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+        except Exception as exc:
+            self._note("gpu", f"gpu: NVML device enumeration failed: {exc}")
+            self._shutdown(pynvml)
+            return 0
+        if not self._handles:
+            self._note("gpu", "gpu: NVML reports no devices")
+            self._shutdown(pynvml)
+            return 0
+        self._nv = pynvml
+        return len(self._handles)
+
+    def read(self) -> list[dict[str, Any]] | None:
+        """Return one dict per device, or None when NVML is not in use."""
+        if self._nv is None:
+            return None
+        return [self._read_device(i, h) for i, h in enumerate(self._handles)]
+
+    def close(self) -> None:
+        """Shut NVML down (idempotent)."""
+        if self._nv is not None:
+            self._shutdown(self._nv)
+            self._nv = None
+
+    @staticmethod
+    def _shutdown(nv: Any) -> None:
+        with contextlib.suppress(Exception):  # nothing useful to do at shutdown
+            nv.nvmlShutdown()
+
+    def _read_device(self, index: int, handle: Any) -> dict[str, Any]:
+        nv = self._nv
+        util = self._field(index, "util_pct", lambda: nv.nvmlDeviceGetUtilizationRates(handle).gpu)
+        mem = self._field(index, "memory", lambda: nv.nvmlDeviceGetMemoryInfo(handle))
+        power_mw = self._field(index, "power_w", lambda: nv.nvmlDeviceGetPowerUsage(handle))
+        temp = self._field(
+            index, "temp_c", lambda: nv.nvmlDeviceGetTemperature(handle, nv.NVML_TEMPERATURE_GPU)
+        )
+        sm_clock = self._field(
+            index, "sm_clock_mhz", lambda: nv.nvmlDeviceGetClockInfo(handle, nv.NVML_CLOCK_SM)
+        )
+        mem_clock = self._field(
+            index, "mem_clock_mhz", lambda: nv.nvmlDeviceGetClockInfo(handle, nv.NVML_CLOCK_MEM)
+        )
+        return {
+            "index": index,
+            "util_pct": util,
+            "mem_used_bytes": None if mem is None else mem.used,
+            "mem_total_bytes": None if mem is None else mem.total,
+            "power_w": None if power_mw is None else _round1(power_mw / 1000.0),
+            "temp_c": temp,
+            "sm_clock_mhz": sm_clock,
+            "mem_clock_mhz": mem_clock,
+        }
+
+    def _field(self, index: int, name: str, fn: Callable[[], Any]) -> Any:
+        """Read one field; on error return None and note it once.
+
+        A field the board does not support (power on many consumer or MIG configurations) is not
+        asked for again: each NVML call is a driver round trip and a GIL release.  Other errors
+        may be transient, so those fields are retried on the next tick.
+        """
+        if (index, name) in self._unsupported:
+            return None
+        try:
+            return fn()
+        except Exception as exc:
+            not_supported = getattr(self._nv, "NVMLError_NotSupported", None)
+            if isinstance(not_supported, type) and isinstance(exc, not_supported):
+                self._unsupported.add((index, name))
+            self._note(f"gpu:{name}", f"gpu {name}: unavailable ({exc})")
+            return None
+
+
+def _thread_usage() -> tuple[float, int]:
+    """CPU seconds and context switches of the *calling* thread (switches 0 where unsupported)."""
+    cpu = time.thread_time()
+    if resource is not None and hasattr(resource, "RUSAGE_THREAD"):
+        ru = resource.getrusage(resource.RUSAGE_THREAD)
+        return cpu, ru.ru_nvcsw + ru.ru_nivcsw
+    return cpu, 0
+
+
+# -- the sampler -----------------------------------------------------------------------------------
+
+
+class SystemSampler:
+    """Sample process/worker/system/GPU counters to a JSON-lines file from a daemon thread.
+
+    Args:
+        out_path: JSON-lines file to append to (parents are created).
+        interval_s: Tick period; 0.2 s (5 Hz) resolves per-step behaviour of typical steps while
+            costing < 0.5 % of one core.
+        pid: Process to attribute as "the training process"; defaults to this process.
+        worker_pids: Called every tick (from the sampler thread) for the current DataLoader worker
+            pids; must be cheap and thread-safe.
+        on_tick: Called after each sample is written, e.g. to flush the caller's own buffers.
+        gpu: Whether to try NVML.
+
+    Attributes:
+        missing: Human-readable notes on what could not be sampled; one per kind of problem.
+        gpu_count: Number of GPUs sampled (0 when NVML is unavailable or ``gpu=False``).
+        ticks: Number of samples written.
+        self_cpu_s: CPU seconds spent by the sampler thread itself (its overhead on training).
+    """
+
+    def __init__(
+        self,
+        out_path: Path,
+        interval_s: float = 0.2,
+        pid: int | None = None,
+        worker_pids: Callable[[], Iterable[int]] | None = None,
+        on_tick: Callable[[], None] | None = None,
+        gpu: bool = True,
+    ) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        self.out_path = Path(out_path)
+        self.interval_s = float(interval_s)
+        self.pid = os.getpid() if pid is None else pid
+        self.missing: list[str] = []
+        self.gpu_count = 0
+        self.ticks = 0
+        self.self_cpu_s = 0.0
+        self._worker_pids = worker_pids
+        self._last_worker_set: set[int] = set()
+        self._on_tick = on_tick
+        self._gpu_enabled = gpu
+        self._noted: set[str] = set()
+        self._stop_event = threading.Event()
+        self._lifecycle = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._fh: IO[bytes] | None = None
+        self._last_t: float | None = None
+        self._main: _MainProcess | None = None
+        self._workers = _ProcTable(self.interval_s)
+        self._children = _ProcTable(self.interval_s)
+        self._descendants: _Descendants | None = None
+        self._sys_cpu: _SystemCpu | None = None
+        self._disk: _Disk | None = None
+        self._nvml = _Nvml(self._note)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Open the output file, take the baseline for every delta, and start the thread.
+
+        The baseline is taken here, synchronously, so that ``missing`` and ``gpu_count`` are
+        meaningful as soon as ``start()`` returns and the first tick already has a full window.
+
+        Raises:
+            RuntimeError: if called twice.
+            OSError: if the output file cannot be opened (a configuration error worth surfacing
+                before training starts).
+            psutil.NoSuchProcess: if ``pid`` does not exist.
+        """
+        with self._lifecycle:
+            if self._thread is not None:
+                raise RuntimeError("SystemSampler.start() called twice")
+            self.out_path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = open(self.out_path, "ab")  # noqa: SIM115 - closed by the sampler thread
+            try:
+                self._main = _MainProcess(self.pid, self._note)
+            except psutil.Error:
+                self._close()
+                raise
+            except _Gone as exc:  # exited between the two checks; keep _Gone private
+                self._close()
+                raise psutil.NoSuchProcess(self.pid) from exc
+            self._open_sources()
+            self._sample(in_sampler_thread=False)
+            self._thread = threading.Thread(target=self._run, name="trainprof-sampler", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread, which writes a final sample and closes the file; idempotent.
+
+        Returns within one tick's duration (not one interval): the thread waits on an Event.
+        """
+        with self._lifecycle:
+            thread = self._thread
+            if thread is None or self._stop_event.is_set():
+                return
+            self._stop_event.set()
+        thread.join(_JOIN_TIMEOUT_S)
+        if thread.is_alive():
+            self._note("stop", f"sampler: thread did not stop within {_JOIN_TIMEOUT_S:.0f} s")
+
+    def _open_sources(self) -> None:
+        """Create the system-wide sources; one that cannot be opened is noted and left out."""
+        self._descendants = _Descendants(self.pid, _CHILD_SCAN_PERIOD_S)
+        try:
+            self._sys_cpu = _SystemCpu()
+        except OSError as exc:
+            self._note("system cpu", f"system cpu: unavailable ({exc})")
+        self._disk = _Disk()
+        if self._gpu_enabled:
+            self.gpu_count = self._nvml.open()
+
+    # -- thread ----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        """Tick on a fixed grid; if a tick overruns, skip slots instead of bursting to catch up."""
+        try:
+            next_due = time.perf_counter() + self.interval_s
+            while not self._stop_event.wait(max(0.0, next_due - time.perf_counter())):
+                self._tick()
+                next_due += self.interval_s
+                now = time.perf_counter()
+                if next_due <= now:
+                    next_due = now + self.interval_s
+            # Final partial window, unless it is too short for the counters' resolution.
+            if self._last_t is None or time.perf_counter() - self._last_t >= min(
+                0.05, self.interval_s / 2
+            ):
+                self._tick()
+        except Exception as exc:  # pragma: no cover - _tick already guards everything
+            self._note("thread", f"sampler: thread stopped early ({type(exc).__name__}: {exc})")
+        finally:
+            self.self_cpu_s = time.thread_time()
+            self._close()
+
+    def _tick(self) -> None:
+        rec = self._sample(in_sampler_thread=True)
+        self._write(rec)
+        if self._on_tick is not None:
+            try:
+                self._on_tick()
+            except Exception as exc:
+                self._note("on_tick", f"on_tick: raised {type(exc).__name__}: {exc}")
+        self.self_cpu_s = time.thread_time()
+
+    def _close(self) -> None:
+        """Release every descriptor, NVML and the output file."""
+        for source in (self._main, self._sys_cpu, self._disk, self._workers, self._children):
+            if source is not None:
+                with contextlib.suppress(Exception):
+                    source.close()
+        self._nvml.close()
+        if self._fh is not None:
+            try:
+                self._fh.close()
+            except OSError as exc:
+                self._note("write", f"output: close failed ({exc})")
+            self._fh = None
+
+    # -- sampling --------------------------------------------------------------------------------
+
+    def _sample(self, in_sampler_thread: bool) -> dict[str, Any]:
+        """Build one record; every section is guarded so one failure nulls only its fields."""
+        t = time.perf_counter()
+        rec: dict[str, Any] = {"t": t}
+        self._guard("process", rec, _MAIN_KEYS, lambda: self._sample_main(rec, in_sampler_thread))
+        self._guard("workers", rec, _WORKER_KEYS, lambda: self._sample_procs(rec))
+        self._guard("system cpu", rec, _SYS_KEYS, lambda: self._sample_sys(rec))
+        self._guard("disk io", rec, _DISK_KEYS, lambda: self._sample_disk(rec))
+        if self.gpu_count:
+            self._guard("gpu", rec, (), lambda: self._sample_gpu(rec))
+        self._last_t = t
+        return rec
+
+    def _guard(
+        self, kind: str, rec: dict[str, Any], keys: tuple[str, ...], fn: Callable[[], None]
+    ) -> None:
+        try:
+            fn()
+        except Exception as exc:
+            self._note(kind, f"{kind}: sampling failed ({type(exc).__name__}: {exc})")
+        for key in keys:
+            rec.setdefault(key, None)
+
+    def _sample_main(self, rec: dict[str, Any], in_sampler_thread: bool) -> None:
+        assert self._main is not None
+        self._main.sample(rec, in_sampler_thread)
+
+    def _sample_procs(self, rec: dict[str, Any]) -> None:
+        worker_set = self._current_worker_pids()
+        worker_pcts, worker_rss = self._workers.sample(worker_set)
+        rec["workers"] = {str(p): _round1(v) for p, v in sorted(worker_pcts.items())}
+        rec["workers_rss_bytes"] = worker_rss
+        assert self._descendants is not None
+        others = self._descendants.pids() - worker_set
+        child_pcts, _ = self._children.sample(others)
+        rec["children_cpu_pct"] = _round1(sum(child_pcts.values(), 0.0))
+
+    def _current_worker_pids(self) -> set[int]:
+        """Ask the caller for worker pids; if that fails, keep the last answer.
+
+        Falling back to the previous set (rather than to none) keeps the cached probes
+        and their CPU baselines, so one bad call does not blank a tick and skew the next.
+        """
+        if self._worker_pids is None:
+            return set()
+        try:
+            self._last_worker_set = {int(p) for p in self._worker_pids()}
+        except Exception as exc:
+            self._note("worker_pids", f"workers: worker_pids() raised {type(exc).__name__}: {exc}")
+        return self._last_worker_set
+
+    def _sample_sys(self, rec: dict[str, Any]) -> None:
+        if self._sys_cpu is None:
+            return
+        per_core, iowait = self._sys_cpu.sample()
+        rec["sys_cpu_pct"] = per_core
+        rec["iowait_pct"] = iowait
+        if per_core is not None and iowait is None:
+            self._note("iowait", "iowait: not reported on this platform")
+
+    def _sample_disk(self, rec: dict[str, Any]) -> None:
+        if self._disk is None:
+            return
+        rec["disk_read_bps"] = self._disk.sample()
+        if not self._disk.available:
+            self._note("disk io", "disk io: unavailable")
+
+    def _sample_gpu(self, rec: dict[str, Any]) -> None:
+        gpus = self._nvml.read()
+        if gpus is not None:
+            rec["gpu"] = gpus
+
+    # -- output / notes --------------------------------------------------------------------------
+
+    def _write(self, rec: dict[str, Any]) -> None:
+        """Append and flush one line: flushing per tick is what makes kill -9 lose at most one."""
+        if self._fh is None:
+            return
+        try:
+            self._fh.write(orjson.dumps(rec, option=orjson.OPT_APPEND_NEWLINE))
+            self._fh.flush()
+            self.ticks += 1
+        except (OSError, TypeError) as exc:  # disk full, unserialisable value
+            self._note("write", f"output: write failed ({type(exc).__name__}: {exc})")
+
+    def _note(self, kind: str, message: str) -> None:
+        """Record ``message`` once per ``kind`` so a persistent failure cannot flood ``missing``."""
+        if kind not in self._noted:
+            self._noted.add(kind)
+            self.missing.append(message)

@@ -1,0 +1,192 @@
+"""The terminal summary of a run (rich). It renders a summary document; it computes nothing."""
+
+from __future__ import annotations
+
+from typing import IO, Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+_PHASE_STYLE = {
+    "data_wait": ("data wait", "red"),
+    "forward": ("forward", "green"),
+    "backward": ("backward", "blue"),
+    "optimizer": ("optimizer", "magenta"),
+    "gc": ("gc", "yellow"),
+    "other": ("other", "white"),
+}
+
+
+def fmt_time(seconds: float | None) -> str:
+    if seconds is None:
+        return "—"
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds * 1e6:.0f} µs"
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "—"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def fmt_pct(x: float | None) -> str:
+    return "—" if x is None else f"{x:.0f}%"
+
+
+def _breakdown_bar(breakdown: dict[str, float], width: int = 40) -> Text:
+    bar = Text()
+    for key, (_, style) in _PHASE_STYLE.items():
+        n = round(breakdown.get(key, 0.0) * width)
+        if n:
+            bar.append("█" * n, style=style)
+    return bar
+
+
+def _status_line(s: dict[str, Any]) -> Text:
+    status = s.get("status")
+    color = {"finished": "green", "crashed": "red", "interrupted": "yellow"}.get(status, "cyan")
+    line = Text("trainprof ", style="bold")
+    line.append(str(s.get("name") or ""), style="bold")
+    line.append("  ")
+    line.append(str(status), style=f"bold {color}")
+    if s.get("exit_code") is not None:
+        line.append(f" (exit {s['exit_code']})")
+    if s.get("duration_s") is not None:
+        line.append(f"  {s['duration_s']:.1f} s wall")
+    return line
+
+
+def _dataloader_line(dl: dict[str, Any]) -> str:
+    if "error" in dl:
+        return f"#{dl.get('index')}: {dl['error']}"
+    dataset = (dl.get("dataset") or "?").rsplit(".", 1)[-1]
+    parts = [
+        f"{dataset}(len={dl.get('len')})",
+        f"batch_size={dl.get('batch_size')}",
+        f"num_workers={dl.get('num_workers')}",
+        f"pin_memory={dl.get('pin_memory')}",
+    ]
+    if dl.get("num_workers"):
+        parts += [
+            f"prefetch_factor={dl.get('prefetch_factor')}",
+            f"persistent_workers={dl.get('persistent_workers')}",
+        ]
+    return ", ".join(parts)
+
+
+def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None:
+    """Print the end-of-run summary."""
+    console = Console(file=file, highlight=False, soft_wrap=True)
+    console.print(_status_line(summary))
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold cyan", no_wrap=True)
+    table.add_column()
+    steps = summary["steps"]
+    if steps["count"] == 0:
+        table.add_row(
+            "Steps",
+            "none seen: no optimizer step or backward() ran "
+            "(is it a training script? use prof.step() to mark steps by hand)",
+        )
+    else:
+        delim = {"optimizer": "optimizer steps", "backward": "backward() calls",
+                 "manual": "prof.step()"}.get(steps["delimiter"], str(steps["delimiter"]))
+        table.add_row(
+            "Steps",
+            f"{steps['count']} (warm-up {steps['warmup']}, steady {steps['steady_count']}; "
+            f"delimited by {delim})",
+        )
+        warm = (
+            f"  (warm-up median {fmt_time(steps['warmup_median_s'])})"
+            if steps["warmup_median_s"] is not None
+            else ""
+        )
+        table.add_row(
+            "Step time",
+            f"median {fmt_time(steps['median_s'])} · p10 {fmt_time(steps['p10_s'])} · "
+            f"p90 {fmt_time(steps['p90_s'])}{warm}",
+        )
+        thr = []
+        if summary.get("samples_per_s"):
+            thr.append(f"{summary['samples_per_s']:,.0f} samples/s")
+        if summary.get("steps_per_s"):
+            thr.append(f"{summary['steps_per_s']:,.1f} steps/s")
+        table.add_row("Throughput", " · ".join(thr) or "—")
+    breakdown = summary.get("breakdown")
+    if breakdown:
+        table.add_row("Breakdown", _breakdown_bar(breakdown))
+        parts = Text()
+        for key, (label, style) in _PHASE_STYLE.items():
+            if parts:
+                parts.append(" · ")
+            parts.append(f"{label} {breakdown[key] * 100:.1f}%", style=style)
+        table.add_row("", parts)
+    syncs = summary.get("syncs")
+    if syncs and (syncs["per_step"] or syncs["host_reads_per_step"]):
+        table.add_row(
+            "Host reads",
+            f"{syncs['host_reads_per_step']:.2g}/step (.item/.cpu/.tolist/.numpy); "
+            f"device syncs {syncs['per_step']:.2g}/step, {syncs['share'] * 100:.1f}% of step time",
+        )
+    gc_info = summary.get("gc")
+    if gc_info and gc_info["collections_per_step"]:
+        table.add_row(
+            "GC",
+            f"{gc_info['collections_per_step']:.2f} collections/step "
+            f"({gc_info['gen2_per_step']:.3f} full)",
+        )
+    for name, reg in (summary.get("regions") or {}).items():
+        table.add_row(f"Region {name}", f"{reg['count']}× · {fmt_time(reg['total_s'])} total")
+    system = summary.get("system") or {}
+    if system.get("n_samples"):
+        cpu = (
+            f"process {fmt_pct(system.get('proc_cpu_pct'))} · "
+            f"workers {fmt_pct(system.get('workers_cpu_pct'))} "
+            f"({system.get('n_workers_seen', 0)} seen) · "
+            f"system {fmt_pct(system.get('sys_cpu_pct'))}"
+        )
+        if system.get("iowait_pct") is not None:
+            cpu += f" · iowait {fmt_pct(system['iowait_pct'])}"
+        cores = (summary.get("environment") or {}).get("usable_cores")
+        if cores:
+            cpu += f"  ({cores} usable cores; 100% = one core)"
+        table.add_row("CPU", cpu)
+        table.add_row("Memory", f"RSS peak {fmt_bytes(system.get('rss_peak_bytes'))}")
+        for g in system.get("gpu") or []:
+            table.add_row(
+                f"GPU {g.get('index')}",
+                f"util {fmt_pct(g.get('util_pct'))} · memory peak "
+                f"{fmt_bytes(g.get('mem_used_bytes'))} of {fmt_bytes(g.get('mem_total_bytes'))}",
+            )
+    for dl in summary.get("dataloaders") or []:
+        table.add_row("DataLoader", _dataloader_line(dl))
+    env = summary.get("environment") or {}
+    if env:
+        table.add_row(
+            "Environment",
+            f"Python {env.get('python')} · torch {env.get('torch')}"
+            + (f" · CUDA {env['cuda']} · {env['gpu']}" if env.get("gpu") else " · CPU only")
+            + (f" · {env['torch_num_threads']} intra-op threads"
+               if env.get("torch_num_threads") else ""),
+        )
+    findings = summary.get("findings") or []
+    if findings:
+        for i, f in enumerate(findings, 1):
+            table.add_row(
+                "Finding" if i == 1 else "",
+                f"[{f.get('severity')}] {f.get('title')} "
+                f"(up to {f.get('estimated_gain', 0) * 100:.0f}% of step time)",
+            )
+    for note in list(summary.get("missing") or []) + list(summary.get("notes") or []):
+        table.add_row("Note", str(note))
+    table.add_row("Run folder", str(summary.get("run_dir")))
+    console.print(table)

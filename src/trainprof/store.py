@@ -1,0 +1,241 @@
+"""The Run record: a folder written crash-safely while training runs, read back later.
+
+Layout (schema version :data:`SCHEMA_VERSION`; a **contract**, see DESIGN.md)::
+
+    run.json        metadata, fingerprint, status, exit code, summary
+    steps.bin       one fixed-width little-endian record per step (fields in run.json)
+    samples.jsonl   system samples, one JSON object per line
+    events.jsonl    things that happen once or rarely: DataLoaders seen, regions, notes
+    findings.json   the diagnosis at the end of the run
+
+Why this shape: a 1,000,000-step run must stay small and load in seconds, so
+steps are binary (112 bytes each, read with one ``numpy.fromfile``), while rare,
+variable-shaped events stay human-readable JSON lines. Every file is
+append-only and flushed at least once a second by the sampler thread, so a
+crash or ``kill -9`` loses at most the last second; ``run.json`` is replaced
+atomically (write, fsync, rename), so it is never half-written. A reader drops
+a torn last record or line.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from trainprof.errors import UsageError
+from trainprof.schema import STEP_FIELDS
+
+SCHEMA_VERSION = 1
+
+#: Times are int64 nanoseconds (exact sums); counters fit in int32.
+_COUNTERS = {"samples", "sync_n", "host_reads", "gc_n", "gc_gen2_n", "flags"}
+STEP_DTYPE = np.dtype(
+    [(name, "<i4" if name in _COUNTERS else "<i8") for name in STEP_FIELDS]
+)
+
+RUN_JSON = "run.json"
+STEPS_BIN = "steps.bin"
+SAMPLES_JSONL = "samples.jsonl"
+EVENTS_JSONL = "events.jsonl"
+FINDINGS_JSON = "findings.json"
+
+STATUSES = ("running", "finished", "crashed", "interrupted")
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
+
+
+def default_run_dir(name: str, root: Path | None = None) -> Path:
+    """``./trainprof-runs/<timestamp>-<name>/``, made unique if it already exists."""
+    root = root if root is not None else Path.cwd() / "trainprof-runs"
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "run"
+    path = root / f"{stamp}-{safe}"
+    n = 1
+    while path.exists():
+        n += 1
+        path = root / f"{stamp}-{safe}-{n}"
+    return path
+
+
+def _write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class RunWriter:
+    """Writes one Run folder while the training script runs.
+
+    ``append_steps`` and ``event`` may be called from the sampler thread;
+    metadata updates come from the main thread. Writes are small and appended.
+    """
+
+    def __init__(self, run_dir: Path, meta: dict[str, Any]) -> None:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"cannot create run folder {run_dir}: {exc.strerror}") from exc
+        self.run_dir = run_dir
+        self.meta: dict[str, Any] = {
+            "schema_version": SCHEMA_VERSION,
+            "status": "running",
+            "exit_code": None,
+            "started_at": now_iso(),
+            "ended_at": None,
+            "pid": os.getpid(),
+            "hostname": socket.gethostname(),
+            "step_fields": [[n, STEP_DTYPE[n].str] for n in STEP_DTYPE.names],
+            **meta,
+        }
+        self._steps = open(run_dir / STEPS_BIN, "ab")  # noqa: SIM115 - open for the whole run
+        self._events = open(run_dir / EVENTS_JSONL, "ab")  # noqa: SIM115
+        self.write_meta()
+
+    def write_meta(self) -> None:
+        _write_json_atomic(self.run_dir / RUN_JSON, self.meta)
+
+    def update_meta(self, **values: Any) -> None:
+        self.meta.update(values)
+        self.write_meta()
+
+    def append_steps(self, records: list[tuple[int, ...]]) -> None:
+        if not records or self._steps.closed:
+            return
+        self._steps.write(np.array(records, dtype=STEP_DTYPE).tobytes())
+        self._steps.flush()
+
+    def event(self, kind: str, **data: Any) -> None:
+        if self._events.closed:
+            return
+        self._events.write(orjson.dumps({"kind": kind, **data}) + b"\n")
+        self._events.flush()
+
+    def write_findings(self, findings: list[dict[str, Any]]) -> None:
+        _write_json_atomic(self.run_dir / FINDINGS_JSON, findings)
+
+    def close(self, status: str, exit_code: int | None, **extra: Any) -> None:
+        assert status in STATUSES, status
+        self._steps.close()
+        self._events.close()
+        self.update_meta(status=status, exit_code=exit_code, ended_at=now_iso(), **extra)
+
+
+@dataclass
+class Run:
+    """A Run folder, loaded. ``status`` is the effective status (see :func:`load_run`)."""
+
+    path: Path
+    meta: dict[str, Any]
+    steps: np.ndarray
+    events: list[dict[str, Any]]
+    samples_path: Path
+    findings: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def status(self) -> str:
+        return str(self.meta.get("status"))
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                out.append(orjson.loads(line))
+            except orjson.JSONDecodeError:
+                break  # a torn last line from a crash
+    return out
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def load_steps(path: Path) -> np.ndarray:
+    if not path.exists():
+        return np.zeros(0, dtype=STEP_DTYPE)
+    raw = path.read_bytes()
+    usable = len(raw) - len(raw) % STEP_DTYPE.itemsize  # drop a torn last record
+    return np.frombuffer(raw[:usable], dtype=STEP_DTYPE)
+
+
+def load_run(run_dir: Path) -> Run:
+    """Read a Run folder in any status.
+
+    A record still marked ``running`` whose process is gone (same host) was
+    killed without a chance to close it (``kill -9``, OOM killer): it is
+    reported as ``crashed``, with ``recorded_status`` keeping what the file says.
+    """
+    run_dir = Path(run_dir)
+    meta_path = run_dir / RUN_JSON
+    if not run_dir.is_dir():
+        raise UsageError(f"no such run folder: {run_dir}")
+    if not meta_path.exists():
+        raise UsageError(f"not a trainprof run folder (no {RUN_JSON}): {run_dir}")
+    try:
+        meta = orjson.loads(meta_path.read_bytes())
+    except orjson.JSONDecodeError as exc:
+        raise UsageError(f"unreadable {meta_path}: {exc}") from exc
+    if not isinstance(meta, dict) or "schema_version" not in meta:
+        raise UsageError(f"not a trainprof run record: {meta_path}")
+    if meta["schema_version"] > SCHEMA_VERSION:
+        raise UsageError(
+            f"{run_dir} was written by a newer trainprof (schema {meta['schema_version']}); "
+            "upgrade trainprof to read it"
+        )
+    if (
+        meta.get("status") == "running"
+        and meta.get("hostname") == socket.gethostname()
+        and isinstance(meta.get("pid"), int)
+        and not _process_alive(meta["pid"])
+    ):
+        meta["recorded_status"] = "running"
+        meta["status"] = "crashed"
+        meta.setdefault("notes", []).append(
+            "the process ended without closing the record (killed?); "
+            "steps up to its last second are kept"
+        )
+    findings: list[dict[str, Any]] = []
+    fpath = run_dir / FINDINGS_JSON
+    if fpath.exists():
+        try:
+            findings = orjson.loads(fpath.read_bytes())
+        except orjson.JSONDecodeError:
+            findings = []
+    return Run(
+        path=run_dir,
+        meta=meta,
+        steps=load_steps(run_dir / STEPS_BIN),
+        events=_read_jsonl(run_dir / EVENTS_JSONL),
+        samples_path=run_dir / SAMPLES_JSONL,
+        findings=findings,
+    )
+
+
+def save_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+    """Store the end-of-run summary in run.json (atomically), keeping everything else."""
+    meta_path = Path(run_dir) / RUN_JSON
+    meta = orjson.loads(meta_path.read_bytes())
+    meta["summary"] = {k: v for k, v in summary.items() if k != "findings"}
+    _write_json_atomic(meta_path, meta)
+    _write_json_atomic(Path(run_dir) / FINDINGS_JSON, summary.get("findings", []))

@@ -1,0 +1,62 @@
+"""Shared helpers: write tiny training scripts and run them under `trainprof run` in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+    run_dir: Path
+
+    def json(self) -> dict:
+        return json.loads(self.stdout)
+
+
+def write_script(directory: Path, name: str, body: str) -> Path:
+    path = directory / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def trainprof(*args: str, cwd: Path, timeout: float = 120, env: dict | None = None) -> Result:
+    """Run `python -m trainprof ARGS` in cwd; the run folder is cwd/run unless --out is given."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    argv = list(args)
+    run_dir = cwd / "run"
+    if argv and argv[0] == "run" and "--out" not in argv:
+        argv = ["run", "--out", str(run_dir), *argv[1:]]
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainprof", *argv],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        stdin=subprocess.DEVNULL,
+    )
+    return Result(proc.returncode, proc.stdout, proc.stderr, run_dir)
+
+
+@pytest.fixture
+def tp(tmp_path: Path):
+    """`tp(script_body, *trainprof_run_options, args=[...])` -> Result, in a fresh folder."""
+
+    def run(body: str, *options: str, args: tuple[str, ...] = (), name: str = "train.py",
+            timeout: float = 120, env: dict | None = None) -> Result:
+        script = write_script(tmp_path, name, body)
+        return trainprof("run", *options, str(script.name), *args, cwd=tmp_path,
+                         timeout=timeout, env=env)
+
+    return run

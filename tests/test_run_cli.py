@@ -1,0 +1,361 @@
+"""`trainprof run` on real tiny training scripts, in subprocesses, asserting numbers."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+from conftest import trainprof, write_script
+
+from trainprof.store import load_run
+
+SLEEPY = """
+import json, sys, time
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+class Sleepy(Dataset):
+    def __len__(self):
+        return 10_000
+    def __getitem__(self, i):
+        time.sleep(0.002)          # 2 ms per sample, like remote storage
+        return torch.randn(8), i % 2
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 2)
+    def forward(self, x):
+        time.sleep(0.004)          # 4 ms of "compute"
+        return self.lin(x)
+
+model = Net()
+loss_fn = nn.CrossEntropyLoss()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+it = iter(DataLoader(Sleepy(), batch_size=4))
+per_step = []
+for step in range(40):
+    a = time.perf_counter(); x, y = next(it); b = time.perf_counter()
+    loss = loss_fn(model(x), y)
+    c = time.perf_counter()
+    opt.zero_grad(); loss.backward(); opt.step()
+    per_step.append((b - a, c - b, time.perf_counter() - a))
+print(json.dumps({"truth": per_step}), file=sys.stderr)
+"""
+
+
+def _truth(stderr: str) -> np.ndarray:
+    """The script's own per-step timing: (data, forward, step) in seconds."""
+    line = [ln for ln in stderr.splitlines() if ln.startswith('{"truth"')][-1]
+    return np.array(json.loads(line)["truth"])
+
+
+def test_data_wait_share_matches_truth(tp):
+    res = tp(SLEEPY, "--json")
+    assert res.returncode == 0, res.stderr
+    doc = res.json()
+    assert doc["status"] == "finished" and doc["exit_code"] == 0
+    assert doc["steps"]["count"] == 40
+    assert doc["steps"]["delimiter"] == "optimizer"
+    warm = doc["steps"]["warmup"]
+    assert warm <= 3
+    truth = _truth(res.stderr)[warm:]
+    b = doc["breakdown"]
+    assert abs(sum(b.values()) - 1) < 1e-9
+    assert set(b) == {"data_wait", "forward", "backward", "optimizer", "gc", "other"}
+    # time-weighted share over the same steady steps, within 3 points
+    assert abs(b["data_wait"] - truth[:, 0].sum() / truth[:, 2].sum()) < 0.03, (b, truth)
+    # per step: the median step's data wait and forward within 0.3 ms of the truth
+    steps = load_run(res.run_dir).steps[warm:]
+    for field, col in (("data_wait_ns", 0), ("forward_ns", 1), ("dur_ns", 2)):
+        ours = np.median(steps[field]) / 1e9
+        assert abs(ours - np.median(truth[:, col])) < 3e-4, (field, ours, truth[:, col])
+    assert b["data_wait"] > b["forward"] > b["optimizer"]  # 8 ms of sleep vs 4 ms vs ~0
+    # 4 samples per step, ~12 ms per step
+    assert 0.010 < doc["steps"]["median_s"] < 0.030
+    assert abs(doc["samples_per_s"] - 4 / doc["steps"]["mean_s"]) < 1e-6 * doc["samples_per_s"]
+    assert doc["dataloaders"][0]["batch_size"] == 4
+    assert doc["dataloaders"][0]["num_workers"] == 0
+    assert doc["dataloaders"][0]["dataset"].endswith("Sleepy")
+    assert doc["findings"] == []
+    assert Path(doc["run_dir"]) == res.run_dir
+
+
+def test_json_stdout_is_only_json_and_script_output_goes_to_stderr(tp):
+    body = """
+    import os, torch
+    print("hello from the script")
+    os.system("echo from a child process")
+    w = torch.zeros(3, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1)
+    for _ in range(5):
+        (w * 2).sum().backward(); opt.step(); opt.zero_grad()
+    """
+    res = tp(body, "--json")
+    assert res.returncode == 0, res.stderr
+    json.loads(res.stdout)  # nothing else on stdout
+    assert "hello from the script" in res.stderr
+    assert "from a child process" in res.stderr
+
+
+def test_script_sees_its_own_argv_main_and_cwd(tmp_path):
+    (tmp_path / "sub").mkdir()
+    write_script(tmp_path / "sub", "helper_mod.py", "VALUE = 42\n")
+    write_script(
+        tmp_path / "sub",
+        "train.py",
+        """
+        import json, os, sys
+        import helper_mod   # importable because sys.path[0] is the script's folder
+        print(json.dumps({"argv": sys.argv, "name": __name__, "cwd": os.getcwd(),
+                          "value": helper_mod.VALUE}))
+        """,
+    )
+    # --json after the script belongs to the script, so this is plain mode: stdout is the script's
+    res = trainprof("run", "sub/train.py", "--lr", "0.1", "--json", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    seen = json.loads(res.stdout.splitlines()[0])
+    assert seen == {"argv": ["sub/train.py", "--lr", "0.1", "--json"], "name": "__main__",
+                    "cwd": str(tmp_path), "value": 42}
+    assert "Steps" in res.stdout and "none seen" in res.stdout
+    # trainprof's own --json: the script's stdout moves to stderr
+    res = trainprof("run", "--json", "sub/train.py", "x", cwd=tmp_path)
+    assert json.loads(res.stderr.splitlines()[1])["argv"] == ["sub/train.py", "x"]
+    assert res.json()["steps"]["count"] == 0
+
+
+def test_module_mode(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    write_script(
+        pkg,
+        "train.py",
+        """
+        import sys, torch
+        print("argv", sys.argv[1:], __name__)
+        w = torch.zeros(2, requires_grad=True)
+        opt = torch.optim.Adam([w])
+        for _ in range(7):
+            w.sum().backward(); opt.step()
+        """,
+    )
+    res = trainprof("run", "--json", "-m", "pkg.train", "--epochs", "1", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "argv ['--epochs', '1'] __main__" in res.stderr
+    assert res.json()["steps"]["count"] == 7
+
+
+def test_crash_keeps_a_crashed_record_and_prints_python_traceback(tp):
+    body = """
+    import torch
+    w = torch.zeros(2, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1)
+    def explode():
+        raise ValueError("boom at step 5")
+    for step in range(10):
+        w.sum().backward(); opt.step()
+        if step == 4:
+            explode()
+    """
+    res = tp(body)
+    assert res.returncode == 1
+    tb = res.stderr[res.stderr.index("Traceback"):]
+    assert "trainprof" not in tb.split("ValueError")[0]  # only the user's frames
+    assert 'File "' in tb and "train.py" in tb and "in explode" in tb
+    assert "ValueError: boom at step 5" in tb
+    meta = json.loads((res.run_dir / "run.json").read_text())
+    assert meta["status"] == "crashed" and meta["exit_code"] == 1
+    assert meta["summary"]["steps"]["count"] == 5
+    rep = trainprof("report", str(res.run_dir), "--json", cwd=res.run_dir.parent)
+    assert rep.returncode == 0 and rep.json()["status"] == "crashed"
+
+
+def test_sys_exit_code_is_passed_through(tp):
+    res = tp("import sys\nsys.exit(3)\n")
+    assert res.returncode == 3
+    assert json.loads((res.run_dir / "run.json").read_text())["exit_code"] == 3
+    res = tp("import sys\nsys.exit('bad config')\n")
+    assert res.returncode == 1 and "bad config" in res.stderr
+
+
+def test_max_steps_stops_cleanly(tp):
+    body = """
+    import torch
+    w = torch.zeros(2, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1)
+    try:
+        while True:          # no step limit of its own
+            w.sum().backward(); opt.step(); opt.zero_grad()
+    finally:
+        print("cleanup ran")
+    """
+    res = tp(body, "--max-steps", "25", "--json")
+    assert res.returncode == 0, res.stderr
+    assert res.json()["steps"]["count"] == 25
+    assert res.json()["status"] == "finished"
+    assert "cleanup ran" in res.stderr
+
+
+def test_backward_delimited_steps_without_optimizer(tp):
+    body = """
+    import torch
+    w = torch.randn(16, 16, requires_grad=True)
+    for step in range(90):
+        loss = (w @ torch.randn(16, 4)).pow(2).mean()
+        loss.backward()
+        with torch.no_grad():
+            w.data.add_(w.grad, alpha=-0.01)   # manual update, no torch.optim
+            w.grad = None
+    """
+    res = tp(body, "--json")
+    assert res.returncode == 0, res.stderr
+    doc = res.json()
+    assert doc["steps"]["delimiter"] == "backward"
+    assert doc["steps"]["count"] == 90
+
+
+def test_gradient_accumulation_is_one_step_per_optimizer_step(tp):
+    body = """
+    import torch
+    w = torch.randn(8, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.01)
+    for step in range(12):
+        for micro in range(4):
+            (w * torch.randn(8)).sum().backward()
+        opt.step(); opt.zero_grad()
+    """
+    res = tp(body, "--json")
+    assert res.json()["steps"]["count"] == 12
+    assert res.json()["steps"]["delimiter"] == "optimizer"
+
+
+def test_missing_script_and_bad_option_are_one_line_errors(tmp_path):
+    res = trainprof("run", "nope.py", cwd=tmp_path)
+    assert res.returncode == 2
+    assert res.stderr.strip().startswith("error:") and len(res.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in res.stderr
+    res = trainprof("run", "--max-steps", "zero", "x.py", cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr.startswith("error:")
+    res = trainprof("run", "--bogus", "x.py", cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr.startswith("error:")
+    res = trainprof("run", cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr.startswith("error:")
+    res = trainprof("run", "-m", "no_such_module_xyz", cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr.startswith("error:")
+    res = trainprof("report", str(tmp_path / "nothing"), cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr.startswith("error:")
+    (tmp_path / "notarun").mkdir()
+    res = trainprof("report", str(tmp_path / "notarun"), cwd=tmp_path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+
+
+WORKERS_FOREVER = """
+import os, sys, time, torch
+from torch.utils.data import DataLoader, Dataset
+
+class Slow(Dataset):
+    def __len__(self):
+        return 1_000_000
+    def __getitem__(self, i):
+        time.sleep(0.01)
+        return torch.randn(4)
+
+w = torch.zeros(4, requires_grad=True)
+opt = torch.optim.SGD([w], lr=0.1)
+loader = DataLoader(Slow(), batch_size=2, num_workers=2)
+for step, x in enumerate(loader):
+    (w * x).sum().backward(); opt.step(); opt.zero_grad()
+    if step == 3:
+        print("READY", flush=True)
+    if step == 8 and "crash" in sys.argv:
+        raise RuntimeError("crash with workers alive")
+"""
+
+
+def _worker_pids(run_dir: Path) -> set[int]:
+    pids = set()
+    for line in (run_dir / "samples.jsonl").read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            pids.update(int(p) for p in json.loads(line).get("workers", {}))
+    return pids
+
+
+def _gone(pids: set[int], within: float = 5.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p)
+                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_crash_with_workers_leaves_no_worker_alive(tp):
+    res = tp(WORKERS_FOREVER, "--sample-interval", "0.05", args=("crash",))
+    assert res.returncode == 1, res.stderr
+    pids = _worker_pids(res.run_dir)
+    assert len(pids) == 2
+    assert _gone(pids)
+
+
+def _start(tmp_path: Path, body: str) -> tuple[subprocess.Popen, Path]:
+    write_script(tmp_path, "train.py", body)
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainprof", "run", "--out", str(run_dir),
+         "--sample-interval", "0.05", "train.py"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "READY" in line:
+            break
+    return proc, run_dir
+
+
+def test_ctrl_c_interrupts_with_summary_and_exit_130(tmp_path):
+    proc, run_dir = _start(tmp_path, WORKERS_FOREVER)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted" in out and "Step time" in out
+    meta = json.loads((run_dir / "run.json").read_text())
+    assert meta["status"] == "interrupted" and meta["exit_code"] == 130
+    assert meta["summary"]["steps"]["count"] >= 4
+    assert _gone(_worker_pids(run_dir))
+
+
+def test_sigterm_is_an_interruption(tmp_path):
+    proc, run_dir = _start(tmp_path, WORKERS_FOREVER)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 143
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "interrupted"
+
+
+def test_kill_9_leaves_a_readable_record(tmp_path):
+    proc, run_dir = _start(tmp_path, WORKERS_FOREVER)
+    time.sleep(1.5)  # > one flush period
+    proc.kill()
+    proc.communicate(timeout=30)
+    pids = _worker_pids(run_dir)
+    res = trainprof("report", str(run_dir), "--json", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    doc = res.json()
+    assert doc["status"] == "crashed" and doc["recorded_status"] == "running"
+    assert doc["steps"]["count"] >= 4
+    # workers notice their parent is gone and exit (DataLoader's watchdog)
+    assert _gone(pids, within=15)
