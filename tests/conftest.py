@@ -1,4 +1,4 @@
-"""Shared helpers: write tiny training scripts and run them under `trainprof run` in a subprocess."""
+"""Shared helpers: write tiny training scripts, run them under `trainprof run` in a subprocess."""
 
 from __future__ import annotations
 

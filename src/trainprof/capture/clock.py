@@ -1,6 +1,6 @@
 """The step clock: where every nanosecond of a training step went.
 
-The clock keeps one *current phase* and a small stack. Entering a phase charges
+The clock keeps one *current phase*. Entering a phase charges
 the time since the last transition to the phase that was current, so time is
 attributed *exclusively*: GC that runs inside ``forward`` counts as GC, not as
 forward, and the phases of a step always add up to the step's wall time
@@ -72,7 +72,7 @@ class StepClock:
         self.n_steps = 0
         self.started = False
         self.current = OTHER
-        self.stack: list[int] = []
+        self.saved: dict[str, int] = {}  # phases to restore across hook pairs (optimizer, GC)
         self.acc = [0] * N_ACC
         self.mark = 0
         self.step_start = 0
@@ -91,20 +91,25 @@ class StepClock:
         self.mark = now
         self.step_start = now
 
-    def enter(self, phase: int) -> None:
+    def enter(self, phase: int) -> int:
+        """Make ``phase`` current; returns the phase to give back to :meth:`exit`.
+
+        The caller keeps the previous phase in its own frame (no shared
+        stack), so nesting is whatever the call structure is.
+        """
         now = perf_counter_ns()
         if not self.started:
             self.begin(now)
-        acc = self.acc
-        acc[self.current] += now - self.mark
-        self.stack.append(self.current)
+        prev = self.current
+        self.acc[prev] += now - self.mark
         self.current = phase
         self.mark = now
+        return prev
 
-    def exit(self) -> None:
+    def exit(self, prev: int) -> None:
         now = perf_counter_ns()
         self.acc[self.current] += now - self.mark
-        self.current = self.stack.pop() if self.stack else OTHER
+        self.current = prev
         self.mark = now
 
     # -- step boundaries ---------------------------------------------------
@@ -141,9 +146,17 @@ class StepClock:
         self._close(0)
 
     def manual_step(self) -> None:
-        """Explicit boundary from ``prof.step()``; turns automatic boundaries off."""
+        """Explicit boundary from ``prof.step()``; turns automatic boundaries off.
+
+        The first call usually comes right after an optimizer step already
+        closed a step automatically; if nothing but top-level time has passed
+        since, that boundary stands and no empty step is made.
+        """
         if not self.started:
             self.begin(perf_counter_ns())
+            self.mode = "manual"
+            return
+        if self.mode != "manual" and self.n_steps and not any(self.acc[1:N_PHASES]):
             self.mode = "manual"
             return
         self.mode = "manual"
@@ -181,15 +194,16 @@ class StepClock:
         acc = self.acc
         acc[self.current] += now - self.mark
         self.mark = now
-        self._append(self.step_start, now - self.step_start, acc, flags)
+        start = self.step_start
+        self.records.append((self.n_steps, start - self.origin_ns, now - start, *acc, flags))
+        self.n_steps += 1
         self.acc = [0] * N_ACC
         self.step_start = now
-        self._check_max_steps()
+        if self.max_steps is not None:
+            self._check_max_steps()
 
     def _append(self, t_start: int, dur: int, acc: list[int], flags: int) -> None:
-        self.records.append(
-            (self.n_steps, t_start - self.origin_ns, dur, *acc, flags)
-        )
+        self.records.append((self.n_steps, t_start - self.origin_ns, dur, *acc, flags))
         self.n_steps += 1
 
     def _check_max_steps(self) -> None:

@@ -60,6 +60,10 @@ from trainprof.schema import (
 
 _INHERITED = object()
 
+#: Steps during which every module call is watched to find the top-level
+#: (root) module classes; afterwards only those are wrapped.
+DISCOVERY_STEPS = 3
+
 
 def batch_size_of(batch: Any) -> int:
     """Leading dimension of the first tensor found in a batch (0 if none).
@@ -69,7 +73,7 @@ def batch_size_of(batch: Any) -> int:
     """
     for _ in range(3):
         if isinstance(batch, torch.Tensor):
-            return int(batch.shape[0]) if batch.dim() else 1
+            return len(batch) if batch.dim() else 1
         if isinstance(batch, (list, tuple)) and batch:
             batch = batch[0]
         elif isinstance(batch, dict) and batch:
@@ -173,6 +177,7 @@ class Instrumentation:
         self._handles: list[Any] = []
         self._gc_cb: Callable[[str, dict[str, Any]], None] | None = None
         self.installed = False
+        self.forward_roots: list[str] = []
 
     def _patch(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
         # An inherited attribute (Tensor.item lives on TensorBase) is restored
@@ -188,20 +193,36 @@ class Instrumentation:
         owner = clock.owner
         get_ident = threading.get_ident
         enter, exit_ = clock.enter, clock.exit
+        saved = clock.saved
         acc_ref = clock  # acc is replaced every step; always read it through the clock
+
+        # The wrappers below inline StepClock.enter/exit: they run several
+        # times per step, and in a real training loop (cold caches) every
+        # extra Python call costs about a microsecond - enough to matter
+        # against the 1% budget on a 1 ms step (benchmarks/overhead.py).
 
         # -- data wait -----------------------------------------------------
         def make_next(orig: Callable[[Any], Any]) -> Callable[[Any], Any]:
             def __next__(it: Any) -> Any:  # noqa: N807 - replaces a dunder
                 if get_ident() != owner:
                     return orig(it)
-                clock.top_level_event()
-                enter(DATA)
+                if clock.bwd_pending:
+                    clock.top_level_event()
+                now = perf_counter_ns()
+                if not clock.started:
+                    clock.begin(now)
+                prev = clock.current
+                clock.acc[prev] += now - clock.mark
+                clock.current = DATA
+                clock.mark = now
                 try:
                     batch = orig(it)
                 finally:
-                    exit_()
-                acc_ref.acc[SAMPLES] += batch_size_of(batch)
+                    now = perf_counter_ns()
+                    clock.acc[clock.current] += now - clock.mark
+                    clock.current = prev
+                    clock.mark = now
+                clock.acc[SAMPLES] += batch_size_of(batch)
                 return batch
 
             return __next__
@@ -222,16 +243,37 @@ class Instrumentation:
         self._patch(DataLoader, "__iter__", make_iter)
 
         # -- forward (outermost module call only) --------------------------
+        # For the first DISCOVERY_STEPS steps every module call goes through
+        # the wrapper on nn.Module, which notes the classes of top-level
+        # calls (the model, the loss). Then the wrapper moves onto those root
+        # classes only, so nested module calls (most of them) run unwrapped.
+        roots: dict[type, None] = {}
+        discovering = [True]
+
         def make_call(orig: Callable[..., Any]) -> Callable[..., Any]:
             def __call__(module: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
                 if clock.current != OTHER or get_ident() != owner:
                     return orig(module, *args, **kwargs)
-                clock.top_level_event()
-                enter(FORWARD)
+                if discovering[0]:
+                    roots[type(module)] = None
+                    if clock.n_steps >= DISCOVERY_STEPS:
+                        discovering[0] = False
+                        self._narrow_forward(list(roots), make_call)
+                if clock.bwd_pending:
+                    clock.top_level_event()
+                now = perf_counter_ns()
+                if not clock.started:
+                    clock.begin(now)
+                clock.acc[OTHER] += now - clock.mark
+                clock.current = FORWARD
+                clock.mark = now
                 try:
                     return orig(module, *args, **kwargs)
                 finally:
-                    exit_()
+                    now = perf_counter_ns()
+                    clock.acc[clock.current] += now - clock.mark
+                    clock.current = OTHER
+                    clock.mark = now
 
             return __call__
 
@@ -242,16 +284,26 @@ class Instrumentation:
             def backward(*args: Any, **kwargs: Any) -> Any:
                 if get_ident() != owner:
                     return orig(*args, **kwargs)
-                if clock.current == OTHER:
+                if clock.bwd_pending and clock.current == OTHER:
                     # a script with no DataLoader or module calls still gets
                     # backward-delimited steps: the next backward closes one
                     clock.top_level_event()
-                enter(BACKWARD)
+                now = perf_counter_ns()
+                if not clock.started:
+                    clock.begin(now)
+                prev = clock.current
+                clock.acc[prev] += now - clock.mark
+                clock.current = BACKWARD
+                clock.mark = now
                 try:
                     return orig(*args, **kwargs)
                 finally:
-                    exit_()
-                    clock.backward_done()
+                    now = perf_counter_ns()
+                    clock.acc[clock.current] += now - clock.mark
+                    clock.current = prev
+                    clock.mark = now
+                    if clock.mode != "optimizer":
+                        clock.backward_done()
 
             return backward
 
@@ -261,11 +313,14 @@ class Instrumentation:
         # -- optimizer step and zero_grad ----------------------------------
         def pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
             if get_ident() == owner:
-                enter(OPTIMIZER)
+                saved["optimizer"] = enter(OPTIMIZER)
 
         def post_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
             if get_ident() == owner:
-                exit_()
+                now = perf_counter_ns()
+                clock.acc[clock.current] += now - clock.mark
+                clock.current = saved.pop("optimizer", OTHER)
+                clock.mark = now
                 clock.optimizer_stepped(optimizer)
 
         from torch.optim.optimizer import (
@@ -280,11 +335,20 @@ class Instrumentation:
             def zero_grad(self_: Any, *args: Any, **kwargs: Any) -> Any:
                 if get_ident() != owner:
                     return orig(self_, *args, **kwargs)
-                enter(ZERO_GRAD)
+                now = perf_counter_ns()
+                if not clock.started:
+                    clock.begin(now)
+                prev = clock.current
+                clock.acc[prev] += now - clock.mark
+                clock.current = ZERO_GRAD
+                clock.mark = now
                 try:
                     return orig(self_, *args, **kwargs)
                 finally:
-                    exit_()
+                    now = perf_counter_ns()
+                    clock.acc[clock.current] += now - clock.mark
+                    clock.current = prev
+                    clock.mark = now
 
             return zero_grad
 
@@ -327,9 +391,9 @@ class Instrumentation:
             if get_ident() != owner or not clock.started:
                 return
             if phase == "start":
-                enter(GC)
-            else:
-                exit_()
+                saved["gc"] = enter(GC)
+            elif "gc" in saved:
+                exit_(saved.pop("gc"))
                 acc = acc_ref.acc
                 acc[GC_N] += 1
                 if info.get("generation") == 2:
@@ -339,6 +403,25 @@ class Instrumentation:
         gc.callbacks.append(on_gc)
         self.installed = True
         os.register_at_fork(after_in_child=self._after_fork_in_child)
+
+    def _narrow_forward(
+        self, root_classes: list[type], make_call: Callable[[Any], Any]
+    ) -> None:
+        """Move the forward wrapper from nn.Module onto the root classes seen so far.
+
+        Trade-off: a module class first called at top level after discovery
+        (say, an EMA copy of another class) is not timed as forward; its time
+        shows as "other".
+        """
+        for i, (owner, name, original) in enumerate(self._restore):
+            if owner is torch.nn.Module and name == "__call__":
+                del self._restore[i]
+                setattr(owner, name, original)
+                break
+        for cls in root_classes:
+            if cls is not torch.nn.Module:
+                self._patch(cls, "__call__", make_call)
+        self.forward_roots = [f"{c.__module__}.{c.__qualname__}" for c in root_classes]
 
     def _after_fork_in_child(self) -> None:
         """DataLoader workers (forked) run the original, uninstrumented code."""

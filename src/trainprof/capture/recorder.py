@@ -37,12 +37,13 @@ class Recorder:
         max_steps: int | None = None,
         sample_interval_s: float = 0.2,
         auto: bool = True,
+        fingerprint: bool = True,
     ) -> None:
         self.run_dir = run_dir
         self.clock = StepClock(max_steps=max_steps)
         self._script = script
         self._command = command
-        self._fingerprinted = False
+        self._fingerprinted = not fingerprint  # off: benchmarks of the per-step cost
         self.writer = RunWriter(
             run_dir,
             {
@@ -152,11 +153,11 @@ class Recorder:
         clock = self.clock
         t0 = time.perf_counter_ns()
         step = clock.n_steps
-        clock.enter(REGION)
+        prev = clock.enter(REGION)
         try:
             yield
         finally:
-            clock.exit()
+            clock.exit(prev)
             self.writer.event(
                 "region",
                 name=str(name),

@@ -1,0 +1,129 @@
+"""Overhead of trainprof's always-on capture on a ~1 ms/step CPU training loop.
+
+The same loop runs in one process in rounds of blocks - plain, plain again,
+trainprof, torch.profiler, in a random order each round - so that drift of the
+machine (other load, thermal, allocator state) hits every arm equally. Each block is timed from the outside
+with ``perf_counter``; the overhead is the ratio of the median block time with
+capture to the median block time without. torch.profiler (CPU activity, the
+usual settings) is measured on the same loop for contrast.
+
+    python benchmarks/overhead.py            # ~1 minute
+    python benchmarks/overhead.py --quick    # a few seconds, a rough figure
+
+The figure goes into the README. Noise floor: the spread of plain-vs-plain
+blocks is printed too; an overhead below it is not measurable on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from trainprof.capture.recorder import Recorder
+
+
+def make_loop() -> tuple[object, object]:
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(4096, 128), torch.randint(0, 10, (4096,)))
+    loader = DataLoader(data, batch_size=64, shuffle=True, drop_last=True)
+    model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                          nn.Linear(256, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    state = {"it": iter(loader)}
+
+    def run_steps(n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            try:
+                x, y = next(state["it"])
+            except StopIteration:
+                state["it"] = iter(loader)
+                x, y = next(state["it"])
+            loss = loss_fn(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return (time.perf_counter() - t0) / n
+
+    return run_steps, loss_fn
+
+
+def _ratio_pct(with_: list[float], without: list[float]) -> float:
+    """Median of the per-round ratios, as a percentage over 1.
+
+    Pairing blocks of the same round cancels slow drift; the median ignores
+    the odd block hit by foreign load.
+    """
+    return (statistics.median(a / b for a, b in zip(with_, without, strict=True)) - 1) * 100
+
+
+def measure(rounds: int, steps: int) -> dict[str, float]:
+    """Each round runs four arms in random order: plain, plain again, trainprof, torch.profiler.
+
+    "plain again" against "plain" is the noise floor of the method.
+    """
+    run_steps, _ = make_loop()
+    run_steps(300)  # warm up
+    rng = random.Random(0)
+    times: dict[str, list[float]] = {"plain": [], "plain2": [], "trainprof": [], "torch": []}
+    tmp = Path(tempfile.mkdtemp(prefix="trainprof-overhead-"))
+
+    def arm(name: str, r: int) -> float:
+        if name == "trainprof":
+            # the one-off fingerprint (~20 ms per run) is left out: this is the per-step cost
+            rec = Recorder(tmp / f"run{r}", name="overhead", command=sys.argv, fingerprint=False)
+            rec.start()
+            try:
+                return run_steps(steps)
+            finally:
+                rec.stop("finished", 0)
+        if name == "torch":
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+                return run_steps(steps)
+        return run_steps(steps)
+
+    for r in range(rounds):
+        order = list(times)
+        rng.shuffle(order)
+        for name in order:
+            times[name].append(arm(name, r))
+    return {
+        "step_ms_plain": statistics.median(times["plain"]) * 1e3,
+        "overhead_pct": _ratio_pct(times["trainprof"], times["plain"]),
+        "noise_pct": _ratio_pct(times["plain2"], times["plain"]),
+        "torch_profiler_overhead_pct": _ratio_pct(times["torch"], times["plain"]),
+        "rounds": rounds,
+        "steps_per_block": steps,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    res = measure(rounds=6 if args.quick else 40, steps=100 if args.quick else 200)
+    if args.json:
+        print(json.dumps(res))
+        return
+    print(f"plain loop:            {res['step_ms_plain']:.3f} ms/step")
+    print(f"trainprof always-on:   {res['overhead_pct']:+.2f}% step time")
+    print(f"plain vs plain (noise): {res['noise_pct']:+.2f}%")
+    print(f"torch.profiler (CPU):  {res['torch_profiler_overhead_pct']:+.1f}% step time")
+
+
+if __name__ == "__main__":
+    main()

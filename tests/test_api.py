@@ -1,0 +1,147 @@
+"""The Python API, in process: explicit steps, regions, the null object, and patches undone."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import trainprof
+from trainprof.store import load_run
+
+
+def _loop(prof, steps: int, eval_every: int = 0) -> None:
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if eval_every and step % eval_every == eval_every - 1:
+            with prof.region("eval"):
+                time.sleep(0.02)
+        prof.step()
+
+
+def test_explicit_steps_and_regions(tmp_path):
+    originals = (torch.nn.Module.__call__, torch.Tensor.item, torch.autograd.backward)
+    with trainprof.profile(tmp_path / "r", report=False) as prof:
+        _loop(prof, 30, eval_every=10)
+    assert (torch.nn.Module.__call__, torch.Tensor.item, torch.autograd.backward) == originals
+    s = prof.summary
+    assert s["status"] == "finished"
+    assert s["steps"]["count"] == 30
+    assert s["steps"]["delimiter"] == "manual"
+    assert s["regions"]["eval"]["count"] == 3
+    assert s["regions"]["eval"]["total_s"] == pytest.approx(0.06, abs=0.02)
+    steps = load_run(tmp_path / "r").steps
+    # the eval region is charged to the step it ran in, not to forward
+    assert (steps["region_ns"] > 15e6).sum() == 3
+    assert (steps["forward_ns"] < 15e6).all()
+    # exclusive phases add up to each step's duration exactly
+    phases = [f for f in steps.dtype.names if f.endswith("_ns") and f not in
+              ("t_start_ns", "dur_ns", "sync_ns")]
+    assert (sum(steps[f] for f in phases) == steps["dur_ns"]).all()
+
+
+def test_crash_inside_profile_is_recorded_and_reraised(tmp_path):
+    with pytest.raises(ZeroDivisionError), trainprof.profile(tmp_path / "r", report=False) as prof:
+        _loop(prof, 5)
+        1 / 0  # noqa: B018
+    run = load_run(tmp_path / "r")
+    assert run.status == "crashed"
+    assert len(run.steps) == 5
+
+
+def test_max_steps_ends_the_block_quietly(tmp_path):
+    with trainprof.profile(tmp_path / "r", max_steps=7, report=False) as prof:
+        model = nn.Linear(2, 1)
+        opt = torch.optim.Adam(model.parameters())
+        while True:
+            model(torch.randn(3, 2)).sum().backward()
+            opt.step()
+    assert prof.summary["steps"]["count"] == 7
+    assert prof.summary["status"] == "finished"
+
+
+def test_disabled_profile_is_a_null_object(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    prof = trainprof.profile(enabled=False)
+    assert isinstance(prof, trainprof.NullProfile)
+    with prof:
+        _loop(prof, 3, eval_every=1)
+    assert not (tmp_path / "trainprof-runs").exists()
+    # costs nothing measurable: a step() call is a no-op method call
+    t0 = time.perf_counter()
+    for _ in range(100_000):
+        prof.step()
+    assert (time.perf_counter() - t0) / 100_000 < 2e-6
+
+
+def test_sync_and_host_read_counts(tmp_path):
+    with trainprof.profile(tmp_path / "r", report=False) as prof:
+        w = torch.zeros(3, requires_grad=True)
+        opt = torch.optim.SGD([w], lr=0.1)
+        for _ in range(10):
+            loss = (w - 1).pow(2).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            loss.item()
+            w.detach().tolist()
+    s = prof.summary
+    assert s["syncs"]["host_reads_per_step"] == pytest.approx(2.0, abs=0.01)
+    assert s["syncs"]["per_step"] == 0  # CPU tensors: reads, but no device sync
+
+
+def test_gc_time_is_its_own_phase(tmp_path):
+    import gc
+
+    with trainprof.profile(tmp_path / "r", report=False) as prof:
+        w = torch.zeros(3, requires_grad=True)
+        opt = torch.optim.SGD([w], lr=0.1)
+        junk = [[i] for i in range(200_000)]
+        for _ in range(6):
+            (w * 2).sum().backward()
+            gc.collect()
+            opt.step()
+        del junk
+    steps = load_run(tmp_path / "r").steps
+    assert (steps["gc_n"] >= 1).all()
+    assert (steps["gc_gen2_n"] >= 1).all()
+    assert (steps["gc_ns"] > 1e6).sum() >= 5  # a full collection of 200k lists takes ms
+    assert prof.summary["breakdown"]["gc"] > 0.3
+
+
+def test_forward_wrapper_moves_onto_root_classes_after_discovery(tmp_path):
+    """After a few steps only the top-level module classes stay wrapped; forward is still timed."""
+    original_call = torch.nn.Module.__call__
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+        def forward(self, x):
+            time.sleep(0.002)
+            return self.body(x)
+
+    seen_during_run = []
+    with trainprof.profile(tmp_path / "r", report=False):
+        model, loss_fn = Net(), nn.MSELoss()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for _ in range(12):
+            loss = loss_fn(model(torch.randn(8, 4)), torch.zeros(8, 1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            seen_during_run.append(torch.nn.Module.__call__ is original_call)
+        assert "__call__" in Net.__dict__ and "__call__" in nn.MSELoss.__dict__
+        assert "__call__" not in nn.Linear.__dict__
+    assert seen_during_run[0] is False and seen_during_run[-1] is True
+    assert "__call__" not in Net.__dict__ and "__call__" not in nn.MSELoss.__dict__
+    steps = load_run(tmp_path / "r").steps
+    assert (steps["forward_ns"] > 2e6).all()  # the 2 ms sleep in forward, every step

@@ -1,0 +1,92 @@
+"""The run folder: torn writes, schema checks, and the size/speed of a 1,000,000-step record."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import orjson
+import pytest
+
+from trainprof.analysis.steps import detect_warmup, step_statistics
+from trainprof.errors import UsageError
+from trainprof.schema import FLAG_PARTIAL
+from trainprof.store import STEP_DTYPE, RunWriter, load_run
+
+
+def _records(n: int, dur_ms: float = 10.0, data_ms: float = 4.0) -> list[tuple[int, ...]]:
+    recs = []
+    for i in range(n):
+        dur = int(dur_ms * 1e6)
+        data = int(data_ms * 1e6)
+        rec = [0] * len(STEP_DTYPE.names)
+        rec[0], rec[1], rec[2] = i, i * dur, dur
+        rec[3] = dur - data  # other
+        rec[4] = data  # data_wait
+        rec[STEP_DTYPE.names.index("samples")] = 32
+        recs.append(tuple(rec))
+    return recs
+
+
+def test_torn_last_record_and_line_are_dropped(tmp_path):
+    w = RunWriter(tmp_path / "r", {"name": "t"})
+    w.append_steps(_records(5))
+    w.event("dataloader", batch_size=32)
+    w.close("finished", 0)
+    with open(tmp_path / "r" / "steps.bin", "ab") as f:
+        f.write(b"\x01" * 17)  # half a record, as a crash mid-write would leave
+    with open(tmp_path / "r" / "events.jsonl", "ab") as f:
+        f.write(b'{"kind": "regi')
+    run = load_run(tmp_path / "r")
+    assert len(run.steps) == 5 and run.events == [{"kind": "dataloader", "batch_size": 32}]
+    stats = step_statistics(run.steps)
+    assert stats["breakdown"]["data_wait"] == pytest.approx(0.4)
+    assert stats["samples_per_s"] == pytest.approx(3200)
+
+
+def test_schema_errors_are_usage_errors(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "run.json").write_text("{not json")
+    with pytest.raises(UsageError):
+        load_run(tmp_path / "a")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "run.json").write_bytes(orjson.dumps({"schema_version": 99}))
+    with pytest.raises(UsageError, match="newer trainprof"):
+        load_run(tmp_path / "b")
+
+
+def test_million_step_record_is_small_and_fast(tmp_path):
+    w = RunWriter(tmp_path / "r", {"name": "big"})
+    chunk = _records(100_000)
+    for _ in range(10):
+        w.append_steps(chunk)
+    w.close("finished", 0)
+    size = (tmp_path / "r" / "steps.bin").stat().st_size
+    assert size == 1_000_000 * STEP_DTYPE.itemsize
+    assert size < 200e6
+    t0 = time.perf_counter()
+    run = load_run(tmp_path / "r")
+    stats = step_statistics(run.steps)
+    elapsed = time.perf_counter() - t0
+    assert stats["steps"]["count"] == 1_000_000
+    assert elapsed < 5, elapsed
+
+
+def test_partial_last_step_is_not_counted():
+    recs = np.array(_records(4), dtype=STEP_DTYPE)
+    recs["flags"][-1] = FLAG_PARTIAL
+    assert step_statistics(recs)["steps"]["count"] == 3
+
+
+def test_warmup_detection():
+    rng = np.random.default_rng(0)
+    steady = 0.010 + rng.normal(0, 0.0003, 200)
+    d = np.concatenate([[2.0, 0.5, 0.05, 0.02], steady])
+    assert detect_warmup(d) == 4
+    assert detect_warmup(steady) == 0
+    # a periodic spike (eval every 50 steps) is not warm-up
+    spiky = steady.copy()
+    spiky[::50] = 0.2
+    spiky[0] = 0.010
+    assert detect_warmup(spiky) == 0
+    assert detect_warmup(np.array([1.0, 0.01])) == 0
