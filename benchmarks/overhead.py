@@ -2,10 +2,11 @@
 
 The same loop runs in one process in rounds of blocks - plain, plain again,
 trainprof, torch.profiler, in a random order each round - so that drift of the
-machine (other load, thermal, allocator state) hits every arm equally. Each block is timed from the outside
-with ``perf_counter``; the overhead is the ratio of the median block time with
-capture to the median block time without. torch.profiler (CPU activity, the
-usual settings) is measured on the same loop for contrast.
+machine (other load, thermal, allocator state) hits every arm equally. Each
+block is timed from the outside with ``perf_counter``; the overhead is the
+median over rounds of (block time with capture / block time without).
+torch.profiler (CPU activity, the usual settings) is measured on the same loop
+for contrast.
 
     python benchmarks/overhead.py            # ~1 minute
     python benchmarks/overhead.py --quick    # a few seconds, a rough figure

@@ -37,3 +37,13 @@ STEP_FIELDS = (
     + ("flags",)
 )
 
+
+# Device (CUDA event) time per step: see trainprof.capture.device_timer for the definitions.
+DEVICE_FIELDS = (
+    "step",
+    "dev_step_ns",
+    "dev_forward_ns",
+    "dev_backward_ns",
+    "dev_optimizer_ns",
+    "dev_gap_ns",
+)

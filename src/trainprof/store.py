@@ -4,6 +4,7 @@ Layout (schema version :data:`SCHEMA_VERSION`; a **contract**, see DESIGN.md)::
 
     run.json        metadata, fingerprint, status, exit code, summary
     steps.bin       one fixed-width little-endian record per step (fields in run.json)
+    device.bin      on CUDA: device time per step and phase, from CUDA events
     samples.jsonl   system samples, one JSON object per line
     events.jsonl    things that happen once or rarely: DataLoaders seen, regions, notes
     findings.json   the diagnosis at the end of the run
@@ -30,7 +31,7 @@ import numpy as np
 import orjson
 
 from trainprof.errors import UsageError
-from trainprof.schema import STEP_FIELDS
+from trainprof.schema import DEVICE_FIELDS, STEP_FIELDS
 
 SCHEMA_VERSION = 1
 
@@ -40,7 +41,10 @@ STEP_DTYPE = np.dtype(
     [(name, "<i4" if name in _COUNTERS else "<i8") for name in STEP_FIELDS]
 )
 
+DEVICE_DTYPE = np.dtype([(name, "<i8") for name in DEVICE_FIELDS])
+
 RUN_JSON = "run.json"
+DEVICE_BIN = "device.bin"
 STEPS_BIN = "steps.bin"
 SAMPLES_JSONL = "samples.jsonl"
 EVENTS_JSONL = "events.jsonl"
@@ -100,6 +104,7 @@ class RunWriter:
             **meta,
         }
         self._steps = open(run_dir / STEPS_BIN, "ab")  # noqa: SIM115 - open for the whole run
+        self._device = open(run_dir / DEVICE_BIN, "ab")  # noqa: SIM115
         self._events = open(run_dir / EVENTS_JSONL, "ab")  # noqa: SIM115
         self.write_meta()
 
@@ -116,6 +121,12 @@ class RunWriter:
         self._steps.write(np.array(records, dtype=STEP_DTYPE).tobytes())
         self._steps.flush()
 
+    def append_device(self, records: list[tuple[int, ...]]) -> None:
+        if not records or self._device.closed:
+            return
+        self._device.write(np.array(records, dtype=DEVICE_DTYPE).tobytes())
+        self._device.flush()
+
     def event(self, kind: str, **data: Any) -> None:
         if self._events.closed:
             return
@@ -128,6 +139,7 @@ class RunWriter:
     def close(self, status: str, exit_code: int | None, **extra: Any) -> None:
         assert status in STATUSES, status
         self._steps.close()
+        self._device.close()
         self._events.close()
         self.update_meta(status=status, exit_code=exit_code, ended_at=now_iso(), **extra)
 
@@ -142,6 +154,7 @@ class Run:
     events: list[dict[str, Any]]
     samples_path: Path
     findings: list[dict[str, Any]] = field(default_factory=list)
+    device: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=DEVICE_DTYPE))
 
     @property
     def status(self) -> str:
@@ -171,12 +184,13 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-def load_steps(path: Path) -> np.ndarray:
+def load_records(path: Path, dtype: np.dtype = STEP_DTYPE) -> np.ndarray:
+    """Fixed-width records from a binary file; a torn last record is dropped."""
     if not path.exists():
-        return np.zeros(0, dtype=STEP_DTYPE)
+        return np.zeros(0, dtype=dtype)
     raw = path.read_bytes()
-    usable = len(raw) - len(raw) % STEP_DTYPE.itemsize  # drop a torn last record
-    return np.frombuffer(raw[:usable], dtype=STEP_DTYPE)
+    usable = len(raw) - len(raw) % dtype.itemsize
+    return np.frombuffer(raw[:usable], dtype=dtype)
 
 
 def load_run(run_dir: Path) -> Run:
@@ -225,7 +239,8 @@ def load_run(run_dir: Path) -> Run:
     return Run(
         path=run_dir,
         meta=meta,
-        steps=load_steps(run_dir / STEPS_BIN),
+        steps=load_records(run_dir / STEPS_BIN),
+        device=load_records(run_dir / DEVICE_BIN, DEVICE_DTYPE),
         events=_read_jsonl(run_dir / EVENTS_JSONL),
         samples_path=run_dir / SAMPLES_JSONL,
         findings=findings,

@@ -10,6 +10,7 @@ from collections import defaultdict
 from datetime import datetime
 from typing import Any
 
+from trainprof.analysis.device import device_statistics
 from trainprof.analysis.steps import complete_steps, step_statistics
 from trainprof.analysis.system import load_samples, summarize_system
 from trainprof.store import Run
@@ -84,6 +85,9 @@ def summarize_run(run: Run) -> dict[str, Any]:
         "dataloaders": meta.get("dataloaders")
         or [ev for ev in run.events if ev.get("kind") == "dataloader"],
         "system": system,
+        "device": device_statistics(
+            run.device, int(done["step"][warm]) if len(done) > warm else 0
+        ),
         "environment": _environment(meta.get("fingerprint")),
         "missing": meta.get("missing", []),
         "notes": meta.get("notes", []),

@@ -36,6 +36,7 @@ import contextlib
 import threading
 from collections import deque
 from time import perf_counter_ns
+from typing import Any
 
 from trainprof.schema import (
     FLAG_BACKWARD,
@@ -80,6 +81,8 @@ class StepClock:
         self._subs: list[tuple[int, list[int]]] = []
         self._primary: int | None = None
         self._others_since_primary: dict[int, int] = {}
+        #: a DeviceTimer once CUDA is in use (set by the Recorder), else None
+        self.device: Any = None
 
     # -- phase transitions (hot path) -------------------------------------
     def begin(self, now: int) -> None:
@@ -199,6 +202,8 @@ class StepClock:
         self.n_steps += 1
         self.acc = [0] * N_ACC
         self.step_start = now
+        if self.device is not None:
+            self.device.step_closed(self.n_steps - 1)
         if self.max_steps is not None:
             self._check_max_steps()
 

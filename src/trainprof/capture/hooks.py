@@ -42,6 +42,14 @@ from torch.utils.data import DataLoader
 from torch.utils.data import dataloader as _dl
 
 from trainprof.capture.clock import StepClock
+from trainprof.capture.device_timer import (
+    BWD_BEGIN,
+    BWD_END,
+    FWD_BEGIN,
+    FWD_END,
+    OPT_BEGIN,
+    OPT_END,
+)
 from trainprof.schema import (
     BACKWARD,
     DATA,
@@ -267,9 +275,14 @@ class Instrumentation:
                 clock.acc[OTHER] += now - clock.mark
                 clock.current = FORWARD
                 clock.mark = now
+                dev = clock.device
+                if dev is not None:
+                    dev.mark(FWD_BEGIN)
                 try:
                     return orig(module, *args, **kwargs)
                 finally:
+                    if dev is not None:
+                        dev.mark(FWD_END)
                     now = perf_counter_ns()
                     clock.acc[clock.current] += now - clock.mark
                     clock.current = OTHER
@@ -295,9 +308,14 @@ class Instrumentation:
                 clock.acc[prev] += now - clock.mark
                 clock.current = BACKWARD
                 clock.mark = now
+                dev = clock.device if prev == OTHER else None
+                if dev is not None:
+                    dev.mark(BWD_BEGIN)
                 try:
                     return orig(*args, **kwargs)
                 finally:
+                    if dev is not None:
+                        dev.mark(BWD_END)
                     now = perf_counter_ns()
                     clock.acc[clock.current] += now - clock.mark
                     clock.current = prev
@@ -314,9 +332,13 @@ class Instrumentation:
         def pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
             if get_ident() == owner:
                 saved["optimizer"] = enter(OPTIMIZER)
+                if clock.device is not None:
+                    clock.device.mark(OPT_BEGIN)
 
         def post_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
             if get_ident() == owner:
+                if clock.device is not None:
+                    clock.device.mark(OPT_END)
                 now = perf_counter_ns()
                 clock.acc[clock.current] += now - clock.mark
                 clock.current = saved.pop("optimizer", OTHER)

@@ -17,6 +17,7 @@ from typing import Any
 
 from trainprof import __version__
 from trainprof.capture.clock import StepClock
+from trainprof.capture.device_timer import DeviceTimer
 from trainprof.capture.fingerprint import collect_fingerprint
 from trainprof.capture.hooks import Instrumentation, LoaderRegistry
 from trainprof.capture.sampler import SystemSampler
@@ -119,9 +120,30 @@ class Recorder:
         n = len(records)
         if n:
             self.writer.append_steps([records.popleft() for _ in range(n)])
+        device = self.clock.device
+        if device is not None:
+            dev_records = device.records
+            n = len(dev_records)
+            if n:
+                self.writer.append_device([dev_records.popleft() for _ in range(n)])
+        elif self._cuda_in_use():
+            # CUDA came up in the script: time phases on the device from now on
+            self.clock.device = DeviceTimer.for_cuda()
         if not self._fingerprinted and (self.clock.n_steps > 0 or self._stopped):
             self._fingerprinted = True
             self.writer.update_meta(fingerprint=collect_fingerprint(self._script, self._command))
+
+    @staticmethod
+    def _cuda_in_use() -> bool:
+        """True once the script initialised CUDA.
+
+        Only ``is_initialized`` (a flag) is read: ``is_available`` would touch
+        the driver, and doing that before the script sets
+        ``CUDA_VISIBLE_DEVICES`` would change what the script sees.
+        """
+        import torch
+
+        return bool(torch.cuda.is_initialized())
 
     def _on_new_loader(self, index: int, config: dict[str, Any]) -> None:
         self.writer.event("dataloader", **config)

@@ -130,6 +130,15 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
                 parts.append(" · ")
             parts.append(f"{label} {breakdown[key] * 100:.1f}%", style=style)
         table.add_row("", parts)
+    device = summary.get("device")
+    if device:
+        b = device["breakdown"]
+        table.add_row(
+            "GPU time",
+            f"median {fmt_time(device['median_step_s'])}/step on the device · forward "
+            f"{b['forward'] * 100:.0f}% · backward {b['backward'] * 100:.0f}% · optimizer "
+            f"{b['optimizer'] * 100:.0f}% · outside phases (idle if starved) {b['gap'] * 100:.0f}%",
+        )
     syncs = summary.get("syncs")
     if syncs and (syncs["per_step"] or syncs["host_reads_per_step"]):
         table.add_row(
