@@ -145,3 +145,17 @@ def test_forward_wrapper_moves_onto_root_classes_after_discovery(tmp_path):
     assert "__call__" not in Net.__dict__ and "__call__" not in nn.MSELoss.__dict__
     steps = load_run(tmp_path / "r").steps
     assert (steps["forward_ns"] > 2e6).all()  # the 2 ms sleep in forward, every step
+
+
+def test_training_goes_on_when_the_sampler_fails(tmp_path, monkeypatch):
+    from trainprof.capture import sampler
+
+    def broken_start(self):
+        raise OSError("no /proc here")
+
+    monkeypatch.setattr(sampler.SystemSampler, "start", broken_start)
+    with trainprof.profile(tmp_path / "r", report=False) as prof:
+        _loop(prof, 5)
+    assert prof.summary["steps"]["count"] == 5
+    assert any("system sampler" in m for m in prof.summary["missing"])
+    assert prof.summary["system"]["n_samples"] == 0

@@ -359,3 +359,25 @@ def test_kill_9_leaves_a_readable_record(tmp_path):
     assert doc["steps"]["count"] >= 4
     # workers notice their parent is gone and exit (DataLoader's watchdog)
     assert _gone(pids, within=15)
+
+
+def test_profile_api_inside_trainprof_run_attaches_to_the_run(tp):
+    body = """
+    import torch, trainprof
+    w = torch.zeros(2, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1)
+    with trainprof.profile() as prof:
+        for step in range(12):
+            for micro in range(3):   # three optimizer steps per "step" the user marks
+                w.sum().backward(); opt.step()
+            with prof.region("log"):
+                pass
+            prof.step()
+    """
+    res = tp(body, "--json")
+    assert res.returncode == 0, res.stderr
+    doc = res.json()
+    assert doc["steps"]["delimiter"] == "manual"
+    assert doc["steps"]["count"] == 12
+    assert doc["regions"]["log"]["count"] == 12
+    assert not (res.run_dir.parent / "trainprof-runs").exists()  # no second run folder

@@ -39,6 +39,25 @@ class NullProfile:
         return _NULL_CONTEXT
 
 
+class AttachedProfile(NullProfile):
+    """``profile()`` inside a script already run by ``trainprof run``.
+
+    The patches are process-wide, so a second capture would measure
+    everything twice. Instead, ``step()`` and ``region()`` go to the running
+    capture, and no second run folder is made.
+    """
+
+    def __init__(self, recorder: Any) -> None:
+        self._recorder = recorder
+        self.run_dir = recorder.run_dir
+
+    def step(self) -> None:
+        self._recorder.step()
+
+    def region(self, name: str) -> contextlib.AbstractContextManager[None]:  # type: ignore[override]
+        return self._recorder.region(name)
+
+
 class Profile:
     """An always-on capture of the code inside the ``with`` block."""
 
@@ -116,6 +135,9 @@ def profile(
 ) -> Profile | NullProfile:
     """Profile the training loop inside a ``with`` block.
 
+    Under ``trainprof run``, this attaches to that run instead of starting a
+    second one (see :class:`AttachedProfile`).
+
     ``out``: the run folder (default ``./trainprof-runs/<timestamp>-<script>``);
     ``max_steps``: stop the loop (by raising out of the step boundary, caught
     by this block) after that many steps; ``report``: print the summary to
@@ -123,6 +145,11 @@ def profile(
     """
     if not enabled:
         return NullProfile()
+    from trainprof.capture.recorder import active_recorder
+
+    running = active_recorder()
+    if running is not None:
+        return AttachedProfile(running)
     return Profile(
         out, name, max_steps=max_steps, sample_interval_s=sample_interval_s, report=report
     )

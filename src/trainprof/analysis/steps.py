@@ -33,10 +33,27 @@ BREAKDOWN_KEYS = ("data_wait", "forward", "backward", "optimizer", "gc", "other"
 
 
 def complete_steps(steps: np.ndarray) -> np.ndarray:
-    """Steps that ran to their boundary (the run's cut-off last step is dropped)."""
+    """The steps to analyse: complete ones, with a manual run's automatic prefix merged.
+
+    The run's cut-off last step is dropped. When the script marks steps itself
+    (``prof.step()``), the clock cannot know that before the first call, so
+    the optimizer steps it saw until then are merged into the first manual
+    step: together they are the user's first step.
+    """
     if len(steps) == 0:
         return steps
-    return steps[(steps["flags"] & FLAG_PARTIAL) == 0]
+    done = steps[(steps["flags"] & FLAG_PARTIAL) == 0]
+    manual = (done["flags"] & FLAG_MANUAL) != 0
+    if not manual.any() or manual[0]:
+        return done
+    first = int(np.argmax(manual))
+    head = done[: first + 1]
+    merged = head[-1:].copy()
+    for name in done.dtype.names:
+        if name not in ("step", "t_start_ns", "flags"):
+            merged[name] = head[name].sum()
+    merged["t_start_ns"] = head["t_start_ns"][0]
+    return np.concatenate([merged, done[first + 1 :]])
 
 
 def detect_warmup(durations: np.ndarray) -> int:

@@ -151,15 +151,12 @@ class StepClock:
     def manual_step(self) -> None:
         """Explicit boundary from ``prof.step()``; turns automatic boundaries off.
 
-        The first call usually comes right after an optimizer step already
-        closed a step automatically; if nothing but top-level time has passed
-        since, that boundary stands and no empty step is made.
+        Steps closed automatically before the first call are kept as they are;
+        the analysis merges them into the first manual step
+        (:func:`trainprof.analysis.steps.complete_steps`).
         """
         if not self.started:
             self.begin(perf_counter_ns())
-            self.mode = "manual"
-            return
-        if self.mode != "manual" and self.n_steps and not any(self.acc[1:N_PHASES]):
             self.mode = "manual"
             return
         self.mode = "manual"

@@ -24,6 +24,13 @@ from trainprof.capture.sampler import SystemSampler
 from trainprof.schema import REGION
 from trainprof.store import SAMPLES_JSONL, RunWriter
 
+#: The recorder running in this process, if any (one at a time: the patches are global).
+_active: Recorder | None = None
+
+
+def active_recorder() -> Recorder | None:
+    return _active
+
 
 class Recorder:
     """Always-on capture of one training run into one Run folder."""
@@ -75,6 +82,10 @@ class Recorder:
 
     # -- lifecycle -----------------------------------------------------------
     def start(self) -> Recorder:
+        global _active
+        if _active is not None:
+            raise RuntimeError("a trainprof recorder is already running in this process")
+        _active = self
         if self.instrumentation is not None:
             self.instrumentation.install()
         try:
@@ -89,6 +100,9 @@ class Recorder:
         if self._stopped:
             return self.run_dir
         self._stopped = True
+        global _active
+        if _active is self:
+            _active = None
         self.clock.finish()
         if self.instrumentation is not None:
             self.instrumentation.uninstall()
