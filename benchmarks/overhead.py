@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -26,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -69,6 +71,15 @@ def _ratio_pct(with_: list[float], without: list[float]) -> float:
     return (statistics.median(a / b for a, b in zip(with_, without, strict=True)) - 1) * 100
 
 
+def _ci_pct(with_: list[float], without: list[float], n: int = 2000) -> tuple[float, float]:
+    """95% bootstrap confidence interval of :func:`_ratio_pct` (resampling rounds)."""
+    ratios = np.array(with_) / np.array(without)
+    rng = np.random.default_rng(0)
+    meds = np.median(rng.choice(ratios, size=(n, len(ratios)), replace=True), axis=1)
+    lo, hi = np.percentile(meds, [2.5, 97.5])
+    return (lo - 1) * 100, (hi - 1) * 100
+
+
 def measure(rounds: int, steps: int) -> dict[str, float]:
     """Each round runs four arms in random order: plain, plain again, trainprof, torch.profiler.
 
@@ -102,6 +113,7 @@ def measure(rounds: int, steps: int) -> dict[str, float]:
     return {
         "step_ms_plain": statistics.median(times["plain"]) * 1e3,
         "overhead_pct": _ratio_pct(times["trainprof"], times["plain"]),
+        "overhead_ci95_pct": _ci_pct(times["trainprof"], times["plain"]),
         "noise_pct": _ratio_pct(times["plain2"], times["plain"]),
         "torch_profiler_overhead_pct": _ratio_pct(times["torch"], times["plain"]),
         "rounds": rounds,
@@ -114,14 +126,21 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--cpu", type=int, default=None,
+                        help="pin the benchmark to this core (less noise on a busy machine)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    res = measure(rounds=6 if args.quick else 40, steps=100 if args.quick else 200)
+    if args.cpu is not None:
+        os.sched_setaffinity(0, {args.cpu})
+    res = measure(rounds=6 if args.quick else args.rounds, steps=100 if args.quick else 200)
     if args.json:
         print(json.dumps(res))
         return
     print(f"plain loop:            {res['step_ms_plain']:.3f} ms/step")
-    print(f"trainprof always-on:   {res['overhead_pct']:+.2f}% step time")
+    lo, hi = res["overhead_ci95_pct"]
+    print(f"trainprof always-on:   {res['overhead_pct']:+.2f}% step time "
+          f"(95% CI {lo:+.2f}% .. {hi:+.2f}%)")
     print(f"plain vs plain (noise): {res['noise_pct']:+.2f}%")
     print(f"torch.profiler (CPU):  {res['torch_profiler_overhead_pct']:+.1f}% step time")
 
