@@ -83,7 +83,8 @@ def build_parser() -> _Parser:
                      help="system sampling period (default: 0.2 s, i.e. 5 Hz)")
 
     report = sub.add_parser("report", help="summarise an existing run folder, in any status")
-    report.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    report.add_argument("run_dir", type=Path, metavar="RUN_DIR",
+                        help="a run folder written by trainprof run (any status)")
     report.add_argument("--json", action="store_true", help="print one JSON document")
     return parser
 

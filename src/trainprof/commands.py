@@ -21,8 +21,12 @@ from trainprof.store import default_run_dir, load_run, save_summary
 
 
 def finalize_run(run_dir: Path) -> dict[str, Any]:
-    """Summarise a closed Run folder and store the summary in it."""
-    summary = summarize_run(load_run(run_dir))
+    """Summarise a closed Run folder, diagnose it, and store both in it (findings.json)."""
+    from trainprof.diagnosis import diagnose
+
+    run = load_run(run_dir)
+    summary = summarize_run(run)
+    summary["findings"] = diagnose(summary, run.steps)
     save_summary(run_dir, summary)
     return summary
 
@@ -109,6 +113,11 @@ def report_command(run_dir: Path, json_out: bool = False) -> int:
     """``trainprof report``: summarise an existing Run folder, whatever its status."""
     run = load_run(run_dir)
     summary = summarize_run(run)
+    # Diagnose again rather than show findings.json: a run killed before finalize_run has
+    # none stored, and the rules of the installed trainprof are the ones to apply.
+    from trainprof.diagnosis import diagnose
+
+    summary["findings"] = diagnose(summary, run.steps)
     if json_out:
         render_json(summary)
     else:

@@ -35,8 +35,12 @@ def _regions(events: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return dict(out)
 
 
-def _environment(fp: dict[str, Any] | None) -> dict[str, Any]:
-    """The few fingerprint facts worth a line in the summary (the rest stays in run.json)."""
+def _environment(fp: dict[str, Any] | None, training: dict[str, Any] | None) -> dict[str, Any]:
+    """The few fingerprint facts worth a line in the summary (the rest stays in run.json).
+
+    Thread counts come from the training thread when recorded (``training``):
+    OpenMP's intra-op count is per thread.
+    """
     if not fp:
         return {}
     torch_info = fp.get("torch") or {}
@@ -51,7 +55,9 @@ def _environment(fp: dict[str, Any] | None) -> dict[str, Any]:
         "gpu_count": len(gpus),
         "cpu_model": cpu.get("model"),
         "usable_cores": cpu.get("usable_cores"),
-        "torch_num_threads": threads.get("torch_num_threads"),
+        "torch_num_threads": (training or {}).get("torch_num_threads")
+        or threads.get("torch_num_threads"),
+        "cgroup_cpu_limit": cpu.get("cgroup_cpu_limit"),
     }
 
 
@@ -88,7 +94,7 @@ def summarize_run(run: Run) -> dict[str, Any]:
         "device": device_statistics(
             run.device, int(done["step"][warm]) if len(done) > warm else 0
         ),
-        "environment": _environment(meta.get("fingerprint")),
+        "environment": _environment(meta.get("fingerprint"), meta.get("training_thread")),
         "missing": meta.get("missing", []),
         "notes": meta.get("notes", []),
         "findings": run.findings,

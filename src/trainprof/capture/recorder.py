@@ -112,6 +112,7 @@ class Recorder:
             self.sampler.stop()
         self.flush()
         missing = list(dict.fromkeys(self.writer.meta["missing"] + list(self.sampler.missing)))
+        self.writer.meta["training_thread"] = self._training_thread_settings()
         self.writer.close(
             status,
             exit_code,
@@ -146,6 +147,21 @@ class Recorder:
         if not self._fingerprinted and (self.clock.n_steps > 0 or self._stopped):
             self._fingerprinted = True
             self.writer.update_meta(fingerprint=collect_fingerprint(self._script, self._command))
+
+    @staticmethod
+    def _training_thread_settings() -> dict[str, int]:
+        """torch's thread counts as the training thread sees them.
+
+        With OpenMP the intra-op count is per thread, so the fingerprint
+        (taken on the sampler thread) can disagree with what the script set
+        via ``torch.set_num_threads``; this is read on the training thread.
+        """
+        import torch
+
+        return {
+            "torch_num_threads": torch.get_num_threads(),
+            "torch_num_interop_threads": torch.get_num_interop_threads(),
+        }
 
     @staticmethod
     def _cuda_in_use() -> bool:

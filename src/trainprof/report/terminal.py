@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import IO, Any
 
 from rich.console import Console
+from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
@@ -189,13 +190,57 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
         )
     findings = summary.get("findings") or []
     if findings:
-        for i, f in enumerate(findings, 1):
-            table.add_row(
-                "Finding" if i == 1 else "",
-                f"[{f.get('severity')}] {f.get('title')} "
-                f"(up to {f.get('estimated_gain', 0) * 100:.0f}% of step time)",
-            )
+        table.add_row("Findings", f"{len(findings)}, highest estimated gain first (below)")
+    elif steps["count"]:
+        table.add_row("Findings", "none: no rule fired above its reporting threshold")
     for note in list(summary.get("missing") or []) + list(summary.get("notes") or []):
         table.add_row("Note", str(note))
     table.add_row("Run folder", str(summary.get("run_dir")))
     console.print(table)
+    # Findings go below the table, at full width: fix snippets must not wrap inside a cell.
+    for i, f in enumerate(findings, 1):
+        _print_finding(console, i, f)
+
+
+_SEVERITY_STYLE = {"high": "bold red", "medium": "bold yellow", "low": "bold blue"}
+
+
+def _fmt_evidence_value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    if isinstance(value, dict):
+        inner = (f"{k}={_fmt_evidence_value(v)}" for k, v in value.items() if v is not None)
+        return "{" + ", ".join(inner) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_fmt_evidence_value(v) for v in value) + "]"
+    return str(value)
+
+
+def _print_finding(console: Console, i: int, f: dict[str, Any]) -> None:
+    """One finding: severity and title, gain, evidence, fix text, snippet, verify line."""
+    severity = str(f.get("severity"))
+    head = Text(f"\n{i}. ")
+    head.append(f"[{severity}]", style=_SEVERITY_STYLE.get(severity, "bold"))
+    head.append(f" {f.get('title')}", style="bold")
+    console.print(head, soft_wrap=False)
+    gain = f.get("estimated_gain") or 0.0
+    impact = (
+        f"could save up to {gain * 100:.0f}% of step time"
+        if gain > 0
+        else "no speed-up: it qualifies the numbers above"
+    )
+    kind = f"{f.get('category')}/{f.get('cause')} · {impact}"
+    console.print(Padding(Text(kind), (0, 0, 0, 3)), soft_wrap=False)
+    evidence = f.get("evidence") or {}
+    if evidence:
+        ev = "; ".join(f"{k}={_fmt_evidence_value(v)}" for k, v in evidence.items())
+        console.print(Padding(Text(f"evidence: {ev}", style="dim"), (0, 0, 0, 3)), soft_wrap=False)
+    fix = f.get("fix") or {}
+    if fix.get("text"):
+        console.print(Padding(Text(f"fix: {fix['text']}"), (0, 0, 0, 3)), soft_wrap=False)
+    for line in str(fix.get("snippet") or "").splitlines():
+        # Code is printed unwrapped (soft wrap), so it can be copied as it is.
+        console.print(Text(f"      {line}", style="green"), soft_wrap=True)
+    if f.get("verify"):
+        verify = Text(f"verify: {f['verify']}", style="cyan")
+        console.print(Padding(verify, (0, 0, 0, 3)), soft_wrap=False)

@@ -1,0 +1,168 @@
+"""CPU contention: more runnable threads than usable cores, so the model's math waits for a core.
+
+Sources (expert-rules.md): H11 — the PyTorch tuning guide and TF on CPU threading
+(``OMP_NUM_THREADS``, affinity); TF I6 (``max_intra_op_parallelism=1`` for input
+work, > 10% gain); data-loading.md §3 item 7 (at most one worker per core).
+
+The thread demand of a run is the main process's intra-op threads plus one per
+DataLoader worker: PyTorch sets ``torch.set_num_threads(1)`` in every worker
+(``torch/utils/data/_utils/worker.py``, torch 2.13), so workers do not multiply the
+intra-op pool; ``threads x (1 + workers)`` would overstate it. A nominal excess is not
+enough to report: workers that sleep on I/O take no core. The rule therefore uses the
+*measured* CPU of the workers (the sampler's per-worker CPU, in cores) and asks how
+many cores the intra-op pool is left with. With ``T`` intra-op threads, ``W`` cores
+used by workers and ``C`` usable cores, the pool has ``C - W`` cores for ``T``
+threads; compute could run up to ``T / (C - W)`` times faster with a core per thread,
+so the estimated gain is ``compute_share x (1 - (C - W) / T)``. On CUDA the math runs
+on the device and the host needs about one thread to launch it, so ``T = 1`` there.
+
+OpenMP pools that lose a thread to the scheduler can stall at every barrier, so the
+real loss can exceed this estimate; the verify sweep measures it.
+
+Caveat: ``torch_num_threads`` is read when the run starts, before the script runs;
+a later ``torch.set_num_threads`` in the script is not seen yet.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from trainprof.diagnosis.context import Context
+from trainprof.diagnosis.finding import Finding, Fix, band
+from trainprof.diagnosis.registry import rule
+
+HIGH, MEDIUM, LOW = 0.20, 0.05, 0.02
+#: Worker CPU (in cores) below which workers are not competing for cores in earnest
+#: (workers that sleep on I/O); the gain bands then decide whether it is worth a finding.
+MIN_WORKER_CORES = 0.10
+
+
+def _powers(lo: int, hi: int) -> set[int]:
+    """``lo``, ``hi`` and the powers of two between them: the values of a sweep."""
+    out = {lo, hi}
+    p = 1
+    while p < hi:
+        if p > lo:
+            out.add(p)
+        p *= 2
+    return out
+
+
+def _csv(values: set[int]) -> str:
+    return ",".join(str(v) for v in sorted(values))
+
+
+@rule("contention.oversubscribed_cores")
+def oversubscribed_cores(ctx: Context) -> Finding | None:
+    cores = ctx.cores
+    threads = ctx.environment.get("torch_num_threads")
+    if not cores or not isinstance(threads, int) or threads <= 0:
+        return None
+    compute = ctx.compute_share
+    nw = max((int(d.get("num_workers") or 0) for d in ctx.loaders), default=0)
+    sysinfo = ctx.system
+    worker_cores = sysinfo.get("workers_cpu_pct")
+    worker_cores = worker_cores / 100 if isinstance(worker_cores, int | float) else None
+    pool = 1 if ctx.on_cuda else threads
+
+    # Intra-op threads alone exceed the cores (containers that show the host's cores).
+    gain_threads = compute * (1 - cores / pool) if pool > cores else 0.0
+    # Workers busy on cores the intra-op pool wants.
+    gain_workers = 0.0
+    if nw and worker_cores is not None and worker_cores >= MIN_WORKER_CORES and pool + nw > cores:
+        left = max(cores - worker_cores, 0.5)
+        gain_workers = compute * max(0.0, 1 - left / pool)
+    gain = max(gain_threads, gain_workers)
+    severity = band(gain, HIGH, MEDIUM, LOW)
+    if severity is None:
+        return None
+
+    evidence: dict[str, Any] = {
+        "usable_cores": cores,
+        "torch_num_threads": threads,
+        "num_workers": nw,
+        "thread_demand": pool + nw,
+        "compute_share": compute,
+    }
+    if worker_cores is not None:
+        evidence["worker_cores_used"] = worker_cores
+    for key in ("proc_cpu_pct", "sys_cpu_pct", "ctx_switches_ps"):
+        if sysinfo.get(key) is not None:
+            evidence[key] = sysinfo[key]
+    if ctx.external_cores is not None:
+        # Other processes' CPU is not counted in the gain (the script cannot change it),
+        # but it explains a slower run: see the measurement_noise finding.
+        evidence["external_load_cores"] = ctx.external_cores
+    data_share = float(ctx.breakdown.get("data_wait") or 0.0)
+    evidence["data_wait_share"] = data_share
+
+    if gain_workers >= gain_threads:
+        cause = "workers_oversubscribe_cores"
+        w = worker_cores or 0.0
+        new_threads = max(1, math.floor(cores - w + 0.5)) if not ctx.on_cuda else threads
+        # Enough workers for the CPU they actually use (with half a core of headroom),
+        # when the input keeps up; otherwise the input pipeline needs them all.
+        new_workers = min(nw, max(1, math.ceil(w + 0.5))) if data_share < 0.05 else nw
+        title = (
+            f"{nw} DataLoader workers and {pool} intra-op threads share {cores} cores: "
+            f"the model's math waits for a core (up to {gain * 100:.0f}% of step time)"
+        )
+        text = (
+            f"The {nw} workers keep {w:.1f} of the {cores} usable cores busy while PyTorch runs "
+            f"the model's ops on {pool} threads: {pool + nw} runnable threads for {cores} cores, "
+            "so the op threads wait for a core and then for each other."
+        )
+        lines = []
+        if new_workers < nw:
+            text += (
+                f" Use fewer workers: {new_workers} should keep up (the loop waits for data "
+                f"{data_share * 100:.0f}% of step time)."
+            )
+        if new_threads < pool:
+            text += (
+                f" Give the model only the cores the workers leave free: "
+                f"torch.set_num_threads({new_threads})."
+            )
+            lines += [
+                "import torch",
+                "",
+                f"torch.set_num_threads({new_threads})  # {cores} cores - ~{w:.1f} for workers",
+            ]
+        else:
+            lines.append(f"# keep torch's {pool} threads: the workers use less than a core")
+        lines.append(
+            f"loader = DataLoader(..., num_workers={new_workers}, persistent_workers=True)"
+        )
+        snippet = "\n".join(lines)
+        knobs = []
+        if not ctx.on_cuda:
+            knobs.append(f"--knob torch_threads={_csv(_powers(1, pool) | {new_threads})}")
+        knobs.append(f"--knob num_workers={_csv(_powers(1, nw) | {0, new_workers})}")
+        verify = f"trainprof tune {' '.join(knobs)} {ctx.script}"
+    else:
+        cause = "threads_exceed_cores"
+        title = (
+            f"PyTorch runs {threads} intra-op threads on {cores} usable cores "
+            f"(up to {gain * 100:.0f}% of step time)"
+        )
+        text = (
+            f"torch uses {threads} threads for each op but the process may use only {cores} "
+            "cores (CPU affinity, a container's CPU set): threads wait for each other at "
+            f"every parallel region. Match the thread count to the usable cores."
+        )
+        snippet = (
+            f"OMP_NUM_THREADS={cores} python {ctx.script}\n"
+            f"# or, first thing in the script:\ntorch.set_num_threads({cores})"
+        )
+        verify = f"trainprof tune --knob torch_threads={_csv({cores, threads})} {ctx.script}"
+    return Finding(
+        category="cpu_contention",
+        cause=cause,
+        title=title,
+        severity=severity,
+        evidence=evidence,
+        estimated_gain=gain,
+        fix=Fix(text=text, snippet=snippet),
+        verify=verify,
+    )

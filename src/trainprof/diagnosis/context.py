@@ -1,0 +1,440 @@
+"""What every rule reads: the run summary, the steady-state step records, and shared analyses.
+
+Rules are pure functions of a :class:`Context`. Analyses that more than one rule
+needs (which steps are outliers, which outliers recur at a fixed period, which
+recur at the epoch length) are computed once here, so that the rules agree on
+who owns a symptom: a data-wait spike at every epoch boundary belongs to the
+input pipeline, a GC-dominated spike to GC, any other recurring spike to
+periodic overhead. That is how one bottleneck gets one finding (expert-rules.md
+"Gaps" #3: TF's ordered ladder avoids double reporting).
+
+All step analyses use the *steady-state* steps (after the warm-up that
+:mod:`trainprof.analysis.steps` detects), the same steps the summary's
+breakdown shares are computed over, so a rule's shares and the summary's agree.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from trainprof.schema import FLAG_PARTIAL
+
+#: Exclusive phase columns of a step record, in the order of the summary's breakdown.
+PHASE_COLUMNS: dict[str, tuple[str, ...]] = {
+    "data_wait": ("data_wait_ns",),
+    "forward": ("forward_ns",),
+    "backward": ("backward_ns",),
+    "optimizer": ("optimizer_ns", "zero_grad_ns"),
+    "gc": ("gc_ns",),
+    "other": ("other_ns", "region_ns"),
+}
+
+#: A step is an outlier when it exceeds the median by all of: SPIKE_SIGMAS robust standard
+#: deviations (1.4826 x MAD, Composer's median/MAD pruning, expert-rules N4), SPIKE_REL of the
+#: median step, and SPIKE_ABS_S. The relative floor keeps ordinary jitter on a shared machine
+#: from being called a spike; the absolute floor does the same for microsecond steps.
+SPIKE_SIGMAS = 5.0
+SPIKE_REL = 0.5
+SPIKE_ABS_S = 0.5e-3
+
+
+def robust_scale(x: np.ndarray) -> tuple[float, float]:
+    """(median, 1.4826 x MAD) of ``x``: a standard deviation that outliers cannot inflate."""
+    if len(x) == 0:
+        return 0.0, 0.0
+    med = float(np.median(x))
+    return med, 1.4826 * float(np.median(np.abs(x - med)))
+
+
+def outliers(x: np.ndarray, floor: float) -> np.ndarray:
+    """Indices where ``x`` exceeds its median by more than ``max(SPIKE_SIGMAS * sigma, floor)``."""
+    if len(x) < 5:
+        return np.zeros(0, dtype=np.int64)
+    med, sigma = robust_scale(x)
+    return np.flatnonzero(x > med + max(SPIKE_SIGMAS * sigma, floor))
+
+
+@dataclass
+class PeriodFit:
+    """Outliers that recur at a fixed period."""
+
+    period: int
+    residue: int  # members are at residue + k * period
+    indices: np.ndarray  # the members: positions in the steady-state steps
+    coverage: float  # members / slots of that period and phase in the whole window
+    strays: int  # outliers that are not members (noise spikes on a busy machine)
+
+
+#: Candidate periods tried by :func:`fit_period` (bounds its cost on long runs).
+_MAX_CANDIDATES = 8
+#: Family-wise false-alarm rate of :func:`fit_period`: the chance that outliers scattered at
+#: random (a busy machine) are taken for work done every N steps.
+ALPHA = 0.01
+
+
+def _binomial_tail(m: int, s: int, q: float) -> float:
+    """P(X >= m) for X ~ Binomial(s, q): ``m`` of ``s`` slots hit by chance."""
+    q = min(max(q, 0.0), 1.0)
+    return float(sum(math.comb(s, j) * q**j * (1 - q) ** (s - j) for j in range(m, s + 1)))
+
+
+def _slots(n: int, period: int, residue: int) -> int:
+    """Positions ``residue + k period`` in ``range(n)``."""
+    return max(0, (n - 1 - residue) // period + 1)
+
+
+def _coarsen(fit: PeriodFit, n: int, need: int) -> PeriodFit:
+    """Prefer a multiple of the period when the members it drops look like strays.
+
+    Strays that happen to land on a sub-multiple grid (a noise spike at step 15 when
+    evaluation runs at 10, 20, 30) make period 5 explain more outliers than period 10.
+    Period ``m p`` wins when its grid is well covered and the members off it fill less
+    than half of their own slots.
+    """
+    for m in (2, 3, 4, 5):
+        big = m * fit.period
+        best = None
+        for j in range(m):
+            r = fit.residue + j * fit.period
+            sub = fit.indices[fit.indices % big == r % big]
+            if best is None or len(sub) > len(best[1]):
+                best = (r % big, sub)
+        if best is None:
+            continue
+        r, sub = best
+        slots = _slots(n, big, r)
+        if len(sub) < need or slots == 0 or len(sub) / slots < 0.6:
+            continue
+        off_slots = _slots(n, fit.period, fit.residue) - slots
+        off = len(fit.indices) - len(sub)
+        if off_slots <= 0 or off / off_slots < 0.5:
+            coarse = PeriodFit(period=big, residue=r, indices=sub,
+                               coverage=min(1.0, len(sub) / slots), strays=fit.strays + off)
+            return _coarsen(coarse, n, need)
+    return fit
+
+
+def fit_period(
+    idx: np.ndarray, n: int, expected: int | None = None, min_occurrences: int = 3
+) -> PeriodFit | None:
+    """Do (most of) the outlier positions ``idx``, out of ``n`` steps, recur at a fixed period?
+
+    A period ``p`` and phase ``r`` fit when the outliers at exactly ``r + k p`` fill at
+    least 60% of the slots ``r + k p`` in the whole window: so a missed occurrence is
+    tolerated, but three random spikes that happen to be equally spaced are not a period.
+    Outliers off the grid are *strays* (noise spikes on a busy machine) and do not
+    break the fit; they are just not members. Without an ``expected`` period (the
+    epoch length), candidates are the most common gaps between outliers (and between
+    every other outlier, to step over a stray), and at least ``min_occurrences``
+    members are needed; with one, two members suffice, because nothing is fitted.
+    A fit must also be unlikely by chance: if the outliers were scattered at random
+    (density ``q = len(idx) / n``), the chance of ``m`` or more of the ``s`` slots being
+    hit is a binomial tail; times the number of (period, phase) pairs tried, it must
+    stay below :data:`ALPHA` (few slots, as when the period is a third of the run, are
+    not enough on a noisy machine); with an ``expected`` period, known in advance, only
+    one test is counted. The best fit has the most members, then the best coverage, then
+    the shortest period; then a multiple of it is preferred if the extra members look
+    like strays (:func:`_coarsen`). Matching is exact because work scheduled by
+    ``step % N`` and epoch boundaries land on exact multiples; a tolerance would let
+    short periods match noise (with +-1 step, a period of 6 accepts half of all positions).
+    """
+    idx = np.unique(np.asarray(idx, dtype=np.int64))
+    need = 2 if expected else min_occurrences
+    if len(idx) < need or n <= 0:
+        return None
+    if expected:
+        candidates = [int(expected)]
+    else:
+        gaps = np.concatenate([np.diff(idx), idx[2:] - idx[:-2]])
+        values, counts = np.unique(gaps[gaps >= 2], return_counts=True)
+        candidates = [int(v) for v in values[np.argsort(-counts, kind="stable")][:_MAX_CANDIDATES]]
+    candidates = [p for p in candidates if p >= 2]  # every step is the step itself
+    tests = 1 if expected else sum(candidates)  # (period, phase) pairs tried: Bonferroni
+    density = len(idx) / n
+    best: tuple[tuple[int, float, int], PeriodFit] | None = None
+    for p in candidates:
+        residues, counts = np.unique(idx % p, return_counts=True)
+        for r, count in zip(residues.tolist(), counts.tolist(), strict=True):
+            if count < need:
+                continue
+            members = idx[idx % p == r]
+            slots = _slots(n, p, r)
+            coverage = len(members) / slots if slots > 0 else 0.0
+            if coverage < 0.6 or _binomial_tail(len(members), slots, density) * tests > ALPHA:
+                continue
+            key = (len(members), round(coverage, 3), -p)
+            if best is None or key > best[0]:
+                fit = PeriodFit(period=p, residue=r, indices=members,
+                                coverage=min(1.0, coverage), strays=len(idx) - len(members))
+                best = (key, fit)
+    if best is None:
+        return None
+    return best[1] if expected else _coarsen(best[1], n, need)
+
+
+@dataclass
+class SpikeGroup:
+    """Outlier steps of one kind, and what they cost beyond a median step."""
+
+    indices: np.ndarray
+    excess_s: dict[str, float]  # per breakdown phase: time beyond the median step's phase
+    fit: PeriodFit | None
+
+    @property
+    def total_excess_s(self) -> float:
+        return sum(self.excess_s.values())
+
+    def dominant_phase(self) -> str:
+        return max(self.excess_s, key=lambda k: self.excess_s[k])
+
+
+class Context:
+    """The inputs of every rule; derived quantities are computed lazily and cached."""
+
+    def __init__(self, summary: dict[str, Any], steps: np.ndarray | None) -> None:
+        self.summary = summary
+        if steps is None or len(steps) == 0 or steps.dtype.names is None:
+            self.steps = np.zeros(0)
+        elif "flags" in steps.dtype.names:
+            self.steps = steps[(steps["flags"] & FLAG_PARTIAL) == 0]
+        else:
+            self.steps = steps
+        steps_info = summary.get("steps") or {}
+        self.warmup = min(int(steps_info.get("warmup") or 0), len(self.steps))
+        self._phases: dict[str, np.ndarray] = {}
+
+    # -- summary parts ----------------------------------------------------------------------
+
+    @property
+    def breakdown(self) -> dict[str, float]:
+        return self.summary.get("breakdown") or {}
+
+    @property
+    def step_info(self) -> dict[str, Any]:
+        return self.summary.get("steps") or {}
+
+    @property
+    def system(self) -> dict[str, Any]:
+        return self.summary.get("system") or {}
+
+    @property
+    def environment(self) -> dict[str, Any]:
+        return self.summary.get("environment") or {}
+
+    @property
+    def cores(self) -> int | None:
+        cores = self.environment.get("usable_cores")
+        return int(cores) if isinstance(cores, int | float) and cores > 0 else None
+
+    @property
+    def on_cuda(self) -> bool:
+        """The run used a CUDA device (device timings recorded, or a GPU with CUDA torch)."""
+        env = self.environment
+        return bool(self.summary.get("device")) or bool(env.get("cuda") and env.get("gpu_count"))
+
+    @property
+    def script(self) -> str:
+        """How the user ran the script (``train.py ARGS`` or ``-m pkg ARGS``), for verify lines."""
+        cmd = self.summary.get("command")
+        if isinstance(cmd, list) and len(cmd) >= 2:
+            return shlex.join(str(p) for p in cmd[1:])
+        return "train.py"
+
+    @property
+    def external_cores(self) -> float | None:
+        """Cores kept busy by other processes: system CPU minus this run's process and workers."""
+        s = self.system
+        if not self.cores or not isinstance(s.get("sys_cpu_pct"), int | float):
+            return None
+        ours = (s.get("proc_cpu_pct") or 0) / 100 + (s.get("workers_cpu_pct") or 0) / 100
+        return max(0.0, s["sys_cpu_pct"] / 100 * self.cores - ours)
+
+    def has_system_samples(self) -> bool:
+        return bool(self.system.get("n_samples"))
+
+    @property
+    def compute_share(self) -> float:
+        """Forward + backward + optimizer share of steady step time."""
+        b = self.breakdown
+        return sum(float(b.get(k) or 0.0) for k in ("forward", "backward", "optimizer"))
+
+    @cached_property
+    def loaders(self) -> list[dict[str, Any]]:
+        return [d for d in self.summary.get("dataloaders") or [] if "error" not in d]
+
+    @cached_property
+    def train_loader(self) -> dict[str, Any] | None:
+        """The DataLoader that feeds training: the first shuffled one, else the first one seen.
+
+        Evaluation loaders are usually sequential and created or iterated after the
+        training loader, so this picks the training loader in the common layouts.
+        """
+        if not self.loaders:
+            return None
+        for d in self.loaders:
+            if "RandomSampler" in str(d.get("sampler") or "") or "Distributed" in str(
+                d.get("sampler") or ""
+            ):
+                return d
+        return self.loaders[0]
+
+    @staticmethod
+    def batches_per_epoch(loader: dict[str, Any] | None) -> int | None:
+        """Batches in one epoch of a map-style loader (``len`` of the DataLoader)."""
+        if not loader or loader.get("iterable_dataset"):
+            return None
+        n, bs = loader.get("len"), loader.get("batch_size")
+        if not isinstance(n, int) or not isinstance(bs, int) or bs <= 0 or n <= 0:
+            return None
+        return n // bs if loader.get("drop_last") else math.ceil(n / bs)
+
+    # -- steady-state step records ---------------------------------------------------------
+
+    @cached_property
+    def steady(self) -> np.ndarray:
+        return self.steps[self.warmup :]
+
+    def has_steps(self) -> bool:
+        return len(self.steady) > 0 and self.steady.dtype.names is not None
+
+    def seconds(self, column: str) -> np.ndarray:
+        return self.steady[column].astype(np.float64) / 1e9
+
+    def phase_seconds(self, phase: str) -> np.ndarray:
+        """Seconds per steady step in a breakdown phase (cached: rules share them)."""
+        cached = self._phases.get(phase)
+        if cached is None:
+            cached = sum(self.seconds(c) for c in PHASE_COLUMNS[phase])  # type: ignore[assignment]
+            self._phases[phase] = cached
+        return cached  # type: ignore[return-value]
+
+    @cached_property
+    def durations(self) -> np.ndarray:
+        return self.seconds("dur_ns") if self.has_steps() else np.zeros(0)
+
+    @cached_property
+    def total_s(self) -> float:
+        return float(self.durations.sum())
+
+    @cached_property
+    def median_step_s(self) -> float:
+        return float(np.median(self.durations)) if len(self.durations) else 0.0
+
+    def step_numbers(self, idx: np.ndarray) -> list[int]:
+        """Step numbers (as recorded) of positions in the steady-state steps."""
+        return [int(s) for s in self.steady["step"][idx]]
+
+    def _phase_excess(self, idx: np.ndarray, baseline: np.ndarray) -> dict[str, np.ndarray]:
+        """Per phase, per step in ``idx``: time beyond the median of the ``baseline`` steps.
+
+        Vectorised: one median per phase, whatever the number of spikes (1M-step runs).
+        """
+        out = {}
+        for phase in PHASE_COLUMNS:
+            col = self.phase_seconds(phase)
+            med = float(np.median(col[baseline])) if len(baseline) else 0.0
+            out[phase] = np.clip(col[idx] - med, 0, None)
+        return out
+
+    def _excess(self, idx: np.ndarray, baseline: np.ndarray) -> dict[str, float]:
+        """Per phase: total time of the steps ``idx`` beyond the median of ``baseline`` steps."""
+        return {k: float(v.sum()) for k, v in self._phase_excess(idx, baseline).items()}
+
+    # -- shared spike analysis -------------------------------------------------------------
+
+    @cached_property
+    def epoch_spikes(self) -> SpikeGroup | None:
+        """Data-wait outliers that recur at the training loader's epoch length.
+
+        The first batch of an epoch is where a DataLoader without persistent workers
+        starts its worker processes again (data-loading.md §3: 0.13-2.0 s per start
+        depending on the start method), so these steps stand out in the data wait.
+        Without a known epoch length (iterable datasets), a regular period of at least
+        three data-wait spikes is taken instead.
+        """
+        if not self.has_steps():
+            return None
+        dw = self.phase_seconds("data_wait")
+        idx = outliers(dw, max(SPIKE_REL * self.median_step_s, SPIKE_ABS_S))
+        if len(idx) == 0:
+            return None
+        bpe = self.batches_per_epoch(self.train_loader)
+        n = len(dw)
+        fit = fit_period(idx, n, expected=bpe) if bpe else fit_period(idx, n)
+        if fit is None:
+            return None
+        base = np.setdiff1d(np.arange(n), idx)
+        return SpikeGroup(indices=fit.indices, excess_s=self._excess(fit.indices, base), fit=fit)
+
+    @cached_property
+    def step_spikes(self) -> np.ndarray:
+        """Positions of steady steps whose duration is an outlier."""
+        if not self.has_steps():
+            return np.zeros(0, dtype=np.int64)
+        return outliers(self.durations, max(SPIKE_REL * self.median_step_s, SPIKE_ABS_S))
+
+    @cached_property
+    def spike_groups(self) -> dict[str, SpikeGroup]:
+        """Outlier steps by owner: ``epoch`` (input pipeline), ``gc``, ``periodic``, ``stray``.
+
+        An outlier step belongs to ``gc`` when garbage collection is most of its excess
+        time, to ``epoch`` when it is one of :attr:`epoch_spikes`; of the others, those
+        that recur at a fixed period (evaluation, checkpointing, logging every N steps)
+        are ``periodic`` (with their :class:`PeriodFit`) and the rest ``stray``.
+        """
+        idx = self.step_spikes
+        if len(idx) == 0:
+            return {}
+        base = np.setdiff1d(np.arange(len(self.durations)), idx)
+        per_phase = self._phase_excess(idx, base)
+        total = sum(per_phase.values())
+        is_gc = (total > 0) & (per_phase["gc"] >= 0.5 * total)
+        epoch = np.zeros(0, dtype=np.int64) if self.epoch_spikes is None else (
+            self.epoch_spikes.indices
+        )
+        is_epoch = ~is_gc & np.isin(idx, epoch)
+        rest = ~is_gc & ~is_epoch
+        fit = self._fit_by_magnitude(idx[rest], total[rest])
+        is_periodic = np.isin(idx, fit.indices) if fit is not None else np.zeros_like(rest)
+        masks = {"gc": is_gc, "epoch": is_epoch, "periodic": is_periodic,
+                 "stray": rest & ~is_periodic}
+        out = {}
+        for name, mask in masks.items():
+            if not mask.any():
+                continue
+            out[name] = SpikeGroup(
+                indices=idx[mask],
+                excess_s={k: float(v[mask].sum()) for k, v in per_phase.items()},
+                fit=fit if name == "periodic" else None,
+            )
+        return out
+
+    def _fit_by_magnitude(self, idx: np.ndarray, excess: np.ndarray) -> PeriodFit | None:
+        """A period among the outliers, trying the larger ones alone when all of them fail.
+
+        On a busy machine a third of the steps can be outliers (a descheduled thread
+        stalls the step), which drowns a real period in strays; work done every N
+        steps (an evaluation) is usually much larger than such stalls, so the outliers
+        above the median outlier excess are tried next, and so on while 3 remain.
+        """
+        n = len(self.durations)
+        while len(idx) >= 3:
+            fit = fit_period(idx, n)
+            if fit is not None:
+                return fit
+            keep = excess > np.median(excess)
+            if keep.all() or not keep.any():
+                return None
+            idx, excess = idx[keep], excess[keep]
+        return None
+
+    @cached_property
+    def periodic(self) -> SpikeGroup | None:
+        """The non-epoch, non-GC outlier steps that recur at a fixed period, if any."""
+        return self.spike_groups.get("periodic")

@@ -1,0 +1,95 @@
+"""Garbage collection: time the training loop spends in Python's cyclic GC.
+
+None of the peers in expert-rules.md has a GC rule (Scalene splits Python and native
+memory but not collector time). trainprof measures it exactly: every collection in
+the training thread is timed by a ``gc.callbacks`` hook and counted by generation
+(:mod:`trainprof.capture.hooks`), so the GC share is the same time-weighted share as
+the rest of the breakdown. The remedy is CPython's own: ``gc.freeze()`` (Python 3.7+)
+moves every object alive at that point into a permanent generation that collections
+never scan again (the model, the dataset index, imported modules), which makes full
+(generation-2) collections cheap; ``gc.set_threshold`` makes young collections rarer.
+Bands: >= 10% high, >= 3% medium, >= 1% low (the same order as TF's "All Others"
+overhead bands, H5, scaled down because GC has a single, cheap fix).
+"""
+
+from __future__ import annotations
+
+from trainprof.diagnosis.context import Context
+from trainprof.diagnosis.finding import Finding, Fix, band
+from trainprof.diagnosis.registry import rule
+
+HIGH, MEDIUM, LOW = 0.10, 0.03, 0.01
+
+
+@rule("gc.collector_time")
+def collector_time(ctx: Context) -> Finding | None:
+    share = float(ctx.breakdown.get("gc") or 0.0)
+    severity = band(share, HIGH, MEDIUM, LOW)
+    if severity is None:
+        return None
+    info = ctx.summary.get("gc") or {}
+    evidence: dict[str, object] = {
+        "gc_share": share,
+        "collections_per_step": info.get("collections_per_step"),
+        "gen2_per_step": info.get("gen2_per_step"),
+        "step_median_s": ctx.step_info.get("median_s"),
+    }
+    gen2_fraction = None
+    if ctx.has_steps():
+        gc_s = ctx.seconds("gc_ns")
+        n = int(ctx.steady["gc_n"].sum())
+        if n:
+            evidence["mean_collection_s"] = float(gc_s.sum()) / n
+        full = ctx.steady["gc_gen2_n"] > 0
+        if gc_s.sum() > 0:
+            gen2_fraction = float(gc_s[full].sum() / gc_s.sum())
+            evidence["gc_time_in_steps_with_full_collections"] = gen2_fraction
+        group = ctx.spike_groups.get("gc")
+        if group is not None:
+            evidence["gc_spike_steps"] = ctx.step_numbers(group.indices)[:10]
+    if gen2_fraction is not None and gen2_fraction >= 0.5:
+        cause = "full_collections"
+        title = (
+            f"Full garbage collections take {share * 100:.1f}% of step time "
+            f"({info.get('gen2_per_step') or 0:.2g} per step)"
+        )
+        text = (
+            "Most GC time goes to full (generation 2) collections, which walk every tracked "
+            "Python object, including everything built at set-up (model, dataset index, "
+            "modules). Call gc.freeze() once set-up is done: those objects are never scanned "
+            "again. Raise the thresholds too, so that collections run less often."
+        )
+    else:
+        cause = "frequent_collections"
+        title = (
+            f"Garbage collection takes {share * 100:.1f}% of step time "
+            f"({info.get('collections_per_step') or 0:.2g} collections per step)"
+        )
+        text = (
+            "The loop allocates enough container objects (lists, dicts, per-sample Python "
+            "objects) to trigger the cyclic collector every step or two. Raise the "
+            "generation-0 threshold so it runs less often, and gc.freeze() after set-up so "
+            "each collection has less to scan; creating fewer Python objects per step (numpy "
+            "arrays instead of lists of dicts) removes the cause."
+        )
+    snippet = (
+        "import gc\n\n"
+        "# after the model, optimizer and dataset are built, before the training loop:\n"
+        "gc.collect()\n"
+        "gc.freeze()  # set-up objects move to a generation that is never scanned\n"
+        "gc.set_threshold(50_000, 50, 100)  # CPython's default is (700, 10, 10)"
+    )
+    verify = (
+        f"re-run (`trainprof run {ctx.script}`): the summary's gc share (now "
+        f"{share * 100:.1f}%) should fall below 1%, and `trainprof compare` the step times"
+    )
+    return Finding(
+        category="gc",
+        cause=cause,
+        title=title,
+        severity=severity,
+        evidence=evidence,
+        estimated_gain=share,
+        fix=Fix(text=text, snippet=snippet),
+        verify=verify,
+    )

@@ -1,0 +1,325 @@
+"""Input pipeline: the training loop waits for the next batch.
+
+Sources (expert-rules.md, table 1):
+
+* I1 — *step waits on input*: the TensorFlow/XProf input-pipeline analyzer's bands
+  (input share of step >= 20% high, >= 5% moderate), the same 5% as the
+  PyTorch-profiler TensorBoard plugin's DataLoader share. We use TF's bands.
+* I2 — *synchronous loader*: ``num_workers=0`` (TorchTidy, Lightning's "workers < 2"
+  warning, the PyTorch tuning guide), ``persistent_workers`` (tuning guide).
+* I5/I6 — *slow or CPU-saturated transformation* (TF): workers at 100% CPU with no
+  core left means more workers cannot help; make each sample cheaper.
+* I4 — *slow source read* (TF): workers mostly blocked (not on CPU) while the loop
+  waits: reads or latency dominate; more workers than cores help, and so do packed
+  formats and local copies (data-loading.md §2, §4).
+* Worker start-up per epoch: data-loading.md §3 measured 2.0 s vs 0.03 s for the
+  first batch of an epoch without vs with ``persistent_workers`` (spawn).
+
+One bottleneck, one finding: the cause is chosen from the evidence in the order of
+TF's ladder (start-up per epoch, then too few workers, then saturated CPU, then
+blocked reads), and the other symptoms go into the evidence. Data waits inside
+steps that :mod:`trainprof.diagnosis.periodic` owns (an evaluation loader every N
+steps) are not counted here.
+
+Not decided here yet, for want of measurements (issue 3): per-sample ``__getitem__``
+time split into blocked and CPU time, ``collate_fn`` time, queue starvation. Until
+capture records them, "blocked vs CPU" is estimated from process and worker CPU use.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from trainprof.diagnosis.context import Context
+from trainprof.diagnosis.finding import Finding, Fix, band
+from trainprof.diagnosis.registry import rule
+
+HIGH, MEDIUM = 0.20, 0.05  # TF input-pipeline analyzer bands (I1)
+#: Per-worker CPU above which a worker counts as saturated (CPU-bound), below which as
+#: mostly blocked (waiting on reads, sleeps, the network).
+SATURATED, BLOCKED = 0.80, 0.50
+
+
+def _short(qualname: Any, default: str) -> str:
+    return str(qualname).rsplit(".", 1)[-1] if qualname else default
+
+
+def suggest_workers(
+    current: int, cores: int | None, gpus: int, blocked: bool, on_cuda: bool
+) -> int:
+    """A ``num_workers`` fitted to the machine.
+
+    CPU-bound loading: at most one worker per usable core (data-loading.md §3, item 7),
+    per GPU, capped at 8; on a CPU-only run half the cores, because the model's own
+    intra-op threads need the rest (else :mod:`.contention` fires next). Blocked loading
+    (reads, latency) overlaps beyond the core count: twice the cores, capped at 16.
+    """
+    per_device = max(1, (cores or 2) // max(1, gpus))
+    if blocked:
+        target = min(2 * per_device, 16)
+    elif on_cuda:
+        target = min(per_device, 8)
+    else:
+        target = max(1, per_device // 2)
+    return max(target, current + 1)
+
+
+def sweep(current: int, suggested: int) -> list[int]:
+    """Values for a ``num_workers`` sweep: current, powers of two in between, suggested."""
+    values = {current, suggested}
+    p = 1
+    while p < suggested:
+        if p > current:
+            values.add(p)
+        p *= 2
+    return sorted(values)
+
+
+def loader_snippet(
+    loader: dict[str, Any] | None, *, num_workers: int, pin_memory: bool, comment: str
+) -> str:
+    """The user's DataLoader call, rewritten with the suggested settings.
+
+    Rebuilt from the settings capture recorded (dataset class, batch size, sampler,
+    collate function, ...), so the snippet reads like the line it replaces.
+    """
+    loader = loader or {}
+    dataset = _short(loader.get("dataset"), "dataset")
+    lines = ["loader = DataLoader(", f"    {dataset}(...),  # your dataset, unchanged"]
+    batch_sampler = str(loader.get("batch_sampler") or "")
+    sampler = str(loader.get("sampler") or "")
+    if batch_sampler and not batch_sampler.endswith("sampler.BatchSampler"):
+        lines.append(f"    batch_sampler={_short(batch_sampler, 'batch_sampler')}(...),")
+    else:
+        lines.append(f"    batch_size={loader.get('batch_size', 32)},")
+        if sampler.endswith("RandomSampler"):
+            lines.append("    shuffle=True,")
+        elif sampler and not sampler.endswith("SequentialSampler"):
+            lines.append(f"    sampler={_short(sampler, 'sampler')}(...),")
+        if loader.get("drop_last"):
+            lines.append("    drop_last=True,")
+    collate = str(loader.get("collate_fn") or "")
+    if collate and not collate.endswith("default_collate"):
+        lines.append(f"    collate_fn={_short(collate, 'collate_fn')},")
+    lines.append(f"    num_workers={num_workers},  # {comment}")
+    if num_workers > 0:
+        lines.append("    persistent_workers=True,  # start the workers once, not every epoch")
+        pf = loader.get("prefetch_factor")
+        if isinstance(pf, int) and pf != 2:
+            lines.append(f"    prefetch_factor={pf},")
+        ctx = loader.get("multiprocessing_context")
+        if ctx and ctx != "fork":
+            lines.append(f'    multiprocessing_context="{ctx}",')
+    if pin_memory:
+        lines.append("    pin_memory=True,  # page-locked batches: async copies to the GPU")
+    lines.append(")")
+    return "\n".join(lines)
+
+
+def _blocked_share_min(ctx: Context, share: float) -> float | None:
+    """Lower bound on the part of the data wait spent blocked (off-CPU), ``num_workers=0``.
+
+    With loading in the training process, the process's CPU use is the loading's plus
+    the rest of the step's. Outside the data wait a CPU run's main thread computes, so
+    it uses at least one core for ``1 - share`` of the time; whatever CPU is left over
+    is the most the loading can have used. The rest of the wait was off-CPU: reads,
+    sleeps, network latency. Only on CPU runs (on CUDA the main thread may sit in syncs).
+    """
+    proc = ctx.system.get("proc_cpu_pct")
+    if ctx.on_cuda or not isinstance(proc, int | float) or share <= 0:
+        return None
+    loading_cpu = max(0.0, proc / 100 - (1 - share))
+    return max(0.0, min(1.0, 1 - loading_cpu / share))
+
+
+@rule("input_pipeline.data_wait")
+def data_wait(ctx: Context) -> Finding | None:
+    """Input-bound steps, with their cause (see the module docstring)."""
+    raw_share = float(ctx.breakdown.get("data_wait") or 0.0)
+    periodic = ctx.periodic
+    excluded = 0.0
+    if periodic is not None and ctx.total_s > 0:
+        excluded = periodic.excess_s["data_wait"] / ctx.total_s
+    share = max(0.0, raw_share - excluded)
+    severity = band(share, HIGH, MEDIUM)
+    if severity is None:
+        return None
+
+    loader = ctx.train_loader
+    nw = int(loader.get("num_workers") or 0) if loader else 0
+    persistent = bool(loader.get("persistent_workers")) if loader else False
+    cores = ctx.cores
+    gpus = int(ctx.environment.get("gpu_count") or 0)
+    sysinfo = ctx.system
+    evidence: dict[str, Any] = {
+        "data_wait_share": share,
+        "step_median_s": ctx.step_info.get("median_s"),
+        "steady_steps": ctx.step_info.get("steady_count"),
+        "usable_cores": cores,
+    }
+    if excluded > 0:
+        evidence["data_wait_share_in_periodic_steps"] = excluded
+    if ctx.has_steps():
+        evidence["data_wait_median_s"] = float(np.median(ctx.phase_seconds("data_wait")))
+    if loader:
+        evidence["loader"] = {
+            k: loader.get(k)
+            for k in ("index", "dataset", "len", "batch_size", "num_workers",
+                      "persistent_workers", "pin_memory", "prefetch_factor")
+        }
+    else:
+        evidence["loader"] = None  # waits on a DataLoader we could not describe
+    for key in ("proc_cpu_pct", "workers_cpu_pct", "iowait_pct", "sys_cpu_pct"):
+        if sysinfo.get(key) is not None:
+            evidence[key] = sysinfo[key]
+
+    # Start-up per epoch: data-wait spikes at the epoch length.
+    startup_share = 0.0
+    epoch = ctx.epoch_spikes
+    if epoch is not None and epoch.fit is not None and ctx.total_s > 0:
+        startup_share = epoch.excess_s["data_wait"] / ctx.total_s
+        evidence["epoch_spikes"] = {
+            "period_steps": epoch.fit.period,
+            "batches_per_epoch": ctx.batches_per_epoch(loader),
+            "occurrences": len(epoch.indices),
+            "at_steps": ctx.step_numbers(epoch.indices)[:10],
+            "excess_per_epoch_s": epoch.excess_s["data_wait"] / len(epoch.indices),
+            "excess_share": startup_share,
+        }
+
+    per_worker = blocked_min = None
+    if nw > 0 and isinstance(sysinfo.get("workers_cpu_pct"), int | float):
+        per_worker = sysinfo["workers_cpu_pct"] / 100 / nw
+        evidence["per_worker_cpu"] = per_worker
+    if nw == 0:
+        blocked_min = _blocked_share_min(ctx, share)
+        if blocked_min is not None:
+            evidence["blocked_share_min"] = blocked_min
+    cores_free = None
+    if cores and isinstance(sysinfo.get("proc_cpu_pct"), int | float):
+        busy = (sysinfo.get("proc_cpu_pct") or 0) + (sysinfo.get("workers_cpu_pct") or 0)
+        cores_free = cores - busy / 100
+        evidence["cores_free"] = cores_free
+
+    if nw > 0 and not persistent and startup_share >= 0.5 * share:
+        cause = "worker_startup_per_epoch"
+    elif nw == 0:
+        cause = "too_few_workers"
+    elif per_worker is None:
+        cause = "too_few_workers" if cores and nw < cores else "undetermined"
+    elif per_worker < BLOCKED:
+        cause = "slow_reads"
+    elif cores_free is not None and cores_free >= 1:
+        cause = "too_few_workers"
+    else:
+        cause = "cpu_transforms"
+
+    blocked = (blocked_min is not None and blocked_min >= 0.5) or (
+        per_worker is not None and per_worker < BLOCKED
+    )
+    if cause in ("worker_startup_per_epoch", "cpu_transforms"):
+        suggested = nw
+    else:
+        suggested = suggest_workers(nw, cores, gpus, blocked, ctx.on_cuda)
+        if nw > 0 and not blocked and cores_free is not None:
+            # CPU-bound workers: add no more than the cores measured free.
+            suggested = max(nw + 1, min(suggested, nw + math.floor(cores_free)))
+    pin = ctx.on_cuda and not (loader or {}).get("pin_memory")
+    pct = f"{share * 100:.0f}%"
+    core_txt = f"{cores} usable cores" if cores else "the usable cores"
+    knob = f"trainprof tune --knob num_workers={','.join(map(str, sweep(nw, suggested)))}"
+    verify = f"{knob} {ctx.script}"
+
+    if cause == "worker_startup_per_epoch":
+        per_epoch = evidence["epoch_spikes"]["excess_per_epoch_s"]
+        title = (
+            f"DataLoader workers restart every epoch: {per_epoch:.2f} s per epoch start, "
+            f"{startup_share * 100:.0f}% of step time (data wait {pct} in all)"
+        )
+        text = (
+            "Without persistent_workers=True the DataLoader stops its worker processes at the "
+            "end of every epoch and starts new ones (re-importing, re-building the dataset) "
+            "before the first batch of the next. Keep them alive across epochs."
+        )
+        comment = "unchanged"
+        verify = f"trainprof tune --knob persistent_workers=false,true {ctx.script}"
+    elif cause == "too_few_workers":
+        if nw == 0:
+            title = (
+                f"Training waits for data {pct} of step time: batches are loaded in the "
+                "training process (num_workers=0)"
+            )
+            text = (
+                f"With num_workers=0 every sample is read and transformed in the training "
+                f"process while the model waits. Load in {suggested} worker processes so the "
+                f"next batches are prepared while the model computes ({core_txt})."
+            )
+            if blocked_min is not None and blocked_min >= 0.5:
+                text += (
+                    f" At least {blocked_min * 100:.0f}% of the wait is off-CPU (reads, "
+                    "latency), so workers overlap it even beyond the core count; if it stays "
+                    "slow, pack the samples into one file or copy them to local disk."
+                )
+        else:
+            title = (
+                f"Training waits for data {pct} of step time: {nw} DataLoader workers are "
+                "busy and cores are free"
+            )
+            text = (
+                f"The {nw} workers are near saturation ({(per_worker or 0) * 100:.0f}% CPU "
+                f"each) while cores are free: use {suggested} workers ({core_txt})."
+            )
+        comment = f"was {nw}; {core_txt}"
+    elif cause == "cpu_transforms":
+        title = (
+            f"Training waits for data {pct} of step time: the DataLoader workers saturate "
+            "the CPU"
+        )
+        text = (
+            f"The {nw} workers are at {(per_worker or 0) * 100:.0f}% CPU each and no core is "
+            "free, so more workers cannot help: make each sample cheaper. Cache deterministic "
+            "work (decoded images, tokenised text) once; collate uint8 and normalise on the "
+            "device instead of per sample in float32; move augmentations to the GPU; "
+            "pre-process offline."
+        )
+        comment = f"unchanged: the {core_txt} are busy"
+        verify = (
+            f"time `for batch in loader: pass` alone before and after the change; then "
+            f"`trainprof run {ctx.script}`: the data wait share (now {pct}) should fall"
+        )
+    elif cause == "slow_reads":
+        title = (
+            f"Training waits for data {pct} of step time: the DataLoader workers are mostly "
+            "blocked (reads or latency)"
+        )
+        text = (
+            f"The {nw} workers use only {(per_worker or 0) * 100:.0f}% CPU each while the loop "
+            "waits: they wait on storage or the network. More workers overlap more of that "
+            f"wait (beyond the core count); packing samples into large files, copying the "
+            "data to local disk or caching it removes it."
+        )
+        comment = f"was {nw}: blocked workers can exceed the {core_txt}"
+    else:
+        title = f"Training waits for data {pct} of step time"
+        text = (
+            "The loop waits for its input. Give the DataLoader worker processes "
+            "(num_workers), keep them across epochs (persistent_workers=True) and measure "
+            "which stage is slow: reading, transforming or collating."
+        )
+        comment = f"was {nw}"
+    if pin:
+        text += " Pin host memory (pin_memory=True) so copies to the GPU run asynchronously."
+    snippet = loader_snippet(loader, num_workers=suggested, pin_memory=pin, comment=comment)
+    return Finding(
+        category="input_pipeline",
+        cause=cause,
+        title=title,
+        severity=severity,
+        evidence=evidence,
+        estimated_gain=share,
+        fix=Fix(text=text, snippet=snippet),
+        verify=verify,
+    )

@@ -1,0 +1,126 @@
+"""Measurement noise: how far the step times of this run can be trusted.
+
+Not a bottleneck (its estimated gain is 0, so it ranks last), but it qualifies every
+other finding and every before/after comparison. Sources (expert-rules.md): N1 —
+TF step statistics (mean, sigma, min, max) and profiling a steady window, not the
+warm-up; N4 — Composer's robust statistics: median/MAD pruning with a minimum of 10
+samples. Hence:
+
+* ``too_few_steps``: fewer than 10 steady-state steps (N4's minimum).
+* ``unstable_step_time`` / ``external_load``: the robust coefficient of variation
+  (1.4826 x MAD / median, so a periodic evaluation does not count as noise: the
+  periodic rule reports that) >= 10% low, >= 25% medium. When other processes keep
+  the machine's cores busy (system CPU in cores minus this run's process and
+  workers >= 0.5 core), the cause is ``external_load``.
+
+The evidence includes the *resolution* of the run: ``2.8 x CV / sqrt(n)``, the
+smallest relative difference between the mean step times of two such runs that a
+comparison can tell from noise at about 95% (two-sample normal approximation).
+Severity never exceeds medium: noise makes conclusions uncertain, it does not slow
+training.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from trainprof.diagnosis.context import Context, robust_scale
+from trainprof.diagnosis.finding import Finding, Fix
+from trainprof.diagnosis.registry import rule
+
+MIN_STEADY = 10
+CV_LOW, CV_MEDIUM = 0.10, 0.25
+EXTERNAL_CORES = 0.5
+
+
+@rule("noise.step_time_stability")
+def step_time_stability(ctx: Context) -> Finding | None:
+    info = ctx.step_info
+    count = int(info.get("count") or 0)
+    steady = int(info.get("steady_count") or 0)
+    if count == 0:
+        return None  # no steps: nothing was measured, so nothing to qualify
+    verify_more = (
+        f"re-run `trainprof run {ctx.script}` for more steps on an otherwise idle machine; "
+        "`trainprof tune` repeats trials and reports confidence intervals"
+    )
+    if steady < MIN_STEADY:
+        return Finding(
+            category="measurement_noise",
+            cause="too_few_steps",
+            title=f"Only {steady} steady-state steps: too few to judge step time",
+            severity="medium",
+            evidence={"steps": count, "warmup_steps": info.get("warmup"),
+                      "steady_steps": steady, "minimum": MIN_STEADY},
+            estimated_gain=0.0,
+            fix=Fix(
+                text=(
+                    f"Run at least {MIN_STEADY} steps after warm-up (more for noisy steps) "
+                    "before trusting shares, percentiles or a before/after comparison."
+                ),
+                snippet=(
+                    f"trainprof run {ctx.script}  # with the script set to run at least "
+                    f"{MIN_STEADY + int(info.get('warmup') or 0) + 10} steps"
+                ),
+            ),
+            verify=verify_more,
+        )
+    if not ctx.has_steps():
+        return None
+    dur = ctx.durations
+    med, sigma = robust_scale(dur)
+    if med <= 0:
+        return None
+    cv = sigma / med
+    if cv < CV_LOW:
+        return None
+    severity = "medium" if cv >= CV_MEDIUM else "low"
+    n = len(dur)
+    kept = np.delete(dur, ctx.step_spikes) if len(ctx.step_spikes) < n else dur
+    evidence: dict[str, Any] = {
+        "robust_cv": cv,
+        "cv_without_outliers": float(kept.std() / kept.mean()) if kept.mean() > 0 else None,
+        "steady_steps": n,
+        "step_median_s": med,
+        "resolution": 2.8 * cv / math.sqrt(n),
+        "outlier_steps": len(ctx.step_spikes),
+    }
+    ext = ctx.external_cores
+    if ext is not None:
+        evidence["external_load_cores"] = ext
+    if ctx.system.get("ctx_switches_ps") is not None:
+        evidence["ctx_switches_ps"] = ctx.system["ctx_switches_ps"]
+    if ext is not None and ext >= EXTERNAL_CORES:
+        cause = "external_load"
+        text = (
+            f"Other processes kept ~{ext:.1f} of the {ctx.cores} usable cores busy during the "
+            f"run, and step times vary by {cv * 100:.0f}% (robust CV). Differences smaller than "
+            f"~{evidence['resolution'] * 100:.0f}% between two such runs are noise: measure on "
+            "an idle machine, or on cores nobody else uses (taskset, a dedicated node)."
+        )
+        snippet = "ps -eo pid,pcpu,etime,args --sort=-pcpu | head  # who else uses the CPU"
+    else:
+        cause = "unstable_step_time"
+        text = (
+            f"Step times vary by {cv * 100:.0f}% (robust CV) from step to step: differences "
+            f"smaller than ~{evidence['resolution'] * 100:.0f}% between two such runs are "
+            "noise. Run more steps; variable batch shapes, frequent host reads and a busy "
+            "machine are the usual sources."
+        )
+        snippet = (
+            f"trainprof run {ctx.script}  # with the script set to run "
+            f"~{max(4 * n, 200)} steps"
+        )
+    return Finding(
+        category="measurement_noise",
+        cause=cause,
+        title=f"Step times vary by {cv * 100:.0f}% (robust CV over {n} steady steps)",
+        severity=severity,
+        evidence=evidence,
+        estimated_gain=0.0,
+        fix=Fix(text=text, snippet=snippet),
+        verify=verify_more,
+    )

@@ -1,0 +1,140 @@
+"""Periodic overhead: work that runs every N steps (evaluation, checkpointing, logging).
+
+Sources (expert-rules.md): H6 — TensorFlow's *per-step host extras* (callbacks,
+metrics or logging between steps: run them every N steps); N3 — Lightning measures
+throughput excluding validation time. No peer publishes a threshold for it; we use
+the same bands as the other shares (>= 20% high, >= 5% medium) and report >= 2% as
+low, because a periodic cost is the easiest to remove (change one interval).
+
+How it is found: steady-state steps whose duration is an outlier (median + max(5
+robust sigma, 50% of the median)) and recur at a fixed period (see
+:func:`trainprof.diagnosis.context.fit_period`). Outliers at the epoch length that
+are mostly data wait belong to the input pipeline (worker start-up), outliers that
+are mostly GC to the GC rule: this rule reports only what is left. The cost is the
+*excess* of those steps over a median step (what removing the work would save), as a
+share of total steady time; the excess is split by phase, which tells evaluation
+(forward + data) from checkpointing or logging (time outside the training phases).
+"""
+
+from __future__ import annotations
+
+import math
+
+from trainprof.diagnosis.context import Context
+from trainprof.diagnosis.finding import Finding, Fix, band
+from trainprof.diagnosis.registry import rule
+
+HIGH, MEDIUM, LOW = 0.20, 0.05, 0.02
+#: The overhead share a suggested interval aims at.
+TARGET_SHARE = 0.02
+
+
+def suggest_interval(period: int, excess_per_occurrence_s: float, step_s: float) -> int:
+    """Smallest interval, a multiple of the current one, at which the work costs <= 2%.
+
+    With work of ``E`` seconds every ``M`` steps of ``s`` seconds the overhead share is
+    ``E / (E + M s)``; solving for ``<= TARGET_SHARE`` gives ``M >= E (1 - t) / (t s)``.
+    """
+    if step_s <= 0:
+        return period * 10
+    need = excess_per_occurrence_s * (1 - TARGET_SHARE) / (TARGET_SHARE * step_s)
+    return max(period * 2, period * math.ceil(need / period))
+
+
+@rule("periodic.every_n_steps")
+def every_n_steps(ctx: Context) -> Finding | None:
+    group = ctx.periodic
+    if group is None or group.fit is None or ctx.total_s <= 0:
+        return None
+    share = group.total_excess_s / ctx.total_s
+    severity = band(share, HIGH, MEDIUM, LOW)
+    if severity is None:
+        return None
+    n = len(group.indices)
+    period = group.fit.period
+    per_occ = group.total_excess_s / n
+    step_s = ctx.median_step_s
+    phases = {k: v / group.total_excess_s for k, v in group.excess_s.items() if v > 0}
+    eval_like = phases.get("forward", 0) + phases.get("data_wait", 0)
+    host_like = phases.get("other", 0)
+    if eval_like >= 0.5 and eval_like >= host_like:
+        cause, what = "evaluation", "evaluation"
+    elif host_like >= 0.5:
+        cause, what = "checkpoint_or_logging", "checkpointing or logging"
+    else:
+        cause, what = "periodic_work", "periodic work"
+    spike_time = float(ctx.durations[group.indices].sum())
+    regions = {
+        name: r for name, r in (ctx.summary.get("regions") or {}).items()
+        if isinstance(r, dict) and r.get("count") and abs(int(r["count"]) - n) <= max(1, n // 5)
+    }
+    evidence = {
+        "period_steps": period,
+        "occurrences": n,
+        "at_steps": ctx.step_numbers(group.indices)[:10],
+        "step_median_s": step_s,
+        "spike_median_s": float(sorted(ctx.durations[group.indices])[n // 2]),
+        "excess_per_occurrence_s": per_occ,
+        "excess_share": share,
+        "spike_steps_time_share": spike_time / ctx.total_s,
+        "excess_by_phase": phases,
+        "coverage": group.fit.coverage,
+    }
+    if regions:
+        evidence["matching_regions"] = regions
+    interval = suggest_interval(period, per_occ, step_s)
+    steps_equiv = per_occ / step_s if step_s > 0 else float("nan")
+    title = (
+        f"Every {period} steps, {what} adds {per_occ:.2f} s (~{steps_equiv:.0f} steps' worth): "
+        f"{share * 100:.0f}% of training time"
+    )
+    if cause == "evaluation":
+        text = (
+            f"A step every {period} steps also runs the model forward on other data (evaluation): "
+            f"it costs {share * 100:.0f}% of the run. Evaluate less often (every {interval} "
+            "steps keeps it near 2%), on a fixed subset of batches, under "
+            "torch.inference_mode(), with a larger eval batch size."
+        )
+        snippet = (
+            f"EVAL_INTERVAL = {interval}  # was {period}: {per_occ:.2f} s each, "
+            f"{share * 100:.0f}% of the run\n"
+            "EVAL_BATCHES = 20  # a fixed subset is enough to track progress\n\n"
+            "if step % EVAL_INTERVAL == 0:\n"
+            "    model.eval()\n"
+            "    with torch.inference_mode():\n"
+            "        for i, (x, y) in enumerate(val_loader):\n"
+            "            if i == EVAL_BATCHES:\n"
+            "                break\n"
+            "            ...\n"
+            "    model.train()"
+        )
+    else:
+        text = (
+            f"Work outside the training phases runs every {period} steps and costs "
+            f"{share * 100:.0f}% of the run (checkpointing, logging, metrics, file I/O). "
+            f"Do it less often (every {interval} steps keeps it near 2%); save checkpoints "
+            "from a background thread after copying the state to CPU, or with "
+            "torch.distributed.checkpoint.async_save."
+        )
+        snippet = (
+            f"SAVE_INTERVAL = {interval}  # was {period}: {per_occ:.2f} s each, "
+            f"{share * 100:.0f}% of the run\n\n"
+            "if step % SAVE_INTERVAL == 0:\n"
+            "    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}\n"
+            "    threading.Thread(target=torch.save, args=(state, path)).start()"
+        )
+    verify = (
+        f"re-run with the interval raised to {interval} (`trainprof run {ctx.script}`) and "
+        "`trainprof compare` the two runs: the mean step should fall towards the "
+        f"median ({step_s * 1e3:.1f} ms), and the run's time by up to {share * 100:.0f}%"
+    )
+    return Finding(
+        category="periodic_overhead",
+        cause=cause,
+        title=title,
+        severity=severity,
+        evidence=evidence,
+        estimated_gain=share,
+        fix=Fix(text=text, snippet=snippet),
+        verify=verify,
+    )

@@ -1,0 +1,568 @@
+"""The diagnosis engine: each rule on hand-made runs with exact expectations, then the examples
+run end to end under `trainprof run --json`, asserting their top finding."""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import trainprof, write_script
+
+from trainprof.analysis.steps import step_statistics
+from trainprof.diagnosis import CATEGORIES, Finding, Fix, diagnose
+from trainprof.diagnosis import registry as reg
+from trainprof.diagnosis.context import Context, fit_period
+from trainprof.diagnosis.finding import band
+from trainprof.diagnosis.input_pipeline import suggest_workers, sweep
+from trainprof.report.terminal import render_summary
+from trainprof.store import STEP_DTYPE, load_run
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+MS = 1e-3
+FIELDS = {
+    "data": "data_wait_ns",
+    "forward": "forward_ns",
+    "backward": "backward_ns",
+    "optimizer": "optimizer_ns",
+    "zero_grad": "zero_grad_ns",
+    "gc": "gc_ns",
+    "region": "region_ns",
+    "other": "other_ns",
+}
+
+
+# -- hand-made runs ---------------------------------------------------------------------------
+
+
+def make_steps(n: int, jitter: float = 0.02, seed: int = 0, **phases: Any) -> np.ndarray:
+    """``n`` complete steps; each phase in seconds (a scalar or one value per step).
+
+    By default a compute-bound step: 3 ms forward, 6 ms backward, 1 ms optimizer, with a
+    deterministic +-2% jitter on forward and backward so that robust statistics are defined.
+    """
+    rng = np.random.default_rng(seed)
+    base = {"forward": 3 * MS, "backward": 6 * MS, "optimizer": 1 * MS}
+    base.update(phases)
+    steps = np.zeros(n, dtype=STEP_DTYPE)
+    steps["step"] = np.arange(n)
+    wobble = 1 + jitter * rng.uniform(-1, 1, n)
+    for name, value in base.items():
+        vals = np.broadcast_to(np.asarray(value, dtype=np.float64), (n,)).copy()
+        if name in ("forward", "backward"):
+            vals = vals * wobble
+        steps[FIELDS[name]] = np.round(vals * 1e9).astype(np.int64)
+    dur = sum(steps[f].astype(np.int64) for f in FIELDS.values())
+    steps["dur_ns"] = dur
+    steps["t_start_ns"] = np.concatenate([[0], np.cumsum(dur)[:-1]])
+    return steps
+
+
+def make_summary(steps: np.ndarray, **parts: Any) -> dict[str, Any]:
+    """A summary as `summarize_run` builds it: real step statistics plus the given parts."""
+    summary: dict[str, Any] = {
+        "command": [sys.executable, "train.py"],
+        **step_statistics(steps),
+        "regions": {},
+        "dataloaders": [],
+        "system": {"n_samples": 20, "proc_cpu_pct": 195.0, "workers_cpu_pct": 0.0,
+                   "sys_cpu_pct": 98.0, "iowait_pct": 0.0},
+        "device": None,
+        "environment": {"usable_cores": 2, "torch_num_threads": 2, "cuda": None,
+                        "gpu_count": 0},
+    }
+    summary.update(parts)
+    return summary
+
+
+def loader(**kw: Any) -> dict[str, Any]:
+    config = {
+        "index": 0, "dataset": "__main__.Images", "len": 320, "batch_size": 32,
+        "num_workers": 0, "pin_memory": False, "prefetch_factor": None,
+        "persistent_workers": False, "drop_last": False,
+        "collate_fn": "torch.utils.data._utils.collate.default_collate",
+        "sampler": "torch.utils.data.sampler.RandomSampler",
+        "batch_sampler": "torch.utils.data.sampler.BatchSampler",
+        "multiprocessing_context": None, "iterable_dataset": False,
+    }
+    config.update(kw)
+    return config
+
+
+def only(findings: list[dict[str, Any]], category: str) -> dict[str, Any]:
+    hits = [f for f in findings if f["category"] == category]
+    assert len(hits) == 1, findings
+    return hits[0]
+
+
+def share(steps: np.ndarray, field: str, summary: dict[str, Any]) -> float:
+    steady = steps[summary["steps"]["warmup"]:]
+    return float(steady[field].sum() / steady["dur_ns"].sum())
+
+
+# -- the finding contract, bands, the registry --------------------------------------------------
+
+
+def test_finding_validates_the_contract():
+    ok = {"category": "gc", "cause": "c", "title": "t", "severity": "low",
+          "evidence": {"x": np.float64(0.123456789)}, "estimated_gain": 1.7,
+          "fix": Fix("do this", "code()"), "verify": "measure"}
+    d = Finding(**ok).to_dict()
+    assert set(d) == {"category", "cause", "title", "severity", "evidence", "estimated_gain",
+                      "fix", "verify", "rule"}
+    assert d["estimated_gain"] == 1.0  # an upper bound on a share: clipped
+    assert d["evidence"] == {"x": 0.1235} and type(d["evidence"]["x"]) is float
+    assert d["fix"] == {"text": "do this", "snippet": "code()"}
+    for bad in ({"category": "speed"}, {"severity": "critical"}, {"evidence": {}},
+                {"verify": ""}, {"estimated_gain": float("nan")}):
+        with pytest.raises(ValueError):
+            Finding(**{**ok, **bad})
+    assert len(CATEGORIES) == 12 and "periodic_overhead" in CATEGORIES
+
+
+def test_severity_bands_are_inclusive_at_their_lower_edge():
+    assert band(0.20, 0.20, 0.05) == "high"
+    assert band(0.1999, 0.20, 0.05) == "medium"
+    assert band(0.05, 0.20, 0.05) == "medium"
+    assert band(0.0499, 0.20, 0.05) is None
+    assert band(0.02, 0.20, 0.05, 0.02) == "low"
+
+
+def test_every_family_is_registered():
+    names = set(reg.rules())
+    assert {n.split(".")[0] for n in names} == {
+        "input_pipeline", "periodic", "gc", "contention", "sync", "noise"}
+
+
+def test_a_failing_rule_is_skipped_and_ranking_is_by_gain():
+    def finding(cat: str, gain: float, severity: str = "low") -> Finding:
+        return Finding(cat, "x", "t", severity, {"n": 1}, gain, Fix("f"), "v")
+
+    @reg.rule("test.broken")
+    def broken(ctx: Context) -> None:
+        raise KeyError("a field this rule did not expect")
+
+    @reg.rule("test.two")
+    def two(ctx: Context) -> list[Finding]:
+        return [finding("gc", 0.1), finding("compute", 0.3, "high"), finding("gc", 0.2)]
+
+    try:
+        out = diagnose({}, None, only=["test.broken", "test.two"])
+    finally:
+        del reg._RULES["test.broken"], reg._RULES["test.two"]
+    # the broken rule adds nothing; the two gc findings with one cause merge into the larger
+    assert [(f["category"], f["estimated_gain"]) for f in out] == [("compute", 0.3), ("gc", 0.2)]
+    assert out[0]["rule"] == "test.two"
+
+
+def test_unreadable_input_gives_no_findings_and_no_error():
+    assert diagnose({}, None) == []
+    assert diagnose({"steps": {"count": 0}}, np.zeros(0, dtype=STEP_DTYPE)) == []
+    garbage = {"steps": "x", "breakdown": {"data_wait": "a lot"}, "system": 3,
+               "environment": None, "dataloaders": [{"error": "boom"}], "syncs": []}
+    assert diagnose(garbage, make_steps(20)) == []
+
+
+def test_healthy_run_gives_nothing():
+    steps = make_steps(100)
+    summary = make_summary(steps)
+    assert summary["steps"]["steady_count"] >= 90
+    assert diagnose(summary, steps) == []
+
+
+# -- input pipeline ---------------------------------------------------------------------------
+
+
+def test_num_workers_0_is_too_few_workers_with_a_fitted_snippet():
+    steps = make_steps(60, data=5 * MS)  # 5 ms wait on a 15 ms step: 33%
+    summary = make_summary(
+        steps, dataloaders=[loader()],
+        system={"n_samples": 20, "proc_cpu_pct": 70.0, "workers_cpu_pct": 0.0},
+    )
+    out = diagnose(summary, steps)
+    f = out[0]
+    expected = share(steps, "data_wait_ns", summary)
+    assert (f["category"], f["cause"], f["severity"]) == ("input_pipeline", "too_few_workers",
+                                                          "high")
+    assert f["estimated_gain"] == pytest.approx(expected, abs=1e-4)
+    assert f["evidence"]["data_wait_share"] == pytest.approx(expected, rel=1e-3)
+    # 0.70 cores of process CPU, at least 0.67 of it outside the wait: >= 90% of the wait blocked
+    assert f["evidence"]["blocked_share_min"] == pytest.approx(
+        1 - (0.70 - (1 - expected)) / expected, rel=1e-3)
+    snippet = f["fix"]["snippet"]
+    assert "Images(...)" in snippet and "batch_size=32," in snippet and "shuffle=True," in snippet
+    assert "num_workers=4,  # was 0; 2 usable cores" in snippet  # blocked: 2x the cores
+    assert "persistent_workers=True" in snippet and "pin_memory" not in snippet
+    assert f["verify"] == "trainprof tune --knob num_workers=0,1,2,4 train.py"
+
+
+@pytest.mark.parametrize(
+    ("data_ms", "severity"),  # share = data / (10 ms + data)
+    [(0.5, None), (0.55, "medium"), (2.4, "medium"), (2.6, "high")],
+)
+def test_input_severity_bands(data_ms, severity):
+    steps = make_steps(60, jitter=0.0, data=data_ms * MS)
+    summary = make_summary(steps, dataloaders=[loader()])
+    found = [f for f in diagnose(summary, steps) if f["category"] == "input_pipeline"]
+    assert [f["severity"] for f in found] == ([severity] if severity else [])
+
+
+def test_cuda_run_gets_pin_memory_and_one_worker_per_core():
+    steps = make_steps(60, data=5 * MS)
+    summary = make_summary(
+        steps, dataloaders=[loader(num_workers=2)],
+        environment={"usable_cores": 8, "torch_num_threads": 8, "cuda": "12.4", "gpu_count": 1},
+        system={"n_samples": 20, "proc_cpu_pct": 60.0, "workers_cpu_pct": 190.0},
+    )
+    f = only(diagnose(summary, steps), "input_pipeline")
+    assert f["cause"] == "too_few_workers"  # 2 workers at 95% each, 5.5 cores free
+    assert f["evidence"]["per_worker_cpu"] == pytest.approx(0.95)
+    # 8 - 0.6 (process) - 1.9 (workers) = 5.5 cores free: 5 more workers
+    assert "num_workers=7,  # was 2; 8 usable cores" in f["fix"]["snippet"]
+    assert "pin_memory=True" in f["fix"]["snippet"]
+    assert f["verify"].startswith("trainprof tune --knob num_workers=2,4,7 ")
+
+
+def test_saturated_workers_without_free_cores_are_cpu_transforms():
+    steps = make_steps(60, data=5 * MS)
+    summary = make_summary(
+        steps, dataloaders=[loader(num_workers=2, persistent_workers=True)],
+        system={"n_samples": 20, "proc_cpu_pct": 15.0, "workers_cpu_pct": 180.0},
+    )
+    f = only(diagnose(summary, steps), "input_pipeline")
+    assert f["cause"] == "cpu_transforms"
+    assert "num_workers=2,  # unchanged" in f["fix"]["snippet"]
+
+
+def test_idle_workers_while_waiting_are_slow_reads():
+    steps = make_steps(60, data=5 * MS)
+    summary = make_summary(
+        steps, dataloaders=[loader(num_workers=4, persistent_workers=True)],
+        system={"n_samples": 20, "proc_cpu_pct": 100.0, "workers_cpu_pct": 40.0,
+                "iowait_pct": 30.0},
+    )
+    f = only(diagnose(summary, steps), "input_pipeline")
+    assert f["cause"] == "slow_reads"
+    assert f["evidence"]["iowait_pct"] == 30.0
+    assert "num_workers=4,  # was 4" not in f["fix"]["snippet"]  # more than now
+    assert suggest_workers(4, 2, 0, blocked=True, on_cuda=False) == 5
+    assert sweep(0, 4) == [0, 1, 2, 4] and sweep(2, 8) == [2, 4, 8]
+
+
+def test_worker_startup_spikes_at_the_epoch_length():
+    data = np.full(60, 0.2 * MS)
+    data[10::10] = 30 * MS  # 320 samples / 32 per batch = 10 batches per epoch
+    steps = make_steps(60, data=data)
+    summary = make_summary(steps, dataloaders=[loader(num_workers=2)],
+                           system={"n_samples": 20, "proc_cpu_pct": 90.0,
+                                   "workers_cpu_pct": 20.0})
+    out = diagnose(summary, steps)
+    f = out[0]
+    assert (f["category"], f["cause"]) == ("input_pipeline", "worker_startup_per_epoch")
+    spikes = f["evidence"]["epoch_spikes"]
+    assert spikes["period_steps"] == 10 and spikes["batches_per_epoch"] == 10
+    assert spikes["at_steps"] == [10, 20, 30, 40, 50]
+    assert spikes["excess_per_epoch_s"] == pytest.approx(29.8 * MS, rel=1e-3)
+    assert "persistent_workers=false,true" in f["verify"]
+    assert not [g for g in out if g["category"] == "periodic_overhead"]  # one finding
+    # with persistent workers the same spikes are not a start-up cost
+    summary["dataloaders"] = [loader(num_workers=2, persistent_workers=True)]
+    assert only(diagnose(summary, steps), "input_pipeline")["cause"] != (
+        "worker_startup_per_epoch")
+
+
+# -- periodic overhead -------------------------------------------------------------------------
+
+
+def test_evaluation_every_n_steps():
+    fwd = np.full(80, 3 * MS)
+    fwd[5::10] = 63 * MS  # +60 ms of forward (evaluation) every 10 steps
+    steps = make_steps(80, forward=fwd)
+    summary = make_summary(steps)
+    f = diagnose(summary, steps)[0]
+    assert (f["category"], f["cause"]) == ("periodic_overhead", "evaluation")
+    ev = f["evidence"]
+    assert ev["period_steps"] == 10 and ev["occurrences"] == 8
+    assert ev["at_steps"] == [5, 15, 25, 35, 45, 55, 65, 75]
+    steady = steps[summary["steps"]["warmup"]:]
+    med = np.median(steady["forward_ns"][steady["forward_ns"] < 10e6])
+    expected = (steady["forward_ns"][5::10] - med).sum() / steady["dur_ns"].sum()
+    assert f["estimated_gain"] == pytest.approx(expected, rel=1e-3)
+    assert f["severity"] == "high"  # 480 ms of 1.28 s
+    assert ev["excess_by_phase"]["forward"] > 0.99
+    assert "EVAL_INTERVAL" in f["fix"]["snippet"]
+
+
+#: Step times (ms) of examples/eval_every.py --steps 80 recorded while another process kept one
+#: of the 2 cores busy: evaluation every 10 steps (400-750 ms) among thread stalls (100-200 ms).
+BUSY_MACHINE_MS = [
+    605, 34, 37, 69, 33, 32, 33, 34, 31, 36, 394, 31, 32, 36, 33, 175, 33, 179, 115, 96,
+    551, 170, 32, 33, 32, 32, 120, 32, 32, 33, 684, 33, 33, 32, 159, 33, 38, 34, 180, 36,
+    755, 31, 32, 139, 27, 30, 25, 30, 169, 34, 472, 29, 25, 26, 120, 23, 24, 24, 24, 147,
+    209, 24, 29, 26, 25, 37, 128, 29, 30, 32, 495, 26, 29, 30, 152, 32, 27, 29, 192, 33,
+]
+
+
+def test_evaluation_found_among_stalls_on_a_busy_machine():
+    steps = make_steps(80, jitter=0.0, forward=np.array(BUSY_MACHINE_MS) * MS - 10 * MS)
+    out = diagnose(make_summary(steps), steps)
+    f = out[0]
+    assert (f["category"], f["cause"]) == ("periodic_overhead", "evaluation")
+    assert f["evidence"]["at_steps"] == [10, 20, 30, 40, 50, 60, 70]  # the stalls are not
+
+
+def test_checkpoint_every_n_steps_and_irregular_spikes():
+    other = np.zeros(90)
+    other[9::15] = 20 * MS  # torch.save every 15 steps: time outside the training phases
+    steps = make_steps(90, other=other)
+    f = diagnose(make_summary(steps), steps)[0]
+    assert (f["category"], f["cause"], f["severity"]) == (
+        "periodic_overhead", "checkpoint_or_logging", "medium")
+    assert f["evidence"]["period_steps"] == 15
+    assert "SAVE_INTERVAL" in f["fix"]["snippet"]
+    irregular = np.zeros(90)
+    irregular[[7, 11, 40, 43, 77]] = 40 * MS
+    steps = make_steps(90, other=irregular)
+    assert not [g for g in diagnose(make_summary(steps), steps)
+                if g["category"] == "periodic_overhead"]
+
+
+def test_fit_period_tolerates_a_missed_occurrence_and_strays_but_not_chaos():
+    fit = fit_period(np.array([10, 20, 30, 50, 60, 70]), 80)
+    assert fit is not None and fit.period == 10 and fit.coverage == 6 / 8
+    # noise spikes off the grid do not break the fit, and are not members
+    fit = fit_period(np.array([4, 10, 17, 20, 30, 33, 40, 50, 63, 70]), 80)
+    assert fit is not None and fit.period == 10 and fit.strays == 4
+    assert fit.indices.tolist() == [10, 20, 30, 40, 50, 70]
+    # strays on a sub-multiple grid do not halve the period
+    fit = fit_period(np.array([*range(0, 100, 10), 15, 45, 75]), 100)
+    assert fit is not None and (fit.period, fit.strays) == (10, 3)
+    # too few occurrences among many strays: could be chance (a busy machine)
+    assert fit_period(np.array([10, 20, 30, 40, 3, 17, 26, 44, 45]), 49) is None
+    assert fit_period(np.array([6, 24, 42, 2, 11, 15, 30, 38, 48]), 49) is None
+    fit = fit_period(np.arange(5, 50, 5), 50)  # a genuine period of 5
+    assert fit is not None and fit.period == 5
+    assert fit_period(np.array([3, 9, 30, 31, 70]), 80) is None
+    # three equally spaced spikes in a long run are a coincidence, not a period
+    assert fit_period(np.array([7, 11, 15]), 60) is None
+    assert fit_period(np.array([10, 20]), 30) is None  # two points do not make a period
+    assert fit_period(np.array([8, 18]), 25, expected=10) is not None  # two epochs
+
+
+# -- gc, contention, sync, noise ------------------------------------------------------------------
+
+
+def test_gc_share_bands_and_full_collections():
+    gc_s = np.full(60, 1.5 * MS)  # 1.5 ms of 11.5 ms: 13%
+    steps = make_steps(60, gc=gc_s)
+    steps["gc_n"] = 1
+    steps["gc_gen2_n"][::5] = 1
+    steps["gc_ns"][::5] = 6e6  # full collections are the slow ones
+    summary = make_summary(steps)
+    summary["gc"] = {"collections_per_step": 1.0, "gen2_per_step": 0.2}
+    f = only(diagnose(summary, steps), "gc")
+    assert f["severity"] == "high" and f["cause"] == "full_collections"
+    assert f["estimated_gain"] == pytest.approx(share(steps, "gc_ns", summary), abs=1e-4)
+    assert "gc.freeze()" in f["fix"]["snippet"]
+    light = make_steps(60, gc=0.2 * MS)  # 2%: low
+    light["gc_n"] = 1
+    out = diagnose(make_summary(light), light)
+    assert only(out, "gc")["severity"] == "low"
+    assert only(out, "gc")["cause"] == "frequent_collections"
+    none = make_steps(60, gc=0.05 * MS)
+    assert not [g for g in diagnose(make_summary(none), none) if g["category"] == "gc"]
+
+
+def test_workers_competing_with_intra_op_threads():
+    steps = make_steps(60, data=0.1 * MS)
+    summary = make_summary(
+        steps, dataloaders=[loader(num_workers=4, persistent_workers=True)],
+        system={"n_samples": 20, "proc_cpu_pct": 140.0, "workers_cpu_pct": 60.0},
+    )
+    f = diagnose(summary, steps)[0]
+    assert (f["category"], f["cause"]) == ("cpu_contention", "workers_oversubscribe_cores")
+    compute = summary["breakdown"]["forward"] + summary["breakdown"]["backward"] + \
+        summary["breakdown"]["optimizer"]
+    # 2 threads, 0.6 cores taken by workers: the pool has 1.4 cores for 2 threads
+    assert f["estimated_gain"] == pytest.approx(compute * (1 - 1.4 / 2), abs=1e-4)
+    assert f["severity"] == "high"
+    assert f["evidence"]["thread_demand"] == 6
+    assert "num_workers=2" in f["fix"]["snippet"]  # ceil(0.6 + 0.5)
+    assert f["verify"] == (
+        "trainprof tune --knob torch_threads=1,2 --knob num_workers=0,1,2,4 train.py")
+    # workers that hardly use the CPU do not compete
+    summary["system"]["workers_cpu_pct"] = 5.0
+    assert not [g for g in diagnose(summary, steps) if g["category"] == "cpu_contention"]
+    # on CUDA the host needs one thread: 4 workers at 0.6 cores leave it enough
+    summary["system"]["workers_cpu_pct"] = 60.0
+    summary["environment"] = {"usable_cores": 2, "torch_num_threads": 2, "cuda": "12.4",
+                              "gpu_count": 1}
+    assert not [g for g in diagnose(summary, steps) if g["category"] == "cpu_contention"]
+
+
+def test_more_intra_op_threads_than_cores():
+    steps = make_steps(60)
+    summary = make_summary(steps, environment={"usable_cores": 2, "torch_num_threads": 8,
+                                               "cuda": None, "gpu_count": 0})
+    f = only(diagnose(summary, steps), "cpu_contention")
+    assert f["cause"] == "threads_exceed_cores"
+    assert f["estimated_gain"] == pytest.approx(0.75, abs=1e-3)  # compute is 100% here
+    assert "OMP_NUM_THREADS=2" in f["fix"]["snippet"]
+
+
+def test_device_syncs():
+    steps = make_steps(60)
+    syncs = {"per_step": 2.0, "share": 0.30, "host_reads_per_step": 2.0}
+    f = only(diagnose(make_summary(steps, syncs=syncs), steps), "synchronization")
+    assert (f["cause"], f["severity"], f["estimated_gain"]) == ("host_reads", "high", 0.3)
+    # what is removable is capped by the time the GPU sits idle
+    device = {"breakdown": {"forward": 0.4, "backward": 0.4, "optimizer": 0.1, "gap": 0.1}}
+    f = only(diagnose(make_summary(steps, syncs=syncs, device=device), steps), "synchronization")
+    assert (f["severity"], f["estimated_gain"]) == ("medium", 0.1)
+    assert f["evidence"]["device_idle_share"] == 0.1
+    explicit = {"per_step": 3.0, "share": 0.08, "host_reads_per_step": 0.0}
+    f = only(diagnose(make_summary(steps, syncs=explicit), steps), "synchronization")
+    assert (f["cause"], f["severity"]) == ("explicit_synchronize", "medium")
+    for quiet in ({"per_step": 0.0, "share": 0.0, "host_reads_per_step": 5.0},
+                  {"per_step": 1.0, "share": 0.001, "host_reads_per_step": 1.0}):
+        assert not [g for g in diagnose(make_summary(steps, syncs=quiet), steps)
+                    if g["category"] == "synchronization"]
+
+
+def test_measurement_noise():
+    steps = make_steps(8)
+    f = only(diagnose(make_summary(steps), steps), "measurement_noise")
+    assert (f["cause"], f["severity"], f["estimated_gain"]) == ("too_few_steps", "medium", 0.0)
+    noisy = make_steps(100, jitter=0.6, seed=3)
+    summary = make_summary(noisy, system={"n_samples": 20, "proc_cpu_pct": 190.0,
+                                          "sys_cpu_pct": 98.0})
+    f = only(diagnose(summary, noisy), "measurement_noise")
+    steady = noisy[summary["steps"]["warmup"]:]["dur_ns"] / 1e9
+    med = np.median(steady)
+    cv = 1.4826 * np.median(np.abs(steady - med)) / med
+    assert f["evidence"]["robust_cv"] == pytest.approx(cv, rel=1e-3)
+    assert f["severity"] == ("medium" if cv >= 0.25 else "low")
+    assert f["cause"] == "unstable_step_time"
+    assert f["evidence"]["resolution"] == pytest.approx(2.8 * cv / np.sqrt(len(steady)),
+                                                        rel=1e-3)
+    summary["system"] = {"n_samples": 20, "proc_cpu_pct": 100.0, "sys_cpu_pct": 100.0}
+    f = only(diagnose(summary, noisy), "measurement_noise")
+    assert f["cause"] == "external_load" and f["evidence"]["external_load_cores"] == 1.0
+    # noise never outranks a bottleneck, and is never high
+    assert all(g["severity"] != "high" for g in diagnose(summary, noisy)
+               if g["category"] == "measurement_noise")
+
+
+def test_composite_ranking():
+    fwd = np.full(80, 3 * MS)
+    fwd[5::10] = 23 * MS
+    steps = make_steps(80, forward=fwd, data=6 * MS, gc=0.4 * MS)
+    summary = make_summary(steps, dataloaders=[loader()])
+    out = diagnose(summary, steps)
+    gains = [f["estimated_gain"] for f in out]
+    assert gains == sorted(gains, reverse=True)
+    assert [f["category"] for f in out] == ["input_pipeline", "periodic_overhead", "gc"]
+
+
+def test_terminal_shows_every_part_of_a_finding():
+    steps = make_steps(60, data=5 * MS)
+    summary = make_summary(steps, dataloaders=[loader()], run_dir="r", status="finished",
+                           name="t", missing=[], notes=[],
+                           system={"n_samples": 20, "proc_cpu_pct": 70.0})
+    summary["findings"] = diagnose(summary, steps)
+    buf = io.StringIO()
+    render_summary(summary, file=buf)
+    text = buf.getvalue()
+    f = summary["findings"][0]
+    assert "[high]" in text and " ".join(f["title"].split()) in " ".join(text.split())
+    assert "could save up to" in text and "evidence: data_wait_share=" in text
+    assert "    num_workers=4,  # was 0; 2 usable cores" in text  # the snippet, unwrapped
+    assert "verify: trainprof tune --knob num_workers=0,1,2,4" in text
+
+
+# -- end to end: the examples under `trainprof run --json` ------------------------------------
+
+
+def run_example(tmp_path: Path, script: str, *args: str) -> dict[str, Any]:
+    res = trainprof("run", "--json", str(EXAMPLES / script), *args, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = res.json()
+    stored = (res.run_dir / "findings.json").read_text()
+    durations = (load_run(res.run_dir).steps["dur_ns"] / 1e6).round(1).tolist()
+    assert doc["findings"] and '"category"' in stored, (doc["steps"], durations)
+    return doc
+
+
+def test_example_slow_input(tmp_path):
+    doc = run_example(tmp_path, "slow_input.py", "--steps", "30")
+    top = doc["findings"][0]
+    assert (top["category"], top["cause"], top["severity"]) == (
+        "input_pipeline", "too_few_workers", "high")
+    assert "num_workers=" in top["fix"]["snippet"] and "RemoteImages(...)" in top["fix"]["snippet"]
+    # `report` diagnoses the stored run again and agrees
+    rep = trainprof("report", "--json", str(tmp_path / "run"), cwd=tmp_path)
+    assert rep.returncode == 0
+    assert rep.json()["findings"][0]["cause"] == "too_few_workers"
+
+
+def test_example_eval_every(tmp_path):
+    doc = run_example(tmp_path, "eval_every.py", "--steps", "80", "--data",
+                      str(tmp_path / "data"), "--ckpt-dir", str(tmp_path))
+    top = doc["findings"][0]
+    assert (top["category"], top["cause"]) == ("periodic_overhead", "evaluation")
+    assert top["evidence"]["period_steps"] == 10
+    assert top["severity"] == "high"
+
+
+def test_example_healthy(tmp_path):
+    res = trainprof("run", "--json", str(EXAMPLES / "healthy.py"), "--steps", "50", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    findings = res.json()["findings"]
+    assert not [f for f in findings if f["severity"] == "high"], findings
+    assert {f["category"] for f in findings} <= {"measurement_noise"}, findings
+
+
+def test_example_many_workers(tmp_path):
+    doc = run_example(tmp_path, "many_workers.py", "--steps", "30")
+    top = doc["findings"][0]
+    assert (top["category"], top["cause"]) == ("cpu_contention", "workers_oversubscribe_cores")
+    assert top["evidence"]["num_workers"] == 4
+
+
+WORKER_STARTUP = """
+import time, torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+class Small(Dataset):
+    def __len__(self):
+        return 64
+    def __getitem__(self, i):
+        return torch.randn(16), i % 2
+
+def open_shards(worker_id):
+    time.sleep(0.1)   # each new worker opens its files / connections
+
+model = nn.Linear(16, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+loader = DataLoader(Small(), batch_size=8, shuffle=True, num_workers=2,
+                    worker_init_fn=open_shards)
+for epoch in range(5):
+    for x, y in loader:
+        time.sleep(0.01)
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(); loss.backward(); opt.step()
+"""
+
+
+def test_worker_startup_every_epoch_end_to_end(tmp_path):
+    write_script(tmp_path, "train.py", WORKER_STARTUP)
+    res = trainprof("run", "--json", "train.py", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    top = res.json()["findings"][0]
+    assert (top["category"], top["cause"]) == ("input_pipeline", "worker_startup_per_epoch")
+    assert top["evidence"]["epoch_spikes"]["period_steps"] == 8
+    assert "persistent_workers=True" in top["fix"]["snippet"]
