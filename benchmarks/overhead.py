@@ -1,8 +1,8 @@
 """Overhead of trainprof's always-on capture on a ~1 ms/step CPU training loop.
 
 The same loop runs in one process in rounds of blocks - plain, plain again,
-trainprof, torch.profiler, in a random order each round - so that drift of the
-machine (other load, thermal, allocator state) hits every arm equally. Each
+trainprof, in a random order each round - so that drift of the machine (other
+load, thermal, allocator state) hits every arm equally. Each
 block is timed from the outside with ``perf_counter``; the overhead is the
 median over rounds of (block time with capture / block time without).
 torch.profiler (CPU activity, the usual settings) is measured on the same loop
@@ -25,7 +25,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,18 +37,20 @@ from torch.utils.data import DataLoader, TensorDataset
 from trainprof.capture.recorder import Recorder
 
 
-def make_loop() -> tuple[object, object]:
+def make_loop(
+    clock: Callable[[], float] = time.perf_counter, hidden: int = 256
+) -> tuple[object, object]:
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(4096, 128), torch.randint(0, 10, (4096,)))
     loader = DataLoader(data, batch_size=64, shuffle=True, drop_last=True)
-    model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
-                          nn.Linear(256, 10))
+    model = nn.Sequential(nn.Linear(128, hidden), nn.ReLU(), nn.Linear(hidden, hidden),
+                          nn.ReLU(), nn.Linear(hidden, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
     state = {"it": iter(loader)}
 
     def run_steps(n: int) -> float:
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(n):
             try:
                 x, y = next(state["it"])
@@ -57,7 +61,7 @@ def make_loop() -> tuple[object, object]:
             opt.zero_grad()
             loss.backward()
             opt.step()
-        return (time.perf_counter() - t0) / n
+        return (clock() - t0) / n
 
     return run_steps, loss_fn
 
@@ -80,42 +84,52 @@ def _ci_pct(with_: list[float], without: list[float], n: int = 2000) -> tuple[fl
     return (lo - 1) * 100, (hi - 1) * 100
 
 
-def measure(rounds: int, steps: int) -> dict[str, float]:
-    """Each round runs four arms in random order: plain, plain again, trainprof, torch.profiler.
+def measure(
+    rounds: int, steps: int, cpu_time: bool = False, hidden: int = 256
+) -> dict[str, Any]:
+    """Rounds of three arms in random order: plain, plain again, trainprof.
 
     "plain again" against "plain" is the noise floor of the method.
+    torch.profiler is measured afterwards, in its own rounds, each profiled
+    block followed by an untimed block: its teardown disturbs the process for
+    a while (a plain block right after it runs up to 1.5x slower here), which
+    would otherwise spill onto whichever arm comes next.
     """
-    run_steps, _ = make_loop()
+    run_steps, _ = make_loop(time.thread_time if cpu_time else time.perf_counter, hidden)
     run_steps(300)  # warm up
     rng = random.Random(0)
-    times: dict[str, list[float]] = {"plain": [], "plain2": [], "trainprof": [], "torch": []}
+    times: dict[str, list[float]] = {"plain": [], "plain2": [], "trainprof": []}
     tmp = Path(tempfile.mkdtemp(prefix="trainprof-overhead-"))
 
-    def arm(name: str, r: int) -> float:
-        if name == "trainprof":
-            # the one-off fingerprint (~20 ms per run) is left out: this is the per-step cost
-            rec = Recorder(tmp / f"run{r}", name="overhead", command=sys.argv, fingerprint=False)
-            rec.start()
-            try:
-                return run_steps(steps)
-            finally:
-                rec.stop("finished", 0)
-        if name == "torch":
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
-                return run_steps(steps)
-        return run_steps(steps)
+    def trainprof_arm(r: int) -> float:
+        # the one-off fingerprint (~20 ms per run) is left out: this is the per-step cost
+        rec = Recorder(tmp / f"run{r}", name="overhead", command=sys.argv, fingerprint=False)
+        rec.start()
+        try:
+            return run_steps(steps)
+        finally:
+            rec.stop("finished", 0)
 
     for r in range(rounds):
         order = list(times)
         rng.shuffle(order)
         for name in order:
-            times[name].append(arm(name, r))
+            times[name].append(trainprof_arm(r) if name == "trainprof" else run_steps(steps))
+
+    plain_t: list[float] = []
+    profiled: list[float] = []
+    for _ in range(max(4, rounds // 4)):
+        plain_t.append(run_steps(steps))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+            profiled.append(run_steps(steps))
+        run_steps(steps)  # untimed: let the process settle after the profiler
     return {
         "step_ms_plain": statistics.median(times["plain"]) * 1e3,
         "overhead_pct": _ratio_pct(times["trainprof"], times["plain"]),
         "overhead_ci95_pct": _ci_pct(times["trainprof"], times["plain"]),
         "noise_pct": _ratio_pct(times["plain2"], times["plain"]),
-        "torch_profiler_overhead_pct": _ratio_pct(times["torch"], times["plain"]),
+        "noise_ci95_pct": _ci_pct(times["plain2"], times["plain"]),
+        "torch_profiler_overhead_pct": _ratio_pct(profiled, plain_t),
         "rounds": rounds,
         "steps_per_block": steps,
     }
@@ -127,13 +141,20 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--hidden", type=int, default=256,
+                        help="MLP width: 256 gives ~1 ms/step here, 1024 ~10 ms/step")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time blocks by the training thread's CPU time (ignores time the "
+                        "thread was descheduled: steal, other load) instead of wall time")
     parser.add_argument("--cpu", type=int, default=None,
                         help="pin the benchmark to this core (less noise on a busy machine)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
-    res = measure(rounds=6 if args.quick else args.rounds, steps=100 if args.quick else 200)
+    steps = 100 if args.quick else max(20, 200 * 256 // args.hidden)
+    res = measure(rounds=6 if args.quick else args.rounds, steps=steps, cpu_time=args.cpu_time,
+                  hidden=args.hidden)
     if args.json:
         print(json.dumps(res))
         return
@@ -141,7 +162,8 @@ def main() -> None:
     lo, hi = res["overhead_ci95_pct"]
     print(f"trainprof always-on:   {res['overhead_pct']:+.2f}% step time "
           f"(95% CI {lo:+.2f}% .. {hi:+.2f}%)")
-    print(f"plain vs plain (noise): {res['noise_pct']:+.2f}%")
+    lo, hi = res["noise_ci95_pct"]
+    print(f"plain vs plain (noise): {res['noise_pct']:+.2f}% (95% CI {lo:+.2f}% .. {hi:+.2f}%)")
     print(f"torch.profiler (CPU):  {res['torch_profiler_overhead_pct']:+.1f}% step time")
 
 

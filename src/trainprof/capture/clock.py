@@ -73,7 +73,8 @@ class StepClock:
         self.n_steps = 0
         self.started = False
         self.current = OTHER
-        self.saved: dict[str, int] = {}  # phases to restore across hook pairs (optimizer, GC)
+        self.saved: dict[str, int] = {}  # phase to restore after GC (callbacks come in pairs)
+        self.opt_prev = OTHER  # phase to restore after an optimizer step
         self.acc = [0] * N_ACC
         self.mark = 0
         self.step_start = 0
@@ -129,11 +130,27 @@ class StepClock:
         if self.mode in ("auto", "backward"):
             self.bwd_pending = True
 
-    def optimizer_stepped(self, optimizer: object) -> None:
-        """Global optimizer post-hook: close the step if this is the primary optimizer."""
+    def optimizer_stepped(self, optimizer: object, now: int) -> None:
+        """Global optimizer post-hook: close the step if this is the primary optimizer.
+
+        ``now`` is when the optimizer step ended. The common case (one
+        optimizer, steady state) closes the step inline: this runs every step.
+        """
+        key = id(optimizer)
+        if key == self._primary and self.mode == "optimizer" and not self._others_since_primary:
+            acc = self.acc
+            start = self.step_start
+            self.records.append((self.n_steps, start - self.origin_ns, now - start, *acc, 0))
+            self.n_steps += 1
+            self.acc = [0] * N_ACC
+            self.step_start = now
+            if self.device is not None:
+                self.device.step_closed(self.n_steps - 1)
+            if self.max_steps is not None:
+                self._check_max_steps()
+            return
         if self.mode == "manual" or not self.started:
             return
-        key = id(optimizer)
         if self._primary is None:
             self._primary = key
         elif key != self._primary:

@@ -33,7 +33,7 @@ import gc
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from time import perf_counter_ns
 from typing import Any
 
@@ -77,14 +77,22 @@ def batch_size_of(batch: Any) -> int:
     """Leading dimension of the first tensor found in a batch (0 if none).
 
     Looks at the batch itself, the first element of a list/tuple, or the first
-    value of a mapping: the layouts ``default_collate`` produces.
+    value of a mapping: the layouts ``default_collate`` produces. Runs once
+    per batch, so exact-type checks come first (``isinstance`` against
+    ``torch.Tensor`` and ``len(tensor)`` are several times slower).
     """
     for _ in range(3):
-        if isinstance(batch, torch.Tensor):
-            return len(batch) if batch.dim() else 1
-        if isinstance(batch, (list, tuple)) and batch:
+        cls = type(batch)
+        if cls is list or cls is tuple:
+            if not batch:
+                return 0
             batch = batch[0]
-        elif isinstance(batch, dict) and batch:
+        elif cls is torch.Tensor or isinstance(batch, torch.Tensor):
+            shape = batch.shape
+            return shape[0] if shape else 1
+        elif isinstance(batch, (list, tuple)) and batch:
+            batch = batch[0]
+        elif isinstance(batch, Mapping) and batch:
             batch = next(iter(batch.values()))
         else:
             return 0
@@ -202,6 +210,7 @@ class Instrumentation:
         get_ident = threading.get_ident
         enter, exit_ = clock.enter, clock.exit
         saved = clock.saved
+        Tensor = torch.Tensor  # noqa: N806 - a local alias for the hot path
         acc_ref = clock  # acc is replaced every step; always read it through the clock
 
         # The wrappers below inline StepClock.enter/exit: they run several
@@ -230,7 +239,13 @@ class Instrumentation:
                     clock.acc[clock.current] += now - clock.mark
                     clock.current = prev
                     clock.mark = now
-                clock.acc[SAMPLES] += batch_size_of(batch)
+                # inline fast path for the usual (tensor, ...) batch; else the general walk
+                cls = type(batch)
+                if (cls is list or cls is tuple) and batch and type(batch[0]) is Tensor:
+                    shape = batch[0].shape
+                    clock.acc[SAMPLES] += shape[0] if shape else 1
+                else:
+                    clock.acc[SAMPLES] += batch_size_of(batch)
                 return batch
 
             return __next__
@@ -331,7 +346,14 @@ class Instrumentation:
         # -- optimizer step and zero_grad ----------------------------------
         def pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
             if get_ident() == owner:
-                saved["optimizer"] = enter(OPTIMIZER)
+                now = perf_counter_ns()
+                if not clock.started:
+                    clock.begin(now)
+                prev = clock.current
+                clock.acc[prev] += now - clock.mark
+                clock.current = OPTIMIZER
+                clock.mark = now
+                clock.opt_prev = prev
                 if clock.device is not None:
                     clock.device.mark(OPT_BEGIN)
 
@@ -341,9 +363,9 @@ class Instrumentation:
                     clock.device.mark(OPT_END)
                 now = perf_counter_ns()
                 clock.acc[clock.current] += now - clock.mark
-                clock.current = saved.pop("optimizer", OTHER)
+                clock.current = clock.opt_prev
                 clock.mark = now
-                clock.optimizer_stepped(optimizer)
+                clock.optimizer_stepped(optimizer, now)
 
         from torch.optim.optimizer import (
             register_optimizer_step_post_hook,
