@@ -133,21 +133,13 @@ class StepClock:
     def optimizer_stepped(self, optimizer: object, now: int) -> None:
         """Global optimizer post-hook: close the step if this is the primary optimizer.
 
-        ``now`` is when the optimizer step ended. The common case (one
-        optimizer, steady state) closes the step inline: this runs every step.
+        ``now`` is when the optimizer step ended (the hook has already charged
+        the time up to it). The common case, one optimizer in steady state, is
+        tested first: this runs every step.
         """
         key = id(optimizer)
         if key == self._primary and self.mode == "optimizer" and not self._others_since_primary:
-            acc = self.acc
-            start = self.step_start
-            self.records.append((self.n_steps, start - self.origin_ns, now - start, *acc, 0))
-            self.n_steps += 1
-            self.acc = [0] * N_ACC
-            self.step_start = now
-            if self.device is not None:
-                self.device.step_closed(self.n_steps - 1)
-            if self.max_steps is not None:
-                self._check_max_steps()
+            self._close(0, now)
             return
         if self.mode == "manual" or not self.started:
             return
@@ -163,7 +155,7 @@ class StepClock:
         self.mode = "optimizer"
         self.bwd_pending = False
         self._subs.clear()
-        self._close(0)
+        self._close(0, now)
 
     def manual_step(self) -> None:
         """Explicit boundary from ``prof.step()``; turns automatic boundaries off.
@@ -206,13 +198,15 @@ class StepClock:
         self._subs.clear()
         self._check_max_steps()
 
-    def _close(self, flags: int) -> None:
-        now = perf_counter_ns()
-        acc = self.acc
-        acc[self.current] += now - self.mark
-        self.mark = now
+    def _close(self, flags: int, now: int | None = None) -> None:
+        """End the current step at ``now`` (default: this instant, charging the time since
+        the last transition to the current phase)."""
+        if now is None:
+            now = perf_counter_ns()
+            self.acc[self.current] += now - self.mark
+            self.mark = now
         start = self.step_start
-        self.records.append((self.n_steps, start - self.origin_ns, now - start, *acc, flags))
+        self.records.append((self.n_steps, start - self.origin_ns, now - start, *self.acc, flags))
         self.n_steps += 1
         self.acc = [0] * N_ACC
         self.step_start = now
