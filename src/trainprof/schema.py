@@ -47,3 +47,6 @@ DEVICE_FIELDS = (
     "dev_optimizer_ns",
     "dev_gap_ns",
 )
+
+#: int64 values per step record (every field is stored as int64).
+RECORD_WIDTH = len(STEP_FIELDS)

@@ -10,7 +10,7 @@ Layout (schema version :data:`SCHEMA_VERSION`; a **contract**, see DESIGN.md)::
     findings.json   the diagnosis at the end of the run
 
 Why this shape: a 1,000,000-step run must stay small and load in seconds, so
-steps are binary (112 bytes each, read with one ``numpy.fromfile``), while rare,
+steps are binary (184 bytes each, read with one ``numpy.frombuffer``), while rare,
 variable-shaped events stay human-readable JSON lines. Every file is
 append-only and flushed at least once a second by the sampler thread, so a
 crash or ``kill -9`` loses at most the last second; ``run.json`` is replaced
@@ -35,11 +35,9 @@ from trainprof.schema import DEVICE_FIELDS, STEP_FIELDS
 
 SCHEMA_VERSION = 1
 
-#: Times are int64 nanoseconds (exact sums); counters fit in int32.
-_COUNTERS = {"samples", "sync_n", "host_reads", "gc_n", "gc_gen2_n", "flags"}
-STEP_DTYPE = np.dtype(
-    [(name, "<i4" if name in _COUNTERS else "<i8") for name in STEP_FIELDS]
-)
+#: Every field is int64 (times in nanoseconds: exact sums), so the capture can
+#: write its flat in-memory buffer as it is.
+STEP_DTYPE = np.dtype([(name, "<i8") for name in STEP_FIELDS])
 
 DEVICE_DTYPE = np.dtype([(name, "<i8") for name in DEVICE_FIELDS])
 
@@ -119,6 +117,13 @@ class RunWriter:
         if not records or self._steps.closed:
             return
         self._steps.write(np.array(records, dtype=STEP_DTYPE).tobytes())
+        self._steps.flush()
+
+    def append_step_bytes(self, data: bytes) -> None:
+        """Whole step records, already in :data:`STEP_DTYPE` layout (the capture's buffer)."""
+        if not data or self._steps.closed:
+            return
+        self._steps.write(data)
         self._steps.flush()
 
     def append_device(self, records: list[tuple[int, ...]]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +22,7 @@ from trainprof.capture.device_timer import DeviceTimer
 from trainprof.capture.fingerprint import collect_fingerprint
 from trainprof.capture.hooks import Instrumentation, LoaderRegistry
 from trainprof.capture.sampler import SystemSampler
-from trainprof.schema import REGION
+from trainprof.schema import RECORD_WIDTH, REGION
 from trainprof.store import SAMPLES_JSONL, RunWriter
 
 #: The recorder running in this process, if any (one at a time: the patches are global).
@@ -131,10 +132,17 @@ class Recorder:
         which probing CUDA earlier would freeze; and it happens off the
         training thread.
         """
-        records = self.clock.records
-        n = len(records)
+        buf = self.clock.records
+        n = len(buf) - len(buf) % RECORD_WIDTH
         if n:
-            self.writer.append_steps([records.popleft() for _ in range(n)])
+            # each of these is one C call under the GIL; the training thread only
+            # ever extends the end by whole records, so the first n stay intact
+            chunk = buf[:n]
+            del buf[:n]
+            if sys.byteorder == "big":
+                chunk.byteswap()  # the file is little-endian (STEP_DTYPE)
+            data = chunk.tobytes()
+            self.writer.append_step_bytes(data)
         device = self.clock.device
         if device is not None:
             dev_records = device.records
