@@ -16,8 +16,8 @@ from trainprof.analysis.steps import step_statistics
 from trainprof.diagnosis import CATEGORIES, Finding, Fix, diagnose
 from trainprof.diagnosis import registry as reg
 from trainprof.diagnosis.context import Context, fit_period
-from trainprof.diagnosis.finding import band
-from trainprof.diagnosis.input_pipeline import suggest_workers, sweep
+from trainprof.diagnosis.finding import band, sweep
+from trainprof.diagnosis.input_pipeline import suggest_workers
 from trainprof.report.terminal import render_summary
 from trainprof.store import STEP_DTYPE, load_run
 

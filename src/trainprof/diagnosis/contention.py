@@ -29,24 +29,13 @@ import math
 from typing import Any
 
 from trainprof.diagnosis.context import Context
-from trainprof.diagnosis.finding import Finding, Fix, band
+from trainprof.diagnosis.finding import Finding, Fix, band, sweep
 from trainprof.diagnosis.registry import rule
 
 HIGH, MEDIUM, LOW = 0.20, 0.05, 0.02
 #: Worker CPU (in cores) below which workers are not competing for cores in earnest
 #: (workers that sleep on I/O); the gain bands then decide whether it is worth a finding.
 MIN_WORKER_CORES = 0.10
-
-
-def _powers(lo: int, hi: int) -> set[int]:
-    """``lo``, ``hi`` and the powers of two between them: the values of a sweep."""
-    out = {lo, hi}
-    p = 1
-    while p < hi:
-        if p > lo:
-            out.add(p)
-        p *= 2
-    return out
 
 
 def _csv(values: set[int]) -> str:
@@ -137,8 +126,8 @@ def oversubscribed_cores(ctx: Context) -> Finding | None:
         snippet = "\n".join(lines)
         knobs = []
         if not ctx.on_cuda:
-            knobs.append(f"--knob torch_threads={_csv(_powers(1, pool) | {new_threads})}")
-        knobs.append(f"--knob num_workers={_csv(_powers(1, nw) | {0, new_workers})}")
+            knobs.append(f"--knob torch_threads={_csv(set(sweep(1, pool)) | {new_threads})}")
+        knobs.append(f"--knob num_workers={_csv(set(sweep(1, nw)) | {0, new_workers})}")
         verify = f"trainprof tune {' '.join(knobs)} {ctx.script}"
     else:
         cause = "threads_exceed_cores"

@@ -123,3 +123,14 @@ def band(value: float, high: float, medium: float, low: float | None = None) -> 
     if low is not None and value >= low:
         return "low"
     return None
+
+
+def sweep(current: int, suggested: int) -> list[int]:
+    """Values for a knob sweep in a ``verify`` line: current, powers of two between, suggested."""
+    values = {current, suggested}
+    p = 1
+    while p < suggested:
+        if p > current:
+            values.add(p)
+        p *= 2
+    return sorted(values)

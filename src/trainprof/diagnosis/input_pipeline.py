@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from trainprof.diagnosis.context import Context
-from trainprof.diagnosis.finding import Finding, Fix, band
+from trainprof.diagnosis.finding import Finding, Fix, band, sweep
 from trainprof.diagnosis.registry import rule
 
 HIGH, MEDIUM = 0.20, 0.05  # TF input-pipeline analyzer bands (I1)
@@ -65,17 +65,6 @@ def suggest_workers(
     else:
         target = max(1, per_device // 2)
     return max(target, current + 1)
-
-
-def sweep(current: int, suggested: int) -> list[int]:
-    """Values for a ``num_workers`` sweep: current, powers of two in between, suggested."""
-    values = {current, suggested}
-    p = 1
-    while p < suggested:
-        if p > current:
-            values.add(p)
-        p *= 2
-    return sorted(values)
 
 
 def loader_snippet(
