@@ -144,8 +144,10 @@ def test_forward_wrapper_moves_onto_root_classes_after_discovery(tmp_path):
         assert "__call__" not in nn.Linear.__dict__
     assert seen_during_run[0] is False and seen_during_run[-1] is True
     assert "__call__" not in Net.__dict__ and "__call__" not in nn.MSELoss.__dict__
-    steps = load_run(tmp_path / "r").steps
-    assert (steps["forward_ns"] > 2e6).all()  # the 2 ms sleep in forward, every step
+    run = load_run(tmp_path / "r")
+    assert (run.steps["forward_ns"] > 2e6).all()  # the 2 ms sleep in forward, every step
+    assert run.meta["forward_roots"] == [
+        f"{Net.__module__}.{Net.__qualname__}", "torch.nn.modules.loss.MSELoss"]
 
 
 def test_training_goes_on_when_the_sampler_fails(tmp_path, monkeypatch):

@@ -121,6 +121,8 @@ class Recorder:
             step_delimiter=self.clock.mode,
             dataloaders=self.loaders.configs,
             missing=missing,
+            # the module classes whose top-level calls were timed as forward
+            forward_roots=self.instrumentation.forward_roots if self.instrumentation else [],
         )
         return self.run_dir
 
