@@ -383,3 +383,18 @@ def test_profile_api_inside_trainprof_run_attaches_to_the_run(tp):
     assert doc["steps"]["count"] == 12
     assert doc["regions"]["log"]["count"] == 12
     assert not (res.run_dir.parent / "trainprof-runs").exists()  # no second run folder
+
+
+def test_report_reads_a_run_that_is_still_going(tmp_path):
+    proc, run_dir = _start(tmp_path, WORKERS_FOREVER)
+    try:
+        time.sleep(1.5)  # > one flush period
+        res = trainprof("report", str(run_dir), "--json", cwd=tmp_path)
+        assert res.returncode == 0, res.stderr
+        doc = res.json()
+        assert doc["status"] == "running"
+        assert doc["steps"]["count"] >= 4
+        assert doc["dataloaders"][0]["num_workers"] == 2
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
