@@ -175,6 +175,8 @@ def test_crash_keeps_a_crashed_record_and_prints_python_traceback(tp):
     assert "trainprof" not in tb.split("ValueError")[0]  # only the user's frames
     assert 'File "' in tb and "train.py" in tb and "in explode" in tb
     assert "ValueError: boom at step 5" in tb
+    assert "runpy" not in tb and tb.count("ValueError: boom at step 5") == 1
+    assert f'File "{res.run_dir.parent / "train.py"}", line 10, in <module>' in tb
     meta = json.loads((res.run_dir / "run.json").read_text())
     assert meta["status"] == "crashed" and meta["exit_code"] == 1
     assert meta["summary"]["steps"]["count"] == 5
@@ -398,3 +400,31 @@ def test_report_reads_a_run_that_is_still_going(tmp_path):
     finally:
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=60)
+
+
+def test_spawned_workers_can_unpickle_classes_from_the_script(tp):
+    body = """
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+
+    class DS(Dataset):   # pickled as __main__.DS for the spawned workers
+        def __len__(self):
+            return 64
+        def __getitem__(self, i):
+            return torch.randn(4)
+
+    def main():
+        w = torch.zeros(4, requires_grad=True)
+        opt = torch.optim.SGD([w], lr=0.1)
+        loader = DataLoader(DS(), batch_size=8, num_workers=2, multiprocessing_context="spawn")
+        for x in loader:
+            (w * x).sum().backward(); opt.step()
+
+    if __name__ == "__main__":
+        main()
+    """
+    res = tp(body, "--json")
+    assert res.returncode == 0, res.stderr
+    doc = res.json()
+    assert doc["steps"]["count"] == 8
+    assert doc["dataloaders"][0]["multiprocessing_context"] == "spawn"

@@ -22,12 +22,16 @@ it called.
 
 from __future__ import annotations
 
+import builtins
+import importlib.machinery
 import importlib.util
+import io
 import os
 import runpy
 import signal
 import sys
 import threading
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -73,7 +77,7 @@ def check_target(target: str, module: bool) -> str:
 
 
 def _is_ours(filename: str) -> bool:
-    return filename.startswith(_OWN_DIR) or filename == _RUNPY
+    return filename.startswith(_OWN_DIR) or filename in (_RUNPY, "<frozen runpy>")
 
 
 def _strip_own_frames(exc: BaseException | None, seen: set[int] | None = None) -> None:
@@ -131,6 +135,37 @@ def _sigterm_as_exception() -> Iterator[None]:
             signal.signal(signal.SIGTERM, previous)
 
 
+def _run_file_as_main(path: Path) -> None:
+    """Execute a script file as ``python path`` does.
+
+    Not ``runpy.run_path``: that sets ``sys.argv[0]`` to the path it is
+    given, while python keeps the path as typed in ``argv[0]`` and uses the
+    absolute path for ``__file__`` and in tracebacks. Like runpy, the script
+    gets a fresh ``__main__`` module in ``sys.modules`` (so its classes pickle
+    as ``__main__.X`` for spawned DataLoader workers), restored afterwards.
+    """
+    filename = str(path)
+    with io.open_code(filename) as f:
+        source = f.read()
+    code = compile(source, filename, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(
+        __file__=filename,
+        __cached__=None,
+        __loader__=importlib.machinery.SourceFileLoader("__main__", filename),
+        __spec__=None,
+        __package__=None,
+        __builtins__=builtins,
+    )
+    saved_main = sys.modules.get("__main__")
+    sys.modules["__main__"] = main
+    try:
+        exec(code, main.__dict__)
+    finally:
+        if saved_main is not None:
+            sys.modules["__main__"] = saved_main
+
+
 def _exit_code(code: object) -> tuple[int, str | None]:
     if code is None:
         return 0, None
@@ -152,7 +187,9 @@ def run_target(target: str, args: list[str], module: bool) -> Outcome:
         with _sigterm_as_exception():
             if module:
                 runpy.run_module(target, run_name="__main__", alter_sys=True)
-            else:
+            elif Path(target).is_file():
+                _run_file_as_main(Path(target).resolve())
+            else:  # a directory or zip with __main__.py
                 runpy.run_path(target, run_name="__main__")
     except SystemExit as exc:
         code, message = _exit_code(exc.code)
@@ -164,8 +201,8 @@ def run_target(target: str, args: list[str], module: bool) -> Outcome:
     except Terminated:
         return Outcome("interrupted", 128 + signal.SIGTERM, "trainprof: terminated by SIGTERM")
     except BaseException as exc:
-        print_exception(exc)
-        return Outcome("crashed", 1, f"{type(exc).__name__}: {exc}")
+        print_exception(exc)  # the traceback says it all; no extra line
+        return Outcome("crashed", 1)
     finally:
         sys.argv = saved_argv
         if saved_path0 is not None:
