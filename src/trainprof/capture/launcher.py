@@ -182,7 +182,8 @@ def run_target(target: str, args: list[str], module: bool) -> Outcome:
         sys.path[0:1] = [os.getcwd()]
     else:
         sys.argv = [target, *args]
-        sys.path[0:1] = [str(Path(target).resolve().parent)]
+        resolved = Path(target).resolve()  # python puts the script's folder (or the zip/dir) first
+        sys.path[0:1] = [str(resolved if not resolved.is_file() else resolved.parent)]
     try:
         with _sigterm_as_exception():
             if module:
