@@ -90,3 +90,25 @@ def test_warmup_detection():
     spiky[0] = 0.010
     assert detect_warmup(spiky) == 0
     assert detect_warmup(np.array([1.0, 0.01])) == 0
+
+
+def test_steps_written_in_another_layout_read_through_run_json(tmp_path):
+    """A folder from a trainprof whose step layout differed (int32 counters, a field fewer)."""
+    old_fields = [(n, "<i4" if n in ("samples", "flags") else "<i8")
+                  for n in STEP_DTYPE.names if n != "gc_gen2_n"]
+    old = np.dtype(old_fields)
+    recs = np.zeros(3, dtype=old)
+    recs["step"] = [0, 1, 2]
+    recs["dur_ns"] = recs["other_ns"] = 5_000_000
+    recs["samples"] = 16
+    w = RunWriter(tmp_path / "r", {"name": "old"})
+    w.close("finished", 0)
+    meta = orjson.loads((tmp_path / "r" / "run.json").read_bytes())
+    meta["step_fields"] = [[n, old[n].str] for n in old.names]
+    (tmp_path / "r" / "run.json").write_bytes(orjson.dumps(meta))
+    (tmp_path / "r" / "steps.bin").write_bytes(recs.tobytes())
+    steps = load_run(tmp_path / "r").steps
+    assert steps.dtype == STEP_DTYPE
+    assert steps["samples"].tolist() == [16, 16, 16]
+    assert steps["gc_gen2_n"].tolist() == [0, 0, 0]
+    assert step_statistics(steps)["samples_per_s"] == pytest.approx(3200)

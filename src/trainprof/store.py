@@ -198,6 +198,30 @@ def load_records(path: Path, dtype: np.dtype = STEP_DTYPE) -> np.ndarray:
     return np.frombuffer(raw[:usable], dtype=dtype)
 
 
+def _load_steps(path: Path, meta: dict[str, Any]) -> np.ndarray:
+    """Step records in the layout run.json declares, converted to today's :data:`STEP_DTYPE`.
+
+    The writer records its field names and types in ``step_fields``, so a
+    folder written by another trainprof version (other fields, narrower
+    counters) still reads correctly: known fields are copied, missing ones are 0.
+    """
+    fields = meta.get("step_fields")
+    if not fields:
+        return load_records(path)
+    try:
+        dtype = np.dtype([(str(name), str(kind)) for name, kind in fields])
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"unreadable step layout in {path.parent / RUN_JSON}: {exc}") from exc
+    raw = load_records(path, dtype)
+    if dtype == STEP_DTYPE:
+        return raw
+    out = np.zeros(len(raw), dtype=STEP_DTYPE)
+    for name in STEP_DTYPE.names:
+        if name in dtype.names:
+            out[name] = raw[name]
+    return out
+
+
 def load_run(run_dir: Path) -> Run:
     """Read a Run folder in any status.
 
@@ -244,7 +268,7 @@ def load_run(run_dir: Path) -> Run:
     return Run(
         path=run_dir,
         meta=meta,
-        steps=load_records(run_dir / STEPS_BIN),
+        steps=_load_steps(run_dir / STEPS_BIN, meta),
         device=load_records(run_dir / DEVICE_BIN, DEVICE_DTYPE),
         events=_read_jsonl(run_dir / EVENTS_JSONL),
         samples_path=run_dir / SAMPLES_JSONL,

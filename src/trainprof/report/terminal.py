@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import IO, Any
 
 from rich.console import Console
@@ -86,7 +88,11 @@ def _dataloader_line(dl: dict[str, Any]) -> str:
 
 def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None:
     """Print the end-of-run summary."""
-    console = Console(file=file, highlight=False, soft_wrap=True)
+    out = file if file is not None else sys.stdout
+    # on a terminal rich fits its width; in a log or a pipe, 120 columns rather
+    # than rich's default 80, so evidence and fix lines are not chopped up
+    width = None if out.isatty() or "COLUMNS" in os.environ else 120
+    console = Console(file=out, highlight=False, soft_wrap=True, width=width)
     console.print(_status_line(summary))
     table = Table.grid(padding=(0, 2))
     table.add_column(style="bold cyan", no_wrap=True)
