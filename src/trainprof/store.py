@@ -10,7 +10,7 @@ Layout (schema version :data:`SCHEMA_VERSION`; a **contract**, see DESIGN.md)::
     findings.json   the diagnosis at the end of the run
 
 Why this shape: a 1,000,000-step run must stay small and load in seconds, so
-steps are binary (184 bytes each, read with one ``numpy.frombuffer``), while rare,
+steps are binary (144 bytes each, read with one ``numpy.frombuffer``), while rare,
 variable-shaped events stay human-readable JSON lines. Every file is
 append-only and flushed at least once a second by the sampler thread, so a
 crash or ``kill -9`` loses at most the last second; ``run.json`` is replaced
