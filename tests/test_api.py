@@ -41,7 +41,7 @@ def test_explicit_steps_and_regions(tmp_path):
     steps = load_run(tmp_path / "r").steps
     # the eval region is charged to the step it ran in, not to forward
     assert (steps["region_ns"] > 15e6).sum() == 3
-    assert (steps["forward_ns"] < 15e6).all()
+    assert (steps["forward_ns"][1:] < 15e6).all()  # the first forward may include lazy init
     # exclusive phases add up to each step's duration exactly
     phases = [f for f in steps.dtype.names if f.endswith("_ns") and f not in
               ("t_start_ns", "dur_ns", "sync_ns")]

@@ -30,7 +30,7 @@ def _records(n: int, dur_ms: float = 10.0, data_ms: float = 4.0) -> list[tuple[i
 
 def test_torn_last_record_and_line_are_dropped(tmp_path):
     w = RunWriter(tmp_path / "r", {"name": "t"})
-    w.append_steps(_records(5))
+    w.append_step_bytes(np.array(_records(5), dtype=STEP_DTYPE).tobytes())
     w.event("dataloader", batch_size=32)
     w.close("finished", 0)
     with open(tmp_path / "r" / "steps.bin", "ab") as f:
@@ -57,9 +57,9 @@ def test_schema_errors_are_usage_errors(tmp_path):
 
 def test_million_step_record_is_small_and_fast(tmp_path):
     w = RunWriter(tmp_path / "r", {"name": "big"})
-    chunk = _records(100_000)
+    chunk = np.array(_records(100_000), dtype=STEP_DTYPE).tobytes()
     for _ in range(10):
-        w.append_steps(chunk)
+        w.append_step_bytes(chunk)
     w.close("finished", 0)
     size = (tmp_path / "r" / "steps.bin").stat().st_size
     assert size == 1_000_000 * STEP_DTYPE.itemsize

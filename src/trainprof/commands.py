@@ -17,16 +17,21 @@ from typing import Any
 from trainprof.analysis.summary import summarize_run
 from trainprof.report.json_report import render_json
 from trainprof.report.terminal import render_summary
-from trainprof.store import default_run_dir, load_run, save_summary
+from trainprof.store import Run, default_run_dir, load_run, save_summary
+
+
+def analyse(run: Run) -> dict[str, Any]:
+    """The summary of a Run with its findings: what every output renders."""
+    from trainprof.diagnosis import diagnose
+
+    summary = summarize_run(run)
+    summary["findings"] = diagnose(summary, run.steps)
+    return summary
 
 
 def finalize_run(run_dir: Path) -> dict[str, Any]:
     """Summarise a closed Run folder, diagnose it, and store both in it (findings.json)."""
-    from trainprof.diagnosis import diagnose
-
-    run = load_run(run_dir)
-    summary = summarize_run(run)
-    summary["findings"] = diagnose(summary, run.steps)
+    summary = analyse(load_run(run_dir))
     save_summary(run_dir, summary)
     return summary
 
@@ -111,13 +116,9 @@ def run_command(
 
 def report_command(run_dir: Path, json_out: bool = False) -> int:
     """``trainprof report``: summarise an existing Run folder, whatever its status."""
-    run = load_run(run_dir)
-    summary = summarize_run(run)
-    # Diagnose again rather than show findings.json: a run killed before finalize_run has
-    # none stored, and the rules of the installed trainprof are the ones to apply.
-    from trainprof.diagnosis import diagnose
-
-    summary["findings"] = diagnose(summary, run.steps)
+    # Diagnosed again rather than read from findings.json: a run killed before
+    # finalize_run has none stored, and the installed trainprof's rules apply.
+    summary = analyse(load_run(run_dir))
     if json_out:
         render_json(summary)
     else:

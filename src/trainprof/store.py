@@ -80,7 +80,7 @@ def _write_json_atomic(path: Path, data: Any) -> None:
 class RunWriter:
     """Writes one Run folder while the training script runs.
 
-    ``append_steps`` and ``event`` may be called from the sampler thread;
+    ``append_step_bytes`` and ``event`` may be called from the sampler thread;
     metadata updates come from the main thread. Writes are small and appended.
     """
 
@@ -113,12 +113,6 @@ class RunWriter:
         self.meta.update(values)
         self.write_meta()
 
-    def append_steps(self, records: list[tuple[int, ...]]) -> None:
-        if not records or self._steps.closed:
-            return
-        self._steps.write(np.array(records, dtype=STEP_DTYPE).tobytes())
-        self._steps.flush()
-
     def append_step_bytes(self, data: bytes) -> None:
         """Whole step records, already in :data:`STEP_DTYPE` layout (the capture's buffer)."""
         if not data or self._steps.closed:
@@ -138,9 +132,6 @@ class RunWriter:
         self._events.write(orjson.dumps({"kind": kind, **data}) + b"\n")
         self._events.flush()
 
-    def write_findings(self, findings: list[dict[str, Any]]) -> None:
-        _write_json_atomic(self.run_dir / FINDINGS_JSON, findings)
-
     def close(self, status: str, exit_code: int | None, **extra: Any) -> None:
         assert status in STATUSES, status
         self._steps.close()
@@ -158,7 +149,6 @@ class Run:
     steps: np.ndarray
     events: list[dict[str, Any]]
     samples_path: Path
-    findings: list[dict[str, Any]] = field(default_factory=list)
     device: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=DEVICE_DTYPE))
 
     @property
@@ -258,13 +248,6 @@ def load_run(run_dir: Path) -> Run:
             "the process ended without closing the record (killed?); "
             "steps up to its last second are kept"
         )
-    findings: list[dict[str, Any]] = []
-    fpath = run_dir / FINDINGS_JSON
-    if fpath.exists():
-        try:
-            findings = orjson.loads(fpath.read_bytes())
-        except orjson.JSONDecodeError:
-            findings = []
     return Run(
         path=run_dir,
         meta=meta,
@@ -272,7 +255,6 @@ def load_run(run_dir: Path) -> Run:
         device=load_records(run_dir / DEVICE_BIN, DEVICE_DTYPE),
         events=_read_jsonl(run_dir / EVENTS_JSONL),
         samples_path=run_dir / SAMPLES_JSONL,
-        findings=findings,
     )
 
 

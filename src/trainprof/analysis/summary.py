@@ -97,7 +97,7 @@ def summarize_run(run: Run) -> dict[str, Any]:
         "environment": _environment(meta.get("fingerprint"), meta.get("training_thread")),
         "missing": meta.get("missing", []),
         "notes": meta.get("notes", []),
-        "findings": run.findings,
+        "findings": [],  # filled by the diagnosis (trainprof.commands.analyse)
     }
     if "recorded_status" in meta:
         summary["recorded_status"] = meta["recorded_status"]

@@ -77,8 +77,9 @@ class StepClock:
         self.n_steps = 0
         self.started = False
         self.current = OTHER
-        self.saved: dict[str, int] = {}  # phase to restore after GC (callbacks come in pairs)
-        self.opt_prev = OTHER  # phase to restore after an optimizer step
+        # phases to restore after hook pairs (optimizer pre/post, GC start/stop)
+        self.opt_prev = OTHER
+        self.gc_prev = OTHER
         self.acc = [0] * N_ACC
         self.mark = 0
         self.step_start = 0
@@ -114,11 +115,13 @@ class StepClock:
         self.mark = now
         return prev
 
-    def exit(self, prev: int) -> None:
+    def exit(self, prev: int) -> int:
+        """Leave the current phase for ``prev``; returns the time of the transition."""
         now = perf_counter_ns()
         self.acc[self.current] += now - self.mark
         self.current = prev
         self.mark = now
+        return now
 
     # -- step boundaries ---------------------------------------------------
     def top_level_event(self) -> None:

@@ -101,8 +101,7 @@ class DeviceTimer:
             gap = max(0, dev_step - sum(spans))
             self.records.append((step, dev_step, *spans, gap))
             self._recycle(marks)
-            if start is not self._last_end:
-                self._free.append(start)
+            self._free.append(start)  # the previous step's end: no step needs it any more
 
     def _recycle(self, marks: list[tuple[int, Any]]) -> None:
         self._free.extend(ev for _, ev in marks)

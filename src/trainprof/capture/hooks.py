@@ -209,14 +209,8 @@ class Instrumentation:
         owner = clock.owner
         get_ident = threading.get_ident
         enter, exit_ = clock.enter, clock.exit
-        saved = clock.saved
         Tensor = torch.Tensor  # noqa: N806 - a local alias for the hot path
         acc_ref = clock  # acc is replaced every step; always read it through the clock
-
-        # The wrappers below inline StepClock.enter/exit: they run several
-        # times per step, and in a real training loop (cold caches) every
-        # extra Python call costs about a microsecond - enough to matter
-        # against the 1% budget on a 1 ms step (benchmarks/overhead.py).
 
         # -- data wait -----------------------------------------------------
         def make_next(orig: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -225,21 +219,12 @@ class Instrumentation:
                     return orig(it)
                 if clock.bwd_pending:
                     clock.top_level_event()
-                now = perf_counter_ns()
-                if not clock.started:
-                    clock.begin(now)
-                prev = clock.current
-                clock.acc[prev] += now - clock.mark
-                clock.current = DATA
-                clock.mark = now
+                prev = enter(DATA)
                 try:
                     batch = orig(it)
                 finally:
-                    now = perf_counter_ns()
-                    clock.acc[clock.current] += now - clock.mark
-                    clock.current = prev
-                    clock.mark = now
-                # inline fast path for the usual (tensor, ...) batch; else the general walk
+                    exit_(prev)
+                # fast path for the usual (tensor, ...) batch; else the general walk
                 cls = type(batch)
                 if (cls is list or cls is tuple) and batch and type(batch[0]) is Tensor:
                     shape = batch[0].shape
@@ -284,12 +269,7 @@ class Instrumentation:
                         self._narrow_forward(list(roots), make_call)
                 if clock.bwd_pending:
                     clock.top_level_event()
-                now = perf_counter_ns()
-                if not clock.started:
-                    clock.begin(now)
-                clock.acc[OTHER] += now - clock.mark
-                clock.current = FORWARD
-                clock.mark = now
+                prev = enter(FORWARD)
                 dev = clock.device
                 if dev is not None:
                     dev.mark(FWD_BEGIN)
@@ -298,10 +278,7 @@ class Instrumentation:
                 finally:
                     if dev is not None:
                         dev.mark(FWD_END)
-                    now = perf_counter_ns()
-                    clock.acc[clock.current] += now - clock.mark
-                    clock.current = OTHER
-                    clock.mark = now
+                    exit_(prev)
 
             return __call__
 
@@ -316,13 +293,7 @@ class Instrumentation:
                     # a script with no DataLoader or module calls still gets
                     # backward-delimited steps: the next backward closes one
                     clock.top_level_event()
-                now = perf_counter_ns()
-                if not clock.started:
-                    clock.begin(now)
-                prev = clock.current
-                clock.acc[prev] += now - clock.mark
-                clock.current = BACKWARD
-                clock.mark = now
+                prev = enter(BACKWARD)
                 dev = clock.device if prev == OTHER else None
                 if dev is not None:
                     dev.mark(BWD_BEGIN)
@@ -331,10 +302,7 @@ class Instrumentation:
                 finally:
                     if dev is not None:
                         dev.mark(BWD_END)
-                    now = perf_counter_ns()
-                    clock.acc[clock.current] += now - clock.mark
-                    clock.current = prev
-                    clock.mark = now
+                    exit_(prev)
                     if clock.mode != "optimizer":
                         clock.backward_done()
 
@@ -346,14 +314,7 @@ class Instrumentation:
         # -- optimizer step and zero_grad ----------------------------------
         def pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
             if get_ident() == owner:
-                now = perf_counter_ns()
-                if not clock.started:
-                    clock.begin(now)
-                prev = clock.current
-                clock.acc[prev] += now - clock.mark
-                clock.current = OPTIMIZER
-                clock.mark = now
-                clock.opt_prev = prev
+                clock.opt_prev = enter(OPTIMIZER)
                 if clock.device is not None:
                     clock.device.mark(OPT_BEGIN)
 
@@ -361,11 +322,7 @@ class Instrumentation:
             if get_ident() == owner:
                 if clock.device is not None:
                     clock.device.mark(OPT_END)
-                now = perf_counter_ns()
-                clock.acc[clock.current] += now - clock.mark
-                clock.current = clock.opt_prev
-                clock.mark = now
-                clock.optimizer_stepped(optimizer, now)
+                clock.optimizer_stepped(optimizer, exit_(clock.opt_prev))
 
         from torch.optim.optimizer import (
             register_optimizer_step_post_hook,
@@ -379,20 +336,11 @@ class Instrumentation:
             def zero_grad(self_: Any, *args: Any, **kwargs: Any) -> Any:
                 if get_ident() != owner:
                     return orig(self_, *args, **kwargs)
-                now = perf_counter_ns()
-                if not clock.started:
-                    clock.begin(now)
-                prev = clock.current
-                clock.acc[prev] += now - clock.mark
-                clock.current = ZERO_GRAD
-                clock.mark = now
+                prev = enter(ZERO_GRAD)
                 try:
                     return orig(self_, *args, **kwargs)
                 finally:
-                    now = perf_counter_ns()
-                    clock.acc[clock.current] += now - clock.mark
-                    clock.current = prev
-                    clock.mark = now
+                    exit_(prev)
 
             return zero_grad
 
@@ -435,9 +383,9 @@ class Instrumentation:
             if get_ident() != owner or not clock.started:
                 return
             if phase == "start":
-                saved["gc"] = enter(GC)
-            elif "gc" in saved:
-                exit_(saved.pop("gc"))
+                clock.gc_prev = enter(GC)
+            elif clock.current == GC:
+                exit_(clock.gc_prev)
                 acc = acc_ref.acc
                 acc[GC_N] += 1
                 if info.get("generation") == 2:
