@@ -69,8 +69,12 @@ class Profile:
         max_steps: int | None = None,
         sample_interval_s: float = 0.2,
         report: bool = True,
+        deep: str | None = None,
+        py: str | None = None,
+        lines: str | None = None,
     ) -> None:
         from trainprof.capture.recorder import Recorder
+        from trainprof.commands import build_windows
 
         main = sys.modules.get("__main__")
         script = getattr(main, "__file__", None)
@@ -85,7 +89,9 @@ class Profile:
             script=script,
             max_steps=max_steps,
             sample_interval_s=sample_interval_s,
+            windows=build_windows(self.run_dir, deep=deep, py=py, lines=lines),
         )
+        self._recorder.worker_sampling = py is not None
 
     def __enter__(self) -> Profile:
         self._recorder.start()
@@ -132,6 +138,9 @@ def profile(
     max_steps: int | None = None,
     sample_interval_s: float = 0.2,
     report: bool = True,
+    deep: str | None = None,
+    py: str | None = None,
+    lines: str | None = None,
 ) -> Profile | NullProfile:
     """Profile the training loop inside a ``with`` block.
 
@@ -142,6 +151,8 @@ def profile(
     ``max_steps``: stop the loop (by raising out of the step boundary, caught
     by this block) after that many steps; ``report``: print the summary to
     stderr at the end. ``enabled=False`` returns a null object with no cost.
+    ``deep``, ``py``, ``lines``: as ``trainprof run --deep/--py/--lines``
+    (a window spec, ``""`` for the default window; line_profiler targets).
     """
     if not enabled:
         return NullProfile()
@@ -151,5 +162,6 @@ def profile(
     if running is not None:
         return AttachedProfile(running)
     return Profile(
-        out, name, max_steps=max_steps, sample_interval_s=sample_interval_s, report=report
+        out, name, max_steps=max_steps, sample_interval_s=sample_interval_s, report=report,
+        deep=deep, py=py, lines=lines,
     )

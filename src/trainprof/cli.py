@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from trainprof import __version__
+from trainprof.capture.window import looks_like_spec
 from trainprof.errors import UsageError
 
 
@@ -81,11 +82,62 @@ def build_parser() -> _Parser:
                      help="print one JSON document on stdout (the script's stdout goes to stderr)")
     run.add_argument("--sample-interval", type=_positive_float, default=0.2, metavar="SECONDS",
                      help="system sampling period (default: 0.2 s, i.e. 5 Hz)")
+    heavy = run.add_argument_group(
+        "heavy tools over a window of steps",
+        "SPEC is a comma list of key=N (skip_first, wait, warmup, active, repeat; repeat=0: until "
+        "the end) and, for --deep, the flags shapes, memory, stack, flops, modules. Steps inside "
+        "a window are left out of the step statistics.",
+    )
+    heavy.add_argument("--deep", nargs="?", const="", default=None, metavar="SPEC",
+                       help="torch.profiler over a window (default: skip_first=10,warmup=2,"
+                            "active=5,repeat=1); traces go to RUN_DIR/deep/*.pt.trace.json.gz")
+    heavy.add_argument("--py", nargs="?", const="", default=None, metavar="SPEC",
+                       help="cProfile over a window (default: skip_first=10,active=20) -> "
+                            "RUN_DIR/python/ (pstats, call graph SVG); also samples the Python "
+                            "stacks of DataLoader workers")
+    heavy.add_argument("--lines", metavar="TARGETS",
+                       help="line-by-line timings of functions, comma separated: pkg.mod:func, "
+                            "pkg.mod:Class.method or path/to/file.py:func (window as --py)")
+    run.add_argument("--no-html", action="store_true",
+                     help="do not write RUN_DIR/report.html at the end")
 
     report = sub.add_parser("report", help="summarise an existing run folder, in any status")
     report.add_argument("run_dir", type=Path, metavar="RUN_DIR",
                         help="a run folder written by trainprof run (any status)")
     report.add_argument("--json", action="store_true", help="print one JSON document")
+    report.add_argument("--html", nargs="?", const=True, default=None, metavar="PATH",
+                        help="write the self-contained HTML report (default: RUN_DIR/report.html)")
+
+    trace = sub.add_parser(
+        "trace",
+        help="analyse a torch.profiler / Kineto trace (file, .gz, or a folder of ranks)",
+        epilog="examples:\n  trainprof trace rank0.pt.trace.json.gz\n"
+               "  trainprof trace ./traces/ --json > analysis.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    trace.add_argument("path", type=Path, metavar="TRACE_FILE_OR_DIR",
+                       help="a Chrome-trace JSON file (plain or gzipped) or a folder of them")
+    trace.add_argument("--json", action="store_true", help="print one JSON document")
+
+    compare = sub.add_parser(
+        "compare",
+        help="compare two runs: is B slower than A, which phase, which setting changed",
+        epilog="examples:\n  trainprof compare trainprof-runs/before trainprof-runs/after\n"
+               "  trainprof compare A B --fail-if-slower 5   # exit 1 on a significant slowdown",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    compare.add_argument("run_a", type=Path, metavar="RUN_A", help="the baseline run folder")
+    compare.add_argument("run_b", type=Path, metavar="RUN_B", help="the run to compare with it")
+    compare.add_argument("--json", action="store_true", help="print one JSON document")
+    compare.add_argument("--html", type=Path, metavar="PATH", help="also write an HTML report")
+    compare.add_argument("--fail-if-slower", type=_positive_float, metavar="PCT",
+                         help="exit 1 when B is significantly slower than A by more than PCT %%")
+
+    export = sub.add_parser("export", help="export a run for other tools")
+    export.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run folder")
+    export.add_argument("--perfetto", type=Path, metavar="PATH", required=True,
+                        help="write one Chrome-trace JSON (Perfetto, chrome://tracing): steps, "
+                             "phases, system counters and any deep-window trace, aligned")
     return parser
 
 
@@ -96,12 +148,21 @@ def _split_run_args(argv: list[str]) -> tuple[list[str], list[str]]:
     ``-m MODULE`` ends the options too. Everything after belongs to the script
     (so ``trainprof run train.py --json`` passes ``--json`` to train.py).
     """
-    takes_value = {"--out", "--name", "--max-steps", "--sample-interval"}
+    takes_value = {"--out", "--name", "--max-steps", "--sample-interval", "--lines"}
+    optional_value = {"--deep", "--py"}
     i = 0
     while i < len(argv):
         tok = argv[i]
         if tok == "--":
             return argv[:i], argv[i + 1 :]
+        if tok in optional_value:
+            # `--deep SPEC script.py` vs `--deep script.py`: SPEC only if it reads as one
+            if i + 1 < len(argv) and looks_like_spec(argv[i + 1]):
+                i += 2
+            else:
+                argv = [*argv[:i], f"{tok}=", *argv[i + 1 :]]
+                i += 1
+            continue
         if tok == "-m":
             return argv[: i + 2], argv[i + 2 :]
         if tok.startswith("-m") and len(tok) > 2 and not tok.startswith("--"):
@@ -131,12 +192,29 @@ def _dispatch(argv: list[str]) -> int:
             max_steps=ns.max_steps,
             json_out=ns.json,
             sample_interval_s=ns.sample_interval,
+            deep=ns.deep,
+            py=ns.py,
+            lines=ns.lines,
+            html=not ns.no_html,
         )
     ns = parser.parse_args(argv)
     if ns.command == "report":
         from trainprof.commands import report_command
 
-        return report_command(ns.run_dir, json_out=ns.json)
+        return report_command(ns.run_dir, json_out=ns.json, html=ns.html)
+    if ns.command == "trace":
+        from trainprof.commands import trace_command
+
+        return trace_command(ns.path, json_out=ns.json)
+    if ns.command == "compare":
+        from trainprof.commands import compare_command
+
+        return compare_command(ns.run_a, ns.run_b, json_out=ns.json, html=ns.html,
+                               fail_if_slower=ns.fail_if_slower)
+    if ns.command == "export":
+        from trainprof.commands import export_command
+
+        return export_command(ns.run_dir, perfetto=ns.perfetto)
     parser.print_help()
     return 2
 

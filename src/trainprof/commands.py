@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from trainprof.analysis.summary import summarize_run
+from trainprof.capture.window import Schedule, WindowRunner, parse_spec
 from trainprof.report.json_report import render_json
 from trainprof.report.terminal import render_summary
 from trainprof.store import Run, default_run_dir, load_run, save_summary
@@ -27,6 +28,40 @@ def analyse(run: Run) -> dict[str, Any]:
     summary = summarize_run(run)
     summary["findings"] = diagnose(summary, run.steps)
     return summary
+
+
+#: Default window of cProfile / line_profiler: no warm-up needed, more steps than torch.profiler
+#: (a sampled call graph needs many calls; cProfile's own cost is per call, not per window).
+PY_DEFAULT_SCHEDULE = Schedule(skip_first=10, wait=0, warmup=0, active=20, repeat=1)
+
+
+def build_windows(
+    run_dir: Path, *, deep: str | None = None, py: str | None = None, lines: str | None = None
+) -> list[WindowRunner]:
+    """The heavy tools asked for on the command line, each over its window of steps.
+
+    Option errors (a bad SPEC, a malformed target) are raised here as
+    UsageError, before the script starts.
+    """
+    runners: list[WindowRunner] = []
+    if deep is not None:
+        from trainprof.capture.deep import DEEP_FLAGS, TorchProfilerTool
+
+        schedule, flags = parse_spec(deep, frozenset(DEEP_FLAGS))
+        runners.append(WindowRunner(schedule, [TorchProfilerTool(run_dir, schedule, flags)]))
+    if py is not None or lines is not None:
+        schedule, _ = parse_spec(py, default=PY_DEFAULT_SCHEDULE)
+        tools: list[Any] = []
+        if py is not None:
+            from trainprof.capture.pyprof import CProfileTool
+
+            tools.append(CProfileTool(run_dir / "python"))
+        if lines is not None:
+            from trainprof.capture.lineprof import LineProfileTool, parse_targets
+
+            tools.append(LineProfileTool(run_dir / "python", parse_targets(lines)))
+        runners.append(WindowRunner(schedule, tools))
+    return runners
 
 
 def finalize_run(run_dir: Path) -> dict[str, Any]:
@@ -63,10 +98,15 @@ def run_command(
     max_steps: int | None = None,
     json_out: bool = False,
     sample_interval_s: float = 0.2,
+    deep: str | None = None,
+    py: str | None = None,
+    lines: str | None = None,
+    html: bool = True,
 ) -> int:
     """``trainprof run``: run the script under always-on capture, then summarise it.
 
-    Returns the script's exit code.
+    ``deep``/``py``: window specs (``""`` for the defaults) of torch.profiler
+    and cProfile; ``lines``: line_profiler targets. Returns the script's exit code.
     """
     from trainprof.capture.launcher import check_target, run_target
     from trainprof.capture.recorder import Recorder
@@ -83,8 +123,13 @@ def run_command(
         script=None if module else str(Path(target).resolve()),
         max_steps=max_steps,
         sample_interval_s=sample_interval_s,
+        windows=build_windows(run_dir, deep=deep, py=py, lines=lines),
     )
+    recorder.worker_sampling = py is not None
     print(f"trainprof: recording to {run_dir}", file=sys.stderr, flush=True)
+    for runner in recorder.windows:
+        names = ", ".join(t.name for t in runner.tools)
+        print(f"trainprof: {names}: {runner.schedule.describe()}", file=sys.stderr, flush=True)
 
     def execute() -> Any:
         recorder.start()
@@ -114,13 +159,81 @@ def run_command(
     return outcome.exit_code
 
 
-def report_command(run_dir: Path, json_out: bool = False) -> int:
-    """``trainprof report``: summarise an existing Run folder, whatever its status."""
+def write_html(summary: dict[str, Any], run: Run, path: Path | None = None) -> Path:
+    """The self-contained HTML report of a run (default: ``RUN_DIR/report.html``)."""
+    from trainprof.report.html import render_html
+
+    return render_html(summary, run, path if path is not None else run.path / "report.html")
+
+
+def report_command(run_dir: Path, json_out: bool = False, html: Path | bool | None = None) -> int:
+    """``trainprof report``: summarise an existing Run folder, whatever its status.
+
+    ``html``: True for ``RUN_DIR/report.html``, a path for elsewhere, None for none.
+    """
     # Diagnosed again rather than read from findings.json: a run killed before
     # finalize_run has none stored, and the installed trainprof's rules apply.
-    summary = analyse(load_run(run_dir))
+    run = load_run(run_dir)
+    summary = analyse(run)
     if json_out:
         render_json(summary)
     else:
         render_summary(summary)
+    if html is not None:
+        path = write_html(summary, run, None if html is True else Path(html))
+        print(f"trainprof: HTML report written to {path}", file=sys.stderr)
+    return 0
+
+
+def trace_command(path: Path, json_out: bool = False) -> int:
+    """``trainprof trace``: analyse a torch.profiler trace file or a folder of per-rank traces."""
+    from trainprof.analysis.trace import analyse_trace
+
+    result = analyse_trace(path)
+    if json_out:
+        render_json(result)
+    else:
+        from trainprof.report.trace_terminal import render_trace
+
+        render_trace(result)
+    return 0
+
+
+def compare_command(
+    run_a: Path,
+    run_b: Path,
+    *,
+    json_out: bool = False,
+    html: Path | None = None,
+    fail_if_slower: float | None = None,
+) -> int:
+    """``trainprof compare``: B against A; exit 1 on a significant slowdown (``fail_if_slower``)."""
+    from trainprof.analysis.compare import compare_runs, exceeds_slowdown
+
+    result = compare_runs(load_run(run_a), load_run(run_b))
+    if json_out:
+        render_json(result)
+    else:
+        from trainprof.report.compare_terminal import render_compare
+
+        render_compare(result)
+    if html is not None:
+        from trainprof.report.html import render_compare_html
+
+        written = render_compare_html(result, html)
+        print(f"trainprof: HTML comparison written to {written}", file=sys.stderr)
+    if fail_if_slower is not None and exceeds_slowdown(result, fail_if_slower):
+        print(f"trainprof: B is significantly slower than A by more than {fail_if_slower:g}%",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def export_command(run_dir: Path, *, perfetto: Path) -> int:
+    """``trainprof export --perfetto``: one Chrome-trace JSON of the run for Perfetto."""
+    from trainprof.report.perfetto import export_perfetto
+
+    stats = export_perfetto(load_run(run_dir), perfetto)
+    print(f"trainprof: wrote {perfetto} ({stats.get('events', 0)} events); "
+          "open it in https://ui.perfetto.dev or chrome://tracing", file=sys.stderr)
     return 0

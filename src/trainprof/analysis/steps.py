@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from trainprof.schema import FLAG_BACKWARD, FLAG_MANUAL, FLAG_PARTIAL
+from trainprof.schema import FLAG_BACKWARD, FLAG_MANUAL, FLAG_PARTIAL, FLAG_PROFILED
 
 BREAKDOWN_KEYS = ("data_wait", "forward", "backward", "optimizer", "gc", "other")
 
@@ -35,14 +35,16 @@ BREAKDOWN_KEYS = ("data_wait", "forward", "backward", "optimizer", "gc", "other"
 def complete_steps(steps: np.ndarray) -> np.ndarray:
     """The steps to analyse: complete ones, with a manual run's automatic prefix merged.
 
-    The run's cut-off last step is dropped. When the script marks steps itself
+    The run's cut-off last step is dropped, and so are steps recorded while a
+    heavy tool was on (``--deep``, ``--py``: FLAG_PROFILED), whose times
+    include the tool's own cost. When the script marks steps itself
     (``prof.step()``), the clock cannot know that before the first call, so
     the optimizer steps it saw until then are merged into the first manual
     step: together they are the user's first step.
     """
     if len(steps) == 0:
         return steps
-    done = steps[(steps["flags"] & FLAG_PARTIAL) == 0]
+    done = steps[(steps["flags"] & (FLAG_PARTIAL | FLAG_PROFILED)) == 0]
     manual = (done["flags"] & FLAG_MANUAL) != 0
     if not manual.any() or manual[0]:
         return done
@@ -102,6 +104,8 @@ def step_statistics(steps: np.ndarray) -> dict[str, Any]:
             "mean_s": None,
             "warmup_median_s": None,
             "delimiter": delimiter_of(done),
+            # steps left out because a heavy tool (--deep, --py) was on during them
+            "profiled": int(((steps["flags"] & FLAG_PROFILED) != 0).sum()) if len(steps) else 0,
         },
         "breakdown": None,
         "breakdown_detail": None,

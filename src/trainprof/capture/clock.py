@@ -38,10 +38,12 @@ from array import array
 from time import perf_counter_ns
 from typing import Any
 
+from trainprof.capture.window import NEVER
 from trainprof.schema import (
     FLAG_BACKWARD,
     FLAG_MANUAL,
     FLAG_PARTIAL,
+    FLAG_PROFILED,
     N_ACC,
     N_PHASES,
     OTHER,
@@ -89,6 +91,13 @@ class StepClock:
         self._others_since_primary: dict[int, int] = {}
         #: a DeviceTimer once CUDA is in use (set by the Recorder), else None
         self.device: Any = None
+        #: WindowRunners of heavy tools (see trainprof.capture.window), driven at step counts
+        self.windows: list[Any] = []
+        #: the step count at which _watch runs next (max steps, window transitions)
+        self.next_watch = NEVER if max_steps is None else max_steps
+        #: flags OR-ed into every step record (FLAG_PROFILED while a tool is on)
+        self.extra_flags = 0
+        self._cooldown = 0
 
     # -- phase transitions (hot path) -------------------------------------
     def begin(self, now: int) -> None:
@@ -213,23 +222,62 @@ class StepClock:
             self.acc[self.current] += now - self.mark
             self.mark = now
         start = self.step_start
-        self.records.extend((self.n_steps, start - self.origin_ns, now - start, *self.acc, flags))
+        self.records.extend(
+            (self.n_steps, start - self.origin_ns, now - start, *self.acc, flags | self.extra_flags)
+        )
         self.n_steps += 1
         self.acc = [0] * N_ACC
         self.step_start = now
         if self.device is not None:
             self.device.step_closed(self.n_steps - 1)
-        if self.max_steps is not None:
-            self._check_max_steps()
+        if self.n_steps >= self.next_watch:
+            self._watch()
 
     def _append(self, t_start: int, dur: int, acc: list[int], flags: int) -> None:
-        self.records.extend((self.n_steps, t_start - self.origin_ns, dur, *acc, flags))
+        self.records.extend(
+            (self.n_steps, t_start - self.origin_ns, dur, *acc, flags | self.extra_flags)
+        )
         self.n_steps += 1
 
+    def add_window(self, runner: Any) -> None:
+        """Drive a :class:`~trainprof.capture.window.WindowRunner` from the step boundaries."""
+        self.windows.append(runner)
+        self.next_watch = min(self.next_watch, max(runner.first_watch(), self.n_steps))
+
+    def _watch(self) -> None:
+        """At the step counts asked for: window transitions, then the ``--max-steps`` stop.
+
+        Runs at most a few times per run (or every step inside a window), so
+        a run without windows or a step limit pays one comparison per step.
+        The step right after a window closes is flagged too: it carries the
+        tool's stop and export cost.
+        """
+        n = self.n_steps
+        nxt = NEVER
+        profiling = False
+        for runner in self.windows:
+            nxt = min(nxt, runner.at_boundary(n))
+            profiling = profiling or runner.profiling
+        if profiling:
+            self.extra_flags = FLAG_PROFILED
+            self._cooldown = 1
+        elif self._cooldown:
+            self._cooldown -= 1
+            self.extra_flags = FLAG_PROFILED
+            nxt = min(nxt, n + 1)
+        else:
+            self.extra_flags = 0
+        if self.max_steps is not None:
+            if n >= self.max_steps:
+                self.max_steps = None  # raise once; cleanup code may step again
+                self.next_watch = nxt
+                raise StopTraining(f"reached --max-steps after {n} steps")
+            nxt = min(nxt, self.max_steps)
+        self.next_watch = nxt
+
     def _check_max_steps(self) -> None:
-        if self.max_steps is not None and self.n_steps >= self.max_steps:
-            self.max_steps = None  # raise once; cleanup code may step again
-            raise StopTraining(f"reached --max-steps after {self.n_steps} steps")
+        if self.n_steps >= self.next_watch:
+            self._watch()
 
     def finish(self) -> None:
         """End of run: emit undecided sub-steps and the partial last step."""

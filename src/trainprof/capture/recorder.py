@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from trainprof.capture.device_timer import DeviceTimer
 from trainprof.capture.fingerprint import collect_fingerprint
 from trainprof.capture.hooks import Instrumentation, LoaderRegistry
 from trainprof.capture.sampler import SystemSampler
+from trainprof.capture.window import WindowRunner
 from trainprof.schema import RECORD_WIDTH, REGION
 from trainprof.store import SAMPLES_JSONL, RunWriter
 
@@ -47,9 +49,14 @@ class Recorder:
         sample_interval_s: float = 0.2,
         auto: bool = True,
         fingerprint: bool = True,
+        windows: list[WindowRunner] | None = None,
     ) -> None:
         self.run_dir = run_dir
         self.clock = StepClock(max_steps=max_steps)
+        #: heavy tools over bounded windows of steps (--deep, --py, --lines)
+        self.windows = list(windows or [])
+        #: sample the Python stacks of DataLoader workers too (set by --py)
+        self.worker_sampling = False
         self._script = script
         self._command = command
         self._fingerprinted = not fingerprint  # off: benchmarks of the per-step cost
@@ -89,6 +96,8 @@ class Recorder:
         _active = self
         if self.instrumentation is not None:
             self.instrumentation.install()
+        for runner in self.windows:
+            self.clock.add_window(runner)
         try:
             self.sampler.start()
         except Exception as exc:  # training goes on without system samples
@@ -104,7 +113,10 @@ class Recorder:
         global _active
         if _active is self:
             _active = None
+        n_done = self.clock.n_steps
         self.clock.finish()
+        for runner in self.windows:
+            runner.finish(n_done)  # tools write their results (traces, profiles) here
         if self.instrumentation is not None:
             self.instrumentation.uninstall()
         self.loaders.shutdown_workers()
@@ -123,6 +135,14 @@ class Recorder:
             missing=missing,
             # the module classes whose top-level calls were timed as forward
             forward_roots=self.instrumentation.forward_roots if self.instrumentation else [],
+            windows=[
+                {
+                    "tools": [t.name for t in runner.tools],
+                    "schedule": asdict(runner.schedule),
+                    "recorded": [list(w) for w in runner.windows],
+                }
+                for runner in self.windows
+            ],
         )
         return self.run_dir
 

@@ -1,0 +1,231 @@
+"""Windows of steps for heavy tools: schedule, runner, the clock's flags, --deep end to end."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+
+import pytest
+
+from trainprof.analysis.steps import complete_steps
+from trainprof.capture.clock import StepClock, StopTraining
+from trainprof.capture.window import (
+    Schedule,
+    WindowRunner,
+    looks_like_spec,
+    parse_spec,
+)
+from trainprof.errors import UsageError
+from trainprof.schema import FLAG_PROFILED, RECORD_WIDTH
+from trainprof.store import load_run
+
+
+class LogTool:
+    name = "log"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+        self.closed = False
+
+    def prepare(self, step: int) -> None:
+        self.calls.append(("prepare", step))
+
+    def start(self, step: int) -> None:
+        self.calls.append(("start", step))
+
+    def boundary(self, step: int) -> None:
+        self.calls.append(("boundary", step))
+
+    def stop(self, step: int) -> None:
+        self.calls.append(("stop", step))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class MinimalTool:
+    """Only start/stop/close: prepare and boundary are optional."""
+
+    name = "minimal"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def start(self, step: int) -> None:
+        self.calls.append(("start", step))
+
+    def stop(self, step: int) -> None:
+        self.calls.append(("stop", step))
+
+    def close(self) -> None:
+        pass
+
+
+def test_parse_spec_defaults_keys_and_flags() -> None:
+    assert parse_spec("") == (Schedule(), frozenset())
+    sched, flags = parse_spec("skip=3,warmup=0,active=4,repeat=2,memory", frozenset({"memory"}))
+    assert sched == Schedule(skip_first=3, wait=0, warmup=0, active=4, repeat=2)
+    assert flags == {"memory"}
+    base = Schedule(skip_first=10, warmup=0, active=20)
+    assert parse_spec("active=7", default=base)[0] == Schedule(skip_first=10, warmup=0, active=7)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("active=0", "active >= 1"),
+        ("bogus=3", "unknown window key 'bogus'"),
+        ("memory", "unknown window flag 'memory'"),
+        ("active=x", "bad window spec item"),
+    ],
+)
+def test_parse_spec_rejects_bad_specs(spec: str, message: str) -> None:
+    with pytest.raises(UsageError, match=re.escape(message)):
+        parse_spec(spec)
+
+
+def test_looks_like_spec(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert looks_like_spec("active=3")
+    assert looks_like_spec("skip_first=2,memory,shapes")
+    assert looks_like_spec("memory")
+    assert not looks_like_spec("train.py")
+    assert not looks_like_spec("-m")
+    assert not looks_like_spec("train")  # a bare word that is not a flag
+    (tmp_path / "memory").write_text("print(1)")
+    assert not looks_like_spec("memory")  # an existing file is the script
+
+
+def drive(runner: WindowRunner, n_steps: int) -> list[bool]:
+    """Call the runner as the clock would; return whether each step ran under a tool."""
+    nxt = runner.first_watch()
+    profiled = []
+    on = False
+    for n in range(n_steps + 1):
+        if n >= nxt:
+            nxt = runner.at_boundary(n)
+            on = runner.profiling
+        profiled.append(on)
+    return profiled[:n_steps]
+
+
+def test_runner_one_cycle_calls_tools_at_the_right_steps() -> None:
+    tool = LogTool()
+    runner = WindowRunner(Schedule(skip_first=3, wait=1, warmup=2, active=3, repeat=1), [tool])
+    profiled = drive(runner, 20)
+    assert tool.calls == [
+        ("prepare", 4), ("boundary", 5), ("start", 6), ("boundary", 7), ("boundary", 8),
+        ("stop", 9),
+    ]
+    assert runner.windows == [(6, 9)]
+    assert [i for i, p in enumerate(profiled) if p] == [4, 5, 6, 7, 8]
+    runner.finish(20)
+    assert tool.closed
+
+
+def test_runner_repeats_and_finish_closes_an_open_window() -> None:
+    tool = MinimalTool()
+    runner = WindowRunner(Schedule(skip_first=0, wait=2, warmup=0, active=2, repeat=0), [tool])
+    drive(runner, 11)
+    # cycles of 4 steps: active at 2-3, 6-7, 10-...
+    assert tool.calls == [("start", 2), ("stop", 4), ("start", 6), ("stop", 8), ("start", 10)]
+    runner.finish(11)
+    assert tool.calls[-1] == ("stop", 11)
+    assert runner.windows == [(2, 4), (6, 8), (10, 11)]
+
+
+def test_a_failing_tool_is_dropped_not_the_run() -> None:
+    class Broken(LogTool):
+        name = "broken"
+
+        def start(self, step: int) -> None:
+            raise RuntimeError("boom")
+
+    good, bad = LogTool(), Broken()
+    runner = WindowRunner(Schedule(skip_first=1, warmup=0, active=2), [bad, good])
+    drive(runner, 6)
+    assert runner.tools == [good]
+    assert ("start", 1) in good.calls and ("stop", 3) in good.calls
+
+
+def test_clock_flags_profiled_steps_and_the_step_after() -> None:
+    clock = StepClock()
+    clock.add_window(WindowRunner(Schedule(skip_first=2, warmup=1, active=2), [LogTool()]))
+    for _ in range(8):
+        clock.manual_step()
+    flags = list(clock.records[RECORD_WIDTH - 1 :: RECORD_WIDTH])
+    # steps 2 (warm-up), 3-4 (active) and 5 (carries the stop) are flagged
+    assert [i for i, f in enumerate(flags) if f & FLAG_PROFILED] == [2, 3, 4, 5]
+
+
+def test_clock_max_steps_still_stops_with_windows() -> None:
+    clock = StepClock(max_steps=4)
+    tool = LogTool()
+    clock.add_window(WindowRunner(Schedule(skip_first=1, warmup=0, active=10), [tool]))
+    with pytest.raises(StopTraining):
+        for _ in range(10):
+            clock.manual_step()
+    assert clock.n_steps == 4
+    assert tool.calls[0] == ("start", 1)
+
+
+DEEP_SCRIPT = """
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+torch.manual_seed(0)
+ds = TensorDataset(torch.randn(1024, 16), torch.randint(0, 4, (1024,)))
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for epoch in range(2):
+    for x, y in DataLoader(ds, batch_size=32):
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+"""
+
+
+def _trace_steps(path) -> list[str]:
+    with gzip.open(path) as f:
+        events = json.load(f)["traceEvents"]
+    return sorted({e["name"] for e in events if str(e.get("name", "")).startswith("ProfilerStep#")})
+
+
+def test_deep_window_writes_a_trace_of_the_chosen_steps(tp) -> None:
+    res = tp(DEEP_SCRIPT, "--deep", "skip=5,warmup=1,active=3,shapes")
+    assert res.returncode == 0, res.stderr
+    assert "torch_profiler: steps 6-8 recorded after 1 warm-up steps" in res.stderr
+    traces = sorted((res.run_dir / "deep").glob("*.pt.trace.json.gz"))
+    assert len(traces) == 1 and traces[0].name.endswith(".steps6-8.pt.trace.json.gz")
+    # the trace's step annotations carry trainprof's step indices
+    assert _trace_steps(traces[0]) == ["ProfilerStep#6", "ProfilerStep#7", "ProfilerStep#8"]
+    run = load_run(res.run_dir)
+    flagged = run.steps["step"][(run.steps["flags"] & FLAG_PROFILED) != 0].tolist()
+    assert flagged == [5, 6, 7, 8, 9]
+    assert not set(flagged) & set(complete_steps(run.steps)["step"].tolist())
+    assert run.meta["windows"][0]["recorded"] == [[6, 9]]
+
+
+def test_deep_window_cut_short_by_the_end_of_the_run_is_kept(tp) -> None:
+    res = tp(DEEP_SCRIPT, "--max-steps", "8", "--deep", "skip=3,warmup=1,active=10", "--json")
+    assert res.returncode == 0, res.stderr
+    traces = list((res.run_dir / "deep").glob("*.pt.trace.json.gz"))
+    assert len(traces) == 1 and traces[0].name.endswith(".steps4-7.pt.trace.json.gz")
+    assert _trace_steps(traces[0])[:4] == [f"ProfilerStep#{i}" for i in range(4, 8)]
+    assert res.json()["steps"]["profiled"] == 5  # steps 3 (warm-up) to 7
+
+
+def test_deep_without_spec_takes_the_script_as_script(tp) -> None:
+    res = tp(DEEP_SCRIPT, "--deep", "--json")
+    assert res.returncode == 0, res.stderr
+    assert "steps 12-16 recorded" in res.stderr
+    assert len(list((res.run_dir / "deep").glob("*.steps12-16.pt.trace.json.gz"))) == 1
+
+
+def test_bad_window_spec_is_a_usage_error(tp) -> None:
+    res = tp(DEEP_SCRIPT, "--deep=active=0")
+    assert res.returncode == 2
+    assert res.stderr.strip() == "error: a window needs active >= 1 step"
