@@ -36,14 +36,24 @@ PY_DEFAULT_SCHEDULE = Schedule(skip_first=10, wait=0, warmup=0, active=20, repea
 
 
 def build_windows(
-    run_dir: Path, *, deep: str | None = None, py: str | None = None, lines: str | None = None
+    run_dir: Path,
+    *,
+    deep: str | None = None,
+    py: str | None = None,
+    lines: str | None = None,
+    op_count: bool = True,
 ) -> list[WindowRunner]:
     """The heavy tools asked for on the command line, each over its window of steps.
 
-    Option errors (a bad SPEC, a malformed target) are raised here as
-    UsageError, before the script starts.
+    ``op_count``: the always-on sample of torch calls per step (two steps; see
+    :mod:`trainprof.capture.opcount`). Option errors (a bad SPEC, a malformed
+    target) are raised here as UsageError, before the script starts.
     """
     runners: list[WindowRunner] = []
+    if op_count:
+        from trainprof.capture.opcount import OPCOUNT_SCHEDULE, OpCountTool
+
+        runners.append(WindowRunner(OPCOUNT_SCHEDULE, [OpCountTool(run_dir)]))
     if deep is not None:
         from trainprof.capture.deep import DEEP_FLAGS, TorchProfilerTool
 
@@ -127,7 +137,7 @@ def run_command(
     )
     recorder.worker_sampling = py is not None
     print(f"trainprof: recording to {run_dir}", file=sys.stderr, flush=True)
-    for runner in recorder.windows:
+    for runner in recorder.windows[1:]:  # the first is the op-count sample, always on
         names = ", ".join(t.name for t in runner.tools)
         print(f"trainprof: {names}: {runner.schedule.describe()}", file=sys.stderr, flush=True)
 

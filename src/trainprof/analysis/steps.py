@@ -93,9 +93,14 @@ def step_statistics(steps: np.ndarray) -> dict[str, Any]:
     """The ``steps``, ``breakdown`` and ``samples_per_s`` parts of a run summary."""
     done = complete_steps(steps)
     n = len(done)
+    profiled = 0
+    if len(steps):
+        flags = steps["flags"]
+        profiled = int((((flags & FLAG_PROFILED) != 0) & ((flags & FLAG_PARTIAL) == 0)).sum())
     out: dict[str, Any] = {
         "steps": {
-            "count": n,
+            # every complete step seen; the statistics leave out the profiled ones
+            "count": n + profiled,
             "warmup": 0,
             "steady_count": 0,
             "median_s": None,
@@ -105,7 +110,7 @@ def step_statistics(steps: np.ndarray) -> dict[str, Any]:
             "warmup_median_s": None,
             "delimiter": delimiter_of(done),
             # steps left out because a heavy tool (--deep, --py) was on during them
-            "profiled": int(((steps["flags"] & FLAG_PROFILED) != 0).sum()) if len(steps) else 0,
+            "profiled": profiled,
         },
         "breakdown": None,
         "breakdown_detail": None,

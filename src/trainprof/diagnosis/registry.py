@@ -36,6 +36,7 @@ FAMILIES: tuple[str, ...] = (
     "contention",
     "sync",
     "noise",
+    "python_loop",
 )
 
 _RULES: dict[str, RuleFn] = {}

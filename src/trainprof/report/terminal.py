@@ -109,8 +109,9 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
                  "manual": "prof.step()"}.get(steps["delimiter"], str(steps["delimiter"]))
         table.add_row(
             "Steps",
-            f"{steps['count']} (warm-up {steps['warmup']}, steady {steps['steady_count']}; "
-            f"delimited by {delim})",
+            f"{steps['count']} (warm-up {steps['warmup']}, steady {steps['steady_count']}"
+            + (f", profiled {steps['profiled']}" if steps.get("profiled") else "")
+            + f"; delimited by {delim})",
         )
         warm = (
             f"  (warm-up median {fmt_time(steps['warmup_median_s'])})"

@@ -1,0 +1,101 @@
+"""Torch calls per step by call site (``ops.json``), and the Python loops they reveal.
+
+A call site that runs ``k`` times per step, where ``k`` is a small multiple
+(1-4: one iteration may index two tensors) of a dimension ``d`` of the tensor
+it operates on, is taken for a Python loop over that dimension: the classic
+case is ``for t in range(T): loss += F.cross_entropy(logits[:, t], y[:, t])``,
+where ``logits[:, t]`` runs ``T`` times on a ``(B, T, V)`` tensor. All calls of
+the loop's source line then count as the loop's work. Without a shape match a
+single line with very many calls per step is still reported, as a hot line.
+
+Loops are found from the recorded window (:mod:`trainprof.capture.opcount`);
+their *time* is not measured (that would need the profiler), so their share of
+torch calls stands in for their share of forward/backward time: small ops in
+a loop cost mostly a fixed per-call overhead, which is what makes the loop slow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+#: Smallest loop worth reporting: trip count, and calls per step of its line.
+MIN_TRIPS = 8
+MIN_LINE_CALLS = 16
+#: Iterations may call the same function on the same line up to this many times.
+MAX_CALLS_PER_TRIP = 4
+
+
+def _match_dim(calls: float, shape: list[int] | None) -> tuple[int, int] | None:
+    """(axis, size) of ``shape`` that ``calls`` is a small multiple of, largest size first."""
+    if not shape or calls < MIN_TRIPS:
+        return None
+    k = round(calls)
+    if abs(calls - k) > 1e-6:
+        return None
+    for axis, size in sorted(enumerate(shape), key=lambda a: -a[1]):
+        if size >= MIN_TRIPS and k % size == 0 and k // size <= MAX_CALLS_PER_TRIP:
+            return axis, size
+    return None
+
+
+def load_ops(run_dir: Path) -> dict[str, Any] | None:
+    """The ``ops`` section of a run summary, or None when no sample was taken."""
+    path = run_dir / "ops.json"
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or not doc.get("steps"):
+        return None
+    total = float(doc.get("calls_per_step") or 0.0)
+    sites = [s for s in doc.get("sites", []) if isinstance(s, dict)]
+    lines: dict[tuple[str, int], float] = {}
+    for s in sites:
+        key = (str(s.get("file")), int(s.get("line") or 0))
+        lines[key] = lines.get(key, 0.0) + float(s.get("calls_per_step") or 0.0)
+    loops = []
+    seen: set[tuple[str, int]] = set()
+    for s in sites:
+        key = (str(s.get("file")), int(s.get("line") or 0))
+        if key in seen:
+            continue
+        match = _match_dim(float(s.get("calls_per_step") or 0.0), s.get("arg_shape"))
+        if match is None or lines[key] < MIN_LINE_CALLS:
+            continue
+        seen.add(key)
+        axis, size = match
+        loops.append({
+            "file": key[0],
+            "line": key[1],
+            "source": _source_line(*key),
+            "function": s.get("function"),
+            "trips_per_step": size,
+            "axis": axis,
+            "arg_shape": s.get("arg_shape"),
+            "line_calls_per_step": lines[key],
+            "share_of_calls": lines[key] / total if total else None,
+        })
+    loops.sort(key=lambda lp: -lp["line_calls_per_step"])
+    return {
+        "steps_sampled": doc["steps"],
+        "calls_per_step": total,
+        "top_sites": sites[:10],
+        "loops": loops,
+    }
+
+
+def _source_line(filename: str, lineno: int) -> str | None:
+    """The text of a source line (linecache would cache whole files for the process)."""
+    if not os.path.isfile(filename):
+        return None
+    try:
+        with open(filename, encoding="utf-8", errors="replace") as f:
+            for i, text in enumerate(f, 1):
+                if i == lineno:
+                    return text.strip()
+    except OSError:
+        return None
+    return None

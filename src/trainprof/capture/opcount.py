@@ -1,0 +1,159 @@
+"""Torch calls per step and where they come from, over a short sampled window of steps.
+
+Why: a Python loop in the model or the loss (the per-token loss loop of a
+GPT-style model, a per-sample augmentation on the GPU, a per-box loop in a
+detector) turns one vectorised op into thousands of small ones; each costs a
+Python call, a dispatch and, on CUDA, a kernel launch. The step clock sees
+only that forward is slow. Counting the torch calls of a step, by call site,
+shows the loop directly: a call site that runs ``k`` times per step where
+``k`` equals a dimension of the tensor it indexes is a loop over that
+dimension (expert-rules.md: TorchTidy's and the TensorBoard plugin's
+"many small ops" rules, made specific).
+
+How: a ``torch.overrides.TorchFunctionMode`` is pushed for a window of steps
+(default: steps 8 and 9, after the usual warm-up and before
+the default windows of the other tools; the steps are flagged as profiled). Every
+torch function or tensor method called from Python passes through
+``__torch_function__``; the call site is the first frame outside torch. For
+each call site it keeps the count, the function name and the shape of the
+first tensor argument of its first call. Calls made inside ``torch.optim``
+(the optimizer's per-parameter loop) are counted apart. Backward ops run in C++ and are not
+counted: the loop lives in the Python that builds the graph.
+
+Output: ``RUN_DIR/ops.json`` (see :meth:`OpCountTool.close`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from trainprof.capture.window import Schedule
+
+#: The default sampling window: two steps, after the usual warm-up.
+OPCOUNT_SCHEDULE = Schedule(skip_first=8, wait=0, warmup=0, active=2, repeat=1)
+OPS_JSON = "ops.json"
+#: Call sites kept in the output (by calls per step).
+TOP_SITES = 30
+
+#: Frames in these folders are not call sites: torch's own Python, and trainprof's wrappers.
+_SKIP_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+    for m in (__import__("torch"), __import__("trainprof"))
+)
+
+
+#: Calls made inside torch.optim are the optimizer's own per-parameter loop, not the user's.
+_OPTIM_DIR = os.sep + os.path.join("torch", "optim") + os.sep
+
+
+def _is_torch_frame(filename: str) -> bool:
+    return filename.startswith(_SKIP_DIRS)
+
+
+def _func_name(func: Any) -> str:
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    if name.startswith("_TensorBase."):
+        name = "Tensor." + name[len("_TensorBase."):]
+    elif name.startswith("TensorBase."):
+        name = "Tensor." + name[len("TensorBase."):]
+    return name
+
+
+def _first_shape(args: tuple[Any, ...]) -> list[int] | None:
+    import torch
+
+    for a in args[:3]:
+        if isinstance(a, torch.Tensor):
+            return list(a.shape)
+    return None
+
+
+class OpCountTool:
+    """A :class:`~trainprof.capture.window.WindowTool` counting torch calls by call site."""
+
+    name = "op_count"
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / OPS_JSON
+        self.steps = 0
+        self.total = 0
+        self.optimizer = 0
+        # (filename, lineno, function name) -> [count, shape of the first tensor arg]
+        self.sites: dict[tuple[str, int, str], list[Any]] = {}
+        self._mode: Any = None
+        self._started_at: int | None = None
+
+    def _make_mode(self) -> Any:
+        from torch.overrides import TorchFunctionMode
+
+        sites = self.sites
+        tool = self
+        getframe = sys._getframe
+        is_torch = _is_torch_frame
+
+        class _Count(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+                tool.total += 1
+                f = getframe(1)
+                in_optimizer = False
+                while f is not None and is_torch(f.f_code.co_filename):
+                    in_optimizer = in_optimizer or _OPTIM_DIR in f.f_code.co_filename
+                    f = f.f_back
+                if in_optimizer:
+                    tool.optimizer += 1
+                elif f is not None:
+                    key = (f.f_code.co_filename, f.f_lineno, _func_name(func))
+                    entry = sites.get(key)
+                    if entry is None:
+                        sites[key] = [1, _first_shape(args)]
+                    else:
+                        entry[0] += 1
+                return func(*args, **(kwargs or {}))
+
+        return _Count()
+
+    # -- WindowTool ------------------------------------------------------------
+    def start(self, step: int) -> None:
+        self._started_at = step
+        self._mode = self._make_mode()
+        self._mode.__enter__()
+
+    def stop(self, step: int) -> None:
+        mode, self._mode = self._mode, None
+        if mode is None:
+            return
+        mode.__exit__(None, None, None)
+        if self._started_at is not None:
+            self.steps += max(0, step - self._started_at)
+        self._started_at = None
+
+    def close(self) -> None:
+        if self._mode is not None:  # the run ended inside the window: its steps are partial
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+        if self.steps == 0:
+            return
+        sites = sorted(self.sites.items(), key=lambda kv: -kv[1][0])[:TOP_SITES]
+        doc = {
+            "steps": self.steps,
+            "calls_per_step": self.total / self.steps,
+            # of which inside optimizer.step (not attributed to call sites)
+            "optimizer_calls_per_step": self.optimizer / self.steps,
+            "sites": [
+                {
+                    "file": filename,
+                    "line": lineno,
+                    "function": func,
+                    "calls_per_step": count / self.steps,
+                    "arg_shape": shape,
+                }
+                for (filename, lineno, func), (count, shape) in sites
+            ],
+        }
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc, indent=1))
+        os.replace(tmp, self.path)
