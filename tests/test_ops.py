@@ -7,8 +7,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import trainprof
+
 from trainprof.analysis.ops import _match_dim, load_ops
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "python_loop.py"

@@ -62,14 +62,28 @@ def build_windows(
     if py is not None or lines is not None:
         schedule, _ = parse_spec(py, default=PY_DEFAULT_SCHEDULE)
         tools: list[Any] = []
+        if lines is not None:
+            # first: resolving its targets must not land inside cProfile's window
+            from trainprof.capture.lineprof import (
+                SHARES_WINDOW_WITH_CPROFILE,
+                LineProfileTool,
+                parse_targets,
+            )
+
+            line_tool = LineProfileTool(run_dir / "python", parse_targets(lines))
+            if py is not None and not SHARES_WINDOW_WITH_CPROFILE:
+                # Python 3.12+: both need sys.monitoring's profiler slot; lines go
+                # in a window of their own, right after cProfile's
+                first = schedule.phase_starts(0)
+                later = Schedule(skip_first=first[2] + 1, wait=0, warmup=0,
+                                 active=schedule.active, repeat=1)
+                runners.append(WindowRunner(later, [line_tool]))
+            else:
+                tools.append(line_tool)
         if py is not None:
             from trainprof.capture.pyprof import CProfileTool
 
             tools.append(CProfileTool(run_dir / "python"))
-        if lines is not None:
-            from trainprof.capture.lineprof import LineProfileTool, parse_targets
-
-            tools.append(LineProfileTool(run_dir / "python", parse_targets(lines)))
         runners.append(WindowRunner(schedule, tools))
     return runners
 

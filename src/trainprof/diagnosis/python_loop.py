@@ -110,3 +110,71 @@ def loop_over_dimension(ctx: Context) -> Finding | None:
             "forward+backward time with it; `trainprof compare` the two runs"
         ),
     )
+
+
+#: A function of the user's own code taking this share of the profiled wall time (its own
+#: time, cProfile's tottime) is worth a finding: bands on share x the step share it runs in.
+HOT_HIGH, HOT_MEDIUM, HOT_LOW = 0.30, 0.10, 0.03
+
+
+@rule("python_loop.hot_python_function")
+def hot_python_function(ctx: Context) -> Finding | None:
+    """A function of the user's code dominates the step in pure Python (from ``--py``).
+
+    The cProfile window measures own time (tottime) per function; interpreted
+    Python in the user's code (a per-sample augmentation, a hand-written metric,
+    a Python loop over a batch) is the part that vectorising or moving to
+    torch/numpy removes. Gain: its share of the profiled wall time, an upper
+    bound on what making it free could save.
+    """
+    section = ctx.summary.get("python_profile") or {}
+    hot = section.get("hottest_user") or {}
+    share = float(hot.get("share") or 0.0)
+    severity = band(share, HOT_HIGH, HOT_MEDIUM, HOT_LOW)
+    if severity is None or not hot.get("function"):
+        return None
+    where = _where({"file": hot.get("file"), "line": hot.get("line")})
+    line = hot.get("hottest_line") or {}
+    cprof = section.get("cprofile") or {}
+    evidence = {
+        "function": hot.get("function"),
+        "where": where,
+        "own_time_s": hot.get("tottime"),
+        "calls": hot.get("ncalls"),
+        "share_of_profiled_time": share,
+        "steps_profiled": cprof.get("steps_profiled"),
+    }
+    if line:
+        evidence["hottest_line"] = f"{line.get('line')}: {str(line.get('source', '')).strip()}"
+        evidence["hottest_line_share_of_function"] = (line.get("percent") or 0) / 100
+    text = (
+        f"{hot.get('function')} ({where}) spends {share * 100:.0f}% of the profiled time in "
+        "its own Python code. Move the work into vectorised torch/numpy operations over the "
+        "whole batch or array, cache what does not change between steps, or, for per-sample "
+        "work, run it in DataLoader workers."
+    )
+    if line:
+        text += f" Its hottest line is {line.get('line')} ({line.get('percent', 0):.0f}% of it)."
+    return Finding(
+        category="python_loop",
+        cause="hot_python_function",
+        title=(
+            f"{hot.get('function')} takes {share * 100:.0f}% of the step in pure Python "
+            f"({where})"
+        ),
+        severity=severity,
+        evidence=evidence,
+        estimated_gain=share,
+        fix=Fix(
+            text=text,
+            snippet=(
+                f"# {where}: see the line profile for where the time goes\n"
+                f"trainprof run --lines {where.rsplit(':', 1)[0]}:{hot.get('function')} "
+                f"{ctx.script}"
+            ),
+        ),
+        verify=(
+            f"re-run `trainprof run --py {ctx.script}`: {hot.get('function')}'s share "
+            f"(now {share * 100:.0f}%) should drop; `trainprof compare` the step times"
+        ),
+    )

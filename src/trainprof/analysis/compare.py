@@ -1,0 +1,605 @@
+"""Two runs side by side: did B get slower than A, by how much, in which phase, and why?
+
+The story this answers: a run became slower after an upgrade (or a config change), and finding
+out why took a profiler and luck. :func:`compare_runs` puts the answer in one document:
+
+**Which numbers are compared.** Steady-state steps only (warm-up detected per run with
+:func:`trainprof.analysis.steps.detect_warmup`, the definition every trainprof report uses).
+The compared quantity is the step time, or the time per *sample* when the two runs put a
+different number of samples in a step (another batch size): a step of 64 samples is not
+"slower" than a step of 32 because it takes longer.
+
+**Ratio and confidence interval.** ``ratio`` is median(B) / median(A). Its 95% confidence
+interval is a percentile bootstrap (Efron & Tibshirani, *An Introduction to the Bootstrap*,
+1993, ch. 13) with :data:`N_BOOT` resamples from a fixed seed, so the same two runs always give
+the same interval. Step times are autocorrelated (epoch boundaries, periodic evaluation,
+a neighbour's burst of load), which makes an i.i.d. bootstrap too confident; each run is
+therefore resampled with the *moving-block* bootstrap (Künsch 1989) with blocks of
+``ceil(n ** (1/3))`` consecutive steps, the usual rate for a variance-type statistic
+(Hall, Horowitz & Jing 1995). Runs longer than :data:`MAX_RESAMPLE` steady steps are resampled
+``m``-out-of-``n`` with ``m = MAX_RESAMPLE`` (Bickel, Götze & van Zwet 1997), which keeps the
+cost bounded and can only widen the interval. The interval covers the step-to-step noise within
+the two runs, not the run-to-run variation of a machine (another node, a busy neighbour): for
+that, repeat runs (``trainprof tune`` does).
+
+**Verdict.** ``slower`` / ``faster`` when the interval excludes 1 *and* the change is at least
+:data:`PRACTICAL_THRESHOLD` (2%) — a change smaller than that is within what an unchanged
+script shows from one run to the next on a quiet machine, and not worth a CI failure even when
+thousands of steps make it statistically detectable. Otherwise ``no_difference``.
+
+**Phases.** Per phase (``data_wait``, ``forward``, ``backward``, ``optimizer``, ``gc``,
+``other``, grouped as in :mod:`trainprof.analysis.steps`), the *mean* seconds per step (or per
+sample) over steady steps, A vs B. Means, not medians, because phases are exclusive and add up
+to the step exactly, so the phase deltas add up to the change in the mean step time and each
+phase's ``share_of_change`` is meaningful. ``explains`` names the phase with the largest delta
+in the direction of the change.
+
+**Environment diff, ranked.** Every fingerprint fact, DataLoader setting, thread setting and the
+command line that differs between the runs, scored by how likely it explains the phases that
+changed::
+
+    score(item) = sum over phases p of  W[category(item)][p] * weight(p)
+
+where ``weight(p)`` is phase ``p``'s share of the change, counting only phases that moved in the
+direction of the change (normalised to 1; uniform when nothing changed), and ``W`` (in
+:func:`_weights`) says how directly a category acts on a phase: DataLoader settings on
+``data_wait`` (1.0); torch/CUDA/cuDNN/driver versions and the GPU on ``forward``/``backward``/
+``optimizer``; thread settings and the CPU on compute when the math runs on the CPU (no GPU in
+either run), and on ``data_wait`` when the input pipeline runs in the main process; Python
+version on ``gc``/``other``; data-stack packages (Pillow, torchvision, ...) on ``data_wait``;
+the command line and the code revision at 0.5 on every phase (they can change anything, but
+name no mechanism); trainprof's own version and sampling settings last. A batch-size change acts
+on every phase. Ties keep the category order above.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import shlex
+from typing import Any
+
+import numpy as np
+
+from trainprof.analysis.steps import BREAKDOWN_KEYS, complete_steps, detect_warmup
+from trainprof.analysis.summary import summarize_run
+from trainprof.store import Run
+
+#: Resamples of the bootstrap (each run resampled independently).
+N_BOOT = 2000
+#: Seed of the bootstrap: the same two runs always give the same interval.
+SEED = 20240917
+CONFIDENCE = 0.95
+#: Smallest relative change called significant (see the module docstring).
+PRACTICAL_THRESHOLD = 0.02
+#: Fewer steady steps than this in either run: no verdict.
+MIN_STEADY_STEPS = 5
+#: Resample size cap (m-out-of-n bootstrap beyond it).
+MAX_RESAMPLE = 10_000
+#: Samples per step differing by more than this fraction: compare time per sample.
+BATCH_TOLERANCE = 0.01
+
+#: Phase -> the step-record fields it groups (as in trainprof.analysis.steps' breakdown).
+PHASE_FIELDS: dict[str, tuple[str, ...]] = {
+    "data_wait": ("data_wait_ns",),
+    "forward": ("forward_ns",),
+    "backward": ("backward_ns",),
+    "optimizer": ("optimizer_ns", "zero_grad_ns"),
+    "gc": ("gc_ns",),
+    "other": ("other_ns", "region_ns"),
+}
+assert tuple(PHASE_FIELDS) == BREAKDOWN_KEYS
+
+COMPUTE = ("forward", "backward", "optimizer")
+
+#: Order of categories, used to break ties (most specific mechanism first).
+CATEGORIES = (
+    "dataloader",
+    "torch_cuda",
+    "gpu",
+    "threads",
+    "cpu",
+    "packages",
+    "python",
+    "command",
+    "code",
+    "platform",
+    "measurement",
+)
+
+#: Packages of the input pipeline: a change in them acts on data_wait.
+DATA_PACKAGES = {
+    "pillow", "pillow-simd", "torchvision", "torchaudio", "datasets", "ffcv", "webdataset",
+    "litdata", "mosaicml-streaming", "h5py", "lmdb", "opencv-python", "opencv-python-headless",
+    "numpy", "scipy",
+}
+#: Packages that run the model's math (kernels, fused optimizers, compilers).
+COMPUTE_PACKAGES = {
+    "triton", "apex", "deepspeed", "transformers", "timm", "accelerate", "lightning",
+    "pytorch-lightning",
+}
+#: Tracked environment variables that set thread counts or placement (the rest: torch/CUDA).
+THREAD_ENV_PREFIXES = ("OMP_", "MKL_", "OPENBLAS_", "VECLIB_", "NUMEXPR_", "KMP_", "GOMP_")
+#: Environment variables that cannot change speed (paths of caches and the like).
+NOISE_ENV = {"TORCHINDUCTOR_CACHE_DIR", "TORCH_LOGS"}
+#: DataLoader description fields that are bookkeeping, not settings.
+DATALOADER_SKIP = {"index", "kind"}
+PRIMARY_DATALOADER = (
+    ".num_workers", ".batch_size", ".dataset", ".collate_fn", ".pin_memory", ".sampler",
+    ".batch_sampler", ".len", "dataloader count",
+)
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def _boot_medians(x: np.ndarray, rng: np.random.Generator, n_boot: int) -> np.ndarray:
+    """Medians of ``n_boot`` moving-block bootstrap resamples of ``x`` (see module docstring)."""
+    n = len(x)
+    m = min(n, MAX_RESAMPLE)
+    block = max(1, math.ceil(m ** (1 / 3)))
+    block = min(block, n)
+    k = math.ceil(m / block)
+    offsets = np.arange(block)
+    out = np.empty(n_boot)
+    # Chunks of resamples keep the index matrix to ~16 MB whatever the run length.
+    chunk = max(1, 2_000_000 // (k * block))
+    for lo in range(0, n_boot, chunk):
+        hi = min(n_boot, lo + chunk)
+        starts = rng.integers(0, n - block + 1, size=(hi - lo, k))
+        idx = (starts[:, :, None] + offsets).reshape(hi - lo, k * block)[:, :m]
+        out[lo:hi] = np.median(x[idx], axis=1)
+    return out
+
+
+def bootstrap_ratio_ci(
+    a: np.ndarray,
+    b: np.ndarray,
+    n_boot: int = N_BOOT,
+    seed: int = SEED,
+    confidence: float = CONFIDENCE,
+) -> tuple[float, float]:
+    """Percentile bootstrap interval of median(b) / median(a); both resampled independently."""
+    rng = np.random.default_rng(seed)
+    ma = _boot_medians(np.asarray(a, dtype=np.float64), rng, n_boot)
+    mb = _boot_medians(np.asarray(b, dtype=np.float64), rng, n_boot)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratios = mb / ma
+    ratios = ratios[np.isfinite(ratios)]
+    if len(ratios) == 0:
+        return (math.nan, math.nan)
+    alpha = (1 - confidence) / 2
+    lo, hi = np.quantile(ratios, [alpha, 1 - alpha])
+    return float(lo), float(hi)
+
+
+# --------------------------------------------------------------------------- one run
+
+
+def _steady(run: Run) -> tuple[np.ndarray, int, int]:
+    """Steady-state step records, the warm-up length and the complete-step count."""
+    done = complete_steps(run.steps)
+    if len(done) == 0:
+        return done, 0, 0
+    warm = detect_warmup(done["dur_ns"].astype(np.float64) / 1e9)
+    return done[warm:], warm, len(done)
+
+
+def _samples_per_step(steady: np.ndarray) -> float | None:
+    """Median samples per step when every steady step counted some, else None (unknown)."""
+    if len(steady) == 0:
+        return None
+    samples = steady["samples"]
+    if (samples <= 0).any():
+        return None
+    return float(np.median(samples))
+
+
+def _run_side(run: Run, steady: np.ndarray, warm: int, count: int) -> dict[str, Any]:
+    """What the comparison shows of one run (a trimmed run summary)."""
+    summary = summarize_run(run)
+    system = summary.get("system") or {}
+    durations = steady["dur_ns"].astype(np.float64) / 1e9
+    stats: dict[str, Any] = {
+        "count": count,
+        "warmup": warm,
+        "steady_count": len(steady),
+        "median_s": None,
+        "p10_s": None,
+        "p90_s": None,
+        "mean_s": None,
+    }
+    if len(durations):
+        p10, p50, p90 = np.percentile(durations, [10, 50, 90])
+        stats.update(median_s=float(p50), p10_s=float(p10), p90_s=float(p90),
+                     mean_s=float(durations.mean()))
+    return {
+        "run_dir": str(run.path),
+        "name": run.meta.get("name"),
+        "status": run.status,
+        "command": run.meta.get("command"),
+        "started_at": run.meta.get("started_at"),
+        "steps": stats,
+        "samples_per_step": _samples_per_step(steady),
+        "samples_per_s": summary.get("samples_per_s"),
+        "steps_per_s": summary.get("steps_per_s"),
+        "breakdown": summary.get("breakdown"),
+        "system": {
+            k: system.get(k)
+            for k in ("proc_cpu_pct", "workers_cpu_pct", "n_workers_seen", "sys_cpu_pct",
+                      "iowait_pct", "rss_peak_bytes", "disk_read_bps", "ctx_switches_ps")
+        },
+        "environment": summary.get("environment"),
+    }
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def _dataloaders(run: Run) -> list[dict[str, Any]]:
+    loaders = run.meta.get("dataloaders")
+    if not loaders:
+        loaders = [ev for ev in run.events if ev.get("kind") == "dataloader"]
+    return [dl for dl in loaders if isinstance(dl, dict)]
+
+
+def _env_category(name: str) -> str:
+    if name in NOISE_ENV:
+        return "measurement"
+    if name == "TORCH_NUM_THREADS" or name.startswith(THREAD_ENV_PREFIXES):
+        return "threads"
+    if name == "LD_PRELOAD":
+        return "platform"
+    return "torch_cuda"
+
+
+def _facts(run: Run) -> tuple[dict[str, tuple[str, Any]], bool]:
+    """Flat ``key -> (category, value)`` of everything about a run that could change its speed.
+
+    The flag says whether the run has an environment fingerprint (a run killed before it was
+    taken has none: its facts are unknown, not changed).
+    """
+    meta = run.meta
+    fp = meta.get("fingerprint") or {}
+    out: dict[str, tuple[str, Any]] = {}
+
+    def put(key: str, category: str, value: Any) -> None:
+        out[key] = (category, value)
+
+    for i, dl in enumerate(_dataloaders(run)):
+        idx = dl.get("index", i)
+        for field, value in dl.items():
+            if field not in DATALOADER_SKIP:
+                put(f"dataloader[{idx}].{field}", "dataloader", value)
+    put("dataloader count", "dataloader", len(_dataloaders(run)))
+    command = meta.get("command") or fp.get("command")
+    if command:
+        # The interpreter path is python.executable; the rest is what the user typed.
+        put("command", "command", list(command[1:]) if len(command) > 1 else list(command))
+    put("trainprof_version", "measurement", meta.get("trainprof_version"))
+    put("sample_interval_s", "measurement", meta.get("sample_interval_s"))
+    if not fp:
+        return out, False
+
+    torch_info = fp.get("torch") or {}
+    for field in ("version", "cuda", "cudnn", "hip", "debug", "git_version", "cuda_available"):
+        if field in torch_info:
+            put(f"torch.{field}", "torch_cuda", torch_info[field])
+    put("driver_version", "torch_cuda", fp.get("driver_version"))
+    gpus = fp.get("gpus") or []
+    put("gpu count", "gpu", len(gpus))
+    for g in gpus:
+        for field in ("name", "total_memory_bytes", "capability"):
+            put(f"gpu[{g.get('index')}].{field}", "gpu", g.get(field))
+
+    threads = fp.get("threads") or {}
+    training = meta.get("training_thread") or {}
+    for field in ("torch_num_threads", "torch_num_interop_threads"):
+        # The training thread's count is the one its ops use (OpenMP's is per thread).
+        value = training.get(field, threads.get(field))
+        if value is not None:
+            put(field, "threads", value)
+    for name, value in (threads.get("env") or {}).items():
+        put(f"env.{name}", _env_category(name), value)
+
+    for field, value in (fp.get("cpu") or {}).items():
+        put(f"cpu.{field}", "cpu", value)
+
+    for name, version in (fp.get("packages") or {}).items():
+        category = {"torch": "torch_cuda", "trainprof": "measurement"}.get(name, "packages")
+        put(f"packages.{name}", category, version)
+
+    python = fp.get("python") or {}
+    for field in ("version", "implementation"):
+        if field in python:
+            put(f"python.{field}", "python", python[field])
+    if "executable" in python:
+        put("python.executable", "platform", python["executable"])
+
+    platform = fp.get("platform") or {}
+    for field, value in platform.items():
+        put(f"platform.{field}", "platform", value)
+    put("hostname", "platform", fp.get("hostname", meta.get("hostname")))
+
+    git = fp.get("git") or {}
+    for field in ("commit", "dirty", "branch"):
+        if field in git:
+            put(f"git.{field}", "code", git[field])
+
+    if "cwd" in fp:
+        put("cwd", "command", fp["cwd"])
+    return out, True
+
+
+def _weights(category: str, key: str, cpu_compute: bool) -> dict[str, float]:
+    """``W[category][phase]``: how directly a changed fact of this kind acts on each phase."""
+    p = dict.fromkeys(BREAKDOWN_KEYS, 0.0)
+
+    def setp(value: float, *phases: str) -> None:
+        for ph in phases:
+            p[ph] = value
+
+    if category == "dataloader":
+        setp(0.2, *BREAKDOWN_KEYS)
+        # the settings people change; the others mostly follow them (prefetch_factor is
+        # None once num_workers is 0)
+        p["data_wait"] = 1.0 if key.endswith(PRIMARY_DATALOADER) else 0.8
+        if key.endswith((".batch_size", "dataloader count")):
+            setp(0.9, *BREAKDOWN_KEYS)  # more samples per step: every phase does more
+            p["data_wait"] = 1.0
+        elif key.endswith(".num_workers") and cpu_compute:
+            setp(0.4, *COMPUTE)  # workers compete with the model's threads for cores
+    elif category == "torch_cuda":
+        setp(0.25, *BREAKDOWN_KEYS)
+        setp(0.6 if cpu_compute else 0.9, *COMPUTE)
+    elif category == "gpu":
+        if not cpu_compute:
+            setp(0.2, *BREAKDOWN_KEYS)
+            setp(0.95, *COMPUTE)
+    elif category == "threads":
+        setp(0.2, *BREAKDOWN_KEYS)
+        p["data_wait"] = 0.45  # transforms in the main process (num_workers=0) use these threads
+        setp(0.9 if cpu_compute else 0.3, *COMPUTE)
+    elif category == "cpu":
+        setp(0.3, *BREAKDOWN_KEYS)
+        p["data_wait"] = 0.7
+        setp(0.8 if cpu_compute else 0.3, *COMPUTE)
+    elif category == "packages":
+        name = key.split(".", 1)[-1]
+        setp(0.25, *BREAKDOWN_KEYS)
+        if name in DATA_PACKAGES:
+            p["data_wait"] = 0.8
+        if name in COMPUTE_PACKAGES:
+            setp(0.7, *COMPUTE)
+    elif category == "python":
+        setp(0.35, *BREAKDOWN_KEYS)
+        p["gc"] = 0.7
+        p["other"] = 0.5
+        p["data_wait"] = 0.45
+    elif category == "command":
+        setp(0.2 if key == "cwd" else 0.5, *BREAKDOWN_KEYS)
+    elif category == "code":
+        setp(0.45, *BREAKDOWN_KEYS)
+    elif category == "platform":
+        setp(0.15, *BREAKDOWN_KEYS)
+        p["data_wait"] = 0.25
+    else:  # measurement
+        setp(0.05, *BREAKDOWN_KEYS)
+    return p
+
+
+def _command_change(a: list[str], b: list[str]) -> tuple[str, str]:
+    """The differing stretches of two command lines, each with the option it belongs to.
+
+    ``--steps 40 --num-workers 2`` vs ``--steps 40`` gives ``('--num-workers 2', '(none)')``;
+    ``--lr 0.1`` vs ``--lr 0.2`` gives ``('--lr 0.1', '--lr 0.2')``.
+    """
+    before, after = [], []
+    matcher = difflib.SequenceMatcher(a=a, b=b, autojunk=False)
+    for op, i1, i2, j1, j2 in matcher.get_opcodes():
+        if op == "equal":
+            continue
+        # a changed value alone says little: name the option it belongs to
+        ctx = [a[i1 - 1]] if i1 > 0 and i2 > i1 and j2 > j1 and a[i1 - 1].startswith("-") else []
+        before.append(shlex.join(ctx + a[i1:i2]) if i2 > i1 else "(none)")
+        after.append(shlex.join(ctx + b[j1:j2]) if j2 > j1 else "(none)")
+    return "; ".join(before), "; ".join(after)
+
+
+def _render_value(value: Any) -> Any:
+    if isinstance(value, list):
+        return shlex.join(str(v) for v in value)
+    return value
+
+
+def environment_diff(
+    a: Run, b: Run, phase_weights: dict[str, float], cpu_compute: bool
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """The facts that differ between the runs, most likely explanation first (module docstring).
+
+    Returns the ranked items and notes (a run without a fingerprint).
+    """
+    (fa, fp_a), (fb, fp_b) = _facts(a), _facts(b)
+    notes = [f"run {side} has no environment fingerprint: only its settings and command line "
+             "are compared" for side, has in (("A", fp_a), ("B", fp_b)) if not has]
+    keys = set(fa) | set(fb) if fp_a and fp_b else set(fa) & set(fb)
+    items = []
+    for key in sorted(keys):
+        cat_a, va = fa.get(key, (None, None))
+        cat_b, vb = fb.get(key, (None, None))
+        if va == vb:
+            continue
+        category = cat_a or cat_b or "platform"
+        weights = _weights(category, key, cpu_compute)
+        score = sum(weights[ph] * phase_weights.get(ph, 0.0) for ph in BREAKDOWN_KEYS)
+        top_phase = max(BREAKDOWN_KEYS, key=lambda ph: weights[ph] * phase_weights.get(ph, 0.0))
+        item = {
+            "key": key,
+            "category": category,
+            "a": _render_value(va),
+            "b": _render_value(vb),
+            "score": round(score, 4),
+            "acts_on": top_phase if weights[top_phase] > 0 else None,
+        }
+        if key == "command" and isinstance(va, list) and isinstance(vb, list):
+            item["change_a"], item["change_b"] = _command_change(
+                [str(v) for v in va], [str(v) for v in vb]
+            )
+        items.append(item)
+    order = {c: i for i, c in enumerate(CATEGORIES)}
+    items.sort(key=lambda it: (-it["score"], order.get(it["category"], len(order)), it["key"]))
+    for rank, it in enumerate(items, 1):
+        it["rank"] = rank
+    return items, notes
+
+
+# --------------------------------------------------------------------------- the comparison
+
+
+def _phase_totals(steady: np.ndarray, per_sample: bool) -> dict[str, float | None]:
+    """Mean seconds per step (or per sample) of each phase over the steady steps."""
+    if len(steady) == 0:
+        return dict.fromkeys(BREAKDOWN_KEYS)
+    denom = float(steady["samples"].sum()) if per_sample else float(len(steady))
+    return {
+        ph: sum(float(steady[f].sum()) for f in fields) / 1e9 / denom
+        for ph, fields in PHASE_FIELDS.items()
+    }
+
+
+def _uses_gpu(run: Run) -> bool:
+    fp = run.meta.get("fingerprint") or {}
+    return bool(fp.get("gpus")) or bool(len(run.device))
+
+
+def compare_runs(a: Run, b: Run) -> dict[str, Any]:
+    """Compare run B against baseline A (see the module docstring for every definition).
+
+    Returns a JSON-serialisable document: ``verdict`` (``faster``/``slower``/``no_difference``),
+    ``ratio`` (median B / median A), ``ci`` ([lo, hi], 95%), ``change_pct``, ``metric``,
+    ``phases``, ``explains``, ``throughput``, ``environment_diff`` (ranked), ``a``/``b``
+    summaries and ``notes``.
+    """
+    sa, warm_a, count_a = _steady(a)
+    sb, warm_b, count_b = _steady(b)
+    notes: list[str] = []
+    spa, spb = _samples_per_step(sa), _samples_per_step(sb)
+    per_sample = (
+        spa is not None and spb is not None and abs(spb - spa) > BATCH_TOLERANCE * spa
+    )
+    if per_sample:
+        metric, unit = "time_per_sample", "s/sample"
+        notes.append(
+            f"the runs put different numbers of samples in a step ({spa:g} vs {spb:g}): "
+            "time per sample is compared, not step time"
+        )
+        va = sa["dur_ns"] / sa["samples"] / 1e9
+        vb = sb["dur_ns"] / sb["samples"] / 1e9
+    else:
+        metric, unit = "step_time", "s/step"
+        va = sa["dur_ns"].astype(np.float64) / 1e9
+        vb = sb["dur_ns"].astype(np.float64) / 1e9
+
+    ratio = ci_lo = ci_hi = None
+    verdict = "no_difference"
+    significant = False
+    if len(va) < MIN_STEADY_STEPS or len(vb) < MIN_STEADY_STEPS:
+        notes.append(
+            f"too few steady steps to compare (A {len(va)}, B {len(vb)}; "
+            f"at least {MIN_STEADY_STEPS} each): run longer"
+        )
+    else:
+        med_a, med_b = float(np.median(va)), float(np.median(vb))
+        if med_a > 0:
+            ratio = med_b / med_a
+            ci_lo, ci_hi = bootstrap_ratio_ci(va, vb)
+            excludes_one = ci_lo > 1 or ci_hi < 1
+            significant = bool(excludes_one and abs(ratio - 1) >= PRACTICAL_THRESHOLD)
+            if significant:
+                verdict = "slower" if ratio > 1 else "faster"
+
+    pa = _phase_totals(sa, per_sample)
+    pb = _phase_totals(sb, per_sample)
+    total_a = sum(v for v in pa.values() if v is not None) if len(sa) else None
+    total_b = sum(v for v in pb.values() if v is not None) if len(sb) else None
+    total_delta = (
+        total_b - total_a if total_a is not None and total_b is not None else None
+    )
+    if ratio is not None and ratio != 1:
+        direction = 1.0 if ratio > 1 else -1.0
+    else:
+        direction = 1.0 if (total_delta or 0) >= 0 else -1.0
+    phases: dict[str, dict[str, Any]] = {}
+    for ph in BREAKDOWN_KEYS:
+        x, y = pa[ph], pb[ph]
+        delta = y - x if x is not None and y is not None else None
+        phases[ph] = {
+            "a": x,
+            "b": y,
+            "delta": delta,
+            "delta_pct": (delta / x * 100) if delta is not None and x else None,
+            "share_of_change": (delta / total_delta)
+            if delta is not None and total_delta else None,
+        }
+    moved = {
+        ph: max(0.0, direction * (v["delta"] or 0.0)) for ph, v in phases.items()
+    }
+    moved_total = sum(moved.values())
+    explains = None
+    if moved_total > 0 and total_delta:
+        explains = max(moved, key=lambda ph: moved[ph])
+        phase_weights = {ph: v / moved_total for ph, v in moved.items()}
+    else:
+        phase_weights = dict.fromkeys(BREAKDOWN_KEYS, 1 / len(BREAKDOWN_KEYS))
+
+    cpu_compute = not (_uses_gpu(a) or _uses_gpu(b))
+    side_a = _run_side(a, sa, warm_a, count_a)
+    side_b = _run_side(b, sb, warm_b, count_b)
+    thr = {
+        "a_samples_per_s": side_a["samples_per_s"],
+        "b_samples_per_s": side_b["samples_per_s"],
+        "a_steps_per_s": side_a["steps_per_s"],
+        "b_steps_per_s": side_b["steps_per_s"],
+        "samples_per_s_ratio": (side_b["samples_per_s"] / side_a["samples_per_s"])
+        if side_a["samples_per_s"] and side_b["samples_per_s"] else None,
+    }
+    for side, run in (("A", a), ("B", b)):
+        if run.status != "finished":
+            notes.append(f"run {side} is {run.status}: its last steps may be missing")
+    env, env_notes = environment_diff(a, b, phase_weights, cpu_compute)
+    notes += env_notes
+    return {
+        "verdict": verdict,
+        "significant": significant,
+        "metric": metric,
+        "unit": unit,
+        "ratio": ratio,
+        "change_pct": (ratio - 1) * 100 if ratio is not None else None,
+        "ci": [ci_lo, ci_hi] if ci_lo is not None else None,
+        "confidence": CONFIDENCE,
+        "bootstrap": {"resamples": N_BOOT, "seed": SEED, "method": "moving-block percentile"},
+        "practical_threshold_pct": PRACTICAL_THRESHOLD * 100,
+        "median_a": float(np.median(va)) if len(va) else None,
+        "median_b": float(np.median(vb)) if len(vb) else None,
+        "mean_delta": total_delta,
+        "phases": phases,
+        "explains": explains,
+        "throughput": thr,
+        "compute_on": "cpu" if cpu_compute else "gpu",
+        "environment_diff": env,
+        "a": side_a,
+        "b": side_b,
+        "notes": notes,
+    }
+
+
+def exceeds_slowdown(result: dict[str, Any], pct: float) -> bool:
+    """True when B is significantly slower than A (verdict ``slower``) by more than ``pct`` %.
+
+    "By more than" is judged on the point estimate of the ratio of medians; significance
+    (interval excluding 1, change ≥ the practical threshold) is the verdict's.
+    """
+    ratio = result.get("ratio")
+    return bool(
+        result.get("verdict") == "slower" and ratio is not None and (ratio - 1) * 100 > pct
+    )

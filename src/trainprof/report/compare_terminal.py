@@ -1,0 +1,216 @@
+"""The terminal view of ``trainprof compare`` (rich). It renders a comparison; it computes nothing.
+
+The verdict comes first, on one line, because that is what a person (or a CI log) reads:
+faster, slower or no significant difference, by how much, with the interval, and the phase
+that explains it. Below it: step-time distributions side by side, the per-phase deltas and the
+environment diff, most likely explanation first.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import IO, Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from trainprof.report.terminal import fmt_bytes, fmt_pct, fmt_time
+
+#: Environment-diff rows shown; the rest is in --json.
+MAX_ENV_ROWS = 15
+
+_PHASE_LABEL = {
+    "data_wait": "data wait",
+    "forward": "forward",
+    "backward": "backward",
+    "optimizer": "optimizer",
+    "gc": "gc",
+    "other": "other",
+}
+
+
+def _ratio(x: float | None) -> str:
+    if x is None:
+        return "—"
+    return f"×{x:.2f}" if x < 10 else f"×{x:.3g}"
+
+
+def _signed_time(seconds: float | None) -> str:
+    if seconds is None:
+        return "—"
+    sign = "+" if seconds > 0 else "−" if seconds < 0 else "±"
+    return sign + fmt_time(abs(seconds))
+
+
+def verdict_line(result: dict[str, Any]) -> Text:
+    """The one-line answer: verdict, size, interval, and the phase that explains it."""
+    verdict = result.get("verdict")
+    per = "sample" if result.get("metric") == "time_per_sample" else "step"
+    ratio, ci = result.get("ratio"), result.get("ci")
+    conf = round(float(result.get("confidence") or 0.95) * 100)
+    line = Text()
+    if ratio is None:
+        line.append("No verdict", style="bold yellow")
+        line.append(": too few steady steps to compare")
+        return line
+    # "+121% time per step" rather than "121% slower": unambiguous for any size of change
+    change = f"{(ratio - 1) * 100:+.1f}% time per {per}"
+    if verdict == "slower":
+        line.append(f"B is slower than A: {change}", style="bold red")
+    elif verdict == "faster":
+        line.append(f"B is faster than A: {change}", style="bold green")
+    else:
+        line.append("No significant difference between A and B", style="bold yellow")
+        line.append(f": {change}")
+    line.append(
+        f" (median {fmt_time(result.get('median_a'))} → "
+        f"{fmt_time(result.get('median_b'))}, {_ratio(ratio)}"
+    )
+    if ci and ci[0] is not None:
+        line.append(f", {conf}% CI {_ratio(ci[0])}–{_ratio(ci[1])}")
+    line.append(")")
+    explains = result.get("explains")
+    if explains and verdict != "no_difference":
+        share = (result.get("phases") or {}).get(explains, {}).get("share_of_change")
+        line.append(f"; {_PHASE_LABEL.get(explains, explains)}")
+        if share is not None:
+            line.append(f" accounts for {share * 100:.0f}% of the change")
+        top = (result.get("environment_diff") or [None])[0]
+        if top:
+            before = top.get("change_a", top.get("a"))
+            after = top.get("change_b", top.get("b"))
+            line.append(f"; most likely cause: {top['key']} {_short(before)} → {_short(after)}")
+    return line
+
+
+def _short(value: Any, width: int = 40) -> str:
+    text = "—" if value is None else str(value)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _steps_table(result: dict[str, Any]) -> Table:
+    a, b = result["a"], result["b"]
+    table = Table(box=None, padding=(0, 2), show_edge=False)
+    table.add_column("", style="bold cyan", no_wrap=True)
+    table.add_column("A", justify="right")
+    table.add_column("B", justify="right")
+    table.add_column("B/A", justify="right")
+    sa, sb = a["steps"], b["steps"]
+    table.add_row(
+        "steps",
+        f"{sa['count']} ({sa['warmup']} warm-up)",
+        f"{sb['count']} ({sb['warmup']} warm-up)",
+        "",
+    )
+    for key, label in (("median_s", "median"), ("p10_s", "p10"), ("p90_s", "p90"),
+                       ("mean_s", "mean")):
+        x, y = sa.get(key), sb.get(key)
+        table.add_row(f"step {label}", fmt_time(x), fmt_time(y),
+                      _ratio(y / x) if x and y is not None else "—")
+    for key, label, fmt in (
+        ("samples_per_s", "samples/s", "{:,.0f}"),
+        ("steps_per_s", "steps/s", "{:,.2f}"),
+    ):
+        x, y = a.get(key), b.get(key)
+        table.add_row(
+            label,
+            "—" if x is None else fmt.format(x),
+            "—" if y is None else fmt.format(y),
+            _ratio(y / x) if x and y is not None else "—",
+        )
+    if a.get("samples_per_step") is not None or b.get("samples_per_step") is not None:
+        table.add_row("samples/step", _short(a.get("samples_per_step")),
+                      _short(b.get("samples_per_step")), "")
+    sys_a, sys_b = a.get("system") or {}, b.get("system") or {}
+    for key, label in (("proc_cpu_pct", "process CPU"), ("workers_cpu_pct", "workers CPU"),
+                       ("sys_cpu_pct", "system CPU"), ("iowait_pct", "iowait")):
+        if sys_a.get(key) is not None or sys_b.get(key) is not None:
+            table.add_row(label, fmt_pct(sys_a.get(key)), fmt_pct(sys_b.get(key)), "")
+    if sys_a.get("rss_peak_bytes") or sys_b.get("rss_peak_bytes"):
+        table.add_row("RSS peak", fmt_bytes(sys_a.get("rss_peak_bytes")),
+                      fmt_bytes(sys_b.get("rss_peak_bytes")), "")
+    return table
+
+
+def _phases_table(result: dict[str, Any]) -> Table:
+    per = "sample" if result.get("metric") == "time_per_sample" else "step"
+    table = Table(box=None, padding=(0, 2), show_edge=False,
+                  title=f"Phases (mean per {per}, steady steps)", title_justify="left",
+                  title_style="bold")
+    table.add_column("phase", style="bold cyan", no_wrap=True)
+    table.add_column("A", justify="right")
+    table.add_column("B", justify="right")
+    table.add_column("Δ", justify="right")
+    table.add_column("Δ%", justify="right")
+    table.add_column("share of change", justify="right")
+    explains = result.get("explains")
+    for ph, v in (result.get("phases") or {}).items():
+        style = "bold" if ph == explains and result.get("verdict") != "no_difference" else None
+        pct = v.get("delta_pct")
+        share = v.get("share_of_change")
+        table.add_row(
+            _PHASE_LABEL.get(ph, ph),
+            fmt_time(v.get("a")),
+            fmt_time(v.get("b")),
+            _signed_time(v.get("delta")),
+            "—" if pct is None else f"{pct:+.0f}%",
+            "—" if share is None else f"{share * 100:.0f}%",
+            style=style,
+        )
+    return table
+
+
+def _env_table(result: dict[str, Any]) -> Table | None:
+    diff = result.get("environment_diff") or []
+    if not diff:
+        return None
+    table = Table(box=None, padding=(0, 2), show_edge=False,
+                  title="What changed (most likely explanation first)", title_justify="left",
+                  title_style="bold")
+    table.add_column("#", justify="right")
+    table.add_column("setting", style="bold cyan", overflow="fold")
+    table.add_column("A", overflow="fold")
+    table.add_column("B", overflow="fold")
+    table.add_column("acts on", no_wrap=True)
+    for item in diff[:MAX_ENV_ROWS]:
+        # a command line shows only what differs in it
+        a = item.get("change_a", item.get("a"))
+        b = item.get("change_b", item.get("b"))
+        acts = item.get("acts_on")
+        table.add_row(str(item.get("rank")), str(item["key"]), _short(a, 48), _short(b, 48),
+                      _PHASE_LABEL.get(acts, "—") if acts else "—")
+    return table
+
+
+def render_compare(result: dict[str, Any], file: IO[str] | None = None) -> None:
+    """Print a comparison (the document of :func:`trainprof.analysis.compare.compare_runs`)."""
+    out = file if file is not None else sys.stdout
+    # 120 columns off a terminal, as trainprof.report.terminal does
+    width = None if out.isatty() or "COLUMNS" in os.environ else 120
+    console = Console(file=out, highlight=False, soft_wrap=True, width=width)
+    console.print(verdict_line(result))
+    a, b = result["a"], result["b"]
+    console.print(Text(f"A: {a.get('name')}  {a.get('run_dir')}", style="dim"))
+    console.print(Text(f"B: {b.get('name')}  {b.get('run_dir')}", style="dim"))
+    console.print()
+    console.print(_steps_table(result))
+    console.print()
+    console.print(_phases_table(result))
+    env = _env_table(result)
+    console.print()
+    if env is None:
+        console.print("No difference in the recorded environment, settings or command line.")
+    else:
+        console.print(env)
+        rest = len(result.get("environment_diff") or []) - MAX_ENV_ROWS
+        if rest > 0:
+            console.print(Text(f"... and {rest} more (--json lists all)", style="dim"))
+    threshold = result.get("practical_threshold_pct")
+    if result.get("verdict") == "no_difference" and result.get("ratio") is not None:
+        console.print(Text(
+            f"Significant means: the {round(float(result.get('confidence') or .95) * 100)}% "
+            f"interval excludes ×1 and the change is at least {threshold:g}%.", style="dim"))
+    for note in result.get("notes") or []:
+        console.print(Text(f"note: {note}", style="yellow"))

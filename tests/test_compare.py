@@ -1,0 +1,294 @@
+"""`trainprof compare`: verdict, bootstrap interval, phase deltas and the ranked environment diff.
+
+Two real runs of one script whose dataset sleeps in ``__getitem__``: A loads with two
+DataLoader workers, B with none, so B waits for data and the comparison must say that B is
+slower, that data_wait explains it, and that num_workers 2 -> 0 is the most likely cause.
+The statistics are also checked on run folders written with known step times.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import trainprof, write_script
+
+from trainprof.analysis.compare import (
+    PRACTICAL_THRESHOLD,
+    bootstrap_ratio_ci,
+    compare_runs,
+    exceeds_slowdown,
+)
+from trainprof.errors import UsageError
+from trainprof.report.compare_terminal import render_compare
+from trainprof.schema import STEP_FIELDS
+from trainprof.store import STEP_DTYPE, RunWriter, load_run
+
+SLOW_DATA = """
+    import sys, time
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, Dataset
+
+    class Sleepy(Dataset):
+        def __len__(self):
+            return 4096
+        def __getitem__(self, i):
+            time.sleep(0.003)  # 12 ms per batch of 4: the input pipeline is the slow part
+            return torch.randn(16), i % 2
+
+    workers = int(sys.argv[1])
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    loader = DataLoader(Sleepy(), batch_size=4, num_workers=workers, shuffle=False)
+    model = nn.Linear(16, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step, (x, y) in enumerate(loader):
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        time.sleep(0.004)  # the model's "compute": three workers keep up with it
+        if step == 44:
+            break
+"""
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("compare")
+    write_script(root, "train.py", SLOW_DATA)
+    out = {}
+    for name, workers in (("a", "3"), ("b", "0")):
+        res = trainprof("run", "--out", str(root / name), "train.py", workers, cwd=root)
+        assert res.returncode == 0, res.stderr
+        out[name] = root / name
+    return out
+
+
+def test_slowed_data_phase_and_setting_are_named(runs: dict[str, Path]) -> None:
+    a, b = load_run(runs["a"]), load_run(runs["b"])
+    result = compare_runs(a, b)
+    json.dumps(result)  # JSON-serialisable as it is
+    assert result["verdict"] == "slower"
+    assert result["significant"] is True
+    # B waits ~12 ms per step for data (4 samples x 3 ms), A little: ~17 ms vs ~5 ms
+    assert 1.5 < result["ratio"] < 5
+    lo, hi = result["ci"]
+    assert 1.0 < lo <= result["ratio"] <= hi
+    assert result["explains"] == "data_wait"
+    dw = result["phases"]["data_wait"]
+    assert dw["b"] - dw["a"] == pytest.approx(dw["delta"])
+    assert dw["delta"] > 0.006  # at least half of the ~12 ms the sleep adds per batch
+    assert dw["share_of_change"] > 0.7
+    # phase deltas add up to the change of the mean step time
+    total = sum(p["delta"] for p in result["phases"].values())
+    assert total == pytest.approx(result["mean_delta"], rel=1e-9)
+    assert result["b"]["steps"]["mean_s"] - result["a"]["steps"]["mean_s"] == pytest.approx(
+        result["mean_delta"], rel=1e-6)
+    # the setting that changed is ranked first, the command line that changed it below
+    top = result["environment_diff"][0]
+    assert top["key"] == "dataloader[0].num_workers"
+    assert (top["a"], top["b"], top["rank"], top["acts_on"]) == (3, 0, 1, "data_wait")
+    command = next(it for it in result["environment_diff"] if it["key"] == "command")
+    assert command["rank"] > 1
+    assert (command["change_a"], command["change_b"]) == ("3", "0")
+    keys = {it["key"] for it in result["environment_diff"]}
+    assert not keys & {"torch.version", "packages.torch", "cpu.model"}  # same machine
+    thr = result["throughput"]
+    assert thr["samples_per_s_ratio"] < 0.75
+    assert result["a"]["samples_per_step"] == result["b"]["samples_per_step"] == 4
+    assert result["metric"] == "step_time"
+    assert exceeds_slowdown(result, 5)
+    assert not exceeds_slowdown(result, (result["ratio"] - 1) * 100 + 1)
+
+
+def test_reverse_is_faster_and_self_is_no_difference(runs: dict[str, Path]) -> None:
+    a, b = load_run(runs["a"]), load_run(runs["b"])
+    forward, reverse = compare_runs(a, b), compare_runs(b, a)
+    assert reverse["verdict"] == "faster"
+    assert reverse["ratio"] == pytest.approx(1 / forward["ratio"])
+    assert reverse["explains"] == "data_wait"
+    assert reverse["environment_diff"][0]["key"] == "dataloader[0].num_workers"
+    assert not exceeds_slowdown(reverse, 5)
+    same = compare_runs(a, a)
+    assert same["verdict"] == "no_difference"
+    assert same["ratio"] == 1.0
+    assert same["ci"][0] <= 1.0 <= same["ci"][1]
+    assert same["environment_diff"] == []
+    assert not exceeds_slowdown(same, 0.0)
+    # seeded: the same runs give the same interval
+    assert compare_runs(a, b)["ci"] == forward["ci"]
+
+
+def test_terminal_rendering(runs: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
+    render_compare(compare_runs(load_run(runs["a"]), load_run(runs["b"])))
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]
+    assert first.startswith("B is ") and "slower than A" in first
+    assert "data wait" in first and "dataloader[0].num_workers 3 → 0" in first
+    assert "95% CI" in first
+    assert "What changed" in out
+    assert all(len(line) <= 120 for line in out.splitlines()[1:])
+
+
+# --------------------------------------------------------------------------- known step times
+
+
+def _write_run(path: Path, durations_ms: np.ndarray, data_ms: np.ndarray | None = None,
+               samples: int = 32, meta: dict | None = None, phase: str = "data_wait") -> Path:
+    """A finished run folder whose steps have the given durations: ``data_ms`` of them in
+    ``phase``, the rest in 'other'."""
+    rec = np.zeros(len(durations_ms), dtype=STEP_DTYPE)
+    dur = (np.asarray(durations_ms) * 1e6).astype(np.int64)
+    data = np.zeros_like(dur) if data_ms is None else (np.asarray(data_ms) * 1e6).astype(np.int64)
+    rec["step"] = np.arange(len(dur))
+    rec["t_start_ns"] = np.concatenate([[0], np.cumsum(dur)[:-1]])
+    rec["dur_ns"] = dur
+    rec[f"{phase}_ns"] = data
+    rec["other_ns"] = dur - data
+    rec["samples"] = samples
+    assert rec.dtype.names == STEP_FIELDS
+    writer = RunWriter(path, {"name": path.name, "clock_origin_s": 0.0, "wall_origin_s": 0.0,
+                              **(meta or {})})
+    writer.append_step_bytes(rec.tobytes())
+    writer.close("finished", 0)
+    return path
+
+
+def test_statistics_on_known_steps(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    base = 100 + rng.normal(0, 3, 400)
+    a = load_run(_write_run(tmp_path / "a", base))
+    # 10% slower: significant
+    slower = load_run(_write_run(tmp_path / "b", base * 1.10, data_ms=base * 0.10))
+    r = compare_runs(a, slower)
+    assert r["verdict"] == "slower"
+    assert r["ratio"] == pytest.approx(1.10, rel=0.01)
+    assert r["ci"][0] > 1.05 and r["ci"][1] < 1.15
+    assert r["explains"] == "data_wait"
+    assert r["phases"]["data_wait"]["share_of_change"] > 0.99
+    assert exceeds_slowdown(r, 5) and not exceeds_slowdown(r, 12)
+    # 1% slower, statistically clear with 400 quiet steps, but under the practical threshold
+    tiny = load_run(_write_run(tmp_path / "c", base * 1.01))
+    r = compare_runs(a, tiny)
+    assert r["ci"][0] > 1.0
+    assert abs(r["ratio"] - 1) < PRACTICAL_THRESHOLD
+    assert r["verdict"] == "no_difference" and not exceeds_slowdown(r, 0)
+    # the same distribution shuffled: no difference, interval contains 1
+    shuffled = load_run(_write_run(tmp_path / "d", rng.permutation(base)))
+    r = compare_runs(a, shuffled)
+    assert r["verdict"] == "no_difference" and r["ci"][0] <= 1 <= r["ci"][1]
+
+
+def test_batch_size_change_compares_time_per_sample(tmp_path: Path) -> None:
+    """Twice the samples in 1.5x the time is faster per sample, not slower."""
+    rng = np.random.default_rng(2)
+    base = 100 + rng.normal(0, 2, 200)
+    loader = {"dataset": "D", "batch_size": 32, "num_workers": 2, "index": 0}
+    a = load_run(_write_run(tmp_path / "a", base, samples=32, meta={"dataloaders": [loader]}))
+    b = load_run(_write_run(tmp_path / "b", base * 1.5, samples=64,
+                            meta={"dataloaders": [{**loader, "batch_size": 64}]}))
+    r = compare_runs(a, b)
+    assert r["metric"] == "time_per_sample" and r["unit"] == "s/sample"
+    assert r["ratio"] == pytest.approx(0.75, rel=0.01)
+    assert r["verdict"] == "faster"
+    assert r["environment_diff"][0]["key"] == "dataloader[0].batch_size"
+    assert any("samples in a step" in n for n in r["notes"])
+
+
+def _fingerprint(threads: int, pillow: str, torch: str = "2.13.0+cpu") -> dict:
+    return {
+        "fingerprint": {
+            "torch": {"version": torch, "cuda": None, "cudnn": None},
+            "gpus": [],
+            "cpu": {"model": "AMD EPYC", "usable_cores": 8},
+            "threads": {"torch_num_threads": threads, "env": {}},
+            "packages": {"torch": torch, "pillow": pillow},
+            "python": {"version": "3.11.7"},
+        },
+        "training_thread": {"torch_num_threads": threads},
+        "command": ["python", "train.py"],
+    }
+
+
+@pytest.mark.parametrize("phase, first", [("forward", "torch_num_threads"),
+                                          ("data_wait", "packages.pillow")])
+def test_ranking_follows_the_phase_that_changed(tmp_path: Path, phase: str, first: str) -> None:
+    """CPU run: thread settings explain slower math, an image library a slower input pipeline."""
+    rng = np.random.default_rng(4)
+    base = 100 + rng.normal(0, 2, 300)
+    a = load_run(_write_run(tmp_path / "a", base, data_ms=base * 0.5, phase=phase,
+                            meta=_fingerprint(8, "10.4.0")))
+    b = load_run(_write_run(tmp_path / "b", base * 1.3, data_ms=base * 0.8, phase=phase,
+                            meta=_fingerprint(2, "11.0.0")))
+    r = compare_runs(a, b)
+    assert r["verdict"] == "slower" and r["explains"] == phase
+    assert r["compute_on"] == "cpu"
+    ranked = [it["key"] for it in r["environment_diff"]]
+    assert ranked[0] == first
+    assert set(ranked) == {"torch_num_threads", "packages.pillow"}
+    # the same two runs with a torch upgrade as well: on slower math it outranks pillow
+    c = load_run(_write_run(tmp_path / "c", base * 1.3, data_ms=base * 0.8, phase=phase,
+                            meta=_fingerprint(2, "11.0.0", torch="2.14.0+cpu")))
+    ranked = [it["key"] for it in compare_runs(a, c)["environment_diff"]]
+    if phase == "forward":
+        assert ranked.index("torch.version") < ranked.index("packages.pillow")
+    else:
+        assert ranked.index("packages.pillow") < ranked.index("torch.version")
+
+
+def test_too_few_steps_gives_no_verdict(tmp_path: Path) -> None:
+    a = load_run(_write_run(tmp_path / "a", np.array([100.0, 101, 99])))
+    b = load_run(_write_run(tmp_path / "b", np.array([200.0, 201, 199])))
+    r = compare_runs(a, b)
+    assert r["verdict"] == "no_difference" and r["ratio"] is None and r["ci"] is None
+    assert any("too few steady steps" in n for n in r["notes"])
+    assert not exceeds_slowdown(r, 0)
+
+
+def test_block_bootstrap_is_wider_on_autocorrelated_steps() -> None:
+    """Slow stretches (a busy neighbour) make steps autocorrelated: the interval must widen.
+
+    An AR(1) series and the same values shuffled have one distribution; only the ordering
+    differs, and an i.i.d. bootstrap would give both the same interval.
+    """
+    rng = np.random.default_rng(3)
+    n = 900
+    level = np.zeros(n)
+    noise = rng.normal(0, 1.5, n)
+    for i in range(1, n):
+        level[i] = 0.95 * level[i - 1] + noise[i]
+    correlated = 100 + level
+    reference = 100 + rng.normal(0, 5, n)
+    lo1, hi1 = bootstrap_ratio_ci(rng.permutation(correlated), reference)
+    lo2, hi2 = bootstrap_ratio_ci(correlated, reference)
+    assert hi2 - lo2 > 1.5 * (hi1 - lo1)
+
+
+def test_missing_run_folder_is_a_usage_error(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="no such run folder"):
+        load_run(tmp_path / "nope")
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def test_cli_json_and_fail_if_slower(runs: dict[str, Path], tmp_path: Path) -> None:
+    a, b = str(runs["a"]), str(runs["b"])
+    res = trainprof("compare", a, b, "--json", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    doc = res.json()
+    assert doc["verdict"] == "slower"
+    assert doc["environment_diff"][0]["key"] == "dataloader[0].num_workers"
+    res = trainprof("compare", a, b, "--fail-if-slower", "5", cwd=tmp_path)
+    assert res.returncode == 1
+    assert res.stdout.splitlines()[0].startswith("B is ")
+    assert trainprof("compare", b, a, "--fail-if-slower", "5", cwd=tmp_path).returncode == 0
+    assert trainprof("compare", a, a, "--fail-if-slower", "5", cwd=tmp_path).returncode == 0
+    res = trainprof("compare", a, str(tmp_path / "missing"), cwd=tmp_path)
+    assert res.returncode == 2
+    assert res.stderr.strip().startswith("error: no such run folder")
+    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
