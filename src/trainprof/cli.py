@@ -36,6 +36,18 @@ examples:
 """
 
 
+TUNE_EPILOG = """\
+Each value runs the unmodified script under `trainprof run --max-steps N` in
+shuffled rounds of trials; the report gives each arm's mean steady-state time
+per step (per sample when batch_size changes), its ratio to the baseline with a
+bootstrap confidence interval over trials and steps, and a verdict.
+
+examples:
+  trainprof tune --knob num_workers=0,2,4 train.py --lr 0.1
+  trainprof tune --knob torch_threads=1,2 --trials 5 --json train.py > tune.json
+"""
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -133,6 +145,31 @@ def build_parser() -> _Parser:
     compare.add_argument("--fail-if-slower", type=_positive_float, metavar="PCT",
                          help="exit 1 when B is significantly slower than A by more than PCT %%")
 
+    tune = sub.add_parser(
+        "tune",
+        help="run the script with settings changed (knobs) and measure which is faster",
+        usage="trainprof tune [OPTIONS] (SCRIPT | -m MODULE) [ARGS...]",
+        epilog=TUNE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    tune.add_argument("script", nargs="?", metavar="SCRIPT", help="the training script")
+    tune.add_argument("-m", dest="module", metavar="MODULE", help="run a module, like python -m")
+    tune.add_argument("--knob", action="append", default=[], metavar="NAME=V1,V2,...",
+                      help="a setting and the values to try: num_workers, persistent_workers, "
+                           "pin_memory, prefetch_factor, batch_size, torch_threads, "
+                           "interop_threads, gc_threshold, gc_freeze; the value 'script' keeps "
+                           "the script's own. Several --knob options give the grid of "
+                           "combinations (at most 16 arms)")
+    tune.add_argument("--steps", type=_positive_int, default=60, metavar="N",
+                      help="steps per trial (default: 60)")
+    tune.add_argument("--trials", type=_positive_int, default=3, metavar="K",
+                      help="trials per value, run in shuffled rounds (default: 3)")
+    tune.add_argument("--baseline", metavar="NAME=VALUE[,NAME=VALUE]",
+                      help="the arm the others are compared with (default: the first value)")
+    tune.add_argument("--out", type=Path, metavar="DIR",
+                      help="the trials' runs (default: ./trainprof-runs/<time>-tune-<name>/)")
+    tune.add_argument("--json", action="store_true", help="print one JSON document")
+
     export = sub.add_parser("export", help="export a run for other tools")
     export.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run folder")
     export.add_argument("--perfetto", type=Path, metavar="PATH", required=True,
@@ -148,7 +185,8 @@ def _split_run_args(argv: list[str]) -> tuple[list[str], list[str]]:
     ``-m MODULE`` ends the options too. Everything after belongs to the script
     (so ``trainprof run train.py --json`` passes ``--json`` to train.py).
     """
-    takes_value = {"--out", "--name", "--max-steps", "--sample-interval", "--lines"}
+    takes_value = {"--out", "--name", "--max-steps", "--sample-interval", "--lines",
+                   "--knob", "--steps", "--trials", "--baseline"}
     optional_value = {"--deep", "--py"}
     i = 0
     while i < len(argv):
@@ -196,6 +234,27 @@ def _dispatch(argv: list[str]) -> int:
             py=ns.py,
             lines=ns.lines,
             html=not ns.no_html,
+        )
+    if argv and argv[0] == "tune":
+        own, script_args = _split_run_args(argv[1:])
+        ns = parser.parse_args(["tune", *own])
+        target = ns.module if ns.module is not None else ns.script
+        if target is None:
+            raise UsageError("missing SCRIPT (or -m MODULE) to tune (see 'trainprof tune --help')")
+        if not ns.knob:
+            raise UsageError("give at least one --knob NAME=V1,V2 (see 'trainprof tune --help')")
+        from trainprof.experiments.tune import tune_command
+
+        return tune_command(
+            target,
+            script_args,
+            module=ns.module is not None,
+            knobs=ns.knob,
+            steps=ns.steps,
+            trials=ns.trials,
+            json_out=ns.json,
+            out=ns.out,
+            baseline=ns.baseline,
         )
     ns = parser.parse_args(argv)
     if ns.command == "report":

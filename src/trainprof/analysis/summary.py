@@ -11,8 +11,11 @@ from datetime import datetime
 from typing import Any
 
 from trainprof.analysis.device import device_statistics
+from trainprof.analysis.ops import load_ops
+from trainprof.analysis.python_profile import summarize_python_profile
 from trainprof.analysis.steps import complete_steps, step_statistics
 from trainprof.analysis.system import load_samples, summarize_system
+from trainprof.analysis.workers import summarize_workers
 from trainprof.store import Run
 
 
@@ -91,10 +94,14 @@ def summarize_run(run: Run) -> dict[str, Any]:
         "dataloaders": meta.get("dataloaders")
         or [ev for ev in run.events if ev.get("kind") == "dataloader"],
         "system": system,
+        # inside the DataLoader workers: blocked vs CPU per sample, collate, start-up
+        "workers": summarize_workers(run.path, meta.get("clock_origin_s")),
         "device": device_statistics(
             run.device, int(done["step"][warm]) if len(done) > warm else 0
         ),
         "environment": _environment(meta.get("fingerprint"), meta.get("training_thread")),
+        "ops": load_ops(run.path),
+        "python_profile": summarize_python_profile(run.path),
         "missing": meta.get("missing", []),
         "notes": meta.get("notes", []),
         "findings": [],  # filled by the diagnosis (trainprof.commands.analyse)

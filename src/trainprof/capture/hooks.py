@@ -23,7 +23,8 @@ runs, and restores them afterwards:
 
 Only the thread that started profiling is measured, and forked children
 (DataLoader workers) restore the originals at fork, so workers run
-uninstrumented.
+uninstrumented by these hooks; what workers spend their time on is measured by
+:mod:`trainprof.capture.worker`, which they get through ``worker_init_fn``.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from trainprof.capture.device_timer import (
     OPT_BEGIN,
     OPT_END,
 )
+from trainprof.capture.worker import WorkerCapture
 from trainprof.schema import (
     BACKWARD,
     DATA,
@@ -150,7 +152,8 @@ class LoaderRegistry:
         self.worker_pids: tuple[int, ...] = ()
         self.all_worker_pids: set[int] = set()
 
-    def iterator_created(self, loader: DataLoader, it: Any) -> None:
+    def index_of(self, loader: DataLoader) -> int:
+        """The loader's index in the run (registered the first time it is seen)."""
         key = id(loader)
         if key not in self._ids:
             self._ids[key] = len(self.configs)
@@ -161,6 +164,10 @@ class LoaderRegistry:
             config["index"] = self._ids[key]
             self.configs.append(config)
             self._on_new_loader(self._ids[key], config)
+        return self._ids[key]
+
+    def iterator_created(self, loader: DataLoader, it: Any) -> None:
+        self.index_of(loader)
         self._iterators.add(it)
         self._refresh_pids()
 
@@ -186,9 +193,12 @@ class LoaderRegistry:
 class Instrumentation:
     """Installs and removes the patches above around one StepClock."""
 
-    def __init__(self, clock: StepClock, loaders: LoaderRegistry) -> None:
+    def __init__(
+        self, clock: StepClock, loaders: LoaderRegistry, workers: WorkerCapture | None = None
+    ) -> None:
         self.clock = clock
         self.loaders = loaders
+        self.workers = workers  # worker-side capture (trainprof.capture.worker)
         self._restore: list[tuple[Any, str, Any]] = []
         self._handles: list[Any] = []
         self._gc_cb: Callable[[str, dict[str, Any]], None] | None = None
@@ -249,6 +259,9 @@ class Instrumentation:
             return __iter__
 
         self._patch(DataLoader, "__iter__", make_iter)
+        if self.workers is not None:
+            # what the workers (or, with num_workers=0, this process) spend on each sample
+            self.workers.install(self._patch, loaders.index_of)
 
         # -- forward (outermost module call only) --------------------------
         # For the first DISCOVERY_STEPS steps every module call goes through
@@ -424,6 +437,8 @@ class Instrumentation:
         if not self.installed:
             return
         self.installed = False
+        if self.workers is not None:
+            self.workers.close()  # last write of num_workers=0 timings (no-op in a fork child)
         for owner, name, original in reversed(self._restore):
             if original is _INHERITED:
                 delattr(owner, name)

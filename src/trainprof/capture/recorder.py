@@ -22,8 +22,10 @@ from trainprof.capture.clock import StepClock
 from trainprof.capture.device_timer import DeviceTimer
 from trainprof.capture.fingerprint import collect_fingerprint
 from trainprof.capture.hooks import Instrumentation, LoaderRegistry
+from trainprof.capture.knobs import install_knobs
 from trainprof.capture.sampler import SystemSampler
 from trainprof.capture.window import WindowRunner
+from trainprof.capture.worker import WORKERS_DIR, WorkerCapture
 from trainprof.schema import RECORD_WIDTH, REGION
 from trainprof.store import SAMPLES_JSONL, RunWriter
 
@@ -77,7 +79,13 @@ class Recorder:
             },
         )
         self.loaders = LoaderRegistry(self._on_new_loader)
-        self.instrumentation = Instrumentation(self.clock, self.loaders) if auto else None
+        # per-sample timings inside DataLoader workers; stacks too when worker_sampling is set
+        self.worker_capture = WorkerCapture(
+            run_dir / WORKERS_DIR, sampling=lambda: self.worker_sampling
+        )
+        self.instrumentation = (
+            Instrumentation(self.clock, self.loaders, self.worker_capture) if auto else None
+        )
         self.sampler = SystemSampler(
             run_dir / SAMPLES_JSONL,
             interval_s=sample_interval_s,
@@ -93,6 +101,10 @@ class Recorder:
         global _active
         if _active is not None:
             raise RuntimeError("a trainprof recorder is already running in this process")
+        # trainprof tune's overrides (TRAINPROF_KNOBS), before the script runs; None otherwise
+        self.knobs = install_knobs()
+        if self.knobs is not None:
+            self.writer.update_meta(knobs=self.knobs.record())
         _active = self
         if self.instrumentation is not None:
             self.instrumentation.install()
@@ -124,8 +136,11 @@ class Recorder:
         with contextlib.suppress(Exception):
             self.sampler.stop()
         self.flush()
-        missing = list(dict.fromkeys(self.writer.meta["missing"] + list(self.sampler.missing)))
+        missing = list(dict.fromkeys(self.writer.meta["missing"] + list(self.sampler.missing)
+                                     + self.worker_capture.missing))
         self.writer.meta["training_thread"] = self._training_thread_settings()
+        if getattr(self, "knobs", None) is not None:
+            self.writer.meta["knobs"] = self.knobs.uninstall()
         self.writer.close(
             status,
             exit_code,
@@ -174,6 +189,7 @@ class Recorder:
         elif self._cuda_in_use():
             # CUDA came up in the script: time phases on the device from now on
             self.clock.device = DeviceTimer.for_cuda()
+        self.worker_capture.flush()  # num_workers=0 loading timed in this process
         if not self._fingerprinted and (self.clock.n_steps > 0 or self._stopped):
             self._fingerprinted = True
             self.writer.update_meta(fingerprint=collect_fingerprint(self._script, self._command))

@@ -284,6 +284,22 @@ class Context:
                 return d
         return self.loaders[0]
 
+    @cached_property
+    def worker_loaders(self) -> list[dict[str, Any]]:
+        """Per DataLoader, what its workers measured (:mod:`trainprof.analysis.workers`)."""
+        workers = self.summary.get("workers")
+        if not isinstance(workers, dict) or not isinstance(workers.get("loaders"), list):
+            return []
+        return [e for e in workers["loaders"] if isinstance(e, dict)]
+
+    def worker_stats(self, loader: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The worker-side measurements of ``loader`` (by index); of the only loader if unknown."""
+        entries = self.worker_loaders
+        index = (loader or {}).get("index")
+        if isinstance(index, int):
+            return next((e for e in entries if e.get("loader_index") == index), None)
+        return entries[0] if len(entries) == 1 else None
+
     @staticmethod
     def batches_per_epoch(loader: dict[str, Any] | None) -> int | None:
         """Batches in one epoch of a map-style loader (``len`` of the DataLoader)."""

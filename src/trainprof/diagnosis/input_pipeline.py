@@ -16,14 +16,26 @@ Sources (expert-rules.md, table 1):
   first batch of an epoch without vs with ``persistent_workers`` (spawn).
 
 One bottleneck, one finding: the cause is chosen from the evidence in the order of
-TF's ladder (start-up per epoch, then too few workers, then saturated CPU, then
-blocked reads), and the other symptoms go into the evidence. Data waits inside
-steps that :mod:`trainprof.diagnosis.periodic` owns (an evaluation loader every N
-steps) are not counted here.
+TF's ladder, and the other symptoms go into the evidence. Data waits inside steps
+that :mod:`trainprof.diagnosis.periodic` owns (an evaluation loader every N steps)
+are not counted here. The ladder:
 
-Not decided here yet, for want of measurements (issue 3): per-sample ``__getitem__``
-time split into blocked and CPU time, ``collate_fn`` time, queue starvation. Until
-capture records them, "blocked vs CPU" is estimated from process and worker CPU use.
+1. ``worker_startup_per_epoch``: no ``persistent_workers``, and restarting the workers
+   (data-wait spikes at the epoch length, or the start-ups the workers measured after
+   the first one) is at least half of the wait.
+2. ``too_few_workers`` with ``num_workers=0``: loading in the training process.
+3. With the worker-side measurements (:mod:`trainprof.analysis.workers`: per-sample
+   blocked and CPU time in ``__getitem__``, ``collate_fn`` per batch, run-queue
+   waits), the stage that takes most of the workers' time names the cause, as TF's
+   analyzer names the slowest stage (I4-I6): ``slow_reads`` (blocked: reads, sleeps,
+   the network), ``collate``, or CPU work (decode, transforms): ``too_few_workers``
+   when cores are idle and the workers do not wait for one, else ``cpu_transforms``.
+   Workers that wait for a core count as CPU-bound, not blocked: that wait is a CPU
+   shortage. Only when the workers are busy (at least :data:`BUSY` of their time
+   since their first batch) and measured :data:`MIN_SAMPLES` samples; otherwise the
+   workers are not what the loop waits for, and step 4 decides.
+4. Without them (a run recorded by an older trainprof, a trace), "blocked vs CPU" is
+   estimated from the workers' CPU use sampled from outside.
 """
 
 from __future__ import annotations
@@ -41,6 +53,12 @@ HIGH, MEDIUM = 0.20, 0.05  # TF input-pipeline analyzer bands (I1)
 #: Per-worker CPU above which a worker counts as saturated (CPU-bound), below which as
 #: mostly blocked (waiting on reads, sleeps, the network).
 SATURATED, BLOCKED = 0.80, 0.50
+#: Samples the workers must have measured before their stage split names the cause.
+MIN_SAMPLES = 16
+#: Busy share (time in fetch since the first batch) below which workers are not the bottleneck.
+BUSY = 0.5
+#: Share of the workers' CPU-bound time spent waiting for a core above which no core is free.
+CPU_WAIT = 0.2
 
 
 def _short(qualname: Any, default: str) -> str:
@@ -68,7 +86,8 @@ def suggest_workers(
 
 
 def loader_snippet(
-    loader: dict[str, Any] | None, *, num_workers: int, pin_memory: bool, comment: str
+    loader: dict[str, Any] | None, *, num_workers: int, pin_memory: bool, comment: str,
+    collate_fn: str | None = None,
 ) -> str:
     """The user's DataLoader call, rewritten with the suggested settings.
 
@@ -91,7 +110,9 @@ def loader_snippet(
         if loader.get("drop_last"):
             lines.append("    drop_last=True,")
     collate = str(loader.get("collate_fn") or "")
-    if collate and not collate.endswith("default_collate"):
+    if collate_fn:
+        lines.append(f"    collate_fn={collate_fn},")
+    elif collate and not collate.endswith("default_collate"):
         lines.append(f"    collate_fn={_short(collate, 'collate_fn')},")
     lines.append(f"    num_workers={num_workers},  # {comment}")
     if num_workers > 0:
@@ -122,6 +143,60 @@ def _blocked_share_min(ctx: Context, share: float) -> float | None:
         return None
     loading_cpu = max(0.0, proc / 100 - (1 - share))
     return max(0.0, min(1.0, 1 - loading_cpu / share))
+
+
+def _ms(stats: Any, key: str = "mean") -> float:
+    v = stats.get(key) if isinstance(stats, dict) else None
+    return float(v) if isinstance(v, int | float) else 0.0
+
+
+def _worker_evidence(w: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The worker-side measurements as evidence, or ``None`` if too few samples were measured."""
+    if not w or int(w.get("samples") or 0) < MIN_SAMPLES or not w.get("fetch_split"):
+        return None
+    ev: dict[str, Any] = {
+        "sample_blocked_ms": w.get("sample_blocked_ms"),
+        "sample_cpu_ms": w.get("sample_cpu_ms"),
+        "collate_ms_per_batch": w.get("collate_ms"),
+        "fetch_split": w["fetch_split"],
+        "samples_measured": w.get("samples"),
+    }
+    busy = (w.get("busy_share_active") or {}).get("median")
+    if busy is not None:
+        ev["worker_busy_share"] = busy
+    functions = _top_functions(w)
+    if functions:
+        ev["worker_functions"] = functions
+    return ev
+
+
+def _top_functions(w: dict[str, Any], n: int = 5) -> list[str]:
+    """``name (file:line) 45%`` for the functions the sampled workers spent most time in."""
+    fns = (w.get("functions") or {}).get("top") or []
+    return [f"{f['function']} ({f['where']}) {(f.get('self_share') or 0) * 100:.0f}%"
+            for f in fns[:n] if f.get("self_share")]
+
+
+def _stage(split: dict[str, float]) -> str:
+    """Where the workers' fetch time goes: ``reads`` (blocked), ``cpu`` or ``collate``."""
+    reads = float(split.get("blocked") or 0.0)
+    cpu = float(split.get("cpu") or 0.0) + float(split.get("waiting_for_cpu") or 0.0)
+    collate = float(split.get("collate") or 0.0)
+    return max((reads, "reads"), (cpu, "cpu"), (collate, "collate"))[1]
+
+
+def _measured_startup(ctx: Context, w: dict[str, Any] | None) -> tuple[float, float | None]:
+    """(avoidable start-up seconds in the steady window, median start-up) the workers measured."""
+    startup = (w or {}).get("startup") or {}
+    gens = [g for g in startup.get("per_generation") or [] if isinstance(g, dict)]
+    if w is None or w.get("persistent_workers") or len(gens) < 2 or not ctx.has_steps():
+        return 0.0, startup.get("median_s")
+    steady_start = float(ctx.steady["t_start_ns"][0]) / 1e9
+    avoidable = sum(
+        float(g.get("first_batch_s") or 0.0) for g in gens[1:]
+        if g.get("at_s") is None or float(g["at_s"]) >= steady_start
+    )
+    return avoidable, startup.get("median_s")
 
 
 @rule("input_pipeline.data_wait")
@@ -164,8 +239,12 @@ def data_wait(ctx: Context) -> Finding | None:
     for key in ("proc_cpu_pct", "workers_cpu_pct", "iowait_pct", "sys_cpu_pct"):
         if sysinfo.get(key) is not None:
             evidence[key] = sysinfo[key]
+    w = ctx.worker_stats(loader)
+    measured = _worker_evidence(w)
+    if measured:
+        evidence.update(measured)
 
-    # Start-up per epoch: data-wait spikes at the epoch length.
+    # Start-up per epoch: data-wait spikes at the epoch length, or measured in the workers.
     startup_share = 0.0
     epoch = ctx.epoch_spikes
     if epoch is not None and epoch.fit is not None and ctx.total_s > 0:
@@ -178,6 +257,13 @@ def data_wait(ctx: Context) -> Finding | None:
             "excess_per_epoch_s": epoch.excess_s["data_wait"] / len(epoch.indices),
             "excess_share": startup_share,
         }
+    avoidable_s, startup_median_s = _measured_startup(ctx, w) if nw > 0 else (0.0, None)
+    if startup_median_s is not None:
+        evidence["worker_startup_s"] = startup_median_s
+        evidence["worker_generations"] = (w or {}).get("generations")
+    if avoidable_s > 0 and ctx.total_s > 0:
+        evidence["worker_startup_share"] = avoidable_s / ctx.total_s
+        startup_share = max(startup_share, avoidable_s / ctx.total_s)
 
     per_worker = blocked_min = None
     if nw > 0 and isinstance(sysinfo.get("workers_cpu_pct"), int | float):
@@ -193,10 +279,35 @@ def data_wait(ctx: Context) -> Finding | None:
         cores_free = cores - busy / 100
         evidence["cores_free"] = cores_free
 
+    split = measured["fetch_split"] if measured else None
+    stage = _stage(split) if split else None
+    worker_busy = measured.get("worker_busy_share") if measured else None
+    decisive = stage is not None and nw > 0 and (worker_busy is None or worker_busy >= BUSY)
+    cpu_waiting = 0.0
+    if split:
+        cpu_part = float(split.get("cpu") or 0) + float(split.get("waiting_for_cpu") or 0)
+        cpu_waiting = float(split.get("waiting_for_cpu") or 0) / cpu_part if cpu_part else 0.0
+    idle_cores = cores_free
+    if cores and isinstance(sysinfo.get("sys_cpu_pct"), int | float):
+        # cores nobody uses, this run or other processes
+        idle = cores * (1 - sysinfo["sys_cpu_pct"] / 100)
+        idle_cores = idle if idle_cores is None else min(idle_cores, idle)
+
     if nw > 0 and not persistent and startup_share >= 0.5 * share:
         cause = "worker_startup_per_epoch"
     elif nw == 0:
         cause = "too_few_workers"
+    elif decisive and stage == "reads":
+        cause = "slow_reads"
+    elif decisive and stage == "collate":
+        cause = "collate"
+    elif decisive:  # CPU work: more workers help only while cores are idle
+        if cpu_waiting < CPU_WAIT and (
+            (idle_cores is not None and idle_cores >= 1) or (idle_cores is None and cores
+                                                              and nw < cores)):
+            cause = "too_few_workers"
+        else:
+            cause = "cpu_transforms"
     elif per_worker is None:
         cause = "too_few_workers" if cores and nw < cores else "undetermined"
     elif per_worker < BLOCKED:
@@ -206,24 +317,46 @@ def data_wait(ctx: Context) -> Finding | None:
     else:
         cause = "cpu_transforms"
 
-    blocked = (blocked_min is not None and blocked_min >= 0.5) or (
-        per_worker is not None and per_worker < BLOCKED
-    )
-    if cause in ("worker_startup_per_epoch", "cpu_transforms"):
+    if measured and stage is not None:
+        blocked = stage == "reads"
+    else:
+        blocked = (blocked_min is not None and blocked_min >= 0.5) or (
+            per_worker is not None and per_worker < BLOCKED
+        )
+    if cause in ("worker_startup_per_epoch", "cpu_transforms", "collate"):
         suggested = nw
     else:
         suggested = suggest_workers(nw, cores, gpus, blocked, ctx.on_cuda)
-        if nw > 0 and not blocked and cores_free is not None:
+        free = idle_cores if decisive else cores_free
+        if nw > 0 and not blocked and free is not None:
             # CPU-bound workers: add no more than the cores measured free.
-            suggested = max(nw + 1, min(suggested, nw + math.floor(cores_free)))
+            suggested = max(nw + 1, min(suggested, nw + math.floor(free)))
     pin = ctx.on_cuda and not (loader or {}).get("pin_memory")
     pct = f"{share * 100:.0f}%"
     core_txt = f"{cores} usable cores" if cores else "the usable cores"
     knob = f"trainprof tune --knob num_workers={','.join(map(str, sweep(nw, suggested)))}"
     verify = f"{knob} {ctx.script}"
+    # per-sample costs as measured in the workers (means: they add up to the fetch time)
+    blocked_ms = cpu_ms = collate_ms = reads_ms = 0.0
+    if measured and split:
+        blocked_ms = _ms(measured["sample_blocked_ms"])
+        cpu_ms = _ms(measured["sample_cpu_ms"])
+        collate_ms = _ms(measured["collate_ms_per_batch"])
+        off_cpu = float(split.get("blocked") or 0) + float(split.get("waiting_for_cpu") or 0)
+        reads_ms = blocked_ms * float(split.get("blocked") or 0) / off_cpu if off_cpu else 0.0
+    stage_txt = (
+        f" Per sample the loading spends {reads_ms:.2f} ms blocked (reads, latency) and "
+        f"{cpu_ms:.2f} ms on the CPU (decode, transforms); collate_fn takes {collate_ms:.2f} "
+        "ms per batch."
+        if measured else ""
+    )
+    functions = measured.get("worker_functions") if measured else None
+    fn_txt = (f" Where the workers' time goes (sampled): {', '.join(functions[:3])}."
+              if functions else "")
 
     if cause == "worker_startup_per_epoch":
-        per_epoch = evidence["epoch_spikes"]["excess_per_epoch_s"]
+        spikes = evidence.get("epoch_spikes")
+        per_epoch = (spikes["excess_per_epoch_s"] if spikes else startup_median_s) or 0.0
         title = (
             f"DataLoader workers restart every epoch: {per_epoch:.2f} s per epoch start, "
             f"{startup_share * 100:.0f}% of step time (data wait {pct} in all)"
@@ -243,15 +376,30 @@ def data_wait(ctx: Context) -> Finding | None:
             )
             text = (
                 f"With num_workers=0 every sample is read and transformed in the training "
-                f"process while the model waits. Load in {suggested} worker processes so the "
-                f"next batches are prepared while the model computes ({core_txt})."
+                f"process while the model waits.{stage_txt} Load in {suggested} worker "
+                f"processes so the next batches are prepared while the model computes "
+                f"({core_txt})."
             )
-            if blocked_min is not None and blocked_min >= 0.5:
+            if blocked and (measured or (blocked_min is not None and blocked_min >= 0.5)):
+                most = (
+                    "Most of the loading time is off-CPU (reads, latency)" if measured
+                    else f"At least {(blocked_min or 0) * 100:.0f}% of the wait is off-CPU "
+                    "(reads, latency)"
+                )
                 text += (
-                    f" At least {blocked_min * 100:.0f}% of the wait is off-CPU (reads, "
-                    "latency), so workers overlap it even beyond the core count; if it stays "
+                    f" {most}, so workers overlap it even beyond the core count; if it stays "
                     "slow, pack the samples into one file or copy them to local disk."
                 )
+        elif decisive:
+            title = (
+                f"Training waits for data {pct} of step time: {nw} DataLoader workers spend "
+                f"{cpu_ms:.2f} ms of CPU per sample and cores are idle"
+            )
+            text = (
+                f"The {nw} workers are busy and CPU-bound ({cpu_ms:.2f} ms of CPU per sample, "
+                f"{reads_ms:.2f} ms blocked) while {idle_cores or 0:.1f} cores are idle: use "
+                f"{suggested} workers ({core_txt}).{fn_txt}"
+            )
         else:
             title = (
                 f"Training waits for data {pct} of step time: {nw} DataLoader workers are "
@@ -263,33 +411,96 @@ def data_wait(ctx: Context) -> Finding | None:
             )
         comment = f"was {nw}; {core_txt}"
     elif cause == "cpu_transforms":
-        title = (
-            f"Training waits for data {pct} of step time: the DataLoader workers saturate "
-            "the CPU"
-        )
+        if decisive:
+            title = (
+                f"Training waits for data {pct} of step time: each sample takes {cpu_ms:.2f} ms "
+                "of CPU in the DataLoader workers (decode, transforms) and no core is free"
+            )
+            why = (
+                f"The {nw} workers spend most of their time on the CPU ({cpu_ms:.2f} ms per "
+                f"sample vs {reads_ms:.2f} ms blocked on reads)"
+                + (f"; {cpu_waiting * 100:.0f}% of that time they wait for a core" if
+                   cpu_waiting >= 0.05 else "")
+                + "; no core is free, so more workers cannot help: make each sample cheaper."
+            )
+        else:
+            title = (
+                f"Training waits for data {pct} of step time: the DataLoader workers saturate "
+                "the CPU"
+            )
+            why = (
+                f"The {nw} workers are at {(per_worker or 0) * 100:.0f}% CPU each and no core "
+                "is free, so more workers cannot help: make each sample cheaper."
+            )
         text = (
-            f"The {nw} workers are at {(per_worker or 0) * 100:.0f}% CPU each and no core is "
-            "free, so more workers cannot help: make each sample cheaper. Cache deterministic "
-            "work (decoded images, tokenised text) once; collate uint8 and normalise on the "
-            "device instead of per sample in float32; move augmentations to the GPU; "
-            "pre-process offline."
+            f"{why}{fn_txt} Cache deterministic work (decoded images, tokenised text) once; "
+            "collate uint8 and normalise on the device instead of per sample in float32; "
+            "move augmentations to the GPU; pre-process offline."
         )
+        if decisive and not functions:
+            text += f" `trainprof run --py {ctx.script}` shows which functions take the time."
         comment = f"unchanged: the {core_txt} are busy"
         verify = (
             f"time `for batch in loader: pass` alone before and after the change; then "
             f"`trainprof run {ctx.script}`: the data wait share (now {pct}) should fall"
         )
-    elif cause == "slow_reads":
+    elif cause == "collate":
+        col_share = float((split or {}).get("collate") or 0)
         title = (
-            f"Training waits for data {pct} of step time: the DataLoader workers are mostly "
-            "blocked (reads or latency)"
+            f"Training waits for data {pct} of step time: collate_fn takes {collate_ms:.1f} ms "
+            f"per batch, {col_share * 100:.0f}% of the DataLoader workers' time"
         )
         text = (
-            f"The {nw} workers use only {(per_worker or 0) * 100:.0f}% CPU each while the loop "
-            "waits: they wait on storage or the network. More workers overlap more of that "
-            f"wait (beyond the core count); packing samples into large files, copying the "
-            "data to local disk or caching it removes it."
+            f"Building each batch from its samples (collate_fn: {collate_ms:.2f} ms per batch) "
+            f"costs more than loading them ({reads_ms:.2f} ms blocked and {cpu_ms:.2f} ms CPU "
+            f"per sample).{fn_txt} Build the batch with one vectorised call: return numpy "
+            "arrays or tensors (not lists of Python numbers) from the dataset, stack them once, "
+            "keep images uint8 and convert and normalise after the copy to the device."
         )
+        snippet = (
+            "def fast_collate(batch):  # one stack per field, uint8 kept as uint8\n"
+            "    images = torch.from_numpy(np.stack([img for img, _ in batch]))\n"
+            "    labels = torch.tensor([label for _, label in batch])\n"
+            "    return images, labels\n\n"
+            + loader_snippet(loader, num_workers=nw, pin_memory=pin, comment="unchanged",
+                             collate_fn="fast_collate")
+            + "\n# after the copy: x = x.to(device, non_blocking=True).float().sub_(mean)"
+            ".div_(std)"
+        )
+        return Finding(
+            category="input_pipeline", cause=cause, title=title, severity=severity,
+            evidence=evidence, estimated_gain=share, fix=Fix(text=text, snippet=snippet),
+            verify=(
+                f"time collate_fn on one batch before and after; then `trainprof run "
+                f"{ctx.script}`: collate (now {collate_ms:.2f} ms per batch) and the data wait "
+                f"share (now {pct}) should fall"
+            ),
+        )
+    elif cause == "slow_reads":
+        if decisive:
+            title = (
+                f"Training waits for data {pct} of step time: each sample waits "
+                f"{reads_ms:.2f} ms on reads or latency in the DataLoader workers "
+                f"(CPU work {cpu_ms:.2f} ms)"
+            )
+            text = (
+                f"The {nw} workers spend most of their time blocked ({reads_ms:.2f} ms per "
+                f"sample, against {cpu_ms:.2f} ms of CPU): they wait on storage or the network."
+                f"{fn_txt} More workers overlap more of that wait (beyond the core count); "
+                "packing samples into large files, copying the data to local disk or caching "
+                "it removes it."
+            )
+        else:
+            title = (
+                f"Training waits for data {pct} of step time: the DataLoader workers are "
+                "mostly blocked (reads or latency)"
+            )
+            text = (
+                f"The {nw} workers use only {(per_worker or 0) * 100:.0f}% CPU each while the "
+                "loop waits: they wait on storage or the network. More workers overlap more of "
+                "that wait (beyond the core count); packing samples into large files, copying "
+                "the data to local disk or caching it removes it."
+            )
         comment = f"was {nw}: blocked workers can exceed the {core_txt}"
     else:
         title = f"Training waits for data {pct} of step time"
@@ -298,6 +509,13 @@ def data_wait(ctx: Context) -> Finding | None:
             "(num_workers), keep them across epochs (persistent_workers=True) and measure "
             "which stage is slow: reading, transforming or collating."
         )
+        if measured and worker_busy is not None and worker_busy < BUSY:
+            text += (
+                f" The workers are busy only {worker_busy * 100:.0f}% of the time, so their "
+                "speed is not what the loop waits for: look at how batches reach the training "
+                "process (batch size in bytes, pin_memory, a slow batch holding the in-order "
+                "queue: in_order=False, a larger prefetch_factor)."
+            )
         comment = f"was {nw}"
     if pin:
         text += " Pin host memory (pin_memory=True) so copies to the GPU run asynchronously."

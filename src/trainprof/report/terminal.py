@@ -86,6 +86,53 @@ def _dataloader_line(dl: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+def _ms_txt(stats: dict[str, Any] | None) -> str:
+    stats = stats or {}
+    med, p90 = stats.get("median"), stats.get("p90")
+    if med is None:
+        return "—"
+    return f"{fmt_time(med / 1e3)} (p90 {fmt_time(p90 / 1e3)})" if p90 is not None else (
+        fmt_time(med / 1e3))
+
+
+def _worker_rows(workers: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """What the DataLoader workers (or the training process, num_workers=0) spent time on."""
+    rows: list[tuple[str, str]] = []
+    for w in (workers or {}).get("loaders") or []:
+        if not w.get("samples"):
+            continue
+        idx = w.get("loader_index")
+        if w.get("mode") == "main":
+            who = "in the training process (num_workers=0)"
+        else:
+            who = (f"{w.get('num_workers')} workers ({w.get('start_method')}) × "
+                   f"{w.get('generations')} generation(s)")
+        parts = [
+            who,
+            f"{w['samples']:,} samples",
+            f"per sample blocked {_ms_txt(w.get('sample_blocked_ms'))}, "
+            f"CPU {_ms_txt(w.get('sample_cpu_ms'))}",
+            f"collate {_ms_txt(w.get('collate_ms'))}/batch",
+        ]
+        split = w.get("fetch_split") or {}
+        if split.get("waiting_for_cpu"):
+            parts.append(f"waiting for a core {split['waiting_for_cpu'] * 100:.0f}% of the time")
+        busy = (w.get("busy_share_active") or {}).get("median")
+        if busy is not None:
+            parts.append(f"busy {busy * 100:.0f}%")
+        startup = w.get("startup") or {}
+        if startup.get("median_s") is not None:
+            parts.append(f"start-up {fmt_time(startup['median_s'])}")
+        rows.append((f"Loading #{idx}", " · ".join(parts)))
+        top = [f for f in (w.get("functions") or {}).get("top") or []
+               if (f.get("self_share") or 0) >= 0.005]
+        if top:
+            rows.append(("  hot spots", " · ".join(
+                f"{f['function']} ({f['where']}) {(f.get('self_share') or 0) * 100:.0f}%"
+                for f in top[:4])))
+    return rows
+
+
 def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None:
     """Print the end-of-run summary."""
     out = file if file is not None else sys.stdout
@@ -186,6 +233,8 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
             )
     for dl in summary.get("dataloaders") or []:
         table.add_row("DataLoader", _dataloader_line(dl))
+    for label, line in _worker_rows(summary.get("workers")):
+        table.add_row(label, line)
     env = summary.get("environment") or {}
     if env:
         table.add_row(
@@ -203,7 +252,19 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
     for note in list(summary.get("missing") or []) + list(summary.get("notes") or []):
         table.add_row("Note", str(note))
     table.add_row("Run folder", str(summary.get("run_dir")))
+    ops = summary.get("ops")
+    if ops:
+        table.add_row(
+            "Torch calls",
+            f"{ops['calls_per_step']:,.0f} per step from Python (sampled over "
+            f"{ops['steps_sampled']} steps)",
+        )
     console.print(table)
+    python_profile = summary.get("python_profile")
+    if python_profile:
+        from trainprof.report.python_profile_terminal import render_python_profile
+
+        render_python_profile(python_profile, console)
     # Findings go below the table, at full width: fix snippets must not wrap inside a cell.
     for i, f in enumerate(findings, 1):
         _print_finding(console, i, f)

@@ -1,0 +1,342 @@
+"""Knob overrides: change a setting of an unmodified script from outside (``trainprof tune``).
+
+``trainprof tune`` runs the script once per value of a knob, each time under
+``trainprof run`` in a child process, and passes the value in the environment
+variable :data:`ENV_VAR` (a JSON object ``{"num_workers": 2, ...}``). The
+child's :class:`~trainprof.capture.recorder.Recorder` calls
+:func:`install_knobs` before the script starts; without the variable it
+returns ``None`` at the cost of one dictionary lookup, so a plain
+``trainprof run`` is not touched at all.
+
+Two kinds of knobs (:data:`KNOBS`):
+
+* **DataLoader knobs** (``num_workers``, ``persistent_workers``,
+  ``pin_memory``, ``prefetch_factor``, ``batch_size``) replace the keyword
+  arguments of every ``torch.utils.data.DataLoader`` the script creates
+  (subclasses included: they call ``DataLoader.__init__``), whether the script
+  passed them by keyword, by position or not at all. torch's own rules are
+  kept: ``prefetch_factor`` and ``persistent_workers=True`` need
+  ``num_workers > 0``, so with ``num_workers=0`` they are dropped - and a
+  script's own ``prefetch_factor``/``persistent_workers`` are reset when the
+  knob turns the workers off, since torch would refuse them (``reset``). ``batch_size``
+  is not applied to a loader with a ``batch_sampler`` or with automatic
+  batching off (``batch_size=None``): there it would mean something else.
+  Everything actually passed, dropped and found is recorded per loader.
+* **Process knobs**: ``torch_threads`` (``torch.set_num_threads``, set on the
+  training thread before the script starts), ``interop_threads``
+  (``torch.set_num_interop_threads``), ``gc_threshold`` (CPython's
+  generation-0 threshold; 0 turns automatic collection off) and
+  ``gc_freeze`` (``gc.collect(); gc.freeze()`` after the first optimizer
+  step, when the model, optimizer and dataset exist: the usual advice is to
+  freeze "after set-up, before the loop"). While a thread knob is set, the
+  script's own ``torch.set_num_threads`` / ``set_num_interop_threads`` calls
+  are ignored (and recorded): a script that pins its thread count must not
+  silently undo the value under test.
+
+The record (``run.json``'s ``knobs``) is what :meth:`Knobs.record` returns:
+``requested`` (the overrides), ``dataloaders`` (per DataLoader created: what
+was ``set``, what was ``dropped`` and why, what of the script's was ``reset``, the
+script's own values), ``process``
+(what was set) and ``errors``. ``trainprof tune`` shows it next to each arm,
+so a knob that did nothing (no DataLoader, a dropped value) is visible.
+
+This module imports nothing heavy at import time: ``trainprof tune`` uses
+:data:`KNOBS` and :func:`parse_value` to check values before any child starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import inspect
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from trainprof.errors import UsageError
+
+#: The environment variable ``trainprof tune`` sets for each child ``trainprof run``.
+ENV_VAR = "TRAINPROF_KNOBS"
+
+#: A knob value meaning "leave the script's own setting" (``--knob num_workers=script,2``).
+SCRIPT_VALUE = "script"
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def _bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ValueError("expected true or false")
+
+
+def _int_at_least(lowest: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise ValueError(f"expected an integer ≥ {lowest}") from None
+        if value < lowest:
+            raise ValueError(f"expected an integer ≥ {lowest}")
+        return value
+
+    return parse
+
+
+@dataclass(frozen=True)
+class KnobSpec:
+    """One knob: where it acts (``dataloader`` or ``process``) and how its values parse."""
+
+    name: str
+    kind: str
+    parse: Callable[[str], Any]
+    help: str
+
+
+KNOBS: dict[str, KnobSpec] = {
+    spec.name: spec
+    for spec in (
+        KnobSpec("num_workers", "dataloader", _int_at_least(0),
+                 "DataLoader worker processes (0: load in the training process)"),
+        KnobSpec("persistent_workers", "dataloader", _bool,
+                 "keep DataLoader workers alive across epochs (needs num_workers > 0)"),
+        KnobSpec("pin_memory", "dataloader", _bool, "page-locked batches (faster H2D copies)"),
+        KnobSpec("prefetch_factor", "dataloader", _int_at_least(1),
+                 "batches loaded ahead per worker (needs num_workers > 0)"),
+        KnobSpec("batch_size", "dataloader", _int_at_least(1),
+                 "samples per batch (tune then compares time per sample)"),
+        KnobSpec("torch_threads", "process", _int_at_least(1),
+                 "torch.set_num_threads: intra-op threads of the training process"),
+        KnobSpec("interop_threads", "process", _int_at_least(1),
+                 "torch.set_num_interop_threads"),
+        KnobSpec("gc_threshold", "process", _int_at_least(0),
+                 "CPython's generation-0 GC threshold (default 700; 0: no automatic GC)"),
+        KnobSpec("gc_freeze", "process", _bool,
+                 "gc.collect(); gc.freeze() after the first optimizer step"),
+    )
+}
+
+DATALOADER_KNOBS = tuple(n for n, s in KNOBS.items() if s.kind == "dataloader")
+
+
+def parse_value(name: str, text: str) -> Any:
+    """The value of knob ``name`` written as ``text``; :data:`SCRIPT_VALUE` gives ``None``.
+
+    Raises UsageError (one line) for an unknown knob or a bad value.
+    """
+    spec = KNOBS.get(name)
+    if spec is None:
+        raise UsageError(f"unknown knob {name!r} (knobs: {', '.join(KNOBS)})")
+    if text.strip().lower() == SCRIPT_VALUE:
+        return None
+    try:
+        return spec.parse(text)
+    except ValueError as exc:
+        raise UsageError(f"bad value {text!r} for knob {name}: {exc}") from None
+
+
+def encode(overrides: dict[str, Any]) -> str:
+    """The :data:`ENV_VAR` value for ``overrides`` (knobs left at the script's value omitted)."""
+    return orjson.dumps({k: v for k, v in overrides.items() if v is not None}).decode()
+
+
+def decode(text: str) -> dict[str, Any]:
+    """Parse and check an :data:`ENV_VAR` value (UsageError when malformed)."""
+    try:
+        data = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise UsageError(f"{ENV_VAR} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{ENV_VAR} must be a JSON object of knob values, got {text!r}")
+    out: dict[str, Any] = {}
+    for name, value in data.items():
+        if value is None:
+            continue
+        out[name] = parse_value(name, str(value).lower() if isinstance(value, bool) else str(value))
+    return out
+
+
+class Knobs:
+    """Applies one set of overrides to this process; :meth:`uninstall` restores everything."""
+
+    def __init__(self, overrides: dict[str, Any]) -> None:
+        self.overrides = dict(overrides)
+        self.loader_overrides = {
+            k: v for k, v in self.overrides.items() if k in DATALOADER_KNOBS
+        }
+        self.dataloaders: list[dict[str, Any]] = []
+        self.process: dict[str, Any] = {}
+        self.errors: list[str] = []
+        #: the script's own thread-count calls ignored while a thread knob is set (a set, ordered)
+        self.ignored_calls: dict[str, None] = {}
+        self._restore: list[Callable[[], None]] = []
+        self.installed = False
+
+    # -- record --------------------------------------------------------------
+    def record(self) -> dict[str, Any]:
+        """What run.json keeps under ``knobs`` (see the module docstring)."""
+        return {
+            "requested": dict(self.overrides),
+            "dataloaders": list(self.dataloaders),
+            "process": dict(self.process),
+            "script_calls_ignored": list(self.ignored_calls),
+            "errors": list(self.errors),
+        }
+
+    # -- install -------------------------------------------------------------
+    def install(self) -> Knobs:
+        """Apply the overrides; call on the training thread before the script runs."""
+        if self.installed:
+            return self
+        self.installed = True
+        if self.loader_overrides:
+            self._install_dataloader()
+        if "torch_threads" in self.overrides:
+            self._install_threads("torch_threads", "set_num_threads", "get_num_threads")
+        if "interop_threads" in self.overrides:
+            self._install_threads(
+                "interop_threads", "set_num_interop_threads", "get_num_interop_threads"
+            )
+        if "gc_threshold" in self.overrides:
+            old = gc.get_threshold()
+            value = int(self.overrides["gc_threshold"])
+            gc.set_threshold(value, *old[1:])
+            self.process["gc_threshold"] = list(gc.get_threshold())
+            self._restore.append(lambda: gc.set_threshold(*old))
+        if self.overrides.get("gc_freeze"):
+            self._install_gc_freeze()
+        elif "gc_freeze" in self.overrides:
+            self.process["gc_freeze"] = False
+        return self
+
+    def uninstall(self) -> dict[str, Any]:
+        """Undo every patch (thread counts stay as set); returns :meth:`record`."""
+        if self.installed:
+            self.installed = False
+            for undo in reversed(self._restore):
+                with contextlib.suppress(Exception):
+                    undo()
+            self._restore.clear()
+        return self.record()
+
+    def _install_threads(self, knob: str, setter: str, getter: str) -> None:
+        import torch
+
+        value = int(self.overrides[knob])
+        original = getattr(torch, setter)
+        try:
+            original(value)
+        except RuntimeError as exc:  # interop: only before any inter-op work started
+            self.errors.append(f"{knob}={value}: {exc}")
+        self.process[knob] = getattr(torch, getter)()
+        ignored = self.ignored_calls
+
+        def ignore(n: int, *args: Any, **kwargs: Any) -> None:
+            ignored[f"torch.{setter}({n})"] = None
+
+        ignore.__name__ = setter
+        ignore.__doc__ = f"trainprof tune: {knob} is fixed at {value}; this call is ignored."
+        setattr(torch, setter, ignore)
+        self._restore.append(lambda: setattr(torch, setter, original))
+
+    def _install_gc_freeze(self) -> None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        process = self.process
+        process["gc_freeze"] = "pending: no optimizer step yet"
+        pending = [True]
+
+        def freeze(optimizer: Any, args: Any, kwargs: Any) -> None:
+            # once; the hook stays registered (a no-op) until uninstall: removing it here
+            # would change torch's hook dict while torch iterates over it
+            if pending[0]:
+                pending[0] = False
+                gc.collect()
+                gc.freeze()
+                process["gc_freeze"] = {"frozen_objects": gc.get_freeze_count()}
+
+        handle = register_optimizer_step_post_hook(freeze)
+
+        def undo() -> None:
+            handle.remove()
+            gc.unfreeze()
+
+        self._restore.append(undo)
+
+    def _install_dataloader(self) -> None:
+        from torch.utils.data import DataLoader
+
+        original = DataLoader.__dict__["__init__"]
+        signature = inspect.signature(original)
+        knobs = self
+
+        def __init__(loader: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+            try:
+                bound = signature.bind(loader, *args, **kwargs)
+            except TypeError:
+                return original(loader, *args, **kwargs)  # torch raises its own error
+            entry = knobs._override(bound.arguments, signature)
+            entry["dataset"] = _qualname(bound.arguments.get("dataset"))
+            knobs.dataloaders.append(entry)
+            original(*bound.args, **bound.kwargs)
+
+        __init__.__wrapped__ = original  # type: ignore[attr-defined]
+        DataLoader.__init__ = __init__  # type: ignore[method-assign]
+        self._restore.append(lambda: setattr(DataLoader, "__init__", original))
+
+    def _override(self, arguments: dict[str, Any], signature: inspect.Signature) -> dict[str, Any]:
+        """Rewrite one DataLoader call's arguments in place; returns what was done."""
+
+        def current(name: str) -> Any:
+            if name in arguments:
+                return arguments[name]
+            param = signature.parameters.get(name)
+            return None if param is None else param.default
+
+        script = {name: current(name) for name in DATALOADER_KNOBS}
+        want = self.loader_overrides
+        workers = want.get("num_workers", script["num_workers"])
+        applied: dict[str, Any] = {}
+        dropped: dict[str, str] = {}
+        for name, value in want.items():
+            if name == "batch_size" and current("batch_sampler") is not None:
+                dropped[name] = "the script passes a batch_sampler"
+            elif name == "batch_size" and script["batch_size"] is None:
+                dropped[name] = "the script turned automatic batching off (batch_size=None)"
+            elif name in ("prefetch_factor", "persistent_workers") and not workers and value:
+                dropped[name] = "needs num_workers > 0"
+            else:
+                arguments[name] = value
+                applied[name] = value
+        # torch refuses these without workers: when the knob turned the workers off, the
+        # script's own values are reset
+        reset: dict[str, Any] = {}
+        if not workers:
+            if current("prefetch_factor") is not None:
+                arguments["prefetch_factor"] = reset["prefetch_factor"] = None
+            if current("persistent_workers"):
+                arguments["persistent_workers"] = reset["persistent_workers"] = False
+        return {"set": applied, "dropped": dropped, "reset": reset,
+                "script": {k: script[k] for k in (*want, *reset)}}
+
+
+def _qualname(obj: Any) -> str | None:
+    if obj is None:
+        return None
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def install_knobs() -> Knobs | None:
+    """Apply ``trainprof tune``'s overrides from :data:`ENV_VAR`; ``None`` (no cost) without it."""
+    text = os.environ.get(ENV_VAR)
+    if not text:
+        return None
+    return Knobs(decode(text)).install()

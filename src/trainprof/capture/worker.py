@@ -1,0 +1,694 @@
+"""Worker-side capture: what DataLoader workers spend their time on (always on, nearly free).
+
+The training process sees the input pipeline only from outside: how long each step
+waits for its batch. Why it waits is decided inside the workers, so this module
+measures there, in every DataLoader worker process (``fork``, ``spawn`` and
+``forkserver`` alike) and, for ``num_workers=0``, in the training process itself:
+
+* per sample, the time in the dataset's ``__getitem__`` (``__getitems__`` for a
+  whole batch; ``next()`` of the dataset iterator for an ``IterableDataset``),
+  split into **CPU time** (decode, transforms: ``time.thread_time_ns`` of the
+  loading thread) and **blocked time** (wall - CPU, ``time.perf_counter_ns``:
+  reads, sleeps, the network, and waiting for a core);
+* per batch, the time in ``collate_fn``, and, where Linux exposes it
+  (``/proc/thread-self/schedstat``, field 2), the time the loading thread was
+  runnable but waiting for a core, so that a CPU shortage is not taken for slow reads;
+* per worker, batches and samples produced, the busy share (time in ``fetch`` /
+  wall time since the worker started) and its start-up (DataLoader asks for
+  workers → worker running → first batch ready), per *generation* of workers:
+  without ``persistent_workers`` every epoch starts a new one.
+
+How it gets into the worker
+---------------------------
+The worker runs ``torch.utils.data._utils.worker._worker_loop``, which calls the
+DataLoader's ``worker_init_fn`` and *then* creates the fetcher
+(``_MapDatasetFetcher`` / ``_IterableDatasetFetcher``) that calls the dataset and
+``collate_fn``. The training process swaps, for the time it takes to create the
+iterator, the loader's ``worker_init_fn`` for a :class:`WorkerInit`: a plain,
+picklable object (so ``spawn`` and ``forkserver`` work; a ``fork`` child gets it as
+it is) that carries the run folder, the loader's index and generation, and the
+user's own ``worker_init_fn``, which it calls unchanged. In the worker it replaces
+the fetchers' ``fetch`` with a timed copy of torch 2.13's (same calls in the same
+order, same exceptions), then calls the user's function. In the training process
+the same timed ``fetch`` is installed by :class:`~trainprof.capture.hooks.Instrumentation`
+and counts only fetchers of single-process iterators (``num_workers=0``) it tagged.
+
+Cost: per sample, two clock reads (``thread_time_ns`` is a system call: 0.6 µs on
+an idle machine here, 1.3 µs under load) and two histogram increments, about 1-2 µs.
+That is kept near 1% of the loading time or less by timing samples one by one only while
+they take at least :data:`PER_SAMPLE_MIN_NS` (200 µs) on average; cheaper samples
+(in-memory tensors) are timed per batch, each getting the batch's mean, which keeps
+the means exact and costs nothing per sample. Per batch: four clock reads and two
+``pread`` of the schedstat file (a few µs).
+
+Results
+-------
+``RUN_DIR/workers/<pid>.json``: one file per process, rewritten atomically (a
+temporary file, then ``os.replace``) by a daemon thread at most once a second and
+at the worker's exit (``multiprocessing.util.Finalize``: a worker ends through
+multiprocessing's ``_exit_function``, not ``atexit``), so a worker that is killed
+loses at most its last second. Counters are sums; distributions are log-linear
+histograms (16 bins per power of two: at most 3% from the bin's centre), which add
+up exactly across workers. The format is read by :mod:`trainprof.analysis.workers`.
+
+Stack sampling (``trainprof run --py``): a thread in each worker reads the worker's
+main-thread stack (``sys._current_frames``) 100 times a second while it is inside
+``fetch``, and counts each function (file, first line, qualified name) as *self*
+(the innermost frame) and *total* (anywhere on the stack below ``fetch``), written
+to ``RUN_DIR/workers/<pid>.stacks.json`` the same way. An in-process sampler works
+wherever the worker runs (no ptrace permission, no py-spy install needed); like
+every in-process sampler it sees a thread only between bytecodes, so time inside one
+long C call is attributed to the Python function that made it, which is what a
+per-function profile wants anyway.
+
+Nothing here may break the user's workers: errors in the capture switch it off for
+that process; exceptions from the user's dataset, ``collate_fn`` or
+``worker_init_fn`` pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+#: Bumped when the file layout changes (read by trainprof.analysis.workers).
+FORMAT = 1
+#: Sub-folder of the run folder.
+WORKERS_DIR = "workers"
+#: Histogram bins: exact below 32 ns, then 16 per power of two, up to 2**63 ns.
+N_BINS = 960
+#: How often a process rewrites its file, at most.
+WRITE_INTERVAL_S = 1.0
+#: Stack samples per second per worker when sampling is on.
+SAMPLE_HZ = 100.0
+#: Functions kept per stacks file (by self, then total samples).
+MAX_FUNCTIONS = 300
+#: Samples are timed one by one while the previous batch's took at least this long each.
+PER_SAMPLE_MIN_NS = 200_000
+
+# Counter slots of Stream.acc.
+BATCHES, SAMPLES, FETCH_NS, GET_NS, GET_CPU_NS, COLLATE_NS, COLLATE_CPU_NS, RUNQ_NS = range(8)
+FIRST_FETCH_NS, FIRST_BATCH_NS, LAST_FETCH_END_NS, SAMPLES_TIMED = range(8, 12)
+ACC_NAMES = (
+    "batches", "samples", "fetch_ns", "get_ns", "get_cpu_ns", "collate_ns", "collate_cpu_ns",
+    "runq_ns", "first_fetch_ns", "first_batch_ns", "last_fetch_end_ns", "samples_timed",
+)
+
+_perf = time.perf_counter_ns
+_tt = time.thread_time_ns
+
+
+def bin_index(v: int) -> int:
+    """Histogram bin of a non-negative duration in ns (what the fetch loop computes inline)."""
+    k = v.bit_length()
+    return v if k <= 5 else ((k - 5) << 4) + (v >> (k - 5))
+
+
+def _sparse(hist: list[int]) -> list[list[int]]:
+    return [[i, c] for i, c in enumerate(hist) if c]
+
+
+class Stream:
+    """Counters of one loader in one process: what a worker (or the training process) fetched.
+
+    Updated by the loading thread only; the writer thread reads copies (``list(...)``
+    of a list is one C call under the GIL, so each copy is consistent in itself; the
+    counters and the histograms of one snapshot may be a batch apart).
+    """
+
+    __slots__ = ("acc", "h_blocked", "h_cpu", "h_collate", "info", "in_fetch", "off",
+                 "per_sample", "_fd", "_ident", "version")
+
+    def __init__(self, info: dict[str, Any]) -> None:
+        self.acc = [0] * len(ACC_NAMES)
+        self.h_blocked = [0] * N_BINS
+        self.h_cpu = [0] * N_BINS
+        self.h_collate = [0] * N_BINS
+        self.info = info
+        self.in_fetch = False
+        self.off = False  # set when the capture itself failed: fetch runs untimed
+        self.per_sample = True  # time samples one by one (else per batch; see the docstring)
+        self._fd = -1
+        self._ident = 0
+        self.version = 0  # bumped per batch: the writer skips unchanged streams
+
+    def bind_thread(self) -> None:
+        """Measure run-queue waits of the calling thread (the one that loads)."""
+        self._ident = threading.get_ident()
+        with contextlib.suppress(OSError):
+            self._fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+
+    def runq_ns(self) -> int:
+        """Time the bound thread spent runnable, waiting for a core (-1: not measurable)."""
+        if self._fd < 0 or threading.get_ident() != self._ident:
+            return -1
+        try:
+            return int(os.pread(self._fd, 128, 0).split()[1])
+        except (OSError, ValueError, IndexError):
+            return -1
+
+    def batch(self, n: int, t_begin: int, get_ns: int, get_cpu: int, col_ns: int, col_cpu: int,
+              t_end: int, q0: int) -> None:
+        """Book one fetched batch (called once per batch, after the samples were binned)."""
+        acc = self.acc
+        if acc[BATCHES] == 0:
+            acc[FIRST_FETCH_NS] = t_begin
+            acc[FIRST_BATCH_NS] = t_end
+        acc[BATCHES] += 1
+        acc[SAMPLES] += n
+        acc[FETCH_NS] += t_end - t_begin
+        acc[GET_NS] += get_ns
+        acc[GET_CPU_NS] += get_cpu
+        acc[COLLATE_NS] += col_ns
+        acc[COLLATE_CPU_NS] += max(0, col_cpu)
+        acc[LAST_FETCH_END_NS] = t_end
+        if self.per_sample:
+            acc[SAMPLES_TIMED] += n
+        self.per_sample = n > 0 and get_ns >= PER_SAMPLE_MIN_NS * n
+        if q0 >= 0:
+            q1 = self.runq_ns()
+            if q1 >= q0:
+                acc[RUNQ_NS] += q1 - q0
+        self.h_collate[bin_index(max(0, col_ns))] += 1
+        self.version += 1
+
+    def even(self, n: int, wall: int, cpu: int) -> None:
+        """``n`` samples fetched together (``__getitems__``): each gets the batch's mean."""
+        if n <= 0:
+            return
+        cpu = max(0, cpu)
+        self.h_cpu[bin_index(cpu // n)] += n
+        self.h_blocked[bin_index(max(0, wall - cpu) // n)] += n
+
+    def snapshot(self) -> dict[str, Any]:
+        acc = list(self.acc)
+        return {
+            **self.info,
+            **dict(zip(ACC_NAMES, acc, strict=True)),
+            "runq_measured": self._fd >= 0,
+            "capture_off": self.off,
+            "hist": {
+                "blocked": _sparse(list(self.h_blocked)),
+                "cpu": _sparse(list(self.h_cpu)),
+                "collate": _sparse(list(self.h_collate)),
+            },
+        }
+
+
+#: The stream of this process when it is a DataLoader worker (set by WorkerInit).
+_worker_stream: Stream | None = None
+
+
+def _size(index: Any, data: Any) -> int:
+    """Samples in a batch: the number of indices (else of items fetched; else one)."""
+    for obj in (index, data):
+        try:
+            return len(obj)
+        except TypeError:
+            continue
+    return 1
+
+
+def _stream_of(fetcher: Any) -> Stream | None:
+    st = fetcher.__dict__.get("_trainprof_stream")
+    return st if st is not None else _worker_stream
+
+
+def make_map_fetch(orig: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """A timed ``_MapDatasetFetcher.fetch``: torch 2.13's logic, with clocks between the calls."""
+    from torch.utils.data import Subset
+
+    def fetch(self: Any, possibly_batched_index: Any) -> Any:
+        st = _stream_of(self)
+        if st is None or st.off:
+            return orig(self, possibly_batched_index)
+        perf, tt = _perf, _tt
+        q0 = st.runq_ns()
+        st.in_fetch = True
+        try:
+            t_begin = t0 = perf()
+            c_begin = c0 = tt()
+            ds = self.dataset
+            if self.auto_collation:
+                getitems = getattr(ds, "__getitems__", None)
+                inner = None
+                if getitems and type(ds) is Subset and not callable(
+                    getattr(ds.dataset, "__getitems__", None)
+                ):
+                    # torch's Subset.__getitems__ is this very loop: time it per sample
+                    inner, indices = ds.dataset, ds.indices
+                if getitems and inner is None:
+                    data = getitems(possibly_batched_index)
+                    t0 = perf()
+                    c0 = tt()
+                    st.even(_size(possibly_batched_index, data), t0 - t_begin, c0 - c_begin)
+                    st.per_sample = False  # one call: no per-sample times to take
+                elif not st.per_sample:  # cheap samples: one timing for the batch
+                    if inner is None:
+                        data = [ds[idx] for idx in possibly_batched_index]
+                    else:
+                        data = [inner[indices[idx]] for idx in possibly_batched_index]
+                    t0 = perf()
+                    c0 = tt()
+                    st.even(len(data), t0 - t_begin, c0 - c_begin)
+                else:
+                    data = []
+                    append = data.append
+                    hb, hc = st.h_blocked, st.h_cpu
+                    for idx in possibly_batched_index:
+                        append(ds[idx] if inner is None else inner[indices[idx]])
+                        t1 = perf()
+                        c1 = tt()
+                        c = c1 - c0
+                        b = t1 - t0 - c
+                        if b < 0:
+                            b = 0
+                        if c < 0:
+                            c = 0
+                        k = b.bit_length()
+                        hb[b if k <= 5 else ((k - 5) << 4) + (b >> (k - 5))] += 1
+                        k = c.bit_length()
+                        hc[c if k <= 5 else ((k - 5) << 4) + (c >> (k - 5))] += 1
+                        t0 = t1
+                        c0 = c1
+                n = _size(possibly_batched_index, data)
+            else:
+                data = ds[possibly_batched_index]
+                t0 = perf()
+                c0 = tt()
+                st.even(1, t0 - t_begin, c0 - c_begin)
+                n = 1
+            out = self.collate_fn(data)
+        finally:
+            st.in_fetch = False
+        t2 = perf()
+        c2 = tt()
+        try:
+            st.batch(n, t_begin, t0 - t_begin, c0 - c_begin, t2 - t0, c2 - c0, t2, q0)
+        except Exception:
+            st.off = True
+        return out
+
+    fetch.__wrapped__ = orig  # type: ignore[attr-defined]
+    return fetch
+
+
+def make_iterable_fetch(orig: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """A timed ``_IterableDatasetFetcher.fetch`` (torch 2.13's logic): ``next()`` per sample."""
+
+    def fetch(self: Any, possibly_batched_index: Any) -> Any:
+        st = _stream_of(self)
+        if st is None or st.off:
+            return orig(self, possibly_batched_index)
+        if self.ended:
+            raise StopIteration
+        perf, tt = _perf, _tt
+        q0 = st.runq_ns()
+        st.in_fetch = True
+        try:
+            t_begin = t0 = perf()
+            c_begin = c0 = tt()
+            it = self.dataset_iter
+            if self.auto_collation:
+                data = []
+                hb, hc = st.h_blocked, st.h_cpu
+                per_sample = st.per_sample
+                for _ in possibly_batched_index:
+                    try:
+                        data.append(next(it))
+                    except StopIteration:
+                        self.ended = True
+                        break
+                    if not per_sample:
+                        continue
+                    t1 = perf()
+                    c1 = tt()
+                    c = c1 - c0
+                    b = t1 - t0 - c
+                    if b < 0:
+                        b = 0
+                    if c < 0:
+                        c = 0
+                    k = b.bit_length()
+                    hb[b if k <= 5 else ((k - 5) << 4) + (b >> (k - 5))] += 1
+                    k = c.bit_length()
+                    hc[c if k <= 5 else ((k - 5) << 4) + (c >> (k - 5))] += 1
+                    t0 = t1
+                    c0 = c1
+                if not per_sample:
+                    t0 = perf()
+                    c0 = tt()
+                    st.even(len(data), t0 - t_begin, c0 - c_begin)
+                if len(data) == 0 or (
+                    self.drop_last and len(data) < len(possibly_batched_index)
+                ):
+                    raise StopIteration
+                n = len(data)
+            else:
+                data = next(it)
+                t0 = perf()
+                c0 = tt()
+                st.even(1, t0 - t_begin, c0 - c_begin)
+                n = 1
+            out = self.collate_fn(data)
+        finally:
+            st.in_fetch = False
+        t2 = perf()
+        c2 = tt()
+        try:
+            st.batch(n, t_begin, t0 - t_begin, c0 - c_begin, t2 - t0, c2 - c0, t2, q0)
+        except Exception:
+            st.off = True
+        return out
+
+    fetch.__wrapped__ = orig  # type: ignore[attr-defined]
+    return fetch
+
+
+def _write_atomic(path: Path, doc: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(orjson.dumps(doc))
+    os.replace(tmp, path)
+
+
+# -- in the worker ------------------------------------------------------------------------
+
+
+class StackSampler:
+    """Counts, per function, how often the loading thread is in it (self) or under it (total).
+
+    Only while the thread is inside ``fetch``; the walk up the stack stops at the
+    timed ``fetch`` frame, so the torch worker loop above it is not counted.
+    """
+
+    def __init__(self, ident: int, stream: Stream, stop_codes: set[Any]) -> None:
+        self.ident = ident
+        self.stream = stream
+        self.stop_codes = stop_codes
+        self.ticks = 0
+        self.in_fetch = 0
+        self.codes: dict[int, Any] = {}
+        self.self_n: dict[int, int] = {}
+        self.total_n: dict[int, int] = {}
+
+    def sample(self) -> None:
+        self.ticks += 1
+        if not self.stream.in_fetch:
+            return
+        frame = sys._current_frames().get(self.ident)
+        if frame is None:
+            return
+        self.in_fetch += 1
+        stop, codes, self_n, total_n = self.stop_codes, self.codes, self.self_n, self.total_n
+        seen: set[int] = set()
+        leaf = True
+        while frame is not None:
+            code = frame.f_code
+            if code in stop:
+                break
+            key = id(code)
+            if key not in codes:
+                codes[key] = code
+            if leaf:
+                self_n[key] = self_n.get(key, 0) + 1
+                leaf = False
+            if key not in seen:
+                seen.add(key)
+                total_n[key] = total_n.get(key, 0) + 1
+            frame = frame.f_back
+
+    def snapshot(self, interval_s: float) -> dict[str, Any]:
+        total = dict(self.total_n)
+        self_n = dict(self.self_n)
+        keys = sorted(total, key=lambda k: (-self_n.get(k, 0), -total[k]))[:MAX_FUNCTIONS]
+        functions = []
+        for k in keys:
+            code = self.codes[k]
+            name = getattr(code, "co_qualname", code.co_name)
+            functions.append([code.co_filename, code.co_firstlineno, name,
+                              self_n.get(k, 0), total[k]])
+        return {"format": FORMAT, "pid": os.getpid(), "interval_s": interval_s,
+                "ticks": self.ticks, "ticks_in_fetch": self.in_fetch, "functions": functions}
+
+
+class _WorkerRuntime:
+    """The capture inside one worker process: its stream, file, writer and sampler thread."""
+
+    def __init__(self, out_dir: Path, stream: Stream, sampling: bool, hz: float) -> None:
+        self.out_dir = out_dir
+        self.path = out_dir / f"{os.getpid()}.json"
+        self.stream = stream
+        self.sampler: StackSampler | None = None
+        self.interval_s = 1.0 / hz
+        if sampling:
+            stop = {f.__code__ for f in (make_map_fetch(_noop), make_iterable_fetch(_noop))}
+            self.sampler = StackSampler(threading.get_ident(), stream, stop)
+        self._stop = threading.Event()
+        self._written = -1
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        from multiprocessing import util
+
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.write(final=False)
+        # DataLoader workers end through multiprocessing's _exit_function (then os._exit
+        # for fork), which runs these finalizers; atexit would not run.
+        util.Finalize(None, self.close, exitpriority=100)
+        threading.Thread(target=self._run, name="trainprof-worker", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            wait = self._stop.wait
+            sampler = self.sampler
+            step = self.interval_s if sampler is not None else WRITE_INTERVAL_S
+            next_write = _perf() + int(WRITE_INTERVAL_S * 1e9)
+            while not wait(step):
+                if sampler is not None:
+                    sampler.sample()
+                if _perf() >= next_write:
+                    next_write = _perf() + int(WRITE_INTERVAL_S * 1e9)
+                    self.write(final=False)
+        except Exception:
+            self.stream.off = True
+
+    def write(self, final: bool) -> None:
+        with self._lock:
+            st = self.stream
+            if st.version == self._written and not final:
+                return
+            self._written = st.version
+            doc = {"format": FORMAT, "pid": os.getpid(), "role": "worker",
+                   "updated_ns": _perf(), "ended": final, "streams": [st.snapshot()]}
+            _write_atomic(self.path, doc)
+            if self.sampler is not None:
+                _write_atomic(self.out_dir / f"{os.getpid()}.stacks.json",
+                              self.sampler.snapshot(self.interval_s))
+
+    def close(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(Exception):
+            self.write(final=True)
+
+
+def _noop(*args: Any) -> None:
+    return None
+
+
+class WorkerInit:
+    """The ``worker_init_fn`` a DataLoader's workers get while trainprof records.
+
+    Picklable (plain attributes), so it travels to ``spawn``/``forkserver`` workers
+    with the rest of the worker's arguments. Starts the capture in the worker, then
+    calls the user's ``worker_init_fn`` (timed: its time is part of the start-up).
+    """
+
+    def __init__(self, user_fn: Callable[[int], Any] | None, out_dir: str, loader_index: int,
+                 generation: int, num_workers: int, persistent: bool, start_method: str | None,
+                 sampling: bool, requested_ns: int) -> None:
+        self.user_fn = user_fn
+        self.out_dir = out_dir
+        self.loader_index = loader_index
+        self.generation = generation
+        self.num_workers = num_workers
+        self.persistent = persistent
+        self.start_method = start_method
+        self.sampling = sampling
+        self.requested_ns = requested_ns
+
+    def __call__(self, worker_id: int) -> None:
+        started = _perf()
+        stream = None
+        try:
+            stream = self._start(worker_id, started)
+        except Exception:
+            stream = None  # no capture in this worker; the user's worker runs as ever
+        if self.user_fn is None:
+            return
+        try:
+            self.user_fn(worker_id)
+        finally:
+            if stream is not None:
+                stream.info["init_ns"] = _perf() - started
+
+    def _start(self, worker_id: int, started: int) -> Stream:
+        global _worker_stream
+        from torch.utils.data._utils import fetch as torch_fetch
+
+        stream = Stream({
+            "loader_index": self.loader_index, "generation": self.generation,
+            "worker_id": worker_id, "num_workers": self.num_workers,
+            "persistent_workers": self.persistent, "start_method": self.start_method,
+            "requested_ns": self.requested_ns, "started_ns": started, "init_ns": 0,
+        })
+        stream.bind_thread()
+        # the file first: if it cannot be written, nothing is patched
+        _WorkerRuntime(Path(self.out_dir), stream, self.sampling, SAMPLE_HZ).start()
+        for cls, make in ((torch_fetch._MapDatasetFetcher, make_map_fetch),
+                          (torch_fetch._IterableDatasetFetcher, make_iterable_fetch)):
+            current = cls.__dict__["fetch"]
+            # a forked worker inherits the class as the parent had it at fork; the
+            # training process's patch is undone at fork, but never wrap twice
+            orig = getattr(current, "__wrapped__", current)
+            cls.fetch = make(orig)
+        _worker_stream = stream
+        return stream
+
+
+# -- in the training process ----------------------------------------------------------------
+
+
+class WorkerCapture:
+    """The training process's side: gives workers a :class:`WorkerInit`; times ``num_workers=0``.
+
+    ``sampling`` is read each time a DataLoader starts workers (a callable, so the
+    Recorder's ``worker_sampling`` flag can be set after construction).
+    """
+
+    def __init__(self, out_dir: Path, sampling: Callable[[], bool] | bool = False) -> None:
+        self.out_dir = out_dir
+        self._sampling = sampling
+        self._generations: dict[int, int] = {}
+        self._main: dict[int, Stream] = {}
+        self._written: dict[int, int] = {}
+        self._last_write = 0
+        self._pid = os.getpid()  # a forked child must never write this process's file
+        self.missing: list[str] = []
+
+    @property
+    def sampling(self) -> bool:
+        s = self._sampling
+        return bool(s() if callable(s) else s)
+
+    def install(self, patch: Callable[[Any, str, Callable[[Any], Any]], None],
+                index_of: Callable[[Any], int]) -> None:
+        """Patch iterator creation and the fetchers (through ``patch``: undone at uninstall).
+
+        ``index_of(loader)`` gives the loader's index in the run's DataLoader list.
+        """
+        from torch.utils.data import DataLoader
+        from torch.utils.data._utils import fetch as torch_fetch
+
+        capture = self
+
+        def make_get_iterator(orig: Callable[[Any], Any]) -> Callable[[Any], Any]:
+            def _get_iterator(loader: Any) -> Any:
+                try:
+                    index = index_of(loader)
+                    workers = int(loader.num_workers)
+                except Exception:
+                    return orig(loader)
+                if workers == 0:
+                    it = orig(loader)
+                    capture._tag_single_process(it, index)
+                    return it
+                init = capture._worker_init(loader, index)
+                if init is None:
+                    return orig(loader)
+                saved = loader.worker_init_fn
+                try:
+                    loader.worker_init_fn = init
+                except Exception:
+                    return orig(loader)
+                try:
+                    return orig(loader)
+                finally:
+                    loader.worker_init_fn = saved
+
+            return _get_iterator
+
+        patch(DataLoader, "_get_iterator", make_get_iterator)
+        patch(torch_fetch._MapDatasetFetcher, "fetch", make_map_fetch)
+        patch(torch_fetch._IterableDatasetFetcher, "fetch", make_iterable_fetch)
+
+    def _worker_init(self, loader: Any, index: int) -> WorkerInit | None:
+        try:
+            import torch.multiprocessing as tmp
+
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            gen = self._generations.get(index, 0) + 1
+            self._generations[index] = gen
+            ctx = loader.multiprocessing_context
+            method = ctx.get_start_method() if ctx is not None else tmp.get_start_method()
+            return WorkerInit(
+                loader.worker_init_fn, str(self.out_dir), index, gen, int(loader.num_workers),
+                bool(loader.persistent_workers), method, self.sampling, _perf(),
+            )
+        except Exception as exc:
+            self._note(f"worker capture: {type(exc).__name__}: {exc}")
+            return None
+
+    def _tag_single_process(self, it: Any, index: int) -> None:
+        try:
+            fetcher = it._dataset_fetcher
+            st = self._main.get(index)
+            if st is None:
+                st = Stream({"loader_index": index, "generation": 1, "worker_id": None,
+                             "num_workers": 0, "persistent_workers": False,
+                             "start_method": None, "requested_ns": None,
+                             "started_ns": _perf(), "init_ns": 0})
+                st.bind_thread()
+                self._main[index] = st
+            fetcher.__dict__["_trainprof_stream"] = st
+        except Exception as exc:
+            self._note(f"worker capture (num_workers=0): {type(exc).__name__}: {exc}")
+
+    def _note(self, msg: str) -> None:
+        if msg not in self.missing:
+            self.missing.append(msg)
+
+    def flush(self, final: bool = False) -> None:
+        """Rewrite the training process's file if a ``num_workers=0`` loader fetched since.
+
+        At most once a second (the Recorder calls this every sampler tick), except
+        ``final``, at the end of the run.
+        """
+        if os.getpid() != self._pid:
+            return
+        streams = dict(self._main)
+        if not streams or all(self._written.get(i) == s.version for i, s in streams.items()):
+            return
+        now = _perf()
+        if not final and now - self._last_write < WRITE_INTERVAL_S * 1e9:
+            return
+        self._last_write = now
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            doc = {"format": FORMAT, "pid": os.getpid(), "role": "main", "updated_ns": now,
+                   "ended": final, "streams": [s.snapshot() for s in streams.values()]}
+            _write_atomic(self.out_dir / f"{os.getpid()}.json", doc)
+            self._written = {i: s.version for i, s in streams.items()}
+        except Exception as exc:
+            self._note(f"worker capture: cannot write: {exc}")
+
+    def close(self) -> None:
+        """The last write of the training process's file (the patches are being removed)."""
+        self.flush(final=True)

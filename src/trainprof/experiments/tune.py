@@ -1,0 +1,765 @@
+"""``trainprof tune``: prove a fix by measuring it - the script, unmodified, once per knob value.
+
+A finding says "try ``num_workers=4``"; this module is how that advice is proved or refuted on
+the user's own machine. Each **arm** is one setting of the knobs (one value of one knob, or
+with several ``--knob`` options one combination of the grid of their values). Each arm runs
+the unmodified script ``--trials`` times under ``trainprof run --max-steps N`` in a child
+process, the setting passed through :data:`trainprof.capture.knobs.ENV_VAR` and applied by
+the child's capture (:mod:`trainprof.capture.knobs`), each trial into its own Run folder::
+
+    ./trainprof-runs/<timestamp>-tune-<name>/
+        tune.json                         this module's result (rewritten after every trial)
+        num_workers-0-1/  run.json ...    arm "num_workers=0", trial 1 (a normal Run folder)
+        num_workers-0-1/stderr.log        what the script and the child printed
+        ...
+
+**Order of trials.** Trials run in rounds; each round runs every arm once, in an order
+shuffled from a fixed seed (:data:`SCHEDULE_SEED`). A machine that drifts (thermal limits,
+another job starting, the page cache warming up) then hits every arm alike instead of
+favouring the arms that happened to run last - the randomised block design of any A/B test.
+
+**What is compared.** Per trial, the steady-state steps (complete steps after the warm-up,
+:func:`trainprof.analysis.steps.detect_warmup`: the definition every trainprof report uses).
+Per arm, the steps of all its usable trials (finished, exit code 0) are pooled, and the
+compared statistic is their **mean** step time - seconds per steady step, i.e. 1 / steps/s,
+the same quantity as samples/s (samples / seconds over the pooled steady steps, the summary's
+definition). Not the median, which ``trainprof compare`` uses for one run against another:
+with DataLoader workers, step times often alternate (a step that finds its batch ready, one
+that waits for the next worker: 7, 20, 6, 19 ms ...), and the median of such a series lands on
+either mode by chance - measured here, two trials of one setting had medians of 17 and 7 ms
+and means of 13.4 and 13.2 ms. The mean is what a training run pays; rare hiccups widen its
+interval (the bootstrap sees them) rather than bias the comparison, and a knob that removes
+rare costs (``gc_freeze``) is credited for it. The median and p10/p90 are still reported.
+When the arms put different numbers of samples in a step (a ``batch_size`` knob), a step is
+not comparable across arms and **time per sample** is compared instead, as ``trainprof
+compare`` does.
+
+**Ratio, interval, verdict.** ``ratio`` = mean(arm) / mean(baseline); its 95% interval is
+the two-level bootstrap of :mod:`trainprof.experiments.stats` (trials, then blocks of steps):
+unlike a bootstrap of pooled steps it includes the run-to-run variation that repeated trials
+exist to measure. ``faster`` / ``slower`` when the interval excludes 1 and the change is at
+least ``compare``'s practical threshold (2%), else ``no_difference``. The **best arm** is the
+significantly faster arm with the lowest ratio, its speed-up ``1 / ratio``; none when no arm
+beats the baseline.
+
+The **baseline** is the first arm (the first value of every knob - list the script's own
+setting first, or write ``script`` for "leave it as the script has it"), or ``--baseline``.
+The setting each arm really ran with is read back from its runs (the DataLoaders' recorded
+settings, the training thread's torch thread count, the knob record) and shown beside it, so a
+knob that did not apply (no DataLoader, ``prefetch_factor`` without workers) cannot pass
+unnoticed.
+
+Ctrl-C (or SIGTERM) stops the trial in flight (the child records it as interrupted), leaves
+it out, and reports the trials finished so far; the exit code is then 130.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import orjson
+
+from trainprof.errors import UsageError
+
+#: Seed of the shuffled order of arms within each round.
+SCHEDULE_SEED = 1729
+#: More arms than this: too long to be what the user meant (each arm runs --trials times).
+MAX_ARMS = 16
+#: Samples per step differing by more than this fraction: compare time per sample.
+BATCH_TOLERANCE = 0.01
+#: Trial means of one arm spreading more than this (relative): the machine's speed varied.
+TRIAL_SPREAD_NOTE = 0.10
+#: How long a child gets to close its record after Ctrl-C before it is killed.
+STOP_GRACE_S = 20.0
+
+
+class _Stop(Exception):  # noqa: N818 - a request, like KeyboardInterrupt
+    """SIGTERM arrived while tuning: stop like Ctrl-C."""
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One ``--knob NAME=V1,V2``: the values as typed and as parsed (None: the script's)."""
+
+    name: str
+    texts: tuple[str, ...]
+    values: tuple[Any, ...]
+
+
+@dataclass
+class Arm:
+    """One setting of the knobs."""
+
+    index: int
+    settings: dict[str, str]  # knob -> value as typed
+    overrides: dict[str, Any]  # knob -> parsed value (None: the script's own)
+
+    @property
+    def name(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.settings.items())
+
+    @property
+    def slug(self) -> str:
+        raw = "_".join(f"{k}-{v}" for k, v in self.settings.items())
+        return "".join(c if c.isalnum() or c in "-_." else "_" for c in raw)
+
+
+def parse_knobs(specs: list[str]) -> list[Knob]:
+    """``--knob NAME=V1,V2,...`` options, checked (UsageError, one line, on any mistake)."""
+    from trainprof.capture.knobs import parse_value
+
+    knobs: list[Knob] = []
+    for spec in specs:
+        name, sep, rest = spec.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise UsageError(f"--knob expects NAME=V1,V2,..., got {spec!r}")
+        texts = tuple(v.strip() for v in rest.split(","))
+        if any(not t for t in texts):
+            raise UsageError(f"--knob {name}: empty value in {rest!r}")
+        values = tuple(parse_value(name, t) for t in texts)
+        if len(set(map(repr, values))) != len(values):
+            raise UsageError(f"--knob {name}: a value is repeated in {rest!r}")
+        if any(k.name == name for k in knobs):
+            raise UsageError(f"--knob {name} given twice: list all its values in one option")
+        knobs.append(Knob(name, texts, values))
+    if not knobs:
+        raise UsageError("give at least one --knob NAME=V1,V2 (see 'trainprof tune --help')")
+    return knobs
+
+
+def build_arms(knobs: list[Knob]) -> list[Arm]:
+    """Every combination of the knobs' values (one knob: its values), first values first."""
+    arms = []
+    for i, combo in enumerate(itertools.product(*(range(len(k.values)) for k in knobs))):
+        arms.append(Arm(
+            index=i,
+            settings={k.name: k.texts[j] for k, j in zip(knobs, combo, strict=True)},
+            overrides={k.name: k.values[j] for k, j in zip(knobs, combo, strict=True)},
+        ))
+    if len(arms) < 2:
+        raise UsageError("nothing to compare: give a knob at least two values, e.g. "
+                         "--knob num_workers=0,2")
+    if len(arms) > MAX_ARMS:
+        raise UsageError(
+            f"{len(arms)} combinations of knob values (at most {MAX_ARMS}): "
+            "tune fewer knobs at a time"
+        )
+    return arms
+
+
+def find_baseline(text: str | None, knobs: list[Knob], arms: list[Arm]) -> Arm:
+    """The arm ``--baseline NAME=VALUE[,NAME=VALUE]`` names; knobs it leaves out: first value."""
+    if text is None:
+        return arms[0]
+    from trainprof.capture.knobs import parse_value
+
+    wanted = {k.name: k.values[0] for k in knobs}
+    for part in text.split(","):
+        name, sep, value = part.partition("=")
+        name = name.strip()
+        knob = next((k for k in knobs if k.name == name), None)
+        if not sep or knob is None:
+            raise UsageError(
+                f"--baseline expects NAME=VALUE of a tuned knob "
+                f"({', '.join(k.name for k in knobs)}), got {part.strip()!r}"
+            )
+        parsed = parse_value(name, value.strip())
+        if parsed not in knob.values:
+            raise UsageError(f"--baseline {name}={value.strip()} is not one of the values tried "
+                             f"({','.join(knob.texts)})")
+        wanted[name] = parsed
+    for arm in arms:
+        if arm.overrides == wanted:
+            return arm
+    raise UsageError(f"--baseline {text!r} matches no arm")  # pragma: no cover - grid is full
+
+
+def schedule(n_arms: int, trials: int, seed: int = SCHEDULE_SEED) -> list[tuple[int, int]]:
+    """(arm, trial) pairs: ``trials`` rounds, each arm once per round in a shuffled order."""
+    rng = random.Random(seed)
+    order: list[tuple[int, int]] = []
+    for trial in range(trials):
+        arms = list(range(n_arms))
+        rng.shuffle(arms)
+        order.extend((a, trial) for a in arms)
+    return order
+
+
+# --------------------------------------------------------------------------- one trial
+
+
+@dataclass
+class Trial:
+    """One child ``trainprof run`` of one arm, and what it measured."""
+
+    arm: int
+    trial: int
+    run_dir: Path
+    status: str = "not_run"
+    exit_code: int | None = None
+    wall_s: float = 0.0
+    count: int = 0
+    warmup: int = 0
+    dur_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    samples: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    meta: dict[str, Any] = field(default_factory=dict)
+    summary: dict[str, Any] | None = None
+    #: cut short by Ctrl-C/SIGTERM while it ran: left out, even if the child finished
+    stopped: bool = False
+
+    @property
+    def usable(self) -> bool:
+        return (not self.stopped and self.status == "finished" and self.exit_code == 0
+                and len(self.dur_s) > 0)
+
+    @property
+    def log(self) -> Path:
+        return self.run_dir / "stderr.log"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "trial": self.trial + 1,
+            "run_dir": str(self.run_dir),
+            "status": self.status,
+            "exit_code": self.exit_code,
+            "usable": self.usable,
+            "stopped": self.stopped,
+            "wall_s": self.wall_s,
+            "steps": self.count,
+            "warmup": self.warmup,
+            "steady_steps": len(self.dur_s),
+            "mean_s": float(self.dur_s.mean()) if len(self.dur_s) else None,
+            "median_s": float(np.median(self.dur_s)) if len(self.dur_s) else None,
+        }
+
+
+def child_command(
+    target: str, args: list[str], *, module: bool, steps: int, run_dir: Path, name: str
+) -> list[str]:
+    """The ``trainprof run`` of one trial."""
+    return [
+        sys.executable, "-m", "trainprof", "run",
+        "--max-steps", str(steps), "--no-html", "--json",
+        "--out", str(run_dir), "--name", name,
+        *(["-m", target] if module else [target]), *args,
+    ]
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def stop_child(proc: subprocess.Popen[bytes], steps_file: Path) -> None:
+    """Stop a child ``trainprof run`` cleanly: SIGINT, so that it closes its record.
+
+    One SIGINT is enough almost always, and a second one while the child is closing its
+    record would cut that short; but a signal that lands while CPython runs a gc callback
+    (trainprof's GC timing is one) is printed as "Exception ignored" and lost. So SIGINT is
+    sent again (up to twice) only while the script is visibly still training - its
+    ``steps.bin`` grew since the last one - and the child is killed after
+    :data:`STOP_GRACE_S`.
+    """
+    deadline = time.monotonic() + STOP_GRACE_S
+    sent_at, size_at, sends = 0.0, 0, 0
+    while proc.poll() is None and time.monotonic() < deadline:
+        now = time.monotonic()
+        if sends == 0 or (sends < 3 and now - sent_at >= 2.0 and _size(steps_file) > size_at):
+            with contextlib.suppress(OSError):
+                proc.send_signal(signal.SIGINT)
+            sent_at, size_at, sends = now, _size(steps_file), sends + 1
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.1)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def run_trial(trial: Trial, command: list[str], overrides: dict[str, Any]) -> Trial:
+    """Run one trial and read back its Run folder (steady steps, run.json, findings).
+
+    The child's JSON summary is not read from its stdout: ``trainprof run`` also stores it
+    in the Run folder, and a pipe nobody reads while the child is being stopped could block it.
+    """
+    from trainprof.capture.knobs import ENV_VAR, encode
+    from trainprof.store import STEPS_BIN
+
+    trial.run_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, ENV_VAR: encode(overrides) if any(
+        v is not None for v in overrides.values()) else ""}
+    t0 = time.perf_counter()
+    with open(trial.log, "wb") as log:
+        # its own session: a Ctrl-C at the terminal reaches tune only, which then stops the
+        # child itself (stop_child), once
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log,
+                                stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        try:
+            proc.wait()
+        except BaseException:
+            stop_child(proc, trial.run_dir / STEPS_BIN)
+            raise
+        finally:
+            trial.wall_s = time.perf_counter() - t0
+            trial.exit_code = proc.returncode
+    read_trial(trial)
+    return trial
+
+
+def read_trial(trial: Trial) -> Trial:
+    """Fill a trial's measurements from its Run folder (status 'failed' when there is none)."""
+    from trainprof.analysis.steps import complete_steps, detect_warmup
+    from trainprof.store import FINDINGS_JSON, load_run
+
+    try:
+        run = load_run(trial.run_dir)
+    except UsageError:
+        trial.status = "failed"
+        return trial
+    trial.meta = run.meta
+    trial.status = run.status
+    with contextlib.suppress(OSError, orjson.JSONDecodeError):
+        findings = orjson.loads((trial.run_dir / FINDINGS_JSON).read_bytes())
+        trial.summary = {**(run.meta.get("summary") or {}), "findings": findings}
+    done = complete_steps(run.steps)
+    recorded = run.meta.get("steps_recorded")
+    trial.count = int(recorded) if isinstance(recorded, int) else len(done)
+    if len(done):
+        dur = done["dur_ns"].astype(np.float64) / 1e9
+        trial.warmup = detect_warmup(dur)
+        trial.dur_s = dur[trial.warmup:]
+        trial.samples = done["samples"][trial.warmup:].astype(np.float64)
+    return trial
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def _samples_per_step(trials: list[Trial]) -> float | None:
+    """Median samples per steady step over the trials; None when any step counted none."""
+    if not trials:
+        return None
+    samples = np.concatenate([t.samples for t in trials])
+    if len(samples) == 0 or (samples <= 0).any():
+        return None
+    return float(np.median(samples))
+
+
+def _text(value: Any) -> str:
+    """A recorded value as a knob value is written (true/false, not True/False)."""
+    return str(value).lower() if isinstance(value, bool) or value is None else str(value)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _actual(knob: str, meta: dict[str, Any]) -> str:
+    """The setting a run really had for ``knob``, as recorded (see trainprof.capture.knobs)."""
+    from trainprof.capture.knobs import DATALOADER_KNOBS
+
+    if not meta:
+        return "—"
+    if knob in DATALOADER_KNOBS:
+        values = [_text(dl.get(knob)) for dl in meta.get("dataloaders") or []
+                  if isinstance(dl, dict) and knob in dl]
+        return "/".join(dict.fromkeys(values)) or "no DataLoader"
+    thread = meta.get("training_thread") or {}
+    process = (meta.get("knobs") or {}).get("process") or {}
+    if knob == "torch_threads":
+        return str(thread.get("torch_num_threads", "—"))
+    if knob == "interop_threads":
+        return str(thread.get("torch_num_interop_threads", "—"))
+    if knob == "gc_threshold":
+        value = process.get("gc_threshold")
+        return str(value[0]) if isinstance(value, list) and value else "script's"
+    if knob == "gc_freeze":
+        value = process.get("gc_freeze")
+        if isinstance(value, dict):
+            return f"true ({value.get('frozen_objects')} objects)"
+        return "false" if value in (None, False) else str(value)
+    return "—"
+
+
+def _knob_notes(arm: Arm, meta: dict[str, Any]) -> list[str]:
+    """What a run's knob record says did not apply as asked."""
+    from trainprof.capture.knobs import DATALOADER_KNOBS
+
+    record = meta.get("knobs") or {}
+    notes: list[str] = []
+    asked_dl = [k for k, v in arm.overrides.items() if v is not None and k in DATALOADER_KNOBS]
+    loaders = record.get("dataloaders") or []
+    if asked_dl and meta and not loaders:
+        notes.append(f"{arm.name}: the script created no DataLoader, so "
+                     f"{', '.join(asked_dl)} changed nothing")
+    for entry in loaders:
+        for name, why in (entry.get("dropped") or {}).items():
+            notes.append(f"{arm.name}: {name} not applied to {entry.get('dataset')} ({why})")
+        for name, value in (entry.get("reset") or {}).items():
+            before = (entry.get("script") or {}).get(name)
+            notes.append(f"{arm.name}: the script's {name}={before} was reset to {value} "
+                         f"for {entry.get('dataset')} (needs num_workers > 0)")
+    for call in record.get("script_calls_ignored") or []:
+        notes.append(f"{arm.name}: the script's {call} was ignored to keep the knob's value")
+    notes.extend(f"{arm.name}: {err}" for err in record.get("errors") or [])
+    return notes
+
+
+def _top_finding(trials: list[Trial]) -> dict[str, Any] | None:
+    for t in trials:
+        findings = (t.summary or {}).get("findings") or []
+        if findings:
+            f = findings[0]
+            return {k: f.get(k) for k in ("category", "cause", "title", "severity",
+                                          "estimated_gain")}
+    return None
+
+
+def analyse_tune(
+    arms: list[Arm], trials: list[Trial], baseline: Arm, steps: int | None = None
+) -> dict[str, Any]:
+    """Per-arm statistics, ratios to the baseline, verdicts and the best arm (module docstring)."""
+    from trainprof.analysis.compare import CONFIDENCE, N_BOOT, PRACTICAL_THRESHOLD, SEED
+    from trainprof.experiments.stats import ratio_ci
+
+    by_arm: dict[int, list[Trial]] = {a.index: [] for a in arms}
+    for t in trials:
+        by_arm[t.arm].append(t)
+    usable = {i: [t for t in ts if t.usable] for i, ts in by_arm.items()}
+    notes: list[str] = []
+
+    per_step = {i: _samples_per_step(ts) for i, ts in usable.items() if ts}
+    known = [v for v in per_step.values() if v is not None]
+    per_sample = bool(known) and len(known) == len(per_step) and (
+        max(known) - min(known) > BATCH_TOLERANCE * min(known)
+    )
+    if per_sample:
+        notes.append("the arms put different numbers of samples in a step: time per sample "
+                     "is compared, not step time")
+    elif known and len(known) < len(per_step):
+        notes.append("some arms counted no samples per step: step times are compared")
+
+    def values(ts: list[Trial]) -> list[np.ndarray]:
+        return [t.dur_s / t.samples if per_sample else t.dur_s for t in ts]
+
+    base_values = values(usable[baseline.index])
+    base_mean = float(np.concatenate(base_values).mean()) if base_values else None
+    base_sps = None
+    rows: list[dict[str, Any]] = []
+    for arm in arms:
+        ts = usable[arm.index]
+        vals = values(ts)
+        row: dict[str, Any] = {
+            "name": arm.name,
+            "settings": dict(arm.settings),
+            "overrides": dict(arm.overrides),
+            "baseline": arm is baseline,
+            "trials_run": len(by_arm[arm.index]),
+            "trials_usable": len(ts),
+            "trials": [t.to_json() for t in by_arm[arm.index]],
+            "steady_steps": int(sum(len(t.dur_s) for t in ts)),
+            # compared: mean_s (or mean_per_sample_s); the median and percentiles describe
+            "mean_s": None, "median_s": None, "p10_s": None, "p90_s": None,
+            "mean_per_sample_s": None,
+            "samples_per_step": per_step.get(arm.index),
+            "samples_per_s": None, "steps_per_s": None,
+            "trial_means_s": [float(t.dur_s.mean()) for t in ts],
+            "ratio": None, "ci": None, "change_pct": None, "speedup": None,
+            "samples_per_s_ratio": None,
+            "verdict": None,
+            "actual": {},
+            "top_finding": _top_finding(ts),
+        }
+        meta = next((t.meta for t in ts if t.meta),
+                    next((t.meta for t in by_arm[arm.index] if t.meta), {}))
+        row["actual"] = {k: _actual(k, meta) for k in arm.settings}
+        notes.extend(_knob_notes(arm, meta))
+        for t in by_arm[arm.index]:
+            if not t.stopped and (t.status != "finished" or t.exit_code not in (0, None)):
+                notes.append(f"{arm.name} trial {t.trial + 1}: {t.status}, exit code "
+                             f"{t.exit_code} (see {t.log})")
+        if ts:
+            dur = np.concatenate([t.dur_s for t in ts])
+            samples = np.concatenate([t.samples for t in ts])
+            total = float(dur.sum())
+            p10, p50, p90 = np.percentile(dur, [10, 50, 90])
+            row.update(mean_s=float(dur.mean()), median_s=float(p50), p10_s=float(p10),
+                       p90_s=float(p90), steps_per_s=len(dur) / total if total > 0 else None)
+            if samples.sum() > 0 and total > 0:
+                row["samples_per_s"] = float(samples.sum()) / total
+            if per_sample:
+                row["mean_per_sample_s"] = float(np.concatenate(vals).mean())
+            tm = row["trial_means_s"]
+            if len(tm) >= 2 and np.median(tm) > 0:
+                spread = (max(tm) - min(tm)) / float(np.median(tm))
+                if spread > TRIAL_SPREAD_NOTE:
+                    notes.append(
+                        f"{arm.name}: its trials' mean step times differ by "
+                        f"{spread * 100:.0f}%: the machine's speed varied (other load?); "
+                        "the interval includes it, more --trials narrow it"
+                    )
+            short = [t for t in ts if steps is not None and t.count < steps]
+            if short:
+                notes.append(
+                    f"{arm.name}: the script ended after {short[0].count} steps, before "
+                    f"--steps {steps}"
+                )
+        if arm is baseline:
+            base_sps = row["samples_per_s"]
+        rows.append(row)
+
+    for arm, row in zip(arms, rows, strict=True):
+        ts = usable[arm.index]
+        if not ts or base_mean is None or base_mean <= 0:
+            continue
+        if arm is baseline:
+            row.update(ratio=1.0, ci=[1.0, 1.0], change_pct=0.0, speedup=1.0,
+                       verdict="baseline", samples_per_s_ratio=1.0 if base_sps else None)
+            continue
+        ratio = float(np.concatenate(values(ts)).mean()) / base_mean
+        lo, hi = ratio_ci(base_values, values(ts), stat="mean")
+        significant = (lo > 1 or hi < 1) and abs(ratio - 1) >= PRACTICAL_THRESHOLD
+        row.update(
+            ratio=ratio,
+            ci=[lo, hi],
+            change_pct=(ratio - 1) * 100,
+            speedup=1 / ratio if ratio > 0 else None,
+            verdict=("faster" if ratio < 1 else "slower") if significant else "no_difference",
+            samples_per_s_ratio=(row["samples_per_s"] / base_sps
+                                 if row["samples_per_s"] and base_sps else None),
+        )
+
+    faster = [r for r in rows if r["verdict"] == "faster"]
+    best = min(faster, key=lambda r: r["ratio"]) if faster else None
+    if not usable[baseline.index]:
+        notes.insert(0, f"the baseline {baseline.name} has no usable trial: nothing to compare")
+    return {
+        "metric": "time_per_sample" if per_sample else "step_time",
+        "unit": "s/sample" if per_sample else "s/step",
+        "baseline": baseline.name,
+        "arms": rows,
+        "best": None if best is None else {
+            "name": best["name"],
+            "ratio": best["ratio"],
+            "ci": best["ci"],
+            "speedup": best["speedup"],
+            "samples_per_s_ratio": best["samples_per_s_ratio"],
+        },
+        "confidence": CONFIDENCE,
+        "bootstrap": {"resamples": N_BOOT, "seed": SEED,
+                                    "statistic": "mean",
+                      "method": "two-level (trials, then moving blocks of steps) percentile"},
+        "practical_threshold_pct": PRACTICAL_THRESHOLD * 100,
+        "notes": list(dict.fromkeys(notes)),
+    }
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 60}:{seconds % 60:02d}" if seconds < 3600 else (
+        f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}")
+
+
+def _tail(path: Path, n: int = 3) -> list[str]:
+    with contextlib.suppress(OSError):
+        lines = path.read_text(errors="replace").splitlines()
+        return [ln for ln in lines if ln.strip()][-n:]
+    return []
+
+
+@contextlib.contextmanager
+def _sigterm_stops() -> Iterator[None]:
+    """SIGTERM (a scheduler, ``kill``) stops tuning like Ctrl-C, so what was measured is kept."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise _Stop()
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave SIGTERM alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _write_doc(path: Path, doc: dict[str, Any]) -> None:
+    from trainprof.report.json_report import render_json
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        render_json(doc, f)
+    os.replace(tmp, path)
+
+
+class _Session:
+    """The trials of one ``trainprof tune``, run in order, with progress lines on ``log``."""
+
+    def __init__(self, target: str, args: list[str], module: bool, steps: int, trials: int,
+                 tune_dir: Path, arms: list[Arm], baseline: Arm, header: dict[str, Any],
+                 log: IO[str]) -> None:
+        self.target, self.args, self.module = target, args, module
+        self.steps, self.trials, self.tune_dir = steps, trials, tune_dir
+        self.arms, self.baseline, self.header, self.log = arms, baseline, header, log
+        self.name = target.rsplit(".", 1)[-1] if module else Path(target).stem
+        self.done: list[Trial] = []
+        self.t_start = time.perf_counter()
+
+    def say(self, text: str, end: str = "\n") -> None:
+        print(text, end=end, file=self.log, flush=True)
+
+    def run(self, order: list[tuple[int, int]]) -> str:
+        """Run the trials; returns ``finished``, ``interrupted`` or ``aborted``."""
+        with _sigterm_stops():
+            try:
+                for n, (a, t) in enumerate(order, 1):
+                    self.trial(n, len(order), self.arms[a], t)
+                    if n == len(self.arms) and not any(x.usable for x in self.done):
+                        self.say("trainprof tune: every arm failed in the first round; stopping "
+                                 "(does the script run under `trainprof run`?)")
+                        return "aborted"
+            except (KeyboardInterrupt, _Stop):
+                self.say("stopped")
+                return "interrupted"
+        return "finished"
+
+    def trial(self, n: int, total: int, arm: Arm, t: int) -> None:
+        trial = Trial(arm.index, t, self.tune_dir / f"{arm.slug}-{t + 1}")
+        self.done.append(trial)
+        self.say(f"[{n}/{total}] {arm.name}, trial {t + 1}/{self.trials} … ", end="")
+        command = child_command(self.target, self.args, module=self.module, steps=self.steps,
+                                run_dir=trial.run_dir, name=f"{self.name} {arm.name} #{t + 1}")
+        trial.stopped = True  # until the child has ended on its own
+        try:
+            run_trial(trial, command, arm.overrides)
+        except BaseException:
+            read_trial(trial)
+            raise
+        trial.stopped = False
+        elapsed = time.perf_counter() - self.t_start
+        left = elapsed / n * (total - n)
+        if trial.usable:
+            what = (f"{float(trial.dur_s.mean()) * 1e3:.1f} ms/step "
+                    f"({len(trial.dur_s)} steady steps)")
+        else:
+            what = f"{trial.status}, exit code {trial.exit_code}"
+        self.say(f"{what}, {trial.wall_s:.1f} s · elapsed {_clock(elapsed)}"
+                 + (f", about {_clock(left)} left" if n < total else ""))
+        if not trial.usable:
+            for line in _tail(trial.log):
+                self.say(f"    {line}")
+            self.say(f"    (log: {trial.log})")
+        with contextlib.suppress(OSError):
+            _write_doc(self.tune_dir / "tune.json",
+                       {**self.header, "status": "running", **self.analyse()})
+
+    def analyse(self) -> dict[str, Any]:
+        return analyse_tune(self.arms, self.done, self.baseline, self.steps)
+
+
+def tune_command(
+    target: str,
+    args: list[str],
+    *,
+    module: bool,
+    knobs: list[str],
+    steps: int,
+    trials: int,
+    json_out: bool,
+    out: Path | None,
+    baseline: str | None,
+    progress: IO[str] | None = None,
+) -> int:
+    """``trainprof tune``: run every arm ``trials`` times, compare them (module docstring).
+
+    ``knobs``: the ``--knob NAME=V1,V2`` options (several: their grid of combinations);
+    ``baseline``: ``NAME=VALUE[,NAME=VALUE]`` or None for the first arm; ``progress``: where
+    the progress lines go (stderr). Prints the result (a table, or one JSON document with
+    ``json_out``), keeps it in ``OUT/tune.json``, and returns 0; 130 when stopped by
+    Ctrl-C/SIGTERM (what was measured is still reported); 1 when the baseline has no usable
+    trial. Bad options raise UsageError before anything runs.
+    """
+    from trainprof.capture.launcher import check_target
+    from trainprof.store import default_run_dir
+
+    if steps < 1 or trials < 1:
+        raise UsageError("--steps and --trials must be positive")
+    parsed = parse_knobs(knobs)
+    arms = build_arms(parsed)
+    base = find_baseline(baseline, parsed, arms)
+    check_target(target, module)
+    name = target.rsplit(".", 1)[-1] if module else Path(target).stem
+    tune_dir = out if out is not None else default_run_dir(f"tune-{name}")
+    if tune_dir.exists() and (not tune_dir.is_dir() or any(tune_dir.iterdir())):
+        raise UsageError(f"--out {tune_dir} exists and is not an empty folder")
+    try:
+        tune_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create {tune_dir}: {exc.strerror}") from None
+
+    order = schedule(len(arms), trials)
+    header: dict[str, Any] = {
+        "tune_dir": str(tune_dir),
+        "target": target,
+        "module": module,
+        "args": list(args),
+        "knobs": [{"name": k.name, "values": list(k.texts)} for k in parsed],
+        "design": "grid" if len(parsed) > 1 else "one knob",
+        "steps": steps,
+        "trials_per_arm": trials,
+        "schedule_seed": SCHEDULE_SEED,
+        "order": [[arms[a].name, t + 1] for a, t in order],
+    }
+    session = _Session(target, args, module, steps, trials, tune_dir, arms, base, header,
+                       progress if progress is not None else sys.stderr)
+    session.say(f"trainprof tune: {len(arms)} arms × {_plural(trials, 'trial')} of "
+                f"{_plural(steps, 'step')}, in shuffled rounds → {tune_dir}")
+    status = session.run(order)
+    completed = [x for x in session.done if not x.stopped]
+    doc = {
+        **header,
+        "status": status,
+        "trials_planned": len(order),
+        "trials_done": len(completed),
+        "elapsed_s": time.perf_counter() - session.t_start,
+        **session.analyse(),
+    }
+    if status == "interrupted":
+        doc["notes"].insert(0, f"stopped after {len(completed)} of {len(order)} trials; "
+                               "the trial cut short is left out")
+    with contextlib.suppress(OSError):
+        _write_doc(tune_dir / "tune.json", doc)
+    if json_out:
+        from trainprof.report.json_report import render_json
+
+        render_json(doc)
+    else:
+        from trainprof.report.tune_terminal import render_tune
+
+        render_tune(doc)
+    if status == "interrupted":
+        return 130
+    usable_base = any(x.usable for x in completed if x.arm == base.index)
+    return 0 if usable_base and status == "finished" else 1

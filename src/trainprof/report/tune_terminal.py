@@ -1,0 +1,154 @@
+"""The terminal view of ``trainprof tune`` (rich). It renders a tune result; it computes nothing.
+
+The answer comes first, on one line: the best arm and its speed-up over the baseline with the
+interval, or that no arm was significantly faster. Below it one row per arm: the setting asked
+for and the setting the runs recorded, trials used, mean time per step (or per sample: what is
+compared) and the median step, samples/s, the ratio to the baseline with its interval, and
+the verdict.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import IO, Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from trainprof.report.terminal import fmt_time
+
+_VERDICT = {
+    "faster": ("faster", "bold green"),
+    "slower": ("slower", "bold red"),
+    "no_difference": ("not significant", "yellow"),
+    "baseline": ("baseline", "dim"),
+    None: ("no data", "dim"),
+}
+
+
+def _ratio(x: float | None) -> str:
+    if x is None:
+        return "—"
+    return f"×{x:.2f}" if x < 10 else f"×{x:.3g}"
+
+
+def _rate(x: float | None) -> str:
+    return "—" if x is None else f"{x:,.0f}" if x >= 10 else f"{x:.2f}"
+
+
+def headline(doc: dict[str, Any]) -> Text:
+    """The one-line answer: the best arm and its speed-up, or that none beat the baseline."""
+    best = doc.get("best")
+    conf = round(float(doc.get("confidence") or 0.95) * 100)
+    per = "sample" if doc.get("metric") == "time_per_sample" else "step"
+    line = Text()
+    base = doc.get("baseline")
+    if best:
+        line.append(f"Best: {best['name']}", style="bold green")
+        ci = best.get("ci") or [None, None]
+        line.append(
+            f" is {best['speedup']:.2f}× as fast as {base} (mean time per {per} "
+            f"{_ratio(best['ratio'])}, {conf}% CI {_ratio(ci[0])}–{_ratio(ci[1])})"
+        )
+        return line
+    rows = doc.get("arms") or []
+    if not any(r.get("baseline") and r.get("mean_s") is not None for r in rows):
+        line.append("No verdict", style="bold yellow")
+        line.append(f": the baseline {base} has no usable trial")
+        return line
+    line.append("No arm is significantly faster", style="bold yellow")
+    line.append(f" than the baseline {base}")
+    return line
+
+
+def _arms_table(doc: dict[str, Any]) -> Table:
+    per_sample = doc.get("metric") == "time_per_sample"
+    conf = round(float(doc.get("confidence") or 0.95) * 100)
+    table = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold")
+    table.add_column("arm", style="bold cyan", overflow="fold")
+    table.add_column("recorded", overflow="fold")
+    table.add_column("trials", justify="right", no_wrap=True)
+    table.add_column("steps", justify="right", no_wrap=True)
+    table.add_column("time/sample" if per_sample else "time/step", justify="right",
+                     no_wrap=True)
+    table.add_column("median step", justify="right", no_wrap=True)
+    table.add_column("samples/s", justify="right", no_wrap=True)
+    table.add_column("vs base", justify="right", no_wrap=True)
+    table.add_column(f"{conf}% CI", justify="right", no_wrap=True)
+    table.add_column("verdict", no_wrap=True)
+    for row in doc.get("arms") or []:
+        # the values the runs recorded, in the order of the arm's knobs
+        recorded = " ".join(str(v) for v in (row.get("actual") or {}).values())
+        label, style = _VERDICT.get(row.get("verdict"), (str(row.get("verdict")), ""))
+        ratio = row.get("ratio")
+        if row.get("verdict") in ("faster", "slower") and ratio:
+            label += f" {1 / ratio:.2f}×" if ratio < 1 else f" {ratio:.2f}×"
+        ci = row.get("ci")
+        mean = row.get("mean_per_sample_s") if per_sample else row.get("mean_s")
+        base = row.get("baseline")
+        table.add_row(
+            row["name"] + (" (base)" if base else ""),
+            recorded,
+            f"{row.get('trials_usable', 0)}/{row.get('trials_run', 0)}",
+            str(row.get("steady_steps", 0)),
+            fmt_time(mean),
+            fmt_time(row.get("median_s")),
+            _rate(row.get("samples_per_s")),
+            "—" if base else _ratio(ratio),
+            "—" if base or not ci else f"{_ratio(ci[0])}–{_ratio(ci[1])}",
+            Text(label, style=style),
+        )
+    return table
+
+
+def render_tune(doc: dict[str, Any], file: IO[str] | None = None) -> None:
+    """Print a tune result (the document of :func:`trainprof.experiments.tune.tune_command`)."""
+    out = file if file is not None else sys.stdout
+    # 120 columns off a terminal, as trainprof.report.terminal does
+    width = None if out.isatty() or "COLUMNS" in os.environ else 120
+    console = Console(file=out, highlight=False, soft_wrap=True, width=width)
+    # prose wraps at the console width (120 off a terminal); the path below does not
+    console.print(headline(doc), soft_wrap=False)
+    status = doc.get("status")
+    done, planned = doc.get("trials_done"), doc.get("trials_planned")
+    per_arm = doc.get("trials_per_arm")
+    metric = "time per sample" if doc.get("metric") == "time_per_sample" else "time per step"
+    console.print(Text(
+        f"{doc.get('target')}: {len(doc.get('arms') or [])} arms ({doc.get('design')}), "
+        f"{per_arm} trial{'s' if per_arm != 1 else ''} each of {doc.get('steps')} steps; "
+        f"{done}/{planned} trials run"
+        + (f" ({status})" if status != "finished" else "")
+        + f"; mean steady-state {metric} compared",
+        style="dim",
+    ), soft_wrap=False)
+    console.print()
+    console.print(_arms_table(doc))
+    best = doc.get("best")
+    rows = {r["name"]: r for r in doc.get("arms") or []}
+    if best:
+        nxt = (rows.get(best["name"]) or {}).get("top_finding")
+        if nxt:
+            console.print()
+            console.print(Text.assemble(
+                ("Next, with " + best["name"] + ": ", "bold"),
+                f"[{nxt.get('category')}] {nxt.get('title')}",
+            ), soft_wrap=False)
+    notes = doc.get("notes") or []
+    if notes:
+        console.print()
+        for note in notes:
+            console.print(Text(f"• {note}", style="yellow"), soft_wrap=False)
+    console.print()
+    threshold = doc.get("practical_threshold_pct")
+    console.print(Text(
+        "recorded: the setting the runs really had; trials: usable/run; steps: steady steps "
+        f"pooled; time/{'sample' if doc.get('metric') == 'time_per_sample' else 'step'}: "
+        "their mean (what is compared); vs base: its ratio to the baseline's, <1 is faster; "
+        "significant: the "
+        f"{round(float(doc.get('confidence') or .95) * 100)}% interval (bootstrap over trials "
+        f"and steps) excludes ×1 and the change is at least {threshold:g}%.",
+        style="dim",
+    ), soft_wrap=False)
+    console.print(Text(f"Runs and tune.json: {doc.get('tune_dir')}", style="dim"))

@@ -1,0 +1,457 @@
+"""`trainprof tune`: knobs applied to unmodified scripts, trials, the two-level bootstrap, verdicts.
+
+The end-to-end tests run real child `trainprof run`s of tiny scripts (the machine has 2 busy
+cores, so they are few and short); the knob overrides and the statistics are also checked
+in-process, on real DataLoaders and on step times with known distributions.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import trainprof, write_script
+from torch.utils.data import DataLoader, Dataset
+
+from trainprof.analysis.compare import bootstrap_ratio_ci
+from trainprof.capture.knobs import ENV_VAR, Knobs, decode, encode, install_knobs
+from trainprof.errors import UsageError
+from trainprof.experiments.stats import ratio_ci
+from trainprof.experiments.tune import (
+    Trial,
+    analyse_tune,
+    build_arms,
+    find_baseline,
+    parse_knobs,
+    schedule,
+    tune_command,
+)
+from trainprof.report.tune_terminal import render_tune
+
+SLEEPY = """
+    import time
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, Dataset
+
+    class Sleepy(Dataset):
+        def __len__(self):
+            return 100_000
+        def __getitem__(self, i):
+            time.sleep(0.003)  # 24 ms per batch of 8 in the training process
+            return torch.randn(16), i % 2
+
+    torch.manual_seed(0)
+    # one intra-op thread: on a busy 2-core machine OpenMP's spinning threads make even this
+    # tiny backward() take tens of ms, which would drown the loading time under test
+    torch.set_num_threads(1)
+    loader = DataLoader(Sleepy(), batch_size=8, num_workers=0)
+    model = nn.Linear(16, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in loader:
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+"""
+
+THREADS = """
+    import time
+    import torch
+    from torch import nn
+
+    torch.set_num_threads(3)  # the script pins its own count: the knob must win
+    model = nn.Linear(32, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(1000):
+        loss = model(torch.randn(16, 32)).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        time.sleep(0.05)
+"""
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def workers_tune(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("tune")
+    write_script(root, "train.py", SLEEPY)
+    res = trainprof("tune", "--knob", "num_workers=0,2", "--steps", "25", "--trials", "2",
+                    "--json", "--out", str(root / "t"), "train.py", cwd=root, timeout=240)
+    assert res.returncode == 0, res.stderr
+    return {"doc": res.json(), "stderr": res.stderr, "dir": root / "t"}
+
+
+def test_more_workers_are_proved_faster_and_the_knob_is_recorded(workers_tune: dict) -> None:
+    doc = workers_tune["doc"]
+    base, two = doc["arms"]
+    assert base["name"] == "num_workers=0" and base["baseline"] and base["verdict"] == "baseline"
+    assert two["name"] == "num_workers=2"
+    # the script's own loading takes 24 ms per step; two workers overlap it with the step
+    assert two["verdict"] == "faster"
+    assert two["ratio"] < 0.8
+    lo, hi = two["ci"]
+    assert lo <= two["ratio"] <= hi < 1
+    assert two["speedup"] == pytest.approx(1 / two["ratio"])
+    assert two["samples_per_s"] > base["samples_per_s"]
+    assert doc["best"]["name"] == "num_workers=2"
+    assert doc["metric"] == "step_time"
+    for arm in (base, two):
+        assert arm["trials_usable"] == 2
+        # 2 trials of 25 steps, less the sampled (op count) steps and a warm-up of at most half
+        assert arm["steady_steps"] >= 22
+        assert arm["actual"] == {"num_workers": arm["settings"]["num_workers"]}
+    # each child run recorded the override it ran with, and the DataLoader really had it
+    for arm in (base, two):
+        n = int(arm["settings"]["num_workers"])
+        for trial in arm["trials"]:
+            meta = json.loads((Path(trial["run_dir"]) / "run.json").read_text())
+            assert meta["status"] == "finished"
+            assert meta["knobs"]["requested"] == {"num_workers": n}
+            (entry,) = meta["knobs"]["dataloaders"]
+            assert entry["set"] == {"num_workers": n} and entry["script"] == {"num_workers": 0}
+            assert [dl["num_workers"] for dl in meta["dataloaders"]] == [n]
+            assert meta["steps_recorded"] == 25
+
+
+def test_tune_runs_shuffled_rounds_reports_progress_and_keeps_tune_json(workers_tune) -> None:
+    doc, stderr = workers_tune["doc"], workers_tune["stderr"]
+    rounds = [doc["order"][:2], doc["order"][2:]]
+    for r, pairs in enumerate(rounds, 1):
+        assert sorted(name for name, _ in pairs) == ["num_workers=0", "num_workers=2"]
+        assert {t for _, t in pairs} == {r}
+    progress = [ln for ln in stderr.splitlines() if ln.startswith("[")]
+    assert [ln.split("]")[0] for ln in progress] == ["[1/4", "[2/4", "[3/4", "[4/4"]
+    assert all("ms/step" in ln and "elapsed" in ln for ln in progress)
+    saved = json.loads((workers_tune["dir"] / "tune.json").read_text())
+    assert saved["status"] == "finished" and saved["arms"] == doc["arms"]
+    assert doc["trials_done"] == doc["trials_planned"] == 4
+
+
+def test_terminal_table_fits_120_columns_and_names_the_best_arm(workers_tune) -> None:
+    out = io.StringIO()
+    render_tune(workers_tune["doc"], out)
+    text = out.getvalue()
+    lines = text.splitlines()
+    assert lines[0].startswith("Best: num_workers=2 is ")
+    assert lines[-1].startswith("Runs and tune.json: ")  # a path: never wrapped
+    assert max(len(ln) for ln in lines[:-1]) <= 120
+    row = next(ln for ln in lines if ln.lstrip().startswith("num_workers=2"))
+    assert "faster" in row and "×0." in row
+
+
+def test_thread_knob_beats_the_script_and_ctrl_c_reports_what_was_done(tmp_path: Path) -> None:
+    write_script(tmp_path, "train.py", THREADS)
+    out = tmp_path / "t"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainprof", "tune", "--knob", "torch_threads=1,2",
+         "--steps", "30", "--trials", "2", "--json", "--out", str(out), "train.py"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        stderr = ""
+        while "ms/step" not in stderr:  # the first trial has finished
+            line = proc.stderr.readline()
+            assert line, stderr
+            stderr += line
+        # the second trial is training once its record holds steps
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            running = [p for p in out.glob("*/run.json")
+                       if json.loads(p.read_text()).get("status") == "running"
+                       and (p.parent / "steps.bin").stat().st_size > 0]
+            if running:
+                break
+            time.sleep(0.05)
+        assert running
+        proc.send_signal(signal.SIGINT)
+        stdout, rest = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr + rest
+    doc = json.loads(stdout)
+    assert doc["status"] == "interrupted"
+    assert doc["trials_done"] == 1 and doc["trials_planned"] == 4
+    assert "stopped after 1 of 4 trials" in doc["notes"][0]
+    # the trial in flight stopped cleanly (the child closed its record) and is left out
+    stopped = json.loads(running[0].read_text())
+    assert stopped["status"] == "interrupted"
+    trials = [t for arm in doc["arms"] for t in arm["trials"]]
+    assert sorted(t["usable"] for t in trials) == [False, True]
+    done = next(t for t in trials if t["usable"])
+    arm = next(a for a in doc["arms"] if done in a["trials"])
+    knob = int(arm["settings"]["torch_threads"])
+    meta = json.loads((Path(done["run_dir"]) / "run.json").read_text())
+    assert meta["training_thread"]["torch_num_threads"] == knob
+    assert meta["knobs"]["process"] == {"torch_threads": knob}
+    assert meta["knobs"]["script_calls_ignored"] == ["torch.set_num_threads(3)"]
+    assert arm["actual"] == {"torch_threads": str(knob)}
+
+
+def test_bad_knob_is_a_one_line_error(tmp_path: Path) -> None:
+    write_script(tmp_path, "train.py", "print('never runs')\n")
+    for knob, message in (
+        ("workers=0,2", "unknown knob 'workers'"),
+        ("num_workers=0,many", "bad value 'many' for knob num_workers"),
+        ("num_workers", "--knob expects NAME=V1,V2"),
+    ):
+        res = trainprof("tune", "--knob", knob, "train.py", cwd=tmp_path, timeout=60)
+        assert res.returncode == 2, res.stderr
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
+        assert "Traceback" not in res.stderr and res.stdout == ""
+    assert not (tmp_path / "trainprof-runs").exists()
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def test_knob_arguments_are_checked_before_anything_runs(tmp_path: Path) -> None:
+    knobs = parse_knobs(["num_workers=0,2", "pin_memory=false,true"])
+    arms = build_arms(knobs)
+    assert [a.name for a in arms] == [
+        "num_workers=0 pin_memory=false", "num_workers=0 pin_memory=true",
+        "num_workers=2 pin_memory=false", "num_workers=2 pin_memory=true",
+    ]
+    assert arms[3].overrides == {"num_workers": 2, "pin_memory": True}
+    assert find_baseline(None, knobs, arms) is arms[0]
+    assert find_baseline("pin_memory=1", knobs, arms) is arms[1]
+    assert find_baseline("num_workers=2,pin_memory=true", knobs, arms) is arms[3]
+    script = parse_knobs(["num_workers=script,4"])
+    assert [a.overrides for a in build_arms(script)] == [{"num_workers": None},
+                                                       {"num_workers": 4}]
+    for bad, message in (
+        (["num_workers=0,0"], "repeated"),
+        (["num_workers=0"], "nothing to compare"),
+        (["num_workers=1,2", "num_workers=3,4"], "given twice"),
+        (["num_workers=0,,2"], "empty value"),
+        (["torch_threads=0,1"], "integer ≥ 1"),
+        ([f"num_workers={','.join(map(str, range(5)))}",
+          f"torch_threads={','.join(map(str, range(1, 5)))}"], "combinations"),
+    ):
+        with pytest.raises(UsageError, match=message):
+            build_arms(parse_knobs(bad))
+    with pytest.raises(UsageError, match="not one of the values"):
+        find_baseline("num_workers=4", knobs, arms)
+    with pytest.raises(UsageError, match="of a tuned knob"):
+        find_baseline("batch_size=4", knobs, arms)
+    script_path = write_script(tmp_path, "train.py", "print('never runs')\n")
+    with pytest.raises(UsageError, match="no such script"):
+        tune_command("missing.py", [], module=False, knobs=["num_workers=0,1"], steps=5,
+                     trials=1, json_out=True, out=tmp_path / "t", baseline=None)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    with pytest.raises(UsageError, match="not an empty folder"):
+        tune_command(str(script_path), [], module=False, knobs=["num_workers=0,1"], steps=5,
+                     trials=1, json_out=True, out=tmp_path / "full", baseline=None)
+
+
+def test_schedule_runs_every_arm_once_per_round_in_a_seeded_shuffled_order() -> None:
+    order = schedule(4, 3)
+    assert order == schedule(4, 3)  # seeded
+    rounds = [order[i:i + 4] for i in range(0, 12, 4)]
+    for r, pairs in enumerate(rounds):
+        assert sorted(a for a, _ in pairs) == [0, 1, 2, 3] and {t for _, t in pairs} == {r}
+    assert len({tuple(a for a, _ in pairs) for pairs in rounds}) > 1  # not one fixed order
+
+
+# --------------------------------------------------------------------------- knobs in-process
+
+
+class _Data(Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.zeros(2)
+
+
+def test_dataloader_knobs_override_positional_and_keyword_arguments() -> None:
+    original_init = DataLoader.__init__
+    knobs = Knobs({"num_workers": 2, "prefetch_factor": 3, "pin_memory": True,
+                   "batch_size": 16, "persistent_workers": True}).install()
+    try:
+        loader = DataLoader(_Data(), 4, False)  # batch_size by position
+        sampled = DataLoader(_Data(), batch_sampler=[[0, 1], [2, 3]])
+    finally:
+        record = knobs.uninstall()
+    assert DataLoader.__init__ is original_init
+    assert (loader.batch_size, loader.num_workers, loader.prefetch_factor) == (16, 2, 3)
+    assert loader.pin_memory is True and loader.persistent_workers is True
+    assert record["dataloaders"][0]["script"]["batch_size"] == 4
+    assert record["dataloaders"][1]["dropped"] == {"batch_size": "the script passes a "
+                                                                 "batch_sampler"}
+    assert sampled.batch_size is None and sampled.num_workers == 2
+    plain = DataLoader(_Data(), batch_size=4)  # after uninstall: untouched
+    assert plain.num_workers == 0 and plain.batch_size == 4
+
+
+def test_no_workers_drops_what_torch_would_refuse() -> None:
+    knobs = Knobs({"num_workers": 0, "persistent_workers": True}).install()
+    try:
+        # the script's own prefetch_factor / persistent_workers are invalid without workers
+        loader = DataLoader(_Data(), batch_size=4, num_workers=4, prefetch_factor=4,
+                            persistent_workers=True)
+    finally:
+        record = knobs.uninstall()
+    assert loader.num_workers == 0 and loader.prefetch_factor is None
+    assert loader.persistent_workers is False
+    (entry,) = record["dataloaders"]
+    assert entry["set"] == {"num_workers": 0}
+    assert entry["dropped"] == {"persistent_workers": "needs num_workers > 0"}
+    assert entry["reset"] == {"prefetch_factor": None, "persistent_workers": False}
+    assert entry["script"] == {"num_workers": 4, "persistent_workers": True,
+                               "prefetch_factor": 4}
+    assert len(list(loader)) == 16  # torch accepts the loader as rewritten
+
+
+def test_thread_and_gc_knobs_apply_and_are_undone() -> None:
+    import gc
+
+    threads, threshold = torch.get_num_threads(), gc.get_threshold()
+    setter = torch.set_num_threads
+    knobs = Knobs({"torch_threads": 1, "gc_threshold": 5000}).install()
+    try:
+        torch.set_num_threads(2)  # the script's call: ignored
+        assert torch.get_num_threads() == 1
+        assert gc.get_threshold() == (5000, *threshold[1:])
+    finally:
+        record = knobs.uninstall()
+        torch.set_num_threads(threads)
+    assert torch.set_num_threads is setter and gc.get_threshold() == threshold
+    assert record["process"] == {"torch_threads": 1, "gc_threshold": [5000, *threshold[1:]]}
+    assert record["script_calls_ignored"] == ["torch.set_num_threads(2)"]
+
+
+def test_gc_freeze_freezes_once_after_the_first_optimizer_step() -> None:
+    import gc
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    knobs = Knobs({"gc_freeze": True}).install()
+    try:
+        assert gc.get_freeze_count() == 0
+        for _ in range(3):
+            model(torch.ones(2)).sum().backward()
+            opt.step()
+        frozen = gc.get_freeze_count()
+        assert frozen > 1000  # everything alive after set-up: modules, torch, the test run
+    finally:
+        record = knobs.uninstall()
+    # counted at the freeze; frozen objects that died since have left the count
+    assert record["process"]["gc_freeze"]["frozen_objects"] >= frozen
+    assert gc.get_freeze_count() == 0
+
+
+def test_knobs_env_var_round_trip_and_no_cost_without_it(monkeypatch) -> None:
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert install_knobs() is None
+    text = encode({"num_workers": 2, "pin_memory": True, "prefetch_factor": None})
+    assert decode(text) == {"num_workers": 2, "pin_memory": True}
+    for bad in ("{", "[1]", '{"num_workers": -1}', '{"threads": 2}'):
+        with pytest.raises(UsageError):
+            decode(bad)
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def test_two_level_interval_covers_the_truth_and_is_seeded() -> None:
+    rng = np.random.default_rng(0)
+    base = [rng.normal(10.0, 0.5, 40) for _ in range(3)]
+    same = [rng.normal(10.0, 0.5, 40) for _ in range(3)]
+    half = [rng.normal(5.0, 0.25, 40) for _ in range(3)]
+    lo, hi = ratio_ci(base, same)
+    assert lo < 1 < hi
+    lo, hi = ratio_ci(base, half)
+    assert lo < 0.5 < hi < 0.9
+    assert ratio_ci(base, half) == (lo, hi)
+
+
+def test_two_level_interval_includes_run_to_run_variation() -> None:
+    """Trials that disagree (a busy machine) must widen the interval; pooled steps would not."""
+    rng = np.random.default_rng(0)
+    # three trials per arm whose medians move by up to 7% from one trial to the next
+    base = [rng.normal(m, 0.3, 60) for m in (10.0, 10.6, 10.3)]
+    arm = [rng.normal(m, 0.3, 60) for m in (9.7, 10.4, 10.0)]
+    pooled = bootstrap_ratio_ci(np.concatenate(base), np.concatenate(arm))
+    two_level = ratio_ci(base, arm)
+    assert pooled[1] < 0.99  # steps alone: "significantly faster"
+    assert two_level[0] < 1 < two_level[1]  # with the trials' disagreement: not shown
+    assert (two_level[1] - two_level[0]) > 2 * (pooled[1] - pooled[0])
+
+
+def _trial(arm: int, trial: int, dur: np.ndarray, samples: int, tmp: Path) -> Trial:
+    t = Trial(arm, trial, tmp / f"{arm}-{trial}", status="finished", exit_code=0,
+              count=len(dur), dur_s=dur, samples=np.full(len(dur), float(samples)))
+    return t
+
+
+def test_batch_size_arms_are_compared_per_sample(tmp_path: Path) -> None:
+    knobs = parse_knobs(["batch_size=8,32"])
+    arms = build_arms(knobs)
+    rng = np.random.default_rng(2)
+    trials = []
+    for t in range(2):
+        # 8 samples in 10 ms vs 32 samples in 20 ms: steps slower, samples 2x faster
+        trials.append(_trial(0, t, rng.normal(0.010, 0.0002, 30), 8, tmp_path))
+        trials.append(_trial(1, t, rng.normal(0.020, 0.0004, 30), 32, tmp_path))
+    doc = analyse_tune(arms, trials, arms[0], steps=30)
+    assert doc["metric"] == "time_per_sample"
+    big = doc["arms"][1]
+    assert big["ratio"] == pytest.approx(0.5, rel=0.03)
+    assert big["verdict"] == "faster" and doc["best"]["name"] == "batch_size=32"
+    assert big["samples_per_s_ratio"] == pytest.approx(2.0, rel=0.03)
+    assert big["mean_s"] == pytest.approx(0.020, rel=0.03)  # the step itself is slower
+    # a crashed trial is reported and left out
+    trials.append(Trial(1, 2, tmp_path / "1-2", status="crashed", exit_code=1))
+    doc = analyse_tune(arms, trials, arms[0], steps=30)
+    assert doc["arms"][1]["trials_usable"] == 2 and doc["arms"][1]["trials_run"] == 3
+    assert any("crashed, exit code 1" in n for n in doc["notes"])
+
+
+def test_no_difference_when_the_change_is_within_noise(tmp_path: Path) -> None:
+    arms = build_arms(parse_knobs(["pin_memory=false,true"]))
+    rng = np.random.default_rng(3)
+    trials = [_trial(a, t, rng.normal(0.010, 0.001, 40), 8, tmp_path)
+              for t in range(3) for a in range(2)]
+    doc = analyse_tune(arms, trials, arms[1], steps=40)  # --baseline pin_memory=true
+    assert doc["baseline"] == "pin_memory=true"
+    assert doc["arms"][0]["verdict"] == "no_difference" and doc["best"] is None
+    out = io.StringIO()
+    render_tune(doc, out)
+    assert out.getvalue().startswith("No arm is significantly faster than the baseline "
+                                     "pin_memory=true")
+
+
+def test_alternating_step_times_are_compared_by_their_mean(tmp_path: Path) -> None:
+    """Workers deliver batches in turn: 20, 6, 20, 6 ms. The median picks a mode by chance."""
+    arms = build_arms(parse_knobs(["num_workers=0,2"]))
+    rng = np.random.default_rng(4)
+    base = [_trial(0, t, rng.normal(0.028, 0.001, 21), 8, tmp_path) for t in range(2)]
+    # one more slow step in trial 1, one more fast step in trial 2: medians 20 ms and 6 ms
+    alt = [np.array([0.020, 0.006] * 10 + [0.020]), np.array([0.006, 0.020] * 10 + [0.006])]
+    two = [_trial(1, t, x + rng.normal(0, 0.0003, 21), 8, tmp_path) for t, x in enumerate(alt)]
+    doc = analyse_tune(arms, base + two, arms[0], steps=21)
+    row = doc["arms"][1]
+    medians = [float(np.median(t.dur_s)) for t in two]
+    assert medians[0] > 0.019 and medians[1] < 0.008
+    assert row["mean_s"] == pytest.approx(0.013, rel=0.03)
+    assert row["ratio"] == pytest.approx(0.013 / 0.028, rel=0.03)
+    lo, hi = row["ci"]
+    assert row["verdict"] == "faster" and hi - lo < 0.15
+    assert not any("differ by" in n for n in doc["notes"])  # the trials agree

@@ -1,0 +1,528 @@
+"""Worker-side capture: what DataLoader workers spend their time on, and the causes it names.
+
+Real DataLoader runs under `trainprof run` (fork and spawn workers, num_workers=0), with
+datasets whose cost is known: a 5 ms sleep per sample (blocked), ~5 ms of CPU per sample,
+a slow collate_fn, workers restarted every epoch. The machine has 2 shared cores, so a
+sleep can take longer to wake up from and CPU work can wait for a core: bounds are loose
+where the scheduler decides, and tight where trainprof measures (a 5 ms sleep is 5 ms of
+blocked time once run-queue waits are set apart).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import trainprof, write_script
+
+from trainprof.analysis.workers import bin_bounds, hist_quantile, summarize_workers
+from trainprof.capture import worker as W
+
+COMMON = """
+import os, sys, time, torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+def burn(ms):
+    t = time.thread_time()
+    while time.thread_time() - t < ms / 1000:
+        pass
+
+class Sleepy(Dataset):          # blocked: 5 ms of "remote storage" per sample
+    def __len__(self):
+        return 96
+    def __getitem__(self, i):
+        time.sleep(0.005)
+        return torch.zeros(8), i % 2
+
+class Burner(Sleepy):           # CPU: ~5 ms of transforms per sample
+    def __getitem__(self, i):
+        burn(5)
+        return torch.zeros(8), i % 2
+
+def train(loader, epochs=1, step_s=0.0):
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(epochs):
+        for x, y in loader:
+            if step_s:
+                time.sleep(step_s)
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad(); loss.backward(); opt.step()
+"""
+
+
+def run_script(tmp_path: Path, body: str, *options: str, timeout: float = 180) -> dict[str, Any]:
+    write_script(tmp_path, "train.py", COMMON + body)
+    res = trainprof("run", "--json", *options, "train.py", cwd=tmp_path, timeout=timeout)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.json()
+
+
+def loader_entry(doc: dict[str, Any], index: int = 0) -> dict[str, Any]:
+    entries = [e for e in doc["workers"]["loaders"] if e["loader_index"] == index]
+    assert len(entries) == 1, doc["workers"]
+    return entries[0]
+
+
+def input_finding(doc: dict[str, Any]) -> dict[str, Any]:
+    hits = [f for f in doc["findings"] if f["category"] == "input_pipeline"]
+    assert len(hits) == 1, doc["findings"]
+    return hits[0]
+
+
+def reads_ms(w: dict[str, Any]) -> float:
+    """Mean blocked ms per sample with run-queue waits set apart (what the diagnosis quotes)."""
+    split = w["fetch_split"]
+    off_cpu = split["blocked"] + split["waiting_for_cpu"]
+    return w["sample_blocked_ms"]["mean"] * split["blocked"] / off_cpu
+
+
+# -- units: histograms, the timed fetch ---------------------------------------------------------
+
+
+def test_histogram_bins_hold_their_values_and_merge_into_percentiles():
+    for v in [0, 1, 31, 32, 33, 63, 64, 1000, 5_000_000, 5_123_456, 2**40 + 12345, 2**63 - 1]:
+        i = W.bin_index(v)
+        lo, hi = bin_bounds(i)
+        assert lo <= v < hi, (v, i, lo, hi)
+        assert i < W.N_BINS
+        if v >= 32:
+            assert (hi - lo) / lo <= 1 / 16  # 16 bins per power of two
+    bins = [W.bin_index(v) for v in range(4096)]
+    assert bins == sorted(bins) and set(bins) == set(range(bins[-1] + 1))  # monotone, no gaps
+    # 1..1000 µs uniformly: percentiles within the bin width (<= 6%)
+    hist: dict[int, int] = {}
+    for us in range(1, 1001):
+        i = W.bin_index(us * 1000)
+        hist[i] = hist.get(i, 0) + 1
+    assert hist_quantile(hist, 0.5) == pytest.approx(500_000, rel=0.06)
+    assert hist_quantile(hist, 0.9) == pytest.approx(900_000, rel=0.06)
+    assert hist_quantile({}, 0.5) is None
+
+
+def _fetcher(dataset: Any, kind: str = "map", batch: bool = True):
+    from torch.utils.data._utils import fetch as F
+
+    if kind == "map":
+        f = F._MapDatasetFetcher(dataset, batch, lambda x: x, False)
+        timed = W.make_map_fetch(F._MapDatasetFetcher.fetch)
+    else:
+        f = F._IterableDatasetFetcher(dataset, batch, lambda x: x, False)
+        timed = W.make_iterable_fetch(F._IterableDatasetFetcher.fetch)
+    st = W.Stream({})
+    st.bind_thread()
+    f.__dict__["_trainprof_stream"] = st
+    return f, timed, st
+
+
+def test_timed_fetch_is_torchs_fetch_and_times_per_sample_only_when_it_is_cheap_to():
+    class Cheap:
+        def __getitem__(self, i):
+            return i * 2
+
+    class Slow:
+        def __getitem__(self, i):
+            time.sleep(0.0005)
+            return i
+
+    class Broken:
+        def __getitem__(self, i):
+            raise KeyError(f"no sample {i}")
+
+    f, timed, st = _fetcher(Cheap())
+    assert timed(f, [1, 2, 3]) == [2, 4, 6]  # same result as torch's fetch
+    for _ in range(20):
+        timed(f, list(range(64)))
+    acc = dict(zip(W.ACC_NAMES, st.acc, strict=True))
+    assert acc["batches"] == 21 and acc["samples"] == 3 + 20 * 64
+    # samples far cheaper than 200 µs: after the first batch, timed per batch (no per-sample
+    # clock reads), but every sample is still counted in the histograms
+    assert acc["samples_timed"] == 3
+    assert sum(st.h_cpu) == sum(st.h_blocked) == acc["samples"]
+    f, timed, st = _fetcher(Slow())
+    for _ in range(3):
+        timed(f, list(range(4)))
+    assert st.acc[W.SAMPLES_TIMED] == 12  # 0.5 ms samples: each timed on its own
+    assert hist_quantile(dict(enumerate(st.h_blocked)), 0.5) == pytest.approx(0.5e6, rel=0.5)
+    f, timed, st = _fetcher(Broken())
+    with pytest.raises(KeyError, match="no sample 3"):
+        timed(f, [3])
+    assert not st.in_fetch and st.acc[W.BATCHES] == 0 and not st.off
+    # an iterable dataset: next() per sample; the end of the data is torch's StopIteration
+    f, timed, st = _fetcher(iter(range(10)), kind="iterable")
+    assert timed(f, [None] * 4) == [0, 1, 2, 3]
+    assert timed(f, [None] * 8) == [4, 5, 6, 7, 8, 9]
+    with pytest.raises(StopIteration):
+        timed(f, [None] * 4)
+    assert st.acc[W.SAMPLES] == 10 and st.acc[W.BATCHES] == 2
+
+
+# -- the diagnosis on hand-made measurements ----------------------------------------------------
+
+
+def entry(blocked: float, waiting: float, cpu: float, collate: float, *, busy: float = 0.97,
+          samples: int = 640, generations: list[tuple[float, float]] | None = None,
+          **kw: Any) -> dict[str, Any]:
+    """A workers summary entry whose fetch time splits as given (per sample: 1 ms in all)."""
+    per_sample = blocked + waiting + cpu
+    entry = {
+        "loader_index": 0, "mode": "workers", "num_workers": 2, "samples": samples,
+        "batches": samples // 32, "generations": len(generations or [1]),
+        "sample_blocked_ms": {"median": blocked + waiting, "p90": 1.2 * (blocked + waiting),
+                              "mean": blocked + waiting},
+        "sample_cpu_ms": {"median": cpu, "p90": 1.2 * cpu, "mean": cpu},
+        "collate_ms": {"median": collate, "p90": collate, "mean": collate},
+        "fetch_split": {k: v / (per_sample + collate / 32) for k, v in (
+            ("blocked", blocked), ("waiting_for_cpu", waiting), ("cpu", cpu),
+            ("collate", collate / 32))},
+        "busy_share_active": {"median": busy, "min": busy, "max": busy},
+        "persistent_workers": kw.get("persistent", False),
+        "startup": None, "functions": None,
+    }
+    if generations:
+        gens = [{"generation": i + 1, "at_s": at, "first_batch_s": s, "median_s": s}
+                for i, (at, s) in enumerate(generations)]
+        entry["startup"] = {"per_generation": gens, "median_s": gens[0]["first_batch_s"],
+                            "avoidable_s": sum(g["first_batch_s"] for g in gens[1:])}
+    return entry
+
+
+def diagnose_with(w: dict[str, Any] | None, *, loader_kw: dict[str, Any] | None = None,
+                  system: dict[str, Any] | None = None, data_ms: float = 10.0):
+    from test_diagnosis import MS, loader, make_steps, make_summary
+
+    from trainprof.diagnosis import diagnose
+
+    steps = make_steps(60, data=data_ms * MS)  # 10 ms compute + the wait
+    summary = make_summary(
+        steps, dataloaders=[loader(**{"num_workers": 2, "persistent_workers": True,
+                                      **(loader_kw or {})})],
+        system=system or {"n_samples": 20, "proc_cpu_pct": 40.0, "workers_cpu_pct": 60.0,
+                          "sys_cpu_pct": 50.0},
+        workers={"loaders": [w]} if w else None,
+    )
+    found = [f for f in diagnose(summary, steps) if f["category"] == "input_pipeline"]
+    assert len(found) == 1, found
+    return found[0], steps, summary
+
+
+def test_the_slowest_stage_in_the_workers_names_the_cause():
+    # reads: 0.8 ms blocked of 1 ms, measured in busy workers
+    f, _, _ = diagnose_with(entry(0.8, 0.05, 0.15, 0.5))
+    assert f["cause"] == "slow_reads"
+    assert "each sample waits 0.80 ms on reads or latency" in f["title"]
+    assert f["evidence"]["sample_blocked_ms"]["median"] == pytest.approx(0.85)
+    assert f["evidence"]["sample_cpu_ms"]["median"] == pytest.approx(0.15)
+    assert f["evidence"]["collate_ms_per_batch"]["mean"] == pytest.approx(0.5)
+    assert "num_workers=4,  # was 2" in f["fix"]["snippet"]
+    # CPU, a core idle (50% of 2 cores used) and no wait for one: more workers
+    f, _, _ = diagnose_with(entry(0.1, 0.0, 0.9, 0.5))
+    assert f["cause"] == "too_few_workers" and "0.90 ms of CPU per sample" in f["title"]
+    assert "num_workers=3,  # was 2" in f["fix"]["snippet"]
+    # the same workers waiting for a core a third of their CPU-bound time: no core is free
+    # (whatever the sampler says), so make each sample cheaper
+    f, _, _ = diagnose_with(entry(0.1, 0.3, 0.6, 0.5))
+    assert f["cause"] == "cpu_transforms" and "num_workers=2,  # unchanged" in f["fix"]["snippet"]
+    assert "33% of that time they wait for a core" in f["fix"]["text"]  # 0.3 of 0.9 ms
+    # the whole machine busy (other processes): cpu_transforms too
+    f, _, _ = diagnose_with(entry(0.1, 0.0, 0.9, 0.5), system={
+        "n_samples": 20, "proc_cpu_pct": 40.0, "workers_cpu_pct": 60.0, "sys_cpu_pct": 100.0})
+    assert f["cause"] == "cpu_transforms"
+    # collate: 64 ms per 32-sample batch against 1 ms per sample
+    f, _, _ = diagnose_with(entry(0.2, 0.0, 0.8, 64.0))
+    assert f["cause"] == "collate" and "collate_fn takes 64.0 ms per batch" in f["title"]
+    compile(f["fix"]["snippet"], "snippet", "exec")
+
+
+def test_measurements_that_cannot_decide_leave_it_to_the_sampled_cpu_use():
+    sysinfo = {"n_samples": 20, "proc_cpu_pct": 100.0, "workers_cpu_pct": 40.0,
+               "sys_cpu_pct": 70.0}
+    # workers idle most of the time: their stages are not what the loop waits for
+    f, _, _ = diagnose_with(entry(0.1, 0.0, 0.9, 0.5, busy=0.3), system=sysinfo)
+    assert f["cause"] == "slow_reads"  # 20% CPU per worker, as without measurements
+    assert "busy_share" not in f["title"] and "ms of CPU" not in f["title"]
+    assert f["evidence"]["worker_busy_share"] == 0.3
+    # too few samples measured
+    f, _, _ = diagnose_with(entry(0.1, 0.0, 0.9, 0.5, samples=8), system=sysinfo)
+    assert f["cause"] == "slow_reads" and "sample_cpu_ms" not in f["evidence"]
+    # nothing measured (an older run): the sampled CPU use decides, as before
+    g, _, _ = diagnose_with(None, system=sysinfo)
+    assert g["cause"] == "slow_reads" and "fetch_split" not in g["evidence"]
+
+
+def test_measured_start_ups_after_the_first_are_a_cost_per_epoch():
+    # three generations of workers, each 0.3 s to the first batch; no data-wait spikes
+    # stand out (the wait is steady), but the two restarts cost 0.6 s of a ~1.2 s window
+    w = entry(0.5, 0.0, 0.5, 0.5, generations=[(-1.0, 0.3), (0.2, 0.3), (0.6, 0.3)])
+    f, steps, summary = diagnose_with(w, loader_kw={"persistent_workers": False},
+                                      data_ms=10.0)
+    assert f["cause"] == "worker_startup_per_epoch", f
+    steady = steps[summary["steps"]["warmup"]:]
+    total = steady["dur_ns"].sum() / 1e9
+    assert f["evidence"]["worker_startup_share"] == pytest.approx(0.6 / total, rel=1e-3)
+    assert f["evidence"]["worker_startup_s"] == 0.3 and f["evidence"]["worker_generations"] == 3
+    assert "0.30 s per epoch start" in f["title"]
+    # a restart before the steady window is not counted; with persistent workers none is
+    w = entry(0.5, 0.0, 0.5, 0.5, generations=[(-1.0, 0.3), (-0.5, 0.3)])
+    f, _, _ = diagnose_with(w, loader_kw={"persistent_workers": False})
+    assert f["cause"] != "worker_startup_per_epoch"
+
+
+# -- real runs ----------------------------------------------------------------------------------
+
+
+def test_sleeping_samples_in_fork_workers_are_slow_reads(tmp_path):
+    doc = run_script(tmp_path, """
+if __name__ == "__main__":
+    train(DataLoader(Sleepy(), batch_size=8, num_workers=2, persistent_workers=True), epochs=2)
+""")
+    w = loader_entry(doc)
+    assert (w["mode"], w["start_method"], w["num_workers"]) == ("workers", "fork", 2)
+    assert w["samples"] == 192 and w["batches"] == 24 and w["processes"] == 2
+    assert w["samples_timed"] == 192  # 5 ms samples are timed one by one
+    # a 5 ms sleep: 5 ms blocked once the waits for a core are set apart; almost no CPU
+    assert 4.9 <= reads_ms(w) <= 6.5, w
+    assert 4.9 <= w["sample_blocked_ms"]["median"] <= 15, w
+    assert w["sample_cpu_ms"]["median"] < 1.0, w
+    assert w["fetch_split"]["blocked"] > 0.5 > w["fetch_split"]["cpu"]
+    assert w["busy_share_active"]["median"] > 0.5  # the loop waits on them
+    assert len(w["startup"]["per_generation"]) == 1 and w["startup"]["avoidable_s"] == 0
+    f = input_finding(doc)
+    assert f["cause"] == "slow_reads", f
+    assert f["evidence"]["sample_blocked_ms"]["median"] == pytest.approx(
+        w["sample_blocked_ms"]["median"], rel=1e-3)
+    assert "sample_cpu_ms" in f["evidence"] and "collate_ms_per_batch" in f["evidence"]
+    assert "ms on reads or latency" in f["title"]
+    assert "num_workers=4,  # was 2: blocked workers can exceed" in f["fix"]["snippet"]
+    # the files behind it: one per worker, closed at exit
+    files = sorted((tmp_path / "run" / "workers").glob("*.json"))
+    assert len(files) == 2
+    assert all(json.loads(p.read_text())["ended"] for p in files)
+
+
+def test_cpu_bound_samples_in_spawn_workers_are_cpu_transforms(tmp_path):
+    doc = run_script(tmp_path, """
+if __name__ == "__main__":
+    train(DataLoader(Burner(), batch_size=8, num_workers=2, persistent_workers=True,
+                     multiprocessing_context="spawn"))
+""")
+    w = loader_entry(doc)
+    assert (w["start_method"], w["samples"]) == ("spawn", 96)
+    assert 4.5 <= w["sample_cpu_ms"]["median"] <= 6.0, w  # thread CPU time: load-independent
+    assert reads_ms(w) < 1.0, w  # whatever is off-CPU is a wait for a core, not a read
+    assert w["fetch_split"]["cpu"] + w["fetch_split"]["waiting_for_cpu"] > 0.8
+    # spawn workers import torch and the script before their first batch
+    gen = w["startup"]["per_generation"][0]
+    assert gen["launch_s"] > 0.2 and gen["median_s"] > gen["launch_s"]
+    f = input_finding(doc)
+    assert f["cause"] == "cpu_transforms", f
+    assert f["evidence"]["sample_cpu_ms"]["median"] == pytest.approx(
+        w["sample_cpu_ms"]["median"], rel=1e-3)
+    assert "ms of CPU in the DataLoader workers" in f["title"]
+    assert "num_workers=2,  # unchanged" in f["fix"]["snippet"]
+
+
+def test_num_workers_0_is_measured_in_the_training_process(tmp_path):
+    doc = run_script(tmp_path, """
+train(DataLoader(Sleepy(), batch_size=8))
+""")
+    w = loader_entry(doc)
+    assert (w["mode"], w["num_workers"], w["samples"], w["batches"]) == ("main", 0, 96, 12)
+    assert w["processes"] == 1 and w["startup"] is None and w["busy_share"] is None
+    assert 4.9 <= reads_ms(w) <= 6.5 and w["sample_cpu_ms"]["median"] < 1.0, w
+    files = list((tmp_path / "run" / "workers").glob("*.json"))
+    docs = [json.loads(p.read_text()) for p in files]
+    assert [(d["role"], d["ended"]) for d in docs] == [("main", True)]  # the final write
+    f = input_finding(doc)
+    assert (f["cause"], f["severity"]) == ("too_few_workers", "high")
+    assert f["evidence"]["fetch_split"]["blocked"] > 0.5
+    assert "ms blocked (reads, latency)" in f["fix"]["text"]
+    assert "num_workers=4,  # was 0" in f["fix"]["snippet"]
+
+
+def test_a_slow_collate_is_named(tmp_path):
+    doc = run_script(tmp_path, """
+class Cheap(Dataset):
+    def __len__(self):
+        return 128
+    def __getitem__(self, i):
+        return [float(v) for v in range(16)], i % 2
+
+def slow_collate(batch):          # a per-element Python loop: ~15 ms of CPU per batch
+    burn(15)
+    return torch.tensor([x for x, _ in batch]), torch.tensor([y for _, y in batch])
+
+if __name__ == "__main__":
+    model = nn.Linear(16, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(Cheap(), batch_size=8, num_workers=2, persistent_workers=True,
+                        collate_fn=slow_collate)
+    for x, y in loader:
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(); loss.backward(); opt.step()
+""")
+    w = loader_entry(doc)
+    assert w["batches"] == 16 and w["samples"] == 128
+    # cheap samples: timed per batch after each worker's first batch (a batch stretched by
+    # preemption on the busy machine may be timed per sample again: it costs little)
+    assert w["samples_timed"] < 64, w
+    assert w["collate_ms"]["mean"] >= 14.0, w
+    assert w["fetch_split"]["collate"] > 0.8, w
+    f = input_finding(doc)
+    assert f["cause"] == "collate", f
+    assert f["evidence"]["collate_ms_per_batch"]["mean"] >= 14.0
+    assert "collate_fn takes" in f["title"]
+    assert "collate_fn=fast_collate," in f["fix"]["snippet"]
+    compile(f["fix"]["snippet"], "snippet", "exec")  # the snippet is valid Python
+
+
+def test_workers_restarted_every_epoch_record_their_start_up(tmp_path):
+    doc = run_script(tmp_path, """
+class Tagged(Dataset):
+    tag = None
+    def __len__(self):
+        return 64
+    def __getitem__(self, i):
+        return torch.randn(8), self.tag
+
+def open_shards(worker_id):       # the user's worker_init_fn still runs, first
+    time.sleep(0.15)
+    torch.utils.data.get_worker_info().dataset.tag = worker_id
+
+if __name__ == "__main__":
+    loader = DataLoader(Tagged(), batch_size=8, num_workers=2, worker_init_fn=open_shards)
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for epoch in range(3):
+        for x, y in loader:
+            assert set(y.tolist()) <= {0, 1}, y
+            time.sleep(0.01)
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad(); loss.backward(); opt.step()
+    assert loader.worker_init_fn is open_shards  # left as the user set it
+""")
+    w = loader_entry(doc)
+    assert (w["generations"], w["processes"], w["samples"]) == (3, 6, 192)
+    gens = w["startup"]["per_generation"]
+    assert [g["generation"] for g in gens] == [1, 2, 3]
+    assert all(g["workers"] == 2 for g in gens)
+    assert all(0.14 <= g["init_s"] <= 1.0 for g in gens), gens  # the user's init, timed
+    assert all(g["first_batch_s"] >= g["init_s"] for g in gens)
+    assert gens[0]["at_s"] < gens[1]["at_s"] < gens[2]["at_s"]
+    assert w["startup"]["avoidable_s"] == pytest.approx(
+        gens[1]["first_batch_s"] + gens[2]["first_batch_s"])
+    f = input_finding(doc)
+    assert f["cause"] == "worker_startup_per_epoch", f
+    assert f["evidence"]["worker_generations"] == 3
+    assert f["evidence"]["worker_startup_s"] >= 0.15
+
+
+def test_iterable_dataset_times_next_per_sample(tmp_path):
+    doc = run_script(tmp_path, """
+class Stream(IterableDataset):
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        for i in range(info.id, 80, info.num_workers):
+            time.sleep(0.004)
+            yield torch.zeros(8), i % 2
+
+if __name__ == "__main__":
+    train(DataLoader(Stream(), batch_size=8, num_workers=2))
+""")
+    w = loader_entry(doc)
+    assert w["samples"] == 80 and w["batches"] == 10
+    assert 3.9 <= reads_ms(w) <= 5.5, w
+
+
+KILLED = """
+import signal
+
+class Endless(Sleepy):
+    def __len__(self):
+        return 100_000
+
+if __name__ == "__main__":
+    loader = DataLoader(Endless(), batch_size=4, num_workers=2, persistent_workers=True)
+    it = iter(loader)
+    victim = it._workers[0].pid
+    t0 = time.monotonic()
+    try:
+        while True:
+            x, y = next(it)
+            if time.monotonic() - t0 > 1.8:
+                os.kill(victim, signal.SIGKILL)   # a worker dies mid-run (OOM killer, ...)
+                time.sleep(0.5)
+    except (RuntimeError, StopIteration) as exc:
+        print("loader ended:", type(exc).__name__, exc, file=sys.stderr)
+    print("victim", victim)
+"""
+
+
+def test_a_worker_killed_mid_run_leaves_a_readable_file(tmp_path):
+    write_script(tmp_path, "train.py", COMMON + KILLED)
+    res = trainprof("run", "train.py", cwd=tmp_path, timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    victim = int(res.stdout.split("victim ")[1].split()[0])
+    folder = tmp_path / "run" / "workers"
+    doc = json.loads((folder / f"{victim}.json").read_text())
+    assert doc["ended"] is False  # never closed: this is the last periodic write
+    s = doc["streams"][0]
+    # written at least once a second while it ran for ~1.8 s at 20 ms per batch (on 2 shared
+    # cores, a sleep can take longer: a loose floor)
+    assert s["batches"] >= 10, s
+    # leftovers of a kill mid-write are skipped, never fatal
+    (folder / f".{victim}.json.{victim}.tmp").write_bytes(b'{"format": 1, "str')
+    (folder / "12345.json").write_bytes(b"not json")
+    summary = summarize_workers(tmp_path / "run")
+    assert summary is not None
+    assert summary["loaders"][0]["processes"] == 2
+    assert summary["loaders"][0]["samples"] >= 4 * s["batches"]
+
+
+def test_sampled_worker_stacks_put_the_slow_transform_on_top(tmp_path):
+    doc = run_script(tmp_path, """
+def read_file(i):
+    time.sleep(0.001)             # the read: ~1 ms blocked
+    return torch.zeros(8)
+
+def slow_transform(x):
+    burn(8)                       # the transform: ~8 ms of CPU
+    return x
+
+class Images(Sleepy):
+    def __getitem__(self, i):
+        return slow_transform(read_file(i)), i % 2
+
+if __name__ == "__main__":
+    train(DataLoader(Images(), batch_size=8, num_workers=2, persistent_workers=True), epochs=2)
+""", "--py")
+    w = loader_entry(doc)
+    assert doc["workers"]["sampled"] is True
+    fns = w["functions"]
+    assert fns["samples_in_fetch"] >= 80, fns  # ~100 Hz over >= 0.8 s of fetching per worker
+    top = fns["top"]
+    # burn() is where slow_transform spends its CPU, so it is the innermost frame (self time);
+    # the samples are of wall time: on 2 busy cores both the 8 ms of CPU and the 1 ms sleep
+    # (its wake-up) stretch, so only their order is certain
+    names = [f["function"] for f in top]
+    assert names[0] == "burn", top
+    by_name = {f["function"]: f for f in top}
+    assert by_name["slow_transform"]["total_share"] >= by_name["burn"]["total_share"]
+    assert by_name["slow_transform"]["self_samples"] == 0
+    assert by_name["slow_transform"]["total_share"] > by_name["read_file"]["total_share"] > 0
+    assert by_name["Images.__getitem__"]["total_share"] > 0.9, top
+    assert all(f["where"].startswith("train.py:") for f in top[:2])
+    stacks = list((tmp_path / "run" / "workers").glob("*.stacks.json"))
+    assert len(stacks) == 2
+    f = input_finding(doc)
+    assert any("slow_transform" in s or "burn" in s for s in f["evidence"]["worker_functions"])
+
+
+def test_no_worker_files_no_section(tmp_path):
+    assert summarize_workers(tmp_path) is None
+    (tmp_path / "workers").mkdir()
+    assert summarize_workers(tmp_path) is None
