@@ -16,6 +16,7 @@ from trainprof.capture.window import (
     looks_like_spec,
     parse_spec,
 )
+from trainprof.commands import analyse
 from trainprof.errors import UsageError
 from trainprof.schema import FLAG_PROFILED, RECORD_WIDTH
 from trainprof.store import load_run
@@ -204,9 +205,19 @@ def test_deep_window_writes_a_trace_of_the_chosen_steps(tp) -> None:
     assert _trace_steps(traces[0]) == ["ProfilerStep#6", "ProfilerStep#7", "ProfilerStep#8"]
     run = load_run(res.run_dir)
     flagged = run.steps["step"][(run.steps["flags"] & FLAG_PROFILED) != 0].tolist()
-    assert flagged == [5, 6, 7, 8, 9]
+    # 5: warm-up, 6-8: recorded, 9: carries the stop; 10: the op-count sample's (8-9) stop
+    assert flagged == [5, 6, 7, 8, 9, 10]
     assert not set(flagged) & set(complete_steps(run.steps)["step"].tolist())
-    assert run.meta["windows"][0]["recorded"] == [[6, 9]]
+    windows = [w for w in run.meta["windows"] if w["tools"] == ["torch_profiler"]]
+    assert windows[0]["recorded"] == [[6, 9]]
+    # the window's trace is analysed into the run summary, as `trainprof trace` would
+    deep = analyse(run)["deep"]
+    assert len(deep) == 1 and deep[0]["steps"] == ["6", "7", "8"]
+    bd = deep[0]["breakdown_us"]
+    assert bd["DataLoader"] > 0 and bd["CpuOp"] > 0 and bd["Kernel"] == 0
+    assert abs(sum(v for k, v in bd.items() if k != "Total") - bd["Total"]) < 1e-6 * bd["Total"]
+    assert deep[0]["cpu_only"] is True
+    assert "Deep window  steps 6-8" in res.stdout
 
 
 def test_deep_window_cut_short_by_the_end_of_the_run_is_kept(tp) -> None:

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from trainprof.analysis.deep import trace_findings
 from trainprof.analysis.summary import summarize_run
 from trainprof.capture.window import Schedule, WindowRunner, parse_spec
 from trainprof.report.json_report import render_json
@@ -26,7 +27,10 @@ def analyse(run: Run) -> dict[str, Any]:
     from trainprof.diagnosis import diagnose
 
     summary = summarize_run(run)
-    summary["findings"] = diagnose(summary, run.steps)
+    findings = diagnose(summary, run.steps)
+    # what only a deep window's trace can show (tensor cores, launches, copies), ranked in
+    deep_only = trace_findings(summary.get("deep"), {f["category"] for f in findings})
+    summary["findings"] = sorted(findings + deep_only, key=lambda f: -f["estimated_gain"])
     return summary
 
 

@@ -10,6 +10,7 @@ from collections import defaultdict
 from datetime import datetime
 from typing import Any
 
+from trainprof.analysis.deep import analyse_deep_windows
 from trainprof.analysis.device import device_statistics
 from trainprof.analysis.ops import load_ops
 from trainprof.analysis.python_profile import summarize_python_profile
@@ -102,6 +103,8 @@ def summarize_run(run: Run) -> dict[str, Any]:
         "environment": _environment(meta.get("fingerprint"), meta.get("training_thread")),
         "ops": load_ops(run.path),
         "python_profile": summarize_python_profile(run.path),
+        # torch.profiler windows (--deep): breakdown, GPU summary, top operators per window
+        "deep": analyse_deep_windows(run.path),
         "missing": meta.get("missing", []),
         "notes": meta.get("notes", []),
         "findings": [],  # filled by the diagnosis (trainprof.commands.analyse)

@@ -17,8 +17,10 @@ torch function or tensor method called from Python passes through
 ``__torch_function__``; the call site is the first frame outside torch. For
 each call site it keeps the count, the function name and the shape of the
 first tensor argument of its first call. Calls made inside ``torch.optim``
-(the optimizer's per-parameter loop) are counted apart. Backward ops run in C++ and are not
-counted: the loop lives in the Python that builds the graph.
+(the optimizer's per-parameter loop) and in data loading (``torch.utils.data``,
+a dataset's per-sample indexing) are counted apart: they are the library's
+loops. Backward ops run in C++ and are not counted: the loop lives in the
+Python that builds the graph.
 
 Output: ``RUN_DIR/ops.json`` (see :meth:`OpCountTool.close`).
 """
@@ -46,8 +48,21 @@ _SKIP_DIRS = tuple(
 )
 
 
-#: Calls made inside torch.optim are the optimizer's own per-parameter loop, not the user's.
-_OPTIM_DIR = os.sep + os.path.join("torch", "optim") + os.sep
+#: Calls made inside these parts of torch (and trainprof's timed copy of the DataLoader's
+#: fetch) are the library's own loops - the optimizer's per-parameter loop, a dataset's
+#: per-sample indexing - not the user's: counted apart, by library.
+_LIBRARIES = (
+    ("optimizer", os.sep + os.path.join("torch", "optim") + os.sep),
+    ("data_loading", os.sep + os.path.join("torch", "utils", "data") + os.sep),
+    ("data_loading", os.sep + os.path.join("trainprof", "capture", "worker.py")),
+)
+
+
+def _library_of(filename: str) -> str | None:
+    for name, part in _LIBRARIES:
+        if part in filename:
+            return name
+    return None
 
 
 def _is_torch_frame(filename: str) -> bool:
@@ -81,7 +96,7 @@ class OpCountTool:
         self.path = run_dir / OPS_JSON
         self.steps = 0
         self.total = 0
-        self.optimizer = 0
+        self.library: dict[str, int] = {"optimizer": 0, "data_loading": 0}
         # (filename, lineno, function name) -> [count, shape of the first tensor arg]
         self.sites: dict[tuple[str, int, str], list[Any]] = {}
         self._mode: Any = None
@@ -99,12 +114,13 @@ class OpCountTool:
             def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
                 tool.total += 1
                 f = getframe(1)
-                in_optimizer = False
+                library = None
                 while f is not None and is_torch(f.f_code.co_filename):
-                    in_optimizer = in_optimizer or _OPTIM_DIR in f.f_code.co_filename
+                    if library is None:
+                        library = _library_of(f.f_code.co_filename)
                     f = f.f_back
-                if in_optimizer:
-                    tool.optimizer += 1
+                if library is not None:
+                    tool.library[library] += 1
                 elif f is not None:
                     key = (f.f_code.co_filename, f.f_lineno, _func_name(func))
                     entry = sites.get(key)
@@ -141,8 +157,9 @@ class OpCountTool:
         doc = {
             "steps": self.steps,
             "calls_per_step": self.total / self.steps,
-            # of which inside optimizer.step (not attributed to call sites)
-            "optimizer_calls_per_step": self.optimizer / self.steps,
+            # of which inside optimizer.step and data loading (not attributed to call sites)
+            "optimizer_calls_per_step": self.library["optimizer"] / self.steps,
+            "data_loading_calls_per_step": self.library["data_loading"] / self.steps,
             "sites": [
                 {
                     "file": filename,

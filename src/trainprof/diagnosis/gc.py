@@ -80,8 +80,8 @@ def collector_time(ctx: Context) -> Finding | None:
         "gc.set_threshold(50_000, 50, 100)  # CPython's default is (700, 10, 10)"
     )
     verify = (
-        f"re-run (`trainprof run {ctx.script}`): the summary's gc share (now "
-        f"{share * 100:.1f}%) should fall below 1%, and `trainprof compare` the step times"
+        f"trainprof tune --knob gc_freeze=false,true --knob gc_threshold=700,50000 "
+        f"{ctx.script}  (the gc share, now {share * 100:.1f}%, should fall below 1%)"
     )
     return Finding(
         category="gc",

@@ -252,6 +252,8 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
     for note in list(summary.get("missing") or []) + list(summary.get("notes") or []):
         table.add_row("Note", str(note))
     table.add_row("Run folder", str(summary.get("run_dir")))
+    for label, line in _deep_rows(summary.get("deep")):
+        table.add_row(label, line)
     ops = summary.get("ops")
     if ops:
         table.add_row(
@@ -268,6 +270,39 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
     # Findings go below the table, at full width: fix snippets must not wrap inside a cell.
     for i, f in enumerate(findings, 1):
         _print_finding(console, i, f)
+
+
+_TB_LABELS = {"Kernel": "kernel", "Memcpy": "memcpy", "Memset": "memset",
+              "Communication": "communication", "Runtime": "runtime",
+              "DataLoader": "DataLoader", "CpuOp": "CPU ops", "Other": "other"}
+
+
+def _deep_rows(deep: list[dict[str, Any]] | None) -> list[tuple[str, str]]:
+    """One line per torch.profiler window: the TensorBoard-plugin breakdown, GPU use, top ops."""
+    rows: list[tuple[str, str]] = []
+    for doc in deep or []:
+        name = os.path.basename(str(doc.get("source", "")))
+        if "error" in doc:
+            rows.append(("Deep window", f"{name}: {doc['error']}"))
+            continue
+        bd = doc.get("breakdown_us") or {}
+        total = bd.get("Total") or 0
+        steps = doc.get("steps") or []
+        span = f"steps {steps[0]}-{steps[-1]}" if steps else "whole trace"
+        parts = [f"{_TB_LABELS[k]} {v / total * 100:.0f}%" for k, v in bd.items()
+                 if k in _TB_LABELS and total and v / total >= 0.005]
+        line = f"{span} · {fmt_time(total / 1e6)}/step · " + " · ".join(parts)
+        for dev, g in (doc.get("gpu") or {}).items():
+            if isinstance(g, dict) and g.get("utilization") is not None:
+                line += f" · GPU {dev} util {g['utilization']:.0f}%"
+        rows.append(("Deep window", line))
+        top = [o for o in doc.get("operators") or [] if not str(o.get("name", "")).startswith(
+            ("enumerate(DataLoader)", "Optimizer.", "ProfilerStep"))][:4]
+        if top:
+            rows.append(("  top ops", " · ".join(
+                f"{o['name']} {fmt_time((o.get('host_self_us') or 0) / 1e6)}" for o in top)
+                + f"  (self CPU time over the window; trace: {doc.get('source')})"))
+    return rows
 
 
 _SEVERITY_STYLE = {"high": "bold red", "medium": "bold yellow", "low": "bold blue"}

@@ -1,0 +1,659 @@
+"""``trainprof trace``: the analyzer against published numbers, formats seen in the field,
+malformed inputs, and its speed and memory goals.
+
+The reference traces are read in place from ``../shared/traces`` (the TensorBoard plugin's
+ResNet-50 samples with the plugin's own numbers, HTA's test traces, TraceLens's H100
+traces); those tests are skipped where that folder is missing. Everything else runs on
+small traces generated here.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trainprof.analysis.trace import analyse_trace
+from trainprof.analysis.trace import intervals as iv
+from trainprof.analysis.trace.gpu_metrics import uses_tensor_cores
+from trainprof.diagnosis.trace_rules import diagnose_trace
+from trainprof.errors import UsageError
+from trainprof.report.trace_terminal import render_trace
+
+TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+TB = TRACES / "tb-resnet50"
+MORE = TRACES / "more"
+needs_traces = pytest.mark.skipif(not TB.is_dir(), reason="shared/traces not available")
+
+CATEGORIES = ("Kernel", "Memcpy", "Memset", "Communication", "Runtime", "DataLoader", "CpuOp",
+              "Other", "Total")
+
+
+@pytest.fixture(scope="module")
+def tb_results() -> dict[str, dict]:
+    if not TB.is_dir():
+        pytest.skip("shared/traces not available")
+    return {name: analyse_trace(TB / name)
+            for name in ("nw0-steps5-10.pt.trace.json.gz", "nw4-steps5-10.pt.trace.json.gz")}
+
+
+# --- the published numbers -------------------------------------------------------------
+
+@needs_traces
+@pytest.mark.parametrize("name", ["nw0-steps5-10.pt.trace.json.gz",
+                                  "nw4-steps5-10.pt.trace.json.gz"])
+def test_breakdown_matches_tensorboard_plugin(tb_results, name):
+    expected = json.loads((TB / "expected-tb-plugin.json").read_text())[name]
+    doc = tb_results[name]
+    assert doc["steps"] == expected["steps"]
+    for cat, want in expected["avg_step_breakdown_us"].items():
+        got = doc["breakdown_us"][cat]
+        # the plugin rounds the average to whole µs: within 0.5% or half a microsecond
+        assert abs(got - want) <= max(0.005 * want, 0.5), (cat, got, want)
+    assert sum(doc["breakdown_us"][c] for c in CATEGORIES[:-1]) == pytest.approx(
+        doc["breakdown_us"]["Total"], rel=1e-9)
+
+
+@needs_traces
+@pytest.mark.parametrize("name", ["nw0-steps5-10.pt.trace.json.gz",
+                                  "nw4-steps5-10.pt.trace.json.gz"])
+def test_gpu_summary_matches_tensorboard_plugin(tb_results, name):
+    expected = json.loads((TB / "expected-tb-plugin.json").read_text())[name]["gpu_summary"]
+    g = tb_results[name]["gpu"]["0"]
+    assert g["name"] == expected["Name"]
+    assert g["compute_capability"] == expected["Compute Capability"]
+
+    def pct(key):
+        return float(expected[key].rstrip(" %"))
+
+    # the plugin prints two decimals
+    assert round(g["utilization"], 2) == pytest.approx(pct("GPU Utilization"), abs=0.011)
+    assert round(g["sm_efficiency"], 2) == pytest.approx(pct("Est. SM Efficiency"), abs=0.011)
+    assert round(g["achieved_occupancy"], 2) == pytest.approx(
+        pct("Est. Achieved Occupancy"), abs=0.011)
+    assert g["tensor_core_pct"] == pct("Kernel Time using Tensor Cores") == 0.0
+
+
+@needs_traces
+def test_recommendations_match_tensorboard_plugin(tb_results):
+    """The plugin's two recommendations: DataLoader 33.4% (nw0 only); 68% TC-eligible."""
+    nw0 = tb_results["nw0-steps5-10.pt.trace.json.gz"]
+    nw4 = tb_results["nw4-steps5-10.pt.trace.json.gz"]
+    assert round(nw0["breakdown_pct"]["DataLoader"], 1) == 33.4
+    for doc in (nw0, nw4):
+        assert round(doc["tc_eligible_kernel_pct"]) == 68
+    causes0 = [(f["category"], f["cause"]) for f in nw0["findings"]]
+    causes4 = [(f["category"], f["cause"]) for f in nw4["findings"]]
+    assert causes0[0] == ("input_pipeline", "too_few_workers")
+    assert nw0["findings"][0]["severity"] == "high"
+    assert nw0["findings"][0]["estimated_gain"] == pytest.approx(0.334, abs=0.001)
+    assert ("compute", "tensor_cores_unused") in causes0
+    assert ("compute", "tensor_cores_unused") in causes4
+    assert not any(c == "input_pipeline" for c, _ in causes4)  # 0.8% DataLoader with 4 workers
+    assert ("host_to_device", "pageable_memory") in causes0  # Pageable -> Device copies
+
+
+@needs_traces
+@pytest.mark.parametrize(("name", "idle", "compute", "non_compute", "span"), [
+    ("nw0-steps5-10.pt.trace.json.gz", 39.43, 59.35, 1.22, 830_494),
+    ("nw4-steps5-10.pt.trace.json.gz", 24.32, 73.23, 2.45, None),
+])
+def test_temporal_breakdown_matches_hta(tb_results, name, idle, compute, non_compute, span):
+    t = tb_results[name]["temporal"]["0"]
+    assert round(t["idle_pct"], 2) == idle
+    assert round(t["compute_pct"], 2) == compute
+    assert round(t["non_compute_pct"], 2) == non_compute
+    assert t["last_step_excluded"]
+    if span is not None:
+        assert t["span_us"] == span
+    ib = t["idle_breakdown"]
+    assert ib["host_wait_pct"] + ib["kernel_wait_pct"] + ib["other_pct"] == pytest.approx(100)
+    assert ib["host_wait_pct"] > 90  # the GPU waits for the host (data loading, launches)
+
+
+@needs_traces
+def test_gpu_timeline_matches_tracelens():
+    """TraceLens's gpu_timeline.csv for the H100 traces: total, idle and busy time agree.
+
+    A cross-check of the device-timeline arithmetic by a third tool (one step each, so HTA
+    cuts nothing). The Qwen trace is left out: it has kernels before the step, and TraceLens
+    windows its timeline to the GPU's ProfilerStep annotation where HTA does not.
+    """
+    folder = MORE / "tracelens" / "h100"
+    checked = 0
+    for csv in sorted(folder.glob("*_perf_report_csvs/gpu_timeline.csv")):
+        trace = folder / (csv.parent.name.removesuffix("_perf_report_csvs") + ".json.gz")
+        if not trace.exists() or trace.name.startswith("Qwen"):
+            continue
+        ref = {}
+        for line in csv.read_text().splitlines()[1:]:
+            key, ms, _ = line.split(",")
+            ref[key] = float(ms) * 1000.0
+        t = analyse_trace(trace)["temporal"]["0"]
+        assert t["span_us"] == pytest.approx(ref["total_time"], abs=0.01)
+        assert t["idle_us"] == pytest.approx(ref["idle_time"], abs=0.01)
+        assert t["span_us"] - t["idle_us"] == pytest.approx(ref["busy_time"], abs=0.01)
+        checked += 1
+    assert checked >= 4
+
+
+# --- every trace of the field analyses ------------------------------------------------
+
+MORE_FILES = sorted(p for p in MORE.rglob("*.json.gz")) if MORE.is_dir() else []
+
+
+@needs_traces
+@pytest.mark.parametrize("path", MORE_FILES, ids=[p.name[:40] for p in MORE_FILES])
+def test_every_shared_trace_analyses(path):
+    doc = analyse_trace(path)
+    json.dumps(doc)  # JSON-serialisable as it is
+    bd = doc["breakdown_us"]
+    assert bd["Total"] > 0
+    assert sum(bd[c] for c in CATEGORIES[:-1]) == pytest.approx(bd["Total"], rel=1e-9)
+    assert all(0 <= v <= 100.0001 for v in doc["breakdown_pct"].values())
+    assert doc["steps"]
+    for g in doc["gpu"].values():
+        for key in ("utilization", "sm_efficiency", "achieved_occupancy", "tensor_core_pct"):
+            assert g[key] is None or 0 <= g[key] <= 100.0001, (key, g[key])
+    for t in doc["temporal"].values():
+        total = t["idle_pct"] + t["compute_pct"] + t["non_compute_pct"]
+        assert total == pytest.approx(100)
+    for f in doc["findings"]:
+        assert set(f) >= {"category", "cause", "title", "severity", "evidence",
+                          "estimated_gain", "fix", "verify"}
+    gains = [f["estimated_gain"] for f in doc["findings"]]
+    assert gains == sorted(gains, reverse=True)
+    out = io.StringIO()
+    render_trace(doc, file=out)
+    assert "Step-time breakdown" in out.getvalue()
+
+
+@needs_traces
+def test_format_facts_of_the_field():
+    amd = analyse_trace(MORE / "hta" / "mi250_minitoy_train_ROCm6_2_kineto.json.gz")
+    assert amd["format"]["device_type"] == "ROCm"
+    assert amd["format"]["float_timestamps"]
+    assert amd["gpu"]  # AMD kernels are device work too
+    assert any(k["tensor_cores"] for k in amd["kernels"])  # Tensile MFMA kernels (_MI16x16x1)
+    cpu = analyse_trace(next((MORE / "hta").glob("rank-34*.json.gz")))
+    assert cpu["format"]["device_type"] == "CPU only" and cpu["cpu_only"]
+    assert cpu["gpu"] == {} and cpu["temporal"] == {}
+    assert cpu["rank"] == 34  # from distributedInfo
+    ns = analyse_trace(next((MORE / "hta" / "ns_res").glob("*.json.gz")))
+    assert ns["format"]["float_timestamps"] and ns["format"]["generation"].startswith("modern")
+    control = analyse_trace(MORE / "hta" / "trace_diff_control" / "control.json.gz")
+    assert control["breakdown_us"]["DataLoader"] > 0  # user_annotation DataLoader counted
+    assert control["breakdown_us"]["Communication"] > 0  # NCCL kernels
+    assert control["communication"]["overlap_pct_of_communication"] >= 0
+
+
+@needs_traces
+def test_directory_of_ranks_is_merged():
+    doc = analyse_trace(MORE / "hta" / "trace_filter_2ranks")
+    assert set(doc["ranks"]) == {"0", "1"}
+    assert set(doc["temporal"]) == {"0", "1"}
+    assert len(doc["gpu"]) == 2
+    for c in CATEGORIES:
+        mean = np.mean([r["breakdown_us"][c] for r in doc["ranks"].values()])
+        assert doc["breakdown_us"][c] == pytest.approx(mean)
+    assert doc["rank_spread"]["spread_pct"] >= 0
+    out = io.StringIO()
+    render_trace(doc, file=out)
+    assert "Per rank" in out.getvalue()
+
+
+# --- a known-answer trace in every format generation -----------------------------------
+
+def synthetic_trace(modern: bool = True, gpu_annotations: bool = True, n_steps: int = 3,
+                    base: float = 1_700_000_000_000.125) -> dict:
+    """Steps of 100 µs with known answers (µs from the step start):
+
+    DataLoader [0, 20], aten::mm [20, 60], cudaLaunchKernel [30, 35], its tensor-core
+    kernel [40, 90] (0.5 blocks/SM, 50% occupancy), cudaStreamSynchronize [60, 95].
+    Priority gives Kernel 50, Runtime 10 ([30,35] and [90,95]), DataLoader 20,
+    CPU Exec 15 ([20,30] and [35,40]) and Other 5. String pids, float timestamps with
+    nanosecond fractions, and (modern) the GPU copy of each ProfilerStep.
+    """
+    cat = (dict(op="cpu_op", ann="user_annotation", rt="cuda_runtime", k="kernel") if modern
+           else dict(op="Operator", ann="Operator", rt="Runtime", k="Kernel"))
+    ev: list[dict] = []
+    for k in range(n_steps):
+        s = base + 100.0 * k
+        ext, corr = 10 + k, 1000 + 2 * k
+        host = {"pid": "host", "tid": "main"}
+        ev += [
+            {"ph": "X", "cat": cat["ann"], "name": f"ProfilerStep#{k}", **host, "ts": s,
+             "dur": 100.0, "args": {"External id": 100 + k}},
+            {"ph": "X", "cat": cat["ann"], **host, "ts": s, "dur": 20.0,
+             "name": "enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__"},
+            {"ph": "X", "cat": cat["op"], "name": "aten::mm", **host, "ts": s + 20, "dur": 40.0,
+             "args": {"External id": ext}},
+            {"ph": "X", "cat": cat["rt"], "name": "cudaLaunchKernel", **host, "ts": s + 30,
+             "dur": 5.0, "args": {"External id": ext, "correlation": corr}},
+            {"ph": "X", "cat": cat["k"], "pid": 0, "tid": 7 if modern else "stream 7",
+             "name": "sm80_xmma_gemm_f32f32_tf32f32_f32_nn_n_tilesize128x128x16",
+             "ts": s + 40, "dur": 50.0,
+             "args": {"External id": ext, "correlation": corr, "device": 0, "stream": 7,
+                      "blocks per SM": 0.5, "est. achieved occupancy %": 50}},
+            {"ph": "X", "cat": cat["rt"], "name": "cudaStreamSynchronize", **host,
+             "ts": s + 60, "dur": 35.0, "args": {"correlation": corr + 1}},
+            {"ph": "s", "id": corr, "pid": "host", "tid": "main", "ts": s + 30, "cat": "ac2g",
+             "name": "ac2g"},
+        ]
+        if modern and gpu_annotations:
+            ev.append({"ph": "X", "cat": "gpu_user_annotation", "name": f"ProfilerStep#{k}",
+                       "pid": 0, "tid": 7, "ts": s + 40, "dur": 50.0})
+    return {"schemaVersion": 1, "traceEvents": ev, "traceName": "synthetic",
+            "deviceProperties": [{"id": 0, "name": "NVIDIA A100-SXM4-80GB", "numSms": 108,
+                                  "totalGlobalMem": 85899345920, "computeMajor": 8,
+                                  "computeMinor": 0}]}
+
+
+def _write(path: Path, doc, gz: bool = False, indent: int | None = None) -> Path:
+    text = json.dumps(doc, indent=indent)
+    if gz:
+        path.write_bytes(gzip.compress(text.encode()))
+    else:
+        path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(("modern", "layout", "gz", "indent"), [
+    (True, "object", False, None),
+    (True, "object", True, 2),
+    (False, "object", False, 1),
+    (True, "array", False, None),
+    (False, "array", True, None),
+])
+def test_known_answer_in_every_format(tmp_path, modern, layout, gz, indent):
+    doc = synthetic_trace(modern=modern)
+    content = doc if layout == "object" else doc["traceEvents"]
+    path = _write(tmp_path / ("t.json.gz" if gz else "t.json"), content, gz=gz, indent=indent)
+    res = analyse_trace(path)
+    assert res["steps"] == ["0", "1", "2"]
+    want = {"Kernel": 50, "Memcpy": 0, "Memset": 0, "Communication": 0, "Runtime": 10,
+            "DataLoader": 20, "CpuOp": 15, "Other": 5, "Total": 100}
+    for cat, v in want.items():
+        assert res["breakdown_us"][cat] == pytest.approx(v, abs=1e-3), cat
+    g = res["gpu"]["0"]
+    assert g["utilization"] == pytest.approx(50)  # 150 µs of kernels in 300 µs of steps
+    assert g["sm_efficiency"] == pytest.approx(25)  # 0.5 blocks per SM
+    assert g["achieved_occupancy"] == pytest.approx(50)
+    assert g["tensor_core_pct"] == pytest.approx(100)  # sm80_xmma_gemm
+    assert res["launch"]["launch_delay_us"]["median"] == pytest.approx(10)
+    assert res["sync"]["share_pct"] == pytest.approx(35)
+    assert res["format"]["string_pids"] and res["format"]["float_timestamps"]
+    assert res["format"]["layout"] == layout and res["format"]["compressed"] == gz
+    t = res["temporal"]["0"]
+    if modern:
+        # HTA cuts at the latest ProfilerStep start of any non-kernel event, the GPU copy
+        # of the last step included: the last kernel's launch (at +30) comes before it (+40).
+        assert t["span_us"] == pytest.approx(250) and t["idle_pct"] == pytest.approx(40)
+    else:
+        assert t["span_us"] == pytest.approx(150)  # last step excluded
+        assert t["idle_pct"] == pytest.approx(100 / 3)
+    assert t["idle_breakdown"]["host_wait_pct"] == pytest.approx(100)
+    causes = {(f["category"], f["cause"]) for f in res["findings"]}
+    assert ("input_pipeline", "slow_loading") in causes  # 20% with worker processes
+    assert ("synchronization", "explicit_synchronize") in causes
+
+
+def test_breakdown_in_step_batches_is_the_same(tmp_path, monkeypatch):
+    """Large traces are broken down a batch of steps at a time (bounded temporaries)."""
+    import trainprof.analysis.trace.tb_breakdown as tb
+
+    path = _write(tmp_path / "t.json", synthetic_trace(n_steps=12))
+    whole = analyse_trace(path)["breakdown_per_step_us"]
+    monkeypatch.setattr(tb, "BATCH_BOUNDS", 16)
+    batched = analyse_trace(path)["breakdown_per_step_us"]
+    assert batched == whole and len(whole) == 12
+
+
+def test_hta_cut_without_gpu_annotations(tmp_path):
+    path = _write(tmp_path / "t.json", synthetic_trace(gpu_annotations=False))
+    t = analyse_trace(path)["temporal"]["0"]
+    assert t["last_step_excluded"] and t["device_events"] == 2
+    assert t["span_us"] == pytest.approx(150) and t["compute_pct"] == pytest.approx(200 / 3)
+
+
+def test_cuda_sync_waits_are_hta_non_compute(tmp_path):
+    """Kineto's ``cuda_sync`` events (a stream waiting) are device time for HTA, not compute,
+    and stay out of its idle-time breakdown and out of the TensorBoard breakdown."""
+    doc = synthetic_trace()
+    for e in list(doc["traceEvents"]):
+        if e["name"] == "cudaStreamSynchronize":
+            doc["traceEvents"].append({
+                "ph": "X", "cat": "cuda_sync", "name": "Stream Sync", "pid": 0, "tid": 7,
+                "ts": e["ts"] + 30.0, "dur": 4.0,
+                "args": {"stream": 7, "device": 0, "correlation": e["args"]["correlation"]}})
+    res = analyse_trace(_write(tmp_path / "t.json", doc))
+    t = res["temporal"]["0"]
+    assert t["non_compute_us"] == pytest.approx(8)  # two waits before the cut (HTA: 6, rounded)
+    assert t["idle_us"] == pytest.approx(92) and t["compute_us"] == pytest.approx(150)
+    assert t["idle_breakdown"]["host_wait_us"] == pytest.approx(100)
+    assert res["breakdown_us"]["Kernel"] == pytest.approx(50, abs=1e-3)
+
+
+def test_no_steps_is_one_window(tmp_path):
+    doc = synthetic_trace(n_steps=1)
+    doc["traceEvents"] = [e for e in doc["traceEvents"]
+                          if not e["name"].startswith("ProfilerStep")]
+    res = analyse_trace(_write(tmp_path / "t.json", doc))
+    assert res["steps"] == ["0"] and not res["steps_found"]
+    assert any("whole trace" in n for n in res["notes"])
+    assert res["breakdown_us"]["Total"] == pytest.approx(90)  # CPU span [0, 60] → device end 90
+    assert any(f["category"] == "measurement_noise" for f in res["findings"])
+
+
+def test_tail_steps_without_device_work_are_dropped(tmp_path):
+    doc = synthetic_trace(n_steps=4)
+    doc["traceEvents"] = [e for e in doc["traceEvents"]
+                          if not (e["ts"] >= 1_700_000_000_300 and e["cat"] == "kernel")]
+    res = analyse_trace(_write(tmp_path / "t.json", doc))
+    assert res["steps"] == ["0", "1", "2"] and res["window"]["removed_tail_steps"] == ["3"]
+
+
+def test_cpu_only_trace_from_torch_profiler(tmp_path):
+    """A real CPU trace from torch.profiler with an input-bound DataLoader."""
+    script = tmp_path / "gen.py"
+    out = tmp_path / "cpu.pt.trace.json"
+    script.write_text(textwrap.dedent(f"""
+        import time, torch
+        from torch.utils.data import DataLoader, Dataset
+        class Slow(Dataset):
+            def __len__(self): return 64
+            def __getitem__(self, i):
+                time.sleep(0.002)
+                return torch.randn(16), torch.randint(0, 4, ())
+        torch.set_num_threads(1)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                    torch.nn.Linear(32, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = torch.profiler.schedule(wait=1, warmup=1, active=3)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                    schedule=sched) as prof:
+            for step, (x, y) in enumerate(DataLoader(Slow(), batch_size=4)):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                opt.zero_grad(); loss.backward(); opt.step()
+                prof.step()
+                if step == 4:
+                    break
+        prof.export_chrome_trace({str(out)!r})
+    """))
+    subprocess.run([sys.executable, str(script)], check=True, capture_output=True, timeout=300)
+    res = analyse_trace(out)
+    assert res["cpu_only"] and res["gpu"] == {} and res["temporal"] == {}
+    assert len(res["steps"]) == 3
+    # 4 samples x 2 ms of sleep per batch: the DataLoader dominates the step
+    assert res["breakdown_pct"]["DataLoader"] > 50
+    assert res["breakdown_us"]["DataLoader"] >= 8000
+    assert res["breakdown_us"]["CpuOp"] > 0
+    names = [op["name"] for op in res["operators"]]
+    assert "aten::addmm" in names or "aten::linear" in names
+    top = res["findings"][0]
+    assert (top["category"], top["cause"]) == ("input_pipeline", "too_few_workers")
+    text = io.StringIO()
+    render_trace(res, file=text)
+    assert "GPU" not in text.getvalue().split("Top operators")[0].replace("GPU 0", "")
+
+
+# --- malformed input: a one-line error (exit 2) or an analysis of what is there --------
+
+def _cli(path: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "trainprof", "trace", str(path), *extra],
+        capture_output=True, text=True, timeout=120,
+    )
+
+
+BAD_INPUTS = {
+    "empty.json": b"",
+    "blank.json": b"  \n\t ",
+    "not_json.json": b"hello world",
+    "binary.json": bytes(range(256)) * 4,
+    "object.json": b'{"a": 1, "b": [1, 2]}',
+    "number.json": b"42",
+    "events_not_list.json": b'{"traceEvents": {"ph": "X"}}',
+    "events_numbers.json": b'{"traceEvents": [1, 2, 3]}',
+    "events_empty.json": b'{"traceEvents": []}',
+    "no_complete_events.json": b'{"traceEvents": [{"ph": "i", "name": "x", "ts": 1}]}',
+    "gzip_of_text.json.gz": gzip.compress(b"this is not json"),
+    "bad_gzip.json.gz": b"\x1f\x8b\x08\x00garbage that is not deflate",
+    "header_only_truncated.json": b'{"schemaVersion": 1, "traceEv',
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_INPUTS))
+def test_malformed_input_is_one_error_line(tmp_path, name):
+    path = tmp_path / name
+    path.write_bytes(BAD_INPUTS[name])
+    for extra in ((), ("--json",)):
+        proc = _cli(path, *extra)
+        assert proc.returncode == 2, (name, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+        assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_missing_path_and_empty_directory(tmp_path):
+    for path in (tmp_path / "nope.json", tmp_path):
+        proc = _cli(path)
+        assert proc.returncode == 2 and proc.stderr.startswith("error: ")
+        assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_directory_skips_files_that_are_not_traces(tmp_path):
+    _write(tmp_path / "rank0.json", synthetic_trace())
+    (tmp_path / "notes.json").write_text('{"comment": "not a trace"}')
+    (tmp_path / "readme.txt").write_text("ignored: not *.json")
+    doc = analyse_trace(tmp_path)
+    assert doc["steps"] == ["0", "1", "2"] and doc["rank"] == 0
+    assert any(w.startswith("skipped") and "notes.json" in w for w in doc["warnings"])
+
+
+def test_usage_error_from_the_library(tmp_path):
+    path = tmp_path / "x.json"
+    path.write_text('{"traceEvents": 5}')
+    with pytest.raises(UsageError, match="not an array"):
+        analyse_trace(path)
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_truncated_trace_is_analysed_up_to_the_cut(tmp_path, gz):
+    text = json.dumps(synthetic_trace(n_steps=6), indent=1).encode()
+    cut = text[: int(len(text) * 0.7)]
+    path = tmp_path / ("t.json.gz" if gz else "t.json")
+    path.write_bytes(gzip.compress(text)[: int(len(gzip.compress(text)) * 0.7)] if gz else cut)
+    proc = _cli(path, "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["format"]["truncated"]
+    assert any("truncated" in w for w in doc["warnings"])
+    assert 1 <= len(doc["steps"]) < 6
+    assert doc["breakdown_us"]["Kernel"] == pytest.approx(50, abs=1e-3)
+
+
+def test_loose_types_are_read_or_skipped(tmp_path):
+    """Timestamps as strings, a numeric name, missing durations: read what makes sense."""
+    doc = synthetic_trace()
+    doc["traceEvents"][0]["ts"] = str(doc["traceEvents"][0]["ts"])
+    doc["traceEvents"].append({"ph": "X", "cat": "cpu_op", "name": 7, "pid": 1, "tid": 1,
+                               "ts": 1_700_000_000_010.0})
+    doc["traceEvents"].append({"ph": "X", "cat": "cpu_op", "name": "no_ts"})
+    doc["traceEvents"].append("not an event")
+    res = analyse_trace(_write(tmp_path / "t.json", doc))
+    assert res["steps"] == ["0", "1", "2"]
+    assert res["breakdown_us"]["Kernel"] == pytest.approx(50, abs=1e-3)
+
+
+def test_cli_json_is_one_document(tmp_path):
+    path = _write(tmp_path / "t.json", synthetic_trace())
+    proc = _cli(path, "--json")
+    assert proc.returncode == 0
+    doc = json.loads(proc.stdout)
+    assert {"steps", "breakdown_us", "gpu", "temporal", "findings"} <= set(doc)
+    assert set(doc["breakdown_us"]) == set(CATEGORIES)
+    assert {"utilization", "sm_efficiency", "achieved_occupancy", "tensor_core_pct"} <= set(
+        doc["gpu"]["0"])
+    assert {"idle_pct", "compute_pct", "non_compute_pct"} <= set(doc["temporal"]["0"])
+    proc = _cli(path)
+    assert proc.returncode == 0 and "Step-time breakdown" in proc.stdout
+    assert max(len(line) for line in proc.stdout.splitlines()) <= 120  # not a tty: 120 wide
+
+
+# --- the pieces -----------------------------------------------------------------------
+
+def test_interval_helpers_against_brute_force():
+    rng = np.random.default_rng(7)
+    grid = np.arange(0, 260)
+
+    def rand_set(n):
+        s = rng.integers(0, 200, n)
+        return s, s + rng.integers(0, 30, n)
+
+    def mask(st, en):
+        m = np.zeros(grid.size, bool)
+        for x, y in zip(st, en, strict=True):
+            m[x:y] = True
+        return m
+
+    for _ in range(20):
+        a, b = rand_set(15), rand_set(12)
+        ua, ub = iv.union(*a), iv.union(*b)
+        assert iv.total(*ua) == mask(*a).sum()
+        assert iv.total(*iv.intersect(ua, ub)) == (mask(*a) & mask(*b)).sum()
+        assert iv.total(*iv.subtract(ua, ub)) == (mask(*a) & ~mask(*b)).sum()
+        assert (np.diff(ua[0]) > 0).all() and (ua[0][1:] > ua[1][:-1]).all()  # disjoint
+        vals = rng.random(15) * 0.8
+        level = np.zeros(grid.size)
+        for x, y, v in zip(*a, vals, strict=True):
+            level[x:y] += v
+        want = np.minimum(level[20:180], 1.0).sum()
+        assert iv.weighted_level_time(a[0], a[1], vals, 20, 180) == pytest.approx(want)
+
+
+@needs_traces
+def test_vectorised_op_tree_matches_a_stack_sweep():
+    from trainprof.analysis.trace.correlate import Links
+    from trainprof.analysis.trace.events import load_events
+    from trainprof.analysis.trace.operators import _op_tree_loop, op_tree
+
+    for path in (TB / "nw4-steps5-10.pt.trace.json.gz",
+                 MORE / "tracelens" / "h100" / "gaunernst_bert-small-uncased__1016001.json.gz"):
+        ev, _ = load_events(path)
+        rows = Links(ev).op_rows
+        parent, depth = op_tree(ev, rows)
+        parent2, depth2 = _op_tree_loop(ev, rows)
+        assert (parent == parent2).all() and (depth == depth2).all()
+        assert depth.max() >= 3
+
+
+@pytest.mark.parametrize(("name", "tc"), [
+    ("volta_h884gemm_64x128_ldg8_nn", True),  # the plugin's list
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1", True),
+    ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x6_tn>", True),
+    ("void pytorch_flash::flash_fwd_kernel<pytorch_flash::Flash_fwd_kernel_traits<64>>", True),
+    ("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NTN", True),
+    ("Cijk_Alik_Bljk_SB_Bias_AS_SAV_UserArgs_MT64x16x32_MI16x16x1_SN_LDSB0", True),  # AMD MFMA
+    ("void cutlass::Kernel2<cutlass_80_simt_sgemm_128x32_8x5_nn_align1>", False),
+    ("volta_sgemm_128x64_nn", False),
+    ("ampere_sgemm_128x64_nn", False),
+    ("void implicit_convolve_sgemm<float, float, 1024, 6, 7, 3, 3, 5, 1, false>", False),
+])
+def test_tensor_core_kernel_names(name, tc):
+    assert uses_tensor_cores(name) is tc
+
+
+def test_diagnose_trace_tolerates_sparse_documents():
+    assert diagnose_trace({}) == [] or all("category" in f for f in diagnose_trace({}))
+    doc = {"breakdown_us": {"DataLoader": 50.0, "Total": 100.0}, "steps": ["1", "2", "3"],
+           "steps_found": True}
+    found = diagnose_trace(doc)
+    assert found[0]["category"] == "input_pipeline" and found[0]["severity"] == "high"
+    assert found[0]["estimated_gain"] == pytest.approx(0.5)
+
+
+# --- speed and memory -----------------------------------------------------------------
+
+@needs_traces
+def test_speed_of_the_35mb_trace():
+    """The goal is 0.25 s (wall, idle machine; see benchmarks/trace_analysis.py); the test
+    takes the best CPU time of three runs with a wide margin, for busy CI machines."""
+    path = TB / "nw0-steps5-10.pt.trace.json.gz"
+    best = min(_cpu_time(lambda: analyse_trace(path)) for _ in range(3))
+    assert best < 0.75, best
+
+
+def _cpu_time(fn) -> float:
+    t0 = time.process_time()
+    fn()
+    return time.process_time() - t0
+
+
+def _write_large_trace(path: Path, n_steps: int, ops_per_step: int = 400) -> None:
+    """A large modern trace written incrementally (each op launches one kernel)."""
+    with gzip.open(path, "wt", compresslevel=1) as f:
+        f.write('{"schemaVersion": 1, "traceEvents": [\n')
+        t, ext = 1_000_000.0, 0
+        for k in range(n_steps):
+            length = ops_per_step * 30.0 + 100
+            rows = [{"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{k}", "pid": 1,
+                     "tid": 1, "ts": t, "dur": length}]
+            s = t + 50
+            for _ in range(ops_per_step):
+                ext += 1
+                rows += [
+                    {"ph": "X", "cat": "cpu_op", "name": "aten::add", "pid": 1, "tid": 1,
+                     "ts": s, "dur": 25.5, "args": {
+                         "External id": ext, "Input Dims": [[256, 1024], [256, 1024], []],
+                         "Input type": ["float", "float", "Scalar"], "Ev Idx": ext}},
+                    {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1,
+                     "tid": 1, "ts": s + 5, "dur": 6.25,
+                     "args": {"External id": ext, "cbid": 211, "correlation": ext}},
+                    {"ph": "X", "cat": "kernel", "pid": 0, "tid": 7, "ts": s + 12, "dur": 14.0,
+                     "name": "void at::native::vectorized_elementwise_kernel<4, "
+                             "at::native::CUDAFunctor_add<float>>(int, at::native::Array)",
+                     "args": {"External id": ext, "device": 0, "stream": 7, "correlation": ext,
+                              "registers per thread": 16, "grid": [1024, 1, 1],
+                              "block": [128, 1, 1], "blocks per SM": 4.5,
+                              "est. achieved occupancy %": 100}},
+                ]
+                s += 30
+            f.write(("" if k == 0 else ",\n") + ",\n".join(json.dumps(r) for r in rows))
+            t += length + 10
+        f.write('\n], "traceName": "large"}\n')
+
+
+def test_large_trace_in_bounded_memory(tmp_path):
+    """Streaming: peak RSS growth stays under the JSON size (the goal: at most 2x)."""
+    path = tmp_path / "large.json.gz"
+    _write_large_trace(path, n_steps=90)
+    probe = textwrap.dedent(f"""
+        import json, resource
+        from pathlib import Path
+        from trainprof.analysis.trace import analyse_trace
+        import trainprof.analysis.trace.analyse, trainprof.diagnosis.trace_rules  # imports first
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        doc = analyse_trace(Path({str(path)!r}))
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        print(json.dumps({{"growth": peak - base, "json": doc["format"]["json_bytes"],
+                           "steps": len(doc["steps"]), "kernel": doc["breakdown_us"]["Kernel"]}}))
+    """)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    assert got["json"] > 25_000_000
+    assert got["steps"] == 90
+    assert got["kernel"] == pytest.approx(400 * 14.0)
+    assert got["growth"] < 1.25 * got["json"], got
