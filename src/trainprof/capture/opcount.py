@@ -58,6 +58,11 @@ _LIBRARIES = (
 )
 
 
+#: How far above a user frame to look for a library that called it (a Dataset's
+#: __getitem__ under the DataLoader's fetch is a few frames down).
+_CALLER_DEPTH = 12
+
+
 def _library_of(filename: str) -> str | None:
     for name, part in _LIBRARIES:
         if part in filename:
@@ -119,6 +124,19 @@ class OpCountTool:
                     if library is None:
                         library = _library_of(f.f_code.co_filename)
                     f = f.f_back
+                if library is None and f is not None:
+                    # user code called by a library: a Dataset's __getitem__ run by the
+                    # DataLoader's fetch is data loading, whatever it does
+                    up = f.f_back
+                    for _ in range(_CALLER_DEPTH):
+                        if up is None:
+                            break
+                        name = up.f_code.co_filename
+                        if is_torch(name):
+                            library = _library_of(name)
+                            if library is not None:
+                                break
+                        up = up.f_back
                 if library is not None:
                     tool.library[library] += 1
                 elif f is not None:
