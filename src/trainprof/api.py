@@ -72,6 +72,7 @@ class Profile:
         deep: str | None = None,
         py: str | None = None,
         lines: str | None = None,
+        html: bool = True,
     ) -> None:
         from trainprof.capture.recorder import Recorder
         from trainprof.commands import build_windows
@@ -81,6 +82,7 @@ class Profile:
         self.name = name or (Path(script).stem if script else "profile")
         self.run_dir = Path(out) if out is not None else default_run_dir(self.name)
         self.report = report
+        self.html = html
         self.summary: dict[str, Any] | None = None
         self._recorder = Recorder(
             self.run_dir,
@@ -114,7 +116,7 @@ class Profile:
         self._recorder.stop(status, code)
         from trainprof.commands import finalize_run
 
-        self.summary = finalize_run(self.run_dir)
+        self.summary = finalize_run(self.run_dir, html=self.html)
         if self.report:
             from trainprof.report.terminal import render_summary
 
@@ -141,6 +143,7 @@ def profile(
     deep: str | None = None,
     py: str | None = None,
     lines: str | None = None,
+    html: bool = True,
 ) -> Profile | NullProfile:
     """Profile the training loop inside a ``with`` block.
 
@@ -152,7 +155,8 @@ def profile(
     by this block) after that many steps; ``report``: print the summary to
     stderr at the end. ``enabled=False`` returns a null object with no cost.
     ``deep``, ``py``, ``lines``: as ``trainprof run --deep/--py/--lines``
-    (a window spec, ``""`` for the default window; line_profiler targets).
+    (a window spec, ``""`` for the default window; line_profiler targets);
+    ``html``: write ``report.html`` into the run folder at the end.
     """
     if not enabled:
         return NullProfile()
@@ -163,5 +167,5 @@ def profile(
         return AttachedProfile(running)
     return Profile(
         out, name, max_steps=max_steps, sample_interval_s=sample_interval_s, report=report,
-        deep=deep, py=py, lines=lines,
+        deep=deep, py=py, lines=lines, html=html,
     )

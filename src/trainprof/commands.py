@@ -92,10 +92,22 @@ def build_windows(
     return runners
 
 
-def finalize_run(run_dir: Path) -> dict[str, Any]:
-    """Summarise a closed Run folder, diagnose it, and store both in it (findings.json)."""
-    summary = analyse(load_run(run_dir))
+def finalize_run(run_dir: Path, html: bool = False) -> dict[str, Any]:
+    """Summarise a closed Run folder, diagnose it, and store both in it (findings.json).
+
+    ``html``: also write ``RUN_DIR/report.html``. A report that cannot be
+    written is a note on stderr, never a lost run: the record is already safe.
+    """
+    run = load_run(run_dir)
+    summary = analyse(run)
     save_summary(run_dir, summary)
+    if html:
+        try:
+            path = write_html(summary, run)
+        except Exception as exc:  # noqa: BLE001 - the run's record matters more than its page
+            print(f"trainprof: HTML report not written: {exc}", file=sys.stderr)
+        else:
+            print(f"trainprof: HTML report {path}", file=sys.stderr)
     return summary
 
 
@@ -174,14 +186,14 @@ def run_command(
             outcome = execute()
             if outcome.message:
                 print(outcome.message, file=sys.stderr)
-            summary = finalize_run(run_dir)
+            summary = finalize_run(run_dir, html=html)
             with os.fdopen(os.dup(real_stdout), "w") as f:
                 render_json(summary, f)
         return outcome.exit_code
     outcome = execute()
     if outcome.message:
         print(outcome.message, file=sys.stderr)
-    summary = finalize_run(run_dir)
+    summary = finalize_run(run_dir, html=html)
     sys.stderr.flush()
     render_summary(summary)
     return outcome.exit_code
