@@ -525,6 +525,18 @@ def test_example_healthy(tmp_path):
     assert {f["category"] for f in findings} <= {"measurement_noise"}, findings
 
 
+def test_example_png_folder(tmp_path):
+    pytest.importorskip("PIL")
+    doc = run_example(tmp_path, "png_folder.py", "--data", str(tmp_path / "png"))
+    top = doc["findings"][0]
+    assert (top["category"], top["cause"]) == ("input_pipeline", "cpu_transforms")
+    # the cause comes from the workers: CPU per sample, next to nothing blocked on reads
+    ev = top["evidence"]
+    assert ev["sample_cpu_ms"]["median"] > 0.3
+    assert ev["sample_blocked_ms"]["median"] < 0.1 * ev["sample_cpu_ms"]["median"]
+    assert "PngFolder(...)" in top["fix"]["snippet"]
+
+
 def test_example_many_workers(tmp_path):
     doc = run_example(tmp_path, "many_workers.py", "--steps", "30")
     top = doc["findings"][0]
