@@ -84,6 +84,9 @@ def load_ops(run_dir: Path) -> dict[str, Any] | None:
         "calls_per_step": total,
         "top_sites": sites[:10],
         "loops": loops,
+        # convolutions and how many ran in channels_last (NHWC), for diagnosis/device.py
+        "conv2d_per_step": doc.get("conv2d_per_step"),
+        "conv2d_channels_last_per_step": doc.get("conv2d_channels_last_per_step"),
     }
 
 

@@ -101,6 +101,10 @@ def summarize_run(run: Run) -> dict[str, Any]:
             run.device, int(done["step"][warm]) if len(done) > warm else 0
         ),
         "environment": _environment(meta.get("fingerprint"), meta.get("training_thread")),
+        # CUDA caching-allocator counters at the end of a CUDA run (capture/recorder.py)
+        "cuda_memory": meta.get("cuda_memory"),
+        # root module classes timed as forward (the model, the loss; DataParallel shows here)
+        "forward_roots": meta.get("forward_roots") or [],
         "ops": load_ops(run.path),
         "python_profile": summarize_python_profile(run.path),
         # torch.profiler windows (--deep): breakdown, GPU summary, top operators per window

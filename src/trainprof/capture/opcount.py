@@ -106,6 +106,8 @@ class OpCountTool:
         self.sites: dict[tuple[str, int, str], list[Any]] = {}
         self._mode: Any = None
         self._started_at: int | None = None
+        #: conv2d calls, and those with a channels_last input or weight (diagnosis/device.py)
+        self.conv2d = [0, 0]
 
     def _make_mode(self) -> Any:
         from torch.overrides import TorchFunctionMode
@@ -114,10 +116,18 @@ class OpCountTool:
         tool = self
         getframe = sys._getframe
         is_torch = _is_torch_frame
+        import torch
+
+        conv2d, channels_last = torch.conv2d, torch.channels_last
 
         class _Count(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
                 tool.total += 1
+                if func is conv2d:  # F.conv2d is torch.conv2d: NCHW or NHWC (channels_last)?
+                    tool.conv2d[0] += 1
+                    tool.conv2d[1] += any(
+                        isinstance(t, torch.Tensor) and t.dim() == 4 and not t.is_contiguous()
+                        and t.is_contiguous(memory_format=channels_last) for t in args[:2])
                 f = getframe(1)
                 library = None
                 while f is not None and is_torch(f.f_code.co_filename):
@@ -178,6 +188,8 @@ class OpCountTool:
             # of which inside optimizer.step and data loading (not attributed to call sites)
             "optimizer_calls_per_step": self.library["optimizer"] / self.steps,
             "data_loading_calls_per_step": self.library["data_loading"] / self.steps,
+            "conv2d_per_step": self.conv2d[0] / self.steps,
+            "conv2d_channels_last_per_step": self.conv2d[1] / self.steps,
             "sites": [
                 {
                     "file": filename,

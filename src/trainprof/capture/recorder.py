@@ -29,6 +29,10 @@ from trainprof.capture.worker import WORKERS_DIR, WorkerCapture
 from trainprof.schema import RECORD_WIDTH, REGION
 from trainprof.store import SAMPLES_JSONL, RunWriter
 
+#: ``torch.cuda.memory_stats`` keys recorded in run.json's ``cuda_memory`` (see ``stop``).
+CUDA_MEMORY_KEYS = ("num_alloc_retries", "num_ooms", "allocated_bytes.all.peak",
+                    "reserved_bytes.all.peak", "num_device_alloc", "num_device_free")
+
 #: The recorder running in this process, if any (one at a time: the patches are global).
 _active: Recorder | None = None
 
@@ -139,6 +143,9 @@ class Recorder:
         missing = list(dict.fromkeys(self.writer.meta["missing"] + list(self.sampler.missing)
                                      + self.worker_capture.missing))
         self.writer.meta["training_thread"] = self._training_thread_settings()
+        cuda_memory = self._cuda_memory()  # once, at the end; None unless CUDA was used
+        if cuda_memory is not None:
+            self.writer.meta["cuda_memory"] = cuda_memory
         if getattr(self, "knobs", None) is not None:
             self.writer.meta["knobs"] = self.knobs.uninstall()
         self.writer.close(
@@ -220,6 +227,29 @@ class Recorder:
         import torch
 
         return bool(torch.cuda.is_initialized())
+
+    @staticmethod
+    def _cuda_memory() -> dict[str, Any] | None:
+        """The CUDA caching allocator's counters per device used, for diagnosis/device.py.
+
+        Read once when the run stops, and only if the script initialised CUDA (never
+        initialise it here). ``torch.cuda.memory_stats`` reads host-side counters: no sync.
+        """
+        try:
+            import torch
+
+            if not torch.cuda.is_initialized():
+                return None
+            devices = []
+            for i in range(torch.cuda.device_count()):
+                stats = torch.cuda.memory_stats(i)
+                if stats.get("allocation.all.allocated"):  # devices this run allocated on
+                    total = torch.cuda.get_device_properties(i).total_memory
+                    devices.append({"index": i, "total_bytes": total,
+                                    **{k: stats.get(k) for k in CUDA_MEMORY_KEYS}})
+            return {"devices": devices} if devices else None
+        except Exception:  # a report without these counters, never a failed stop
+            return None
 
     def _on_new_loader(self, index: int, config: dict[str, Any]) -> None:
         self.writer.event("dataloader", **config)

@@ -37,6 +37,7 @@ FAMILIES: tuple[str, ...] = (
     "sync",
     "noise",
     "python_loop",
+    "device",
 )
 
 _RULES: dict[str, RuleFn] = {}
