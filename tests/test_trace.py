@@ -30,7 +30,10 @@ from trainprof.errors import UsageError
 from trainprof.report.trace_terminal import render_trace
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+# the two traces with published values are also vendored (tests/data/tb-resnet50/README.md)
 TB = TRACES / "tb-resnet50"
+if not TB.is_dir():
+    TB = Path(__file__).resolve().parent / "data" / "tb-resnet50"
 MORE = TRACES / "more"
 needs_traces = pytest.mark.skipif(not TB.is_dir(), reason="shared/traces not available")
 
@@ -404,6 +407,209 @@ def test_cpu_only_trace_from_torch_profiler(tmp_path):
     text = io.StringIO()
     render_trace(res, file=text)
     assert "GPU" not in text.getvalue().split("Top operators")[0].replace("GPU 0", "")
+
+
+# --- memory (profile_memory=True): per operator and per device -------------------------
+
+def test_memory_of_a_real_cpu_trace(tmp_path):
+    """torch.profiler with profile_memory=True: a 16 MB tensor per step, made by
+    aten::empty inside a record_function label and freed between ops."""
+    script = tmp_path / "gen.py"
+    out = tmp_path / "mem.pt.trace.json"
+    script.write_text(textwrap.dedent(f"""
+        import torch
+        torch.set_num_threads(1)
+        x = torch.randn(32, 32)
+        sched = torch.profiler.schedule(wait=0, warmup=1, active=3, repeat=1)
+        with torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
+                schedule=sched,
+                on_trace_ready=lambda p: p.export_chrome_trace({str(out)!r})) as prof:
+            for _ in range(4):
+                with torch.profiler.record_function("make_big"):
+                    big = torch.empty(4_000_000)  # 16,000,000 bytes
+                y = (x @ x).relu().sum()
+                del big
+                prof.step()
+    """))
+    subprocess.run([sys.executable, str(script)], check=True, capture_output=True, timeout=300)
+    res = analyse_trace(out)
+    assert len(res["steps"]) == 3
+    mem = res["memory"]
+    cpu = mem["devices"]["cpu"]
+    assert cpu["alloc_bytes_per_step"] >= 16_000_000 and cpu["allocs_per_step"] >= 1
+    assert cpu["peak_allocated_bytes"] >= 16_000_000  # the allocator's own total
+    assert cpu["freed_bytes"] >= 3 * 16_000_000  # `del big`: frees outside any operator
+    assert mem["in_operators"] < mem["events"]
+    by_name = {op["name"]: op for op in mem["operators"]}
+    empty, label = by_name["aten::empty"], by_name["make_big"]
+    assert empty["host_alloc_bytes"] >= 3 * 16_000_000 and empty["host_allocs"] >= 3
+    assert empty["device_alloc_bytes"] == 0 and empty["device_allocs"] == 0
+    assert label["host_alloc_bytes"] == 0  # the label allocates nothing itself ...
+    assert label["host_alloc_total_bytes"] >= 3 * 16_000_000  # ... its aten::empty does
+    assert mem["operators"][0]["name"] == "aten::empty"  # the largest allocator first
+    row = next(op for op in res["operators"] if op["name"] == "aten::empty")
+    assert row["host_alloc_bytes"] == empty["host_alloc_bytes"]
+    text = io.StringIO()
+    render_trace(res, file=text)
+    shown = text.getvalue().split("Top operators by memory")[1]
+    assert shown.split("\n")[2].split()[0] == "aten::empty"
+
+
+def _memory_trace(modern: bool) -> dict:
+    """Hand-placed memory records (µs): ProfilerStep#0 [0, 1000) on thread 1 holds `outer`
+    [100, 600), which holds aten::empty [150, 200), aten::add [300, 400) and a zero-length
+    aten::view at 450; thread 2 runs aten::mul [150, 250)."""
+    base = 1_700_000_000_000.0
+    op_cat = "cpu_op" if modern else "Operator"
+    tid = (lambda t: t) if modern else str  # old traces: string tids on ops, ints on memory
+
+    def op(name, ts, dur, t=1, cat=op_cat):
+        return {"ph": "X", "cat": cat, "name": name, "pid": 7, "tid": tid(t),
+                "ts": base + ts, "dur": dur}
+
+    def rec(ts, nbytes, t=1, device_type=0, total=None):
+        e = {"ph": "i", "s": "t", "name": "[memory]", "pid": 7, "tid": t, "ts": base + ts,
+             "args": {"Device Type": device_type, "Device Id": -1 if device_type == 0 else 0,
+                      "Bytes": nbytes}}
+        if modern:
+            e["cat"] = "cpu_instant_event"
+            e["args"].update({"Total Allocated": total if total is not None else 0,
+                              "Total Reserved": 0, "Addr": 123})
+        return e
+
+    events = [
+        op("ProfilerStep#0", 0, 1000, cat="user_annotation" if modern else op_cat),
+        op("outer", 100, 500, cat="user_annotation" if modern else op_cat),
+        op("aten::empty", 150, 50), op("aten::add", 300, 100), op("aten::view", 450, 0),
+        op("aten::mul", 150, 100, t=2),
+        rec(160, 1000),  # aten::empty
+        rec(200, 10),  # at aten::empty's end: [start, end) gives it to `outer`
+        rec(200, 64, t=2),  # thread 2: aten::mul, not thread 1's aten::empty
+        rec(300, 100, device_type=1, total=5000),  # aten::add, on cuda:0
+        rec(350, -100, device_type=1, total=4900),  # and freed inside it
+        rec(450, 7),  # the zero-length aten::view contains nothing: `outer`
+        rec(700, -1000),  # in the step, outside any operator
+        rec(2000, 5),  # outside every range
+    ]
+    return {"traceEvents": events}
+
+
+@pytest.mark.parametrize("modern", [True, False])
+def test_memory_goes_to_the_innermost_operator(tmp_path, modern):
+    res = analyse_trace(_write(tmp_path / "t.json", _memory_trace(modern)))
+    mem = res["memory"]
+    assert mem["events"] == 8 and mem["in_operators"] == 6
+    ops = {op["name"]: op for op in res["operators"]}
+    assert set(ops) == {"outer", "aten::empty", "aten::add", "aten::view", "aten::mul"}
+    want = {  # (host self, host total, host allocs, host net, device self, allocs, net)
+        "aten::empty": (1000, 1000, 1, 1000, 0, 0, 0),
+        "outer": (17, 1017, 2, 17, 0, 0, 0),
+        "aten::add": (0, 0, 0, 0, 100, 1, 0),
+        "aten::view": (0, 0, 0, 0, 0, 0, 0),
+        "aten::mul": (64, 64, 1, 64, 0, 0, 0),
+    }
+    for name, w in want.items():
+        o = ops[name]
+        got = (o["host_alloc_bytes"], o["host_alloc_total_bytes"], o["host_allocs"],
+               o["host_net_bytes"], o["device_alloc_bytes"], o["device_allocs"],
+               o["device_net_bytes"])
+        assert got == w, name
+    assert ops["outer"]["device_alloc_total_bytes"] == 100
+    assert [o["name"] for o in mem["operators"]] == [
+        "aten::add", "aten::empty", "aten::mul", "outer"]  # device bytes first, then host
+    cpu, cuda = mem["devices"]["cpu"], mem["devices"]["cuda:0"]
+    assert (cpu["allocations"], cpu["alloc_bytes"], cpu["frees"], cpu["freed_bytes"]) == (
+        5, 1086, 1, 1000)
+    assert cpu["peak_growth_bytes"] == 1081  # 1000 + 10 + 64 + 7 before the free at 700
+    assert (cpu["allocs_per_step"], cpu["alloc_bytes_per_step"]) == (4, 1081)  # not t=2000
+    assert cpu["in_operators_pct"] == pytest.approx(1081 / 1086 * 100)
+    assert (cuda["allocations"], cuda["frees"], cuda["alloc_bytes_per_step"]) == (1, 1, 100)
+    assert cuda["peak_allocated_bytes"] == (5000 if modern else None)
+    text = io.StringIO()
+    render_trace(res, file=text)
+    out = text.getvalue()
+    assert "Top operators by memory" in out and "cuda:0:" in out
+
+
+def test_no_memory_events_no_memory_columns(tmp_path):
+    res = analyse_trace(_write(tmp_path / "t.json", synthetic_trace()))
+    assert res["memory"] is None
+    assert not any(k.endswith("_bytes") for op in res["operators"] for k in op)
+    text = io.StringIO()
+    render_trace(res, file=text)
+    assert "by memory" not in text.getvalue() and "Memory" not in text.getvalue()
+
+
+def test_malformed_memory_records_are_read_or_skipped(tmp_path):
+    op = {"ph": "X", "cat": "cpu_op", "name": "aten::empty", "pid": 1, "tid": 1, "ts": 100,
+          "dur": 50}
+
+    def rec(**kw):
+        return {"ph": "i", "name": "[memory]", "pid": 1, "tid": 1, "ts": 110, **kw}
+
+    events = [
+        op,
+        rec(args={"Bytes": "64", "Device Type": "0"}),  # numbers as strings: read
+        rec(ts="130", args={"Bytes": 8, "Device Type": 1.0, "Device Id": 0}),  # read
+        rec(args={"Bytes": None}), rec(), rec(args=[1, 2]),  # no size: skipped
+        rec(args={"Bytes": 8, "Device Type": 1e300, "Total Allocated": "x"}),  # skipped
+        rec(ts=1e300, args={"Bytes": 1}), rec(args={"Bytes": 2**70}),  # nonsense: skipped
+    ]
+    res = analyse_trace(_write(tmp_path / "t.json", {"traceEvents": events}))
+    mem = res["memory"]
+    assert mem["events"] == 2 and set(mem["devices"]) == {"cpu", "cuda:0"}
+    assert (res["operators"][0]["host_alloc_bytes"], res["operators"][0]["device_alloc_bytes"]
+            ) == (64, 8)
+
+
+@needs_traces
+def test_memory_summary_of_a_modern_cuda_trace():
+    """TraceLens's H100 trace (modern records with the allocator's totals) against a
+    direct reading of its JSON."""
+    path = MORE / "tracelens" / "h100" / "gaunernst_bert-small-uncased__1016001.json.gz"
+    raw = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+    recs = [e["args"] for e in raw if e.get("name") == "[memory]" and e.get("ph") == "i"]
+    cuda = [a for a in recs if a["Device Type"] == 1 and a["Device Id"] == 0]
+    assert cuda and len(cuda) < len(recs)
+    got = analyse_trace(path)["memory"]
+    assert got["events"] == len(recs)
+    dev = got["devices"]["cuda:0"]
+    assert dev["peak_allocated_bytes"] == max(a["Total Allocated"] for a in cuda)
+    assert dev["peak_reserved_bytes"] == max(a["Total Reserved"] for a in cuda)
+    assert dev["allocations"] == sum(a["Bytes"] > 0 for a in cuda)
+    assert dev["alloc_bytes"] == sum(a["Bytes"] for a in cuda if a["Bytes"] > 0)
+    assert dev["frees"] == sum(a["Bytes"] < 0 for a in cuda)
+    ops = got["operators"]
+    assert ops and ops[0]["device_alloc_bytes"] > 0
+    assert sum(o["device_alloc_bytes"] for o in ops) <= dev["alloc_bytes"]
+
+
+@needs_traces
+def test_vectorised_memory_attribution_matches_brute_force():
+    """innermost_op against a direct search on the shared trace's 12,838 memory records."""
+    from trainprof.analysis.trace.correlate import Links
+    from trainprof.analysis.trace.events import load_events
+    from trainprof.analysis.trace.operators import innermost_op, op_tree
+
+    ev, _ = load_events(TB / "nw0-steps5-10.pt.trace.json.gz")
+    m = ev.memory
+    assert m is not None and len(m) == 12838 and set(m.device_type.tolist()) == {0, 1}
+    rows = Links(ev).op_rows
+    parent, depth = op_tree(ev, rows)
+    got = innermost_op(ev, rows, parent, m.thread, m.ts)
+    start, end, thread = ev.ts[rows], ev.end[rows], ev.thread[rows]
+    rng = np.random.default_rng(0)
+    for i in rng.choice(len(m), 400, replace=False).tolist():
+        inside = np.flatnonzero((thread == m.thread[i]) & (start <= m.ts[i]) & (m.ts[i] < end))
+        if inside.size == 0:
+            assert got[i] == -1
+            continue
+        want = inside[np.argmax(depth[inside])]
+        assert got[i] >= 0 and depth[got[i]] == depth[want]
+        assert (start[got[i]], end[got[i]]) == (start[want], end[want])
+    # allocations happen inside ops; the unattributed records are frees between them
+    assert (got[m.nbytes > 0] >= 0).mean() > 0.999 and (got >= 0).mean() > 0.7
 
 
 # --- malformed input: a one-line error (exit 2) or an analysis of what is there --------

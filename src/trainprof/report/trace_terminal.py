@@ -199,6 +199,49 @@ def _ops_table(doc: dict[str, Any], n: int = 12) -> Table | None:
     return table
 
 
+def _memory_line(name: str, d: dict[str, Any]) -> str:
+    parts = []
+    if d.get("peak_allocated_bytes") is not None:
+        peak = f"peak allocated {fmt_bytes(d['peak_allocated_bytes'])}"
+        if d.get("peak_reserved_bytes"):
+            peak += f" (reserved {fmt_bytes(d['peak_reserved_bytes'])})"
+        parts.append(peak)
+    else:
+        parts.append(f"peak growth {fmt_bytes(d.get('peak_growth_bytes'))} (no allocator totals)")
+    if d.get("allocs_per_step") is not None:
+        parts.append(f"{d['allocs_per_step']:,.0f} allocations, "
+                     f"{fmt_bytes(d.get('alloc_bytes_per_step'))} per step")
+    else:
+        parts.append(f"{d.get('allocations', 0):,} allocations, {fmt_bytes(d.get('alloc_bytes'))}")
+    pct = d.get("in_operators_pct")
+    if pct is not None and pct < 99.5:
+        parts.append(f"{_pct(pct, 0)} of it inside operators")
+    return f"{name}: " + " · ".join(parts)
+
+
+def _memory_table(doc: dict[str, Any], n: int = 10) -> Table | None:
+    ops = ((doc.get("memory") or {}).get("operators") or [])[:n]
+    if not ops:
+        return None
+    sides = [side for side in ("device", "host") if any(op.get(f"{side}_allocs") for op in ops)]
+    table = Table(box=None, padding=(0, 1), header_style="bold")
+    table.add_column("operator", overflow="ellipsis", no_wrap=True, max_width=48)
+    table.add_column("calls", justify="right")
+    label = {"device": "device", "host": "host"}
+    for side in sides:
+        table.add_column(f"{label[side]} self", justify="right")
+        table.add_column(f"{label[side]} total", justify="right")
+        table.add_column("allocs", justify="right")
+    for op in ops:
+        row = [str(op["name"]), f"{op['calls']:,}"]
+        for side in sides:
+            row += [fmt_bytes(op.get(f"{side}_alloc_bytes")),
+                    fmt_bytes(op.get(f"{side}_alloc_total_bytes")),
+                    f"{op.get(f'{side}_allocs', 0):,}"]
+        table.add_row(*row)
+    return table
+
+
 def _kernels_table(doc: dict[str, Any], n: int = 10) -> Table | None:
     kernels = (doc.get("kernels") or [])[:n]
     if not kernels:
@@ -281,6 +324,9 @@ def render_trace(result: dict[str, Any], file: IO[str] | None = None) -> None:
             f"{_pct(comm.get('overlap_pct_of_communication'), 0)} overlapped with computation, "
             f"{_us(comm.get('exposed_communication_us'))} exposed",
         )
+    memory = result.get("memory") or {}
+    for i, (dev, d) in enumerate((memory.get("devices") or {}).items()):
+        grid.add_row("Memory" if i == 0 else "", _memory_line(dev, d))
     dl = result.get("dataloader") or {}
     if dl.get("calls"):
         grid.add_row(
@@ -317,6 +363,12 @@ def render_trace(result: dict[str, Any], file: IO[str] | None = None) -> None:
                       + Text(" (self = excluding child ops; device = work they launched)",
                              style="dim"))
         console.print(ops)
+    mem_ops = _memory_table(result)
+    if mem_ops is not None:
+        console.print(Text("\nTop operators by memory", style="bold")
+                      + Text(" (bytes allocated; self = by the op itself, total = with the ops "
+                             "it calls)", style="dim"))
+        console.print(mem_ops)
     kernels = _kernels_table(result)
     if kernels is not None:
         console.print(Text("\nTop kernels", style="bold"))

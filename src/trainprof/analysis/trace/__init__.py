@@ -11,7 +11,7 @@ pipeline of small modules, each with one job:
 :mod:`.tb_breakdown`      the TensorBoard plugin's step-time breakdown
 :mod:`.gpu_metrics`       the plugin's GPU summary (utilization, SM efficiency, ...)
 :mod:`.hta_temporal`      HTA's temporal and idle-time breakdowns
-:mod:`.operators`         top operators and kernels, tensor-core eligibility
+:mod:`.operators`         top operators and kernels, tensor-core eligibility, memory
 :mod:`.launches`          kernel launches, memcpy kinds, syncs
 :mod:`.analyse`           one document per file, merged across ranks
 ========================  ===============================================================

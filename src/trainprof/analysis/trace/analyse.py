@@ -4,6 +4,7 @@ The document (``trainprof trace --json``) holds, for a file: the source and its 
 facts, the analysed ``steps``, the TensorBoard plugin's step-time breakdown
 (``breakdown_us``, average per step), the GPU summary per device (``gpu``), HTA's
 temporal and idle-time breakdowns per rank (``temporal``), top operators and kernels,
+memory per operator and per device (``memory``; None without ``profile_memory``),
 kernel-launch statistics, memcpy kinds, syncs, communication overlap, warnings and
 notes. For a directory, ``ranks`` holds each rank's document and the top level holds
 the merged view: the breakdown averaged over ranks, every rank's devices and temporal
@@ -122,7 +123,7 @@ def analyse_file(path: Path, fallback_rank: int = 0) -> dict[str, Any]:
         for g in gpu.values():  # kernel names say nothing about matrix units elsewhere
             g["tensor_core_pct"] = None
     temporal = temporal_breakdown(ev, links)
-    opk = operators_and_kernels(ev, links)
+    opk = operators_and_kernels(ev, links, steps)
     cpu_only = facts["device_type"] == "CPU only"
     if cpu_only:
         notes.append("CPU-only trace: no device timeline; the breakdown is DataLoader, "
@@ -166,6 +167,7 @@ def analyse_file(path: Path, fallback_rank: int = 0) -> dict[str, Any]:
         "operator_count": opk["operator_count"],
         "kernels": opk["kernels"],
         "tc_eligible_kernel_pct": opk["tc_eligible_kernel_pct"],
+        "memory": opk["memory"],
         "launch": launch_stats(ev, links, steps),
         "memcpy": memcpy_stats(ev, links, steps),
         "sync": sync_stats(ev, links, steps),
@@ -236,6 +238,7 @@ def merge_ranks(directory: Path, docs: list[dict[str, Any]]) -> dict[str, Any]:
         "operator_count": first["operator_count"],
         "kernels": first["kernels"],
         "tc_eligible_kernel_pct": float(np.mean([d["tc_eligible_kernel_pct"] for d in docs])),
+        "memory": first["memory"],
         "launch": first["launch"],
         "memcpy": first["memcpy"],
         "sync": first["sync"],
@@ -253,7 +256,8 @@ def merge_ranks(directory: Path, docs: list[dict[str, Any]]) -> dict[str, Any]:
             if max(means) > 0 else 0.0,
         },
         "merged_note": (
-            f"{len(docs)} ranks: breakdown averaged over ranks; operators, kernels, launches, "
-            f"memcpy and syncs shown for rank {first['rank']} (every rank's are under 'ranks')"
+            f"{len(docs)} ranks: breakdown averaged over ranks; operators, kernels, memory, "
+            f"launches, memcpy and syncs shown for rank {first['rank']} "
+            "(every rank's are under 'ranks')"
         ),
     }

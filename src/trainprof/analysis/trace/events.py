@@ -32,6 +32,14 @@ old traces and floats with nanosecond fractions in newer ones. They become
 int64 nanoseconds relative to the first event (relative first, so the float
 subtraction is exact and no precision is lost to the 1.6e15 epoch offset).
 ``pid``/``tid`` may be integers or strings; they are interned to small codes.
+
+Memory events (``profile_memory=True``) are instant events, not complete ones: ``ph``
+``"i"`` (or the older ``"I"``) named ``[memory]`` (category ``cpu_instant_event`` in
+modern traces, none in old ones), with ``args`` ``Bytes`` (negative: a free), ``Total
+Allocated``, ``Total Reserved`` (modern traces only), ``Device Type`` (c10's
+``DeviceType``: 0 CPU, 1 CUDA, ...) and ``Device Id``. The TensorBoard plugin
+recognises them by phase and name (``trace.py``, ``create_event``); so does this
+module. They become :class:`MemoryEvents` columns on the same clock and thread codes.
 """
 
 from __future__ import annotations
@@ -88,6 +96,14 @@ CATEGORY_KIND: dict[str, Kind] = {
     "cuda_sync": Kind.DEVICE_SYNC,
 }
 
+#: ``Device Type`` values of memory events (c10 ``DeviceType``, c10/core/DeviceType.h).
+DEVICE_TYPE_NAMES = (
+    "cpu", "cuda", "mkldnn", "opengl", "opencl", "ideep", "hip", "fpga", "maia", "xla",
+    "vulkan", "metal", "xpu", "mps", "meta", "hpu", "ve", "lazy", "ipu", "mtia",
+    "privateuseone",
+)
+MEMORY_EVENT_NAME = "[memory]"
+
 #: Kinds that run on a device (GPU/accelerator timeline).
 DEVICE_KINDS = (Kind.KERNEL, Kind.MEMCPY, Kind.MEMSET)
 
@@ -122,6 +138,22 @@ def _stream_from_tid(tid: Any) -> int:
 
 
 @dataclass
+class MemoryEvents:
+    """Columns of a trace's ``[memory]`` instant events (one row per allocation or free)."""
+
+    ts: np.ndarray  # int64 ns, on the clock of :class:`Events` (relative to its base_us)
+    thread: np.ndarray  # int32 code of (pid, tid), the same codes as Events.thread
+    nbytes: np.ndarray  # int64 bytes, negative for a free
+    total_allocated: np.ndarray  # float64 bytes after the event (nan: not recorded)
+    total_reserved: np.ndarray  # float64 bytes (nan: not recorded)
+    device_type: np.ndarray  # int16 c10 DeviceType (-1: not recorded)
+    device_id: np.ndarray  # int32 (-1 for the CPU)
+
+    def __len__(self) -> int:
+        return int(self.ts.shape[0])
+
+
+@dataclass
 class Events:
     """Columns of the complete events of one trace file (one row per 'X' event)."""
 
@@ -147,6 +179,7 @@ class Events:
     n_all: int  # all events, every phase
     n_negative_dur: int
     process_labels: dict[Any, str] = field(default_factory=dict)
+    memory: MemoryEvents | None = None  # None: the trace has no memory events
 
     @property
     def end(self) -> np.ndarray:
@@ -176,7 +209,12 @@ class EventBuilder:
         self._names: dict[str, int] = {}
         self._pids: dict[Any, int] = {}
         self._tids: dict[Any, int] = {}
+        self._tid_codes: dict[Any, int] = {}  # normalised tid -> code
+        self._tid_values: list[Any] = []  # code -> the first tid seen with it
         self._threads: dict[int, int] = {}
+        self._mem: dict[str, list[np.ndarray]] = {
+            k: [] for k in ("ts", "thread", "bytes", "alloc", "reserved", "dtype", "did")
+        }
         self._cat_kind: dict[str, int] = {}
         self.categories: dict[str, int] = {}
         self.process_labels: dict[Any, str] = {}
@@ -191,13 +229,35 @@ class EventBuilder:
             table[v] = len(table)
         return np.fromiter(map(table.__getitem__, values), dtype=np.int32, count=len(values))
 
+    def _tid_code_array(self, values: list[Any]) -> np.ndarray:
+        """Thread ids as codes; ``"25738"`` and ``25738`` are one thread (old traces write
+        the tid of 'X' events as a string and that of memory events as a number)."""
+        for v in set(values).difference(self._tids):
+            key = int(v) if isinstance(v, str) and v.isdigit() else v
+            code = self._tid_codes.get(key)
+            if code is None:
+                code = self._tid_codes[key] = len(self._tid_values)
+                self._tid_values.append(v)
+            self._tids[v] = code
+        return np.fromiter(map(self._tids.__getitem__, values), dtype=np.int32,
+                           count=len(values))
+
     def add(self, chunk: list[Event]) -> None:
         self.n_all += len(chunk)
         xs = [e for e in chunk if e.ph == "X" and e.ts is not None]
-        for e in [e for e in chunk if e.ph == "M" and e.name == "process_labels"]:
-            labels = e.args.labels if e.args is not None else None
-            if isinstance(labels, str):
-                self.process_labels[e.pid] = labels
+        if len(xs) < len(chunk):  # metadata ('M') and memory events ('i', or old 'I')
+            mem = []
+            for e in [e for e in chunk if e.ph != "X"]:
+                ph = e.ph
+                if ph == "i" or ph == "I":
+                    if e.name == MEMORY_EVENT_NAME and e.ts is not None and e.args is not None:
+                        mem.append(e)
+                elif ph == "M" and e.name == "process_labels":
+                    labels = e.args.labels if e.args is not None else None
+                    if isinstance(labels, str):
+                        self.process_labels[e.pid] = labels
+            if mem:
+                self._add_memory(mem)
         if not xs:
             return
         n = len(xs)
@@ -230,7 +290,7 @@ class EventBuilder:
             dur[neg] = 0
 
         pid = self._codes(self._pids, [e.pid for e in xs])
-        tid = self._codes(self._tids, [e.tid for e in xs])
+        tid = self._tid_code_array([e.tid for e in xs])
         pair = pid.astype(np.int64) << 32 | tid.astype(np.int64)
         uniq, inv = np.unique(pair, return_inverse=True)
         thread = self._codes(self._threads, uniq.tolist())[inv.reshape(-1)]
@@ -296,6 +356,51 @@ class EventBuilder:
         occ[rows] = _floats([a.occupancy for a in args])
         nbytes[rows] = _ids([a.bytes if a.bytes is not None else a.size for a in args])
 
+    def _add_memory(self, mem: list[Event]) -> None:
+        """Memory events to columns (timestamps stay raw µs until the base is known)."""
+        args = [e.args for e in mem]
+        ts = _floats([e.ts for e in mem])
+        nbytes = _floats([a.mem_bytes for a in args])
+        ok = np.isfinite(ts) & (np.abs(nbytes) < 2.0**53)  # nan (missing) and nonsense out
+        pid = self._codes(self._pids, [e.pid for e in mem])
+        tid = self._tid_code_array([e.tid for e in mem])
+        pair = pid.astype(np.int64) << 32 | tid.astype(np.int64)
+        uniq, inv = np.unique(pair, return_inverse=True)
+        thread = self._codes(self._threads, uniq.tolist())[inv.reshape(-1)]
+        dtype = _floats([a.device_type for a in args])
+        did = _floats([a.device_id for a in args])
+        for col, arr in (
+            ("ts", ts), ("thread", thread),
+            ("bytes", np.rint(np.where(ok, nbytes, 0.0)).astype(np.int64)),
+            ("alloc", _floats([a.total_allocated for a in args])),
+            ("reserved", _floats([a.total_reserved for a in args])),
+            ("dtype", np.where((dtype >= 0) & (dtype < 1 << 15), dtype, -1).astype(np.int16)),
+            ("did", np.where((did >= 0) & (did < 1 << 31), did, -1).astype(np.int32)),
+        ):
+            self._mem[col].append(arr[ok] if not ok.all() else arr)
+
+    def _finish_memory(self) -> MemoryEvents | None:
+        if not self._mem["ts"]:
+            return None
+        cols = {k: np.concatenate(v) for k, v in self._mem.items()}
+        self._mem = {k: [] for k in self._mem}
+        rel_ns = (cols["ts"] - (self.base_us or 0.0)) * 1000.0
+        ok = np.abs(rel_ns) < 2.0**62  # a timestamp no clock gives is dropped, not wrapped
+        if not ok.all():
+            cols = {k: v[ok] for k, v in cols.items()}
+            rel_ns = rel_ns[ok]
+        if rel_ns.size == 0:
+            return None
+        return MemoryEvents(
+            ts=np.rint(rel_ns).astype(np.int64),
+            thread=cols["thread"],
+            nbytes=cols["bytes"],
+            total_allocated=cols["alloc"],
+            total_reserved=cols["reserved"],
+            device_type=cols["dtype"],
+            device_id=cols["did"],
+        )
+
     def finish(self) -> Events:
         def cat(col: str, dtype: Any) -> np.ndarray:
             parts = self._cols[col]
@@ -305,7 +410,7 @@ class EventBuilder:
 
         kind = cat("kind", np.int8)
         names = list(self._names)
-        pid_list, tid_list = list(self._pids), list(self._tids)
+        pid_list, tid_list = list(self._pids), self._tid_values
         ev = Events(
             kind=kind,
             name=cat("name", np.int32),
@@ -329,6 +434,7 @@ class EventBuilder:
             n_all=self.n_all,
             n_negative_dur=self.n_negative,
             process_labels=dict(self.process_labels),
+            memory=self._finish_memory(),
         )
         self._cols = {k: [] for k in self._cols}
         _reclassify_mtia(ev)
@@ -337,6 +443,8 @@ class EventBuilder:
 
 def _floats(values: list[Any]) -> np.ndarray:
     """Floats (nan for missing or non-numeric values)."""
+    if values.count(None) == len(values):  # a field this trace does not record: no slow path
+        return np.full(len(values), np.nan)
     try:
         return np.array(values, dtype=np.float64)
     except (TypeError, ValueError):

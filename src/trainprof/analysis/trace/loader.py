@@ -81,6 +81,12 @@ class Args(msgspec.Struct, gc=False, omit_defaults=True):
     #: 'M' (metadata) events: process_name / process_labels / thread_name values.
     name: Any = None
     labels: Any = None
+    #: ``[memory]`` instant events (``profile_memory=True``): the allocator's record.
+    mem_bytes: int | float | None = msgspec.field(default=None, name="Bytes")
+    total_allocated: int | float | None = msgspec.field(default=None, name="Total Allocated")
+    total_reserved: int | float | None = msgspec.field(default=None, name="Total Reserved")
+    device_type: int | None = msgspec.field(default=None, name="Device Type")
+    device_id: int | None = msgspec.field(default=None, name="Device Id")
 
 
 class Event(msgspec.Struct, gc=False):

@@ -15,6 +15,23 @@ share of kernel time launched by the *bottom-most* tensor-core-eligible operator
 (``TC_OP_Allowlist``: convolutions, matmuls, linear, RNN cells, their backward ops).
 The plugin recommends mixed precision when this share is above zero and no kernel
 uses tensor cores, on a GPU with compute capability 7.0 or higher.
+
+Memory (``profile_memory=True``; torch-tb-profiler ``MemoryParser`` and
+``OperatorNode.get_memory_metrics``): each ``[memory]`` record belongs to the innermost
+operator on the same thread whose range contains its timestamp, left-closed and
+right-open (``start <= ts < end``, so that a record at one op's end and the next op's
+start is counted once). A record whose innermost range is a ``ProfilerStep`` (a free
+when Python drops a tensor between ops, typically), or that no range contains, belongs
+to no operator. Per operator and device class (host = ``Device Type`` 0, device = any
+other): *self* allocated bytes and count (records with ``Bytes > 0``) and *self*
+increase (the sum of ``Bytes``, frees included: the plugin's "Size Increase"); *total*
+allocated bytes add those of every operator nested inside. Unlike the plugin, threads
+are (pid, tid) pairs and user annotations (``record_function``) are operators, as in
+the time table. The run-level summary per device (``cpu``, ``cuda:0``, ...) holds the
+peak ``Total Allocated`` / ``Total Reserved`` the allocator reported (modern traces
+only), the highest net growth of the recorded ``Bytes`` since the trace began (every
+trace), and the allocations and allocated bytes per analysed step (records inside the
+steps' host ranges, any thread).
 """
 
 from __future__ import annotations
@@ -24,9 +41,9 @@ from typing import Any
 import numpy as np
 
 from trainprof.analysis.trace.correlate import Links
-from trainprof.analysis.trace.events import Events, Kind
+from trainprof.analysis.trace.events import DEVICE_TYPE_NAMES, Events, Kind, MemoryEvents
 from trainprof.analysis.trace.gpu_metrics import uses_tensor_cores
-from trainprof.analysis.trace.steps import STEP_PREFIX
+from trainprof.analysis.trace.steps import STEP_PREFIX, Steps
 
 TOP_N = 30
 
@@ -148,6 +165,53 @@ def _op_tree_loop(ev: Events, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     return parent, depth
 
 
+def innermost_op(
+    ev: Events, rows: np.ndarray, parent: np.ndarray, q_thread: np.ndarray, q_ts: np.ndarray
+) -> np.ndarray:
+    """For each query (thread code, time), the position in ``rows`` of the innermost op on
+    that thread whose ``[start, end)`` contains the time (-1: none).
+
+    Vectorised: ops and queries are merged in one sort by (thread, time), ops before
+    queries at equal times and, among ops starting together, longest first. The last op
+    before a query is the latest to start on its thread, at or before the query; if it
+    has ended, the containing op is one of its ancestors, so each unresolved query moves
+    to its candidate's parent, one tree level per round (rounds <= tree depth).
+    """
+    n, q = rows.size, q_ts.size
+    out = np.full(q, -1, dtype=np.int64)
+    if n == 0 or q == 0:
+        return out
+    op_thread = ev.thread[rows]
+    op_end = ev.end[rows]
+    order = np.lexsort((
+        np.concatenate([-ev.dur[rows], np.zeros(q, dtype=np.int64)]),
+        np.concatenate([np.zeros(n, dtype=np.int8), np.ones(q, dtype=np.int8)]),
+        np.concatenate([ev.ts[rows], q_ts]),
+        np.concatenate([op_thread, q_thread]),
+    ))
+    is_op = order < n
+    ops_sorted = order[is_op]
+    before = np.cumsum(is_op) - 1  # index into ops_sorted of the last op at or before
+    at_q = ~is_op
+    k = before[at_q]
+    qi = order[at_q] - n
+    cand = np.full(q, -1, dtype=np.int64)
+    ok = k >= 0
+    cand[qi[ok]] = ops_sorted[k[ok]]
+    same = cand >= 0
+    same[same] = op_thread[cand[same]] == q_thread[same]
+    cand[~same] = -1
+    active = np.flatnonzero(cand >= 0)
+    while active.size:
+        j = cand[active]
+        inside = op_end[j] > q_ts[active]
+        out[active[inside]] = j[inside]
+        up = active[~inside]
+        cand[up] = parent[j[~inside]]
+        active = up[cand[up] >= 0]
+    return out
+
+
 def _accumulate_up(values: np.ndarray, parent: np.ndarray, depth: np.ndarray) -> np.ndarray:
     """Each node's value plus all its descendants' (deepest level first)."""
     total = values.astype(np.float64).copy()
@@ -157,8 +221,10 @@ def _accumulate_up(values: np.ndarray, parent: np.ndarray, depth: np.ndarray) ->
     return total
 
 
-def operators_and_kernels(ev: Events, links: Links) -> dict[str, Any]:
-    """Top operators, top kernels, and tensor-core eligibility (see the module docstring)."""
+def operators_and_kernels(ev: Events, links: Links, steps: Steps | None = None
+                          ) -> dict[str, Any]:
+    """Top operators, top kernels, tensor-core eligibility and, when the trace has memory
+    events, memory per operator and per device (see the module docstring)."""
     rows = links.op_rows
     names = ev.names
     step_name = np.fromiter((n.startswith(STEP_PREFIX) for n in names), bool, count=len(names))
@@ -194,6 +260,9 @@ def operators_and_kernels(ev: Events, links: Links) -> dict[str, Any]:
     has_device = bool(agg["device_self"].sum() > 0)
     key = (agg["device_self"][present], agg["host_self"][present])
     order = np.lexsort((-key[1], -key[0])) if has_device else np.argsort(-key[1], kind="stable")
+    mem = None
+    if ev.memory is not None:
+        mem = _memory(ev, ev.memory, rows, parent, depth, op_name, table, step_name, steps)
     ops = [
         {
             "name": names[i],
@@ -202,6 +271,7 @@ def operators_and_kernels(ev: Events, links: Links) -> dict[str, Any]:
             "host_total_us": float(agg["host_total"][i] / 1000.0),
             "device_self_us": float(agg["device_self"][i] / 1000.0),
             "device_total_us": float(agg["device_total"][i] / 1000.0),
+            **(_memory_fields(mem["by_name"], i) if mem is not None else {}),
         }
         for i in present[order][:TOP_N].tolist()
     ]
@@ -224,6 +294,144 @@ def operators_and_kernels(ev: Events, links: Links) -> dict[str, Any]:
         "operator_count": int(present.size),
         "kernels": _kernel_table(ev, links),
         "tc_eligible_kernel_pct": tc_eligible_pct,
+        "memory": _memory_doc(mem, names, agg["calls"]) if mem is not None else None,
+    }
+
+
+#: Per-operator memory metrics, in the column order of the per-op and by-name tables.
+_MEM_FIELDS = (
+    "host_alloc_bytes", "host_alloc_total_bytes", "host_allocs", "host_net_bytes",
+    "device_alloc_bytes", "device_alloc_total_bytes", "device_allocs", "device_net_bytes",
+)
+
+
+def _memory_fields(by_name: np.ndarray, i: int) -> dict[str, int]:
+    return {f: int(by_name[i, c]) for c, f in enumerate(_MEM_FIELDS)}
+
+
+def device_name(device_type: int, device_id: int) -> str:
+    """``cpu``, ``cuda:0``, ...: torch's device strings for c10 ``DeviceType`` values."""
+    if device_type == 0:
+        return "cpu"
+    if 0 < device_type < len(DEVICE_TYPE_NAMES):
+        kind = DEVICE_TYPE_NAMES[device_type]
+    else:
+        kind = "unknown" if device_type < 0 else f"device_type_{device_type}"
+    return kind if device_id < 0 else f"{kind}:{device_id}"
+
+
+def _memory(
+    ev: Events,
+    m: MemoryEvents,
+    rows: np.ndarray,
+    parent: np.ndarray,
+    depth: np.ndarray,
+    op_name: np.ndarray,
+    table: np.ndarray,
+    step_name: np.ndarray,
+    steps: Steps | None,
+) -> dict[str, Any]:
+    """Memory records attributed to operators (by name) and summarised per device."""
+    pos = innermost_op(ev, rows, parent, m.thread, m.ts)
+    in_op = pos >= 0
+    in_op[in_op] = ~step_name[op_name[pos[in_op]]]  # a ProfilerStep is no operator
+    nb = m.nbytes.astype(np.float64)
+    alloc = nb > 0
+    host = m.device_type == 0
+    device = m.device_type > 0
+    n = rows.size
+    p, nb_in = pos[in_op], nb[in_op]
+    self_cols = {  # column: (records, weighted by bytes?)
+        "host_alloc_bytes": (host & alloc, True), "host_allocs": (host & alloc, False),
+        "host_net_bytes": (host, True), "device_alloc_bytes": (device & alloc, True),
+        "device_allocs": (device & alloc, False), "device_net_bytes": (device, True),
+    }
+    per_op = np.zeros((n, len(_MEM_FIELDS)))
+    for col, (sel, weighted) in self_cols.items():
+        s = sel[in_op]
+        per_op[:, _MEM_FIELDS.index(col)] = np.bincount(
+            p[s], weights=nb_in[s] if weighted else None, minlength=n)[:n]
+    self_alloc = [_MEM_FIELDS.index("host_alloc_bytes"), _MEM_FIELDS.index("device_alloc_bytes")]
+    total_alloc = [_MEM_FIELDS.index("host_alloc_total_bytes"),
+                   _MEM_FIELDS.index("device_alloc_total_bytes")]
+    for c_self, c_total in zip(self_alloc, total_alloc, strict=True):
+        per_op[:, c_total] = _accumulate_up(per_op[:, c_self], parent, depth)
+    nn = len(ev.names)
+    by_name = np.zeros((nn, len(_MEM_FIELDS)))
+    names_t, per_op_t = op_name[table], per_op[table]
+    for c in range(len(_MEM_FIELDS)):
+        by_name[:, c] = np.bincount(names_t, weights=per_op_t[:, c], minlength=nn)
+    return {
+        "by_name": by_name,
+        "devices": _device_summary(m, in_op, steps),
+        "events": len(m),
+        "in_operators": int(in_op.sum()),
+    }
+
+
+def _device_summary(m: MemoryEvents, in_op: np.ndarray, steps: Steps | None
+                    ) -> dict[str, dict[str, Any]]:
+    """Per device: allocations, frees, peaks, and allocations per analysed step."""
+    key = m.device_type.astype(np.int64) * (1 << 33) + m.device_id.astype(np.int64) + 1
+    uniq, inv = np.unique(key, return_inverse=True)  # (type, id); ids are >= -1
+    inv = inv.reshape(-1)
+    nb = m.nbytes
+    n_steps = len(steps) if steps is not None else 0
+    step_of = np.full(len(m), -1, dtype=np.int64)
+    if n_steps:
+        idx = np.searchsorted(steps.host_starts, m.ts, side="right") - 1
+        ok = idx >= 0
+        ok[ok] = m.ts[ok] < steps.host_ends[idx[ok]]
+        step_of[ok] = idx[ok]
+    out: dict[str, dict[str, Any]] = {}
+    order = np.argsort(m.ts, kind="stable")
+    for d, k in enumerate(uniq.tolist()):
+        sel = inv == d
+        b = nb[sel]
+        a = b > 0
+        growth = np.cumsum(nb[order][sel[order]])
+        in_steps = (step_of[sel] >= 0) & a
+        alloc_bytes = int(b[a].sum())
+        peak_alloc = m.total_allocated[sel]
+        peak_res = m.total_reserved[sel]
+        device_type, device_id = divmod(k, 1 << 33)
+        out[device_name(device_type, device_id - 1)] = {
+            "allocations": int(a.sum()),
+            "alloc_bytes": alloc_bytes,
+            "frees": int((b < 0).sum()),
+            "freed_bytes": int(-b[b < 0].sum()),
+            "peak_allocated_bytes": _nanmax_int(peak_alloc),
+            "peak_reserved_bytes": _nanmax_int(peak_res),
+            "peak_growth_bytes": int(max(growth.max(), 0)) if growth.size else 0,
+            "allocs_per_step": float(in_steps.sum() / n_steps) if n_steps else None,
+            "alloc_bytes_per_step": float(b[in_steps].sum() / n_steps) if n_steps else None,
+            "in_operators_pct": float(b[a & in_op[sel]].sum() / alloc_bytes * 100.0)
+            if alloc_bytes else 0.0,
+        }
+    return out
+
+
+def _nanmax_int(x: np.ndarray) -> int | None:
+    ok = np.isfinite(x)
+    return int(x[ok].max()) if ok.any() else None
+
+
+def _memory_doc(mem: dict[str, Any], names: list[str], calls: np.ndarray) -> dict[str, Any]:
+    """The ``memory`` section: per device, then the top operators by allocated bytes."""
+    by_name = mem["by_name"]
+    col = {f: by_name[:, c] for c, f in enumerate(_MEM_FIELDS)}
+    dev_b, host_b = col["device_alloc_bytes"], col["host_alloc_bytes"]
+    some = np.flatnonzero(
+        (col["host_alloc_total_bytes"] + col["device_alloc_total_bytes"] > 0) & (calls > 0))
+    order = np.lexsort((-host_b[some], -dev_b[some]))
+    return {
+        "events": mem["events"],
+        "in_operators": mem["in_operators"],
+        "devices": mem["devices"],
+        "operators": [
+            {"name": names[i], "calls": int(calls[i]), **_memory_fields(by_name, i)}
+            for i in some[order][:TOP_N].tolist()
+        ],
     }
 
 
