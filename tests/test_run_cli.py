@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+torch.set_num_threads(1)  # tiny ops: no thread pool to wait on when the machine is busy
+
 class Sleepy(Dataset):
     def __len__(self):
         return 10_000
