@@ -8,11 +8,17 @@ median over rounds of (block time with capture / block time without).
 torch.profiler (CPU activity, the usual settings) is measured on the same loop
 for contrast.
 
-    python benchmarks/overhead.py            # ~1 minute
+    python benchmarks/overhead.py            # ~2 minutes
     python benchmarks/overhead.py --quick    # a few seconds, a rough figure
+    python benchmarks/overhead.py --parts    # also the step clock and hooks alone
+    TRAINPROF_PURE_PYTHON=1 python benchmarks/overhead.py   # the pure-Python hot path
 
 The figure goes into the README. Noise floor: the spread of plain-vs-plain
 blocks is printed too; an overhead below it is not measurable on this machine.
+Wall-clock figures on a shared machine are noisy; ``--cpu-time`` times blocks
+by the training thread's CPU time instead, and
+``benchmarks/overhead_instructions.py`` counts instructions (callgrind), which
+repeat to a fraction of a percent.
 """
 
 from __future__ import annotations
@@ -34,7 +40,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from trainprof.capture import clock as _clock
 from trainprof.capture.recorder import Recorder
+
+#: True when the step clock's C fast path is in use (False on versions before it)
+FAST = getattr(_clock, "FAST", False)
 
 
 def make_loop(
@@ -84,18 +94,39 @@ def _ci_pct(with_: list[float], without: list[float], n: int = 2000) -> tuple[fl
     return (lo - 1) * 100, (hi - 1) * 100
 
 
+def start_recorder(run_dir: Path, hooks_only: bool = False) -> Recorder:
+    """The always-on capture as ``trainprof run`` starts it (less the one-off fingerprint).
+
+    ``hooks_only``: the step clock and its hooks alone - no DataLoader
+    sample/collate timing (:mod:`trainprof.capture.worker`), and a sampler that
+    never ticks - to tell their share of the cost apart.
+    """
+    # the one-off fingerprint (~20 ms per run) is left out: this is the per-step cost
+    rec = Recorder(run_dir, name="overhead", command=sys.argv, fingerprint=False,
+                   sample_interval_s=3600.0 if hooks_only else 0.2)
+    if hooks_only and rec.instrumentation is not None:
+        rec.instrumentation.workers = None
+    return rec.start()
+
+
 def measure(
-    rounds: int, steps: int, cpu_time: bool = False, hidden: int = 256, settle: int = 20
+    rounds: int, steps: int, cpu_time: bool = False, hidden: int = 256, settle: int = 100,
+    parts: bool = False,
 ) -> dict[str, Any]:
     """Rounds of three arms in random order: plain, plain again, trainprof.
 
     Every arm first runs ``settle`` steps timed apart, then ``steps`` steps:
     the per-step overhead (the 1% budget) is the ratio of the second blocks.
     The first steps after the capture starts are slower - patching classes
-    makes CPython drop its specialised bytecode and torch's Python code warms
-    up again, and the forward wrapper moves onto the root module classes
-    after a few steps - a one-off cost per run, reported separately as
-    ``startup_ms``. "plain again" against "plain" is the noise floor.
+    invalidates CPython's specialised bytecode for them (torch's Python code on
+    ``Tensor``, ``Module``...), and a specialised instruction that keeps
+    missing goes back to the generic one only after 52 misses: code that runs
+    once per step needs ~50 steps to recover, counted from the last patch (the
+    forward wrapper moves onto the root module classes after
+    ``DISCOVERY_STEPS``) - a one-off cost per run, reported separately as
+    ``startup_ms`` over the first ``settle`` steps. "plain again" against
+    "plain" is the noise floor. With ``parts``, a fourth arm, ``hooks``: the
+    clock and its hooks alone (see :func:`start_recorder`).
     torch.profiler is measured afterwards, in its own rounds, each profiled
     block followed by an untimed block: its teardown disturbs the process for
     a while (a plain block right after it runs up to 1.5x slower here), which
@@ -105,15 +136,15 @@ def measure(
     run_steps(300)  # warm up
     rng = random.Random(0)
     times: dict[str, list[float]] = {"plain": [], "plain2": [], "trainprof": []}
+    if parts:
+        times["hooks"] = []
     first: dict[str, list[float]] = {name: [] for name in times}
     tmp = Path(tempfile.mkdtemp(prefix="trainprof-overhead-"))
 
     def arm(name: str, r: int) -> None:
         rec = None
-        if name == "trainprof":
-            # the one-off fingerprint (~20 ms per run) is left out: this is the per-step cost
-            rec = Recorder(tmp / f"run{r}", name="overhead", command=sys.argv, fingerprint=False)
-            rec.start()
+        if name in ("trainprof", "hooks"):
+            rec = start_recorder(tmp / f"{name}{r}", hooks_only=name == "hooks")
         try:
             first[name].append(run_steps(settle) * settle)
             times[name].append(run_steps(steps))
@@ -134,7 +165,8 @@ def measure(
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
             profiled.append(run_steps(steps))
         run_steps(steps)  # untimed: let the process settle after the profiler
-    return {
+    res: dict[str, Any] = {
+        "hot_path": "C" if FAST else "Python",
         "step_ms_plain": statistics.median(times["plain"]) * 1e3,
         "overhead_pct": _ratio_pct(times["trainprof"], times["plain"]),
         "overhead_ci95_pct": _ci_pct(times["trainprof"], times["plain"]),
@@ -146,7 +178,12 @@ def measure(
         ),
         "rounds": rounds,
         "steps_per_block": steps,
+        "settle_steps": settle,
     }
+    if parts:
+        res["hooks_overhead_pct"] = _ratio_pct(times["hooks"], times["plain"])
+        res["hooks_overhead_ci95_pct"] = _ci_pct(times["hooks"], times["plain"])
+    return res
 
 
 def main() -> None:
@@ -162,24 +199,35 @@ def main() -> None:
                         "thread was descheduled: steal, other load) instead of wall time")
     parser.add_argument("--cpu", type=int, default=None,
                         help="pin the benchmark to this core (less noise on a busy machine)")
+    parser.add_argument("--settle", type=int, default=100,
+                        help="steps after the capture starts that are left out of the ratio "
+                        "(their extra time is the one-off start-up cost)")
+    parser.add_argument("--parts", action="store_true",
+                        help="also measure the step clock and hooks alone")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
     steps = 100 if args.quick else max(20, 200 * 256 // args.hidden)
     res = measure(rounds=6 if args.quick else args.rounds, steps=steps, cpu_time=args.cpu_time,
-                  hidden=args.hidden)
+                  hidden=args.hidden, settle=args.settle, parts=args.parts)
     if args.json:
         print(json.dumps(res))
         return
-    print(f"plain loop:            {res['step_ms_plain']:.3f} ms/step")
+    print(f"plain loop:            {res['step_ms_plain']:.3f} ms/step "
+          f"(hot path in {res['hot_path']})")
     lo, hi = res["overhead_ci95_pct"]
     print(f"trainprof always-on:   {res['overhead_pct']:+.2f}% step time "
           f"(95% CI {lo:+.2f}% .. {hi:+.2f}%)")
+    if args.parts:
+        lo, hi = res["hooks_overhead_ci95_pct"]
+        print(f"  clock + hooks alone: {res['hooks_overhead_pct']:+.2f}% "
+              f"(95% CI {lo:+.2f}% .. {hi:+.2f}%)")
     lo, hi = res["noise_ci95_pct"]
     print(f"plain vs plain (noise): {res['noise_pct']:+.2f}% (95% CI {lo:+.2f}% .. {hi:+.2f}%)")
     print(f"torch.profiler (CPU):  {res['torch_profiler_overhead_pct']:+.1f}% step time")
-    print(f"one-off start-up cost: {res['startup_ms']:.1f} ms over the first steps of a run")
+    print(f"one-off start-up cost: {res['startup_ms']:.1f} ms over the first "
+          f"{res['settle_steps']} steps of a run")
 
 
 if __name__ == "__main__":

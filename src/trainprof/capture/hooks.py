@@ -29,6 +29,7 @@ uninstrumented by these hooks; what workers spend their time on is measured by
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import gc
 import os
@@ -42,7 +43,7 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.data import dataloader as _dl
 
-from trainprof.capture.clock import StepClock
+from trainprof.capture.clock import FAST, StepClock
 from trainprof.capture.device_timer import (
     BWD_BEGIN,
     BWD_END,
@@ -69,6 +70,9 @@ from trainprof.schema import (
 )
 
 _INHERITED = object()
+
+if FAST:  # the C wrappers (see trainprof.capture.clock); else the Python closures below
+    from trainprof.capture import _fastclock
 
 #: Steps during which every module call is watched to find the top-level
 #: (root) module classes; afterwards only those are wrapped.
@@ -220,27 +224,45 @@ class Instrumentation:
         get_ident = threading.get_ident
         enter, exit_ = clock.enter, clock.exit
         Tensor = torch.Tensor  # noqa: N806 - a local alias for the hot path
-        acc_ref = clock  # acc is replaced every step; always read it through the clock
+        acc = clock.acc  # one list for the whole run (zeroed in place at each step)
+
+        # The wrappers below run several times per step: their cost is the
+        # always-on overhead. The phase transition (StepClock.enter/exit) is
+        # written out inline in each, which saves two Python calls per wrapped
+        # call; a change to one must be made to all (and to _fastclock.c).
 
         # -- data wait -----------------------------------------------------
         def make_next(orig: Callable[[Any], Any]) -> Callable[[Any], Any]:
+            if FAST:
+                return _fastclock.Timed(_fastclock.K_NEXT, clock, orig, DATA,
+                                        extra=batch_size_of, tensor_type=Tensor)
+
             def __next__(it: Any) -> Any:  # noqa: N807 - replaces a dunder
                 if get_ident() != owner:
                     return orig(it)
                 if clock.bwd_pending:
                     clock.top_level_event()
-                prev = enter(DATA)
+                now = perf_counter_ns()
+                if not clock.started:
+                    clock.begin(now)
+                prev = clock.current
+                acc[prev] += now - clock.mark
+                clock.current = DATA
+                clock.mark = now
                 try:
                     batch = orig(it)
                 finally:
-                    exit_(prev)
+                    now = perf_counter_ns()
+                    acc[clock.current] += now - clock.mark
+                    clock.current = prev
+                    clock.mark = now
                 # fast path for the usual (tensor, ...) batch; else the general walk
                 cls = type(batch)
                 if (cls is list or cls is tuple) and batch and type(batch[0]) is Tensor:
                     shape = batch[0].shape
-                    clock.acc[SAMPLES] += shape[0] if shape else 1
+                    acc[SAMPLES] += shape[0] if shape else 1
                 else:
-                    clock.acc[SAMPLES] += batch_size_of(batch)
+                    acc[SAMPLES] += batch_size_of(batch)
                 return batch
 
             return __next__
@@ -272,6 +294,10 @@ class Instrumentation:
         discovering = [True]
 
         def make_call(orig: Callable[..., Any]) -> Callable[..., Any]:
+            if FAST and not discovering[0]:
+                return _fastclock.Timed(_fastclock.K_CALL, clock, orig, FORWARD,
+                                        dev_begin=FWD_BEGIN, dev_end=FWD_END)
+
             def __call__(module: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
                 if clock.current != OTHER or get_ident() != owner:
                     return orig(module, *args, **kwargs)
@@ -282,7 +308,12 @@ class Instrumentation:
                         self._narrow_forward(list(roots), make_call)
                 if clock.bwd_pending:
                     clock.top_level_event()
-                prev = enter(FORWARD)
+                now = perf_counter_ns()
+                if not clock.started:
+                    clock.begin(now)
+                acc[OTHER] += now - clock.mark  # the current phase was OTHER (tested above)
+                clock.current = FORWARD
+                clock.mark = now
                 dev = clock.device
                 if dev is not None:
                     dev.mark(FWD_BEGIN)
@@ -291,7 +322,10 @@ class Instrumentation:
                 finally:
                     if dev is not None:
                         dev.mark(FWD_END)
-                    exit_(prev)
+                    now = perf_counter_ns()
+                    acc[clock.current] += now - clock.mark
+                    clock.current = OTHER
+                    clock.mark = now
 
             return __call__
 
@@ -299,6 +333,10 @@ class Instrumentation:
 
         # -- backward ------------------------------------------------------
         def make_backward(orig: Callable[..., Any]) -> Callable[..., Any]:
+            if FAST:
+                return _fastclock.Timed(_fastclock.K_BACKWARD, clock, orig, BACKWARD,
+                                        dev_begin=BWD_BEGIN, dev_end=BWD_END)
+
             def backward(*args: Any, **kwargs: Any) -> Any:
                 if get_ident() != owner:
                     return orig(*args, **kwargs)
@@ -306,7 +344,13 @@ class Instrumentation:
                     # a script with no DataLoader or module calls still gets
                     # backward-delimited steps: the next backward closes one
                     clock.top_level_event()
-                prev = enter(BACKWARD)
+                now = perf_counter_ns()
+                if not clock.started:
+                    clock.begin(now)
+                prev = clock.current
+                acc[prev] += now - clock.mark
+                clock.current = BACKWARD
+                clock.mark = now
                 dev = clock.device if prev == OTHER else None
                 if dev is not None:
                     dev.mark(BWD_BEGIN)
@@ -315,9 +359,12 @@ class Instrumentation:
                 finally:
                     if dev is not None:
                         dev.mark(BWD_END)
-                    exit_(prev)
-                    if clock.mode != "optimizer":
-                        clock.backward_done()
+                    now = perf_counter_ns()
+                    acc[clock.current] += now - clock.mark
+                    clock.current = prev
+                    clock.mark = now
+                    if clock.bwd_track:
+                        clock.bwd_pending = True
 
             return backward
 
@@ -327,7 +374,14 @@ class Instrumentation:
         # -- optimizer step and zero_grad ----------------------------------
         def pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
             if get_ident() == owner:
-                clock.opt_prev = enter(OPTIMIZER)
+                now = perf_counter_ns()
+                if not clock.started:
+                    clock.begin(now)
+                prev = clock.current
+                acc[prev] += now - clock.mark
+                clock.current = OPTIMIZER
+                clock.mark = now
+                clock.opt_prev = prev
                 if clock.device is not None:
                     clock.device.mark(OPT_BEGIN)
 
@@ -335,25 +389,49 @@ class Instrumentation:
             if get_ident() == owner:
                 if clock.device is not None:
                     clock.device.mark(OPT_END)
-                clock.optimizer_stepped(optimizer, exit_(clock.opt_prev))
+                now = perf_counter_ns()
+                acc[clock.current] += now - clock.mark
+                clock.current = clock.opt_prev
+                clock.mark = now
+                if id(optimizer) == clock.fast_opt:  # the primary optimizer, steady state
+                    clock._close(0, now)
+                else:
+                    clock.optimizer_stepped(optimizer, now)
 
         from torch.optim.optimizer import (
             register_optimizer_step_post_hook,
             register_optimizer_step_pre_hook,
         )
 
+        if FAST:
+            pre_hook = _fastclock.Timed(_fastclock.K_OPT_PRE, clock, None, OPTIMIZER,
+                                        dev_begin=OPT_BEGIN, dev_end=OPT_END)
+            post_hook = _fastclock.Timed(_fastclock.K_OPT_POST, clock, None, OPTIMIZER,
+                                         dev_begin=OPT_BEGIN, dev_end=OPT_END)
         self._handles.append(register_optimizer_step_pre_hook(pre_hook))
         self._handles.append(register_optimizer_step_post_hook(post_hook))
 
         def make_zero_grad(orig: Callable[..., Any]) -> Callable[..., Any]:
+            if FAST:
+                return _fastclock.Timed(_fastclock.K_PHASE, clock, orig, ZERO_GRAD)
+
             def zero_grad(self_: Any, *args: Any, **kwargs: Any) -> Any:
                 if get_ident() != owner:
                     return orig(self_, *args, **kwargs)
-                prev = enter(ZERO_GRAD)
+                now = perf_counter_ns()
+                if not clock.started:
+                    clock.begin(now)
+                prev = clock.current
+                acc[prev] += now - clock.mark
+                clock.current = ZERO_GRAD
+                clock.mark = now
                 try:
                     return orig(self_, *args, **kwargs)
                 finally:
-                    exit_(prev)
+                    now = perf_counter_ns()
+                    acc[clock.current] += now - clock.mark
+                    clock.current = prev
+                    clock.mark = now
 
             return zero_grad
 
@@ -362,10 +440,12 @@ class Instrumentation:
 
         # -- host reads / syncs --------------------------------------------
         def make_read(orig: Callable[..., Any]) -> Callable[..., Any]:
+            if FAST:
+                return _fastclock.Timed(_fastclock.K_READ, clock, orig, OTHER)
+
             def read(tensor: Any, *args: Any, **kwargs: Any) -> Any:
                 t0 = perf_counter_ns()
                 out = orig(tensor, *args, **kwargs)
-                acc = acc_ref.acc
                 acc[HOST_READS] += 1
                 if not tensor.is_cpu:
                     acc[SYNC_N] += 1
@@ -378,10 +458,12 @@ class Instrumentation:
             self._patch(torch.Tensor, name, make_read)
 
         def make_sync(orig: Callable[..., Any]) -> Callable[..., Any]:
+            if FAST:
+                return _fastclock.Timed(_fastclock.K_SYNC, clock, orig, OTHER)
+
             def synchronize(*args: Any, **kwargs: Any) -> Any:
                 t0 = perf_counter_ns()
                 out = orig(*args, **kwargs)
-                acc = acc_ref.acc
                 acc[SYNC_N] += 1
                 acc[SYNC_NS] += perf_counter_ns() - t0
                 return out
@@ -395,14 +477,18 @@ class Instrumentation:
             # GC before the first step (imports, dataset set-up) must not start the clock.
             if get_ident() != owner or not clock.started:
                 return
-            if phase == "start":
-                clock.gc_prev = enter(GC)
-            elif clock.current == GC:
-                exit_(clock.gc_prev)
-                acc = acc_ref.acc
-                acc[GC_N] += 1
-                if info.get("generation") == 2:
-                    acc[GC_GEN2_N] += 1
+            try:
+                if phase == "start":
+                    clock.gc_prev = enter(GC)
+                elif clock.current == GC:
+                    exit_(clock.gc_prev)
+                    acc[GC_N] += 1
+                    if info.get("generation") == 2:
+                        acc[GC_GEN2_N] += 1
+            except KeyboardInterrupt:
+                # CPython ignores exceptions raised in gc callbacks: a Ctrl-C whose
+                # handler ran here would be lost. Deliver it again, outside the callback.
+                _thread.interrupt_main()
 
         self._gc_cb = on_gc
         gc.callbacks.append(on_gc)

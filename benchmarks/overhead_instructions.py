@@ -1,0 +1,188 @@
+"""Instructions per training step added by trainprof's always-on capture (callgrind).
+
+Wall-clock overhead figures on a shared 2-core machine move by a percent or two
+from run to run (``benchmarks/overhead.py`` prints its noise floor); instruction
+counts repeat to a fraction of a percent, so they show a change of a few
+hundred instructions per step. This runs the loop of ``benchmarks/overhead.py``
+under ``valgrind --tool=callgrind`` and counts the training thread's
+instructions in blocks of steps, in rounds of arms:
+
+* ``plain``: no capture;
+* ``trainprof``: the always-on capture as ``trainprof run`` starts it;
+* ``hooks``: the step clock and its hooks alone (no DataLoader sample timing,
+  a sampler that never ticks; see ``overhead.start_recorder``).
+
+Each arm first runs ``--settle`` steps uncounted (the one-off start-up: CPython
+re-specialising code on the patched classes), then ``--steps`` counted steps.
+Only instructions of the training thread are counted: system calls (the
+kernel's side of reading clocks and /proc) and other threads are not, so this
+complements the wall-clock figure, it does not replace it.
+
+    python benchmarks/overhead_instructions.py                 # ~3 minutes per path
+    python benchmarks/overhead_instructions.py --paths c,python
+
+How blocks are delimited: each counted block runs inside ``functools.reduce``
+(a C function the loop itself does not call), and callgrind collects and dumps
+only inside it (``--toggle-collect``, ``--dump-after``); the number of dumps is
+checked against the number of blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import glob
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ARMS = ("plain", "trainprof", "hooks")
+
+
+def child(rounds: int, steps: int, settle: int, hidden: int, path: str) -> None:
+    """Runs under valgrind: rounds of blocks in a fixed order (counts need no shuffling)."""
+    sys.path.insert(0, str(HERE))
+    import torch
+    from overhead import FAST, make_loop, start_recorder  # type: ignore[import-not-found]
+
+    if (path == "c") != FAST:
+        sys.exit(f"error: asked for the {path} hot path, but the C extension is "
+                 f"{'in use' if FAST else 'not built (or stale): run `pip install -e .`'}")
+
+    torch.set_num_threads(1)
+    run_steps, _ = make_loop(hidden=hidden)
+    run_steps(60)
+    tmp = Path(tempfile.mkdtemp(prefix="trainprof-instr-"))
+    for r in range(rounds):
+        for arm in ARMS:
+            rec = None if arm == "plain" else start_recorder(tmp / f"{arm}{r}", arm == "hooks")
+            try:
+                run_steps(settle)
+                # the same collector state for every block: a full collection that
+                # happened to fall into one block would cost more than the capture
+                gc.collect()
+                functools.reduce(lambda _a, _b: run_steps(steps), [0, 0])
+            finally:
+                if rec is not None:
+                    rec.stop("finished", 0)
+
+
+#: glibc's allocator: its cost per call depends on the heap's layout, which the
+#: arms before a block leave different (torch's tensors are malloc'ed), so it is
+#: also reported apart. The capture itself allocates through Python's obmalloc.
+_ALLOC = re.compile(r"^(_int_(malloc|free|memalign|realloc)|malloc|free|realloc|calloc|"
+                    r"__libc_\w+|_mid_memalign|posix_memalign|unlink_chunk|"
+                    r"malloc_consolidate|sysmalloc|tcache\w*)(\.\w+)*$")
+
+
+def _block_counts(path: str) -> tuple[int, int] | None:
+    """(all instructions, those in glibc's allocator) of one dump; None if not a block."""
+    text = Path(path).read_text(errors="replace")
+    trigger = re.search(r"^desc: Trigger: (.*)$", text, re.M)
+    if not trigger or "functools_reduce" not in trigger.group(1):
+        return None
+    names: dict[str, str] = {}
+    fn = ""
+    total = alloc = 0
+    after_call = False
+    for line in text.splitlines():
+        if line.startswith(("fn=", "cfn=")):
+            m = re.match(r"c?fn=\((\d+)\)(?: (.*))?", line)
+            if m:
+                if m.group(2):
+                    names[m.group(1)] = m.group(2)
+                if line[0] == "f":
+                    fn = names.get(m.group(1), "")
+        elif line.startswith("calls="):
+            after_call = True
+        elif line[:1].isdigit() or line[:1] in "+-*":
+            if after_call:  # the inclusive cost of a call, counted in the callee
+                after_call = False
+                continue
+            parts = line.split()
+            if len(parts) > 1:
+                total += int(parts[1])
+                if _ALLOC.match(fn):
+                    alloc += int(parts[1])
+    return total, alloc
+
+
+def run_path(path: str, rounds: int, steps: int, settle: int, hidden: int) -> dict[str, float]:
+    out = Path(tempfile.mkdtemp(prefix="trainprof-callgrind-"))
+    env = {**os.environ, "TRAINPROF_PURE_PYTHON": "1" if path == "python" else "0",
+           "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+    cmd = ["valgrind", "--tool=callgrind", "--separate-threads=yes", "--collect-atstart=no",
+           "--toggle-collect=functools_reduce", "--dump-after=functools_reduce",
+           f"--callgrind-out-file={out}/cg.out", sys.executable, __file__, "--child", path,
+           "--rounds", str(rounds), "--steps", str(steps), "--settle", str(settle),
+           "--hidden", str(hidden)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"error: callgrind run failed:\n{proc.stderr[-3000:]}")
+    # one file per dump and thread: cg.out.<dump>-<thread>; the training thread is 01
+    dumps = sorted(glob.glob(f"{out}/cg.out.*-01"),
+                   key=lambda p: int(re.search(r"\.(\d+)-01$", p).group(1)))
+    counts = [c for c in map(_block_counts, dumps) if c is not None]
+    if len(counts) != rounds * len(ARMS):
+        sys.exit(f"error: expected {rounds * len(ARMS)} counted blocks, found {len(counts)} "
+                 f"(in {out})")
+    shutil.rmtree(out, ignore_errors=True)
+    res: dict[str, Any] = {}
+    for key, pick in (("", lambda c: c[0]), ("_no_alloc", lambda c: c[0] - c[1])):
+        per_step: dict[str, list[float]] = {arm: [] for arm in ARMS}
+        for i, c in enumerate(counts):
+            per_step[ARMS[i % len(ARMS)]].append(pick(c) / steps)
+        plain = statistics.median(per_step["plain"])
+        res[f"plain{key}_per_step"] = plain
+        for arm in ARMS[1:]:
+            deltas = [a - b for a, b in zip(per_step[arm], per_step["plain"], strict=True)]
+            res[f"{arm}{key}_added_per_step"] = statistics.median(deltas)
+            res[f"{arm}{key}_added_range"] = (min(deltas), max(deltas))
+            res[f"{arm}{key}_added_pct"] = statistics.median(deltas) / plain * 100
+    return res
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--paths", default="c", help="hot paths to count: c, python or c,python")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--settle", type=int, default=100)
+    parser.add_argument("--hidden", type=int, default=16,
+                        help="MLP width (the capture's cost does not depend on it; 16 keeps "
+                        "MKL's share, and its run-to-run variation, small)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if args.child:
+        child(args.rounds, args.steps, args.settle, args.hidden, args.child)
+        return
+    if shutil.which("valgrind") is None:
+        sys.exit("error: valgrind is not installed (apt-get install valgrind)")
+    results = {}
+    for path in args.paths.split(","):
+        results[path] = run_path(path, args.rounds, args.steps, args.settle, args.hidden)
+    if args.json:
+        print(json.dumps(results))
+        return
+    for path, res in results.items():
+        print(f"hot path {path}: plain loop {res['plain_per_step'] / 1e6:.2f} M instructions/step")
+        for key, label in (("", "all"), ("_no_alloc", "less glibc malloc/free")):
+            for arm in ARMS[1:]:
+                lo, hi = res[f"{arm}{key}_added_range"]
+                print(f"  {arm:10s} {res[f'{arm}{key}_added_per_step']:+9,.0f} instructions/step "
+                      f"({res[f'{arm}{key}_added_pct']:+.3f}%; rounds {lo:+,.0f} .. {hi:+,.0f})"
+                      f"  [{label}]")
+
+
+if __name__ == "__main__":
+    main()

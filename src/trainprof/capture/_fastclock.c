@@ -1,0 +1,800 @@
+/* The step clock's hot path in C: trainprof's optional fast path.
+ *
+ * What it does is what the pure-Python path in trainprof/capture/clock.py
+ * (_PyCore) and trainprof/capture/hooks.py (the wrappers) does, with the same
+ * attributes and the same results; it is only cheaper. A wrapped call costs a
+ * Python frame, argument re-packing (*args, **kwargs) and a dozen attribute
+ * reads and writes in Python - about 1-2 us per call on a 2-core cloud VM,
+ * several times per training step - where the vectorcall below passes the
+ * caller's arguments through untouched and keeps the clock's state in C fields.
+ *
+ * ClockCore  the base class of StepClock: the hot state as C fields, exposed
+ *            to Python as ordinary attributes (current, mark, acc, ...), and
+ *            enter()/exit().
+ * Timed      a callable that times one call of `orig` as a phase of the clock
+ *            (kinds below); a method descriptor, so it can replace a method or
+ *            a slot such as __call__ or __next__ on a class.
+ *
+ * Built as an optional setuptools extension (setup.py): without a compiler
+ * the pure-Python path is used. TRAINPROF_PURE_PYTHON=1 forces it.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include "structmember.h"
+#include "pythread.h"
+
+/* What trainprof.capture.clock expects (_FAST_VERSION): bumped when the interface
+   between this file and the Python code changes, so that a stale build is not used. */
+#define FASTCLOCK_VERSION 1
+
+/* Indices into clock.acc, given by trainprof.schema through configure(). */
+static Py_ssize_t I_OTHER = -1, I_SAMPLES = -1, I_HOST_READS = -1, I_SYNC_N = -1,
+                  I_SYNC_NS = -1, N_ACC = -1;
+
+/* A step record: (step, t_start_ns, dur_ns, *acc, flags), int64 each (trainprof.schema). */
+#define MAX_RECORD 64
+
+static PyObject *s_begin, *s_top_level_event, *s_mark, *s_optimizer_stepped, *s_shape,
+    *s_is_cpu, *s_frombytes, *s_step_closed, *s_watch;
+static PyObject *zero_int;
+
+enum {
+    K_NEXT = 1,     /* DataLoader iterator __next__: phase, batch size -> acc[SAMPLES] */
+    K_CALL = 2,     /* a root module's __call__: timed only at top level (phase OTHER) */
+    K_BACKWARD = 3, /* torch.autograd.backward/grad: backward-delimited steps */
+    K_PHASE = 4,    /* zero_grad: a plain phase */
+    K_READ = 5,     /* Tensor.item/...: host reads, syncs when not on the CPU */
+    K_SYNC = 6,     /* torch.cuda.synchronize */
+    K_OPT_PRE = 7,  /* global optimizer step pre-hook */
+    K_OPT_POST = 8, /* global optimizer step post-hook: closes the step */
+};
+
+static inline long long
+now_ns(void)
+{
+#if PY_VERSION_HEX >= 0x030D0000
+    PyTime_t t;
+    (void)PyTime_PerfCounterRaw(&t);
+    return (long long)t;
+#else
+    return (long long)_PyTime_GetPerfCounter(); /* what time.perf_counter_ns() reads */
+#endif
+}
+
+/* ---------------------------------------------------------------- ClockCore */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *acc;     /* list of N_ACC ints, the same list all run long */
+    PyObject *device;  /* None, or a DeviceTimer (CUDA events at phase boundaries) */
+    PyObject *records; /* array('q') of finished steps, drained by the Recorder */
+    long long mark;    /* perf_counter_ns of the last phase transition */
+    long long n_steps, step_start, origin_ns, extra_flags, next_watch;
+    unsigned long long fast_opt; /* id() of the optimizer whose post-hook closes steps */
+    unsigned long owner;         /* threading.get_ident() of the training thread */
+    int current;                 /* the current phase */
+    int opt_prev;                /* phase to restore after the optimizer step */
+    int gc_prev;                 /* phase to restore after a collection */
+    char started;
+    char bwd_pending;
+    char bwd_track;
+} ClockCore;
+
+static PyObject *
+core_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    ClockCore *self = (ClockCore *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->acc = Py_NewRef(Py_None);
+    self->device = Py_NewRef(Py_None);
+    self->records = Py_NewRef(Py_None);
+    self->bwd_track = 1;
+    return (PyObject *)self;
+}
+
+static int
+core_traverse(ClockCore *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->acc);
+    Py_VISIT(self->device);
+    Py_VISIT(self->records);
+    return 0;
+}
+
+static int
+core_clear(ClockCore *self)
+{
+    Py_CLEAR(self->acc);
+    Py_CLEAR(self->device);
+    Py_CLEAR(self->records);
+    return 0;
+}
+
+/* A static type: the heap subclass's subtype_dealloc releases the subclass itself. */
+static void
+core_dealloc(ClockCore *self)
+{
+    PyObject_GC_UnTrack(self);
+    core_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* acc[i] += d */
+static int
+acc_add(ClockCore *c, Py_ssize_t i, long long d)
+{
+    PyObject *acc = c->acc;
+    if (!PyList_CheckExact(acc) || i < 0 || i >= PyList_GET_SIZE(acc)) {
+        PyErr_SetString(PyExc_RuntimeError, "trainprof: clock.acc is not the accumulator list");
+        return -1;
+    }
+    PyObject *old = PyList_GET_ITEM(acc, i);
+    long long v = PyLong_AsLongLong(old);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    PyObject *nv = PyLong_FromLongLong(v + d);
+    if (nv == NULL)
+        return -1;
+    PyList_SET_ITEM(acc, i, nv);
+    Py_DECREF(old);
+    return 0;
+}
+
+/* StepClock.enter: make `phase` current; the previous one goes to *prev. */
+static int
+core_enter(ClockCore *c, int phase, int *prev)
+{
+    long long now = now_ns();
+    if (!c->started) {
+        PyObject *t = PyLong_FromLongLong(now);
+        if (t == NULL)
+            return -1;
+        PyObject *r = PyObject_CallMethodOneArg((PyObject *)c, s_begin, t);
+        Py_DECREF(t);
+        if (r == NULL)
+            return -1;
+        Py_DECREF(r);
+    }
+    if (acc_add(c, c->current, now - c->mark) < 0)
+        return -1;
+    *prev = c->current;
+    c->current = phase;
+    c->mark = now;
+    return 0;
+}
+
+/* StepClock.exit: leave the current phase for `prev`. */
+static int
+core_exit(ClockCore *c, int prev, long long *when)
+{
+    long long now = now_ns();
+    int r = acc_add(c, c->current, now - c->mark);
+    c->current = prev;
+    c->mark = now;
+    if (when != NULL)
+        *when = now;
+    return r;
+}
+
+/* core_exit while an exception is propagating: the exception wins. */
+static void
+core_exit_on_error(ClockCore *c, int prev)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (core_exit(c, prev, NULL) < 0)
+        PyErr_Clear();
+    PyErr_Restore(type, value, tb);
+}
+
+/* StepClock._close: end the current step at `now`: append its record, zero acc,
+   then the rare work in Python (CUDA events of the step, windows, --max-steps). */
+static int
+core_close(ClockCore *c, long long flags, long long now)
+{
+    PyObject *acc = c->acc;
+    long long rec[MAX_RECORD];
+    if (!PyList_CheckExact(acc) || PyList_GET_SIZE(acc) != N_ACC) {
+        PyErr_SetString(PyExc_RuntimeError, "trainprof: clock.acc is not the accumulator list");
+        return -1;
+    }
+    rec[0] = c->n_steps;
+    rec[1] = c->step_start - c->origin_ns;
+    rec[2] = now - c->step_start;
+    for (Py_ssize_t i = 0; i < N_ACC; i++) {
+        rec[3 + i] = PyLong_AsLongLong(PyList_GET_ITEM(acc, i));
+        if (rec[3 + i] == -1 && PyErr_Occurred())
+            return -1;
+    }
+    rec[3 + N_ACC] = flags | c->extra_flags;
+    PyObject *data = PyBytes_FromStringAndSize((const char *)rec,
+                                               (Py_ssize_t)sizeof(long long) * (N_ACC + 4));
+    if (data == NULL)
+        return -1;
+    PyObject *margs[3] = {NULL, c->records, data};
+    PyObject *r = PyObject_VectorcallMethod(s_frombytes, margs + 1,
+                                            2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    Py_DECREF(data);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    for (Py_ssize_t i = 0; i < N_ACC; i++) {
+        PyObject *old = PyList_GET_ITEM(acc, i);
+        if (old != zero_int) {
+            PyList_SET_ITEM(acc, i, Py_NewRef(zero_int));
+            Py_DECREF(old);
+        }
+    }
+    c->n_steps += 1;
+    c->step_start = now;
+    if (c->device != Py_None) {
+        PyObject *device = Py_NewRef(c->device);
+        PyObject *step = PyLong_FromLongLong(c->n_steps - 1);
+        r = step == NULL ? NULL : PyObject_CallMethodOneArg(device, s_step_closed, step);
+        Py_XDECREF(step);
+        Py_DECREF(device);
+        if (r == NULL)
+            return -1;
+        Py_DECREF(r);
+    }
+    if (c->n_steps >= c->next_watch) {
+        r = PyObject_CallMethodNoArgs((PyObject *)c, s_watch);
+        if (r == NULL)
+            return -1;
+        Py_DECREF(r);
+    }
+    return 0;
+}
+
+static PyObject *
+core_py_close(ClockCore *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    long long flags, now;
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "_close(flags, now=None)");
+        return NULL;
+    }
+    flags = PyLong_AsLongLong(args[0]);
+    if (flags == -1 && PyErr_Occurred())
+        return NULL;
+    if (nargs == 2 && args[1] != Py_None) {
+        now = PyLong_AsLongLong(args[1]);
+        if (now == -1 && PyErr_Occurred())
+            return NULL;
+    }
+    else {
+        now = now_ns();
+        if (acc_add(self, self->current, now - self->mark) < 0)
+            return NULL;
+        self->mark = now;
+    }
+    if (core_close(self, flags, now) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+core_py_enter(ClockCore *self, PyObject *arg)
+{
+    long phase = PyLong_AsLong(arg);
+    int prev;
+    if (phase == -1 && PyErr_Occurred())
+        return NULL;
+    if (core_enter(self, (int)phase, &prev) < 0)
+        return NULL;
+    return PyLong_FromLong(prev);
+}
+
+static PyObject *
+core_py_exit(ClockCore *self, PyObject *arg)
+{
+    long prev = PyLong_AsLong(arg);
+    long long now;
+    if (prev == -1 && PyErr_Occurred())
+        return NULL;
+    if (core_exit(self, (int)prev, &now) < 0)
+        return NULL;
+    return PyLong_FromLongLong(now);
+}
+
+static PyMethodDef core_methods[] = {
+    {"enter", (PyCFunction)core_py_enter, METH_O,
+     "Make `phase` current; returns the phase to give back to exit()."},
+    {"exit", (PyCFunction)core_py_exit, METH_O,
+     "Leave the current phase for `prev`; returns the time of the transition."},
+    {"_close", (PyCFunction)(void (*)(void))core_py_close, METH_FASTCALL,
+     "End the current step at `now` (default: this instant)."},
+    {NULL}};
+
+static PyMemberDef core_members[] = {
+    {"acc", T_OBJECT_EX, offsetof(ClockCore, acc), 0, NULL},
+    {"device", T_OBJECT_EX, offsetof(ClockCore, device), 0, NULL},
+    {"records", T_OBJECT_EX, offsetof(ClockCore, records), 0, NULL},
+    {"mark", T_LONGLONG, offsetof(ClockCore, mark), 0, NULL},
+    {"n_steps", T_LONGLONG, offsetof(ClockCore, n_steps), 0, NULL},
+    {"step_start", T_LONGLONG, offsetof(ClockCore, step_start), 0, NULL},
+    {"origin_ns", T_LONGLONG, offsetof(ClockCore, origin_ns), 0, NULL},
+    {"extra_flags", T_LONGLONG, offsetof(ClockCore, extra_flags), 0, NULL},
+    {"next_watch", T_LONGLONG, offsetof(ClockCore, next_watch), 0, NULL},
+    {"fast_opt", T_ULONGLONG, offsetof(ClockCore, fast_opt), 0, NULL},
+    {"owner", T_ULONG, offsetof(ClockCore, owner), 0, NULL},
+    {"current", T_INT, offsetof(ClockCore, current), 0, NULL},
+    {"opt_prev", T_INT, offsetof(ClockCore, opt_prev), 0, NULL},
+    {"gc_prev", T_INT, offsetof(ClockCore, gc_prev), 0, NULL},
+    {"started", T_BOOL, offsetof(ClockCore, started), 0, NULL},
+    {"bwd_pending", T_BOOL, offsetof(ClockCore, bwd_pending), 0, NULL},
+    {"bwd_track", T_BOOL, offsetof(ClockCore, bwd_track), 0, NULL},
+    {NULL}};
+
+static PyTypeObject ClockCoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "trainprof.capture._fastclock.ClockCore",
+    .tp_doc = "The step clock's hot state and phase transitions (base class of StepClock).",
+    .tp_basicsize = sizeof(ClockCore),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = core_new,
+    .tp_traverse = (traverseproc)core_traverse,
+    .tp_clear = (inquiry)core_clear,
+    .tp_dealloc = (destructor)core_dealloc,
+    .tp_methods = core_methods,
+    .tp_members = core_members,
+};
+
+/* -------------------------------------------------------------------- Timed */
+
+typedef struct {
+    PyObject_HEAD
+    ClockCore *clock;
+    PyObject *orig;        /* the wrapped callable (NULL for the optimizer hooks) */
+    PyObject *extra;       /* K_NEXT: batch_size_of(batch), for batches off the fast path */
+    PyObject *tensor_type; /* K_NEXT: torch.Tensor */
+    PyObject *dev_begin;   /* DeviceTimer.mark() arguments, or NULL */
+    PyObject *dev_end;
+    int kind;
+    int phase;
+    vectorcallfunc vectorcall;
+} Timed;
+
+/* device.mark(which); device may be NULL or None (no CUDA in use). The sampler
+   thread may set clock.device meanwhile: hold a reference for the call. */
+static int
+device_mark(PyObject *device, PyObject *which)
+{
+    if (device == NULL || device == Py_None || which == NULL)
+        return 0;
+    Py_INCREF(device);
+    PyObject *r = PyObject_CallMethodOneArg(device, s_mark, which);
+    Py_DECREF(device);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+static void
+device_mark_on_error(PyObject *device, PyObject *which)
+{
+    if (device == NULL || device == Py_None || which == NULL)
+        return;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (device_mark(device, which) < 0)
+        PyErr_Clear();
+    PyErr_Restore(type, value, tb);
+}
+
+static int
+call_noargs_method(ClockCore *c, PyObject *name)
+{
+    PyObject *r = PyObject_CallMethodNoArgs((PyObject *)c, name);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* Leading dimension of the usual (tensor, ...) batch; else batch_size_of(batch). */
+static int
+add_batch_size(Timed *self, PyObject *batch)
+{
+    PyTypeObject *tp = Py_TYPE(batch);
+    long long n;
+    if ((tp == &PyTuple_Type || tp == &PyList_Type) && Py_SIZE(batch) > 0
+        && (PyObject *)Py_TYPE(tp == &PyTuple_Type ? PyTuple_GET_ITEM(batch, 0)
+                                                   : PyList_GET_ITEM(batch, 0))
+               == self->tensor_type) {
+        PyObject *first = tp == &PyTuple_Type ? PyTuple_GET_ITEM(batch, 0)
+                                              : PyList_GET_ITEM(batch, 0);
+        PyObject *shape = PyObject_GetAttr(first, s_shape);
+        if (shape == NULL)
+            return -1;
+        if (PyTuple_Check(shape) && PyTuple_GET_SIZE(shape) > 0)
+            n = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, 0));
+        else
+            n = 1;
+        Py_DECREF(shape);
+    }
+    else {
+        PyObject *r = PyObject_CallOneArg(self->extra, batch);
+        if (r == NULL)
+            return -1;
+        n = PyLong_AsLongLong(r);
+        Py_DECREF(r);
+    }
+    if (n == -1 && PyErr_Occurred())
+        return -1;
+    return acc_add(self->clock, I_SAMPLES, n);
+}
+
+static PyObject *
+timed_vectorcall(Timed *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    ClockCore *c = self->clock;
+    PyObject *out;
+    int prev;
+    long long t0, now;
+
+    switch (self->kind) {
+    case K_NEXT:
+        if (PyThread_get_thread_ident() != c->owner)
+            return PyObject_Vectorcall(self->orig, args, nargsf, kwnames);
+        if (c->bwd_pending && call_noargs_method(c, s_top_level_event) < 0)
+            return NULL;
+        if (core_enter(c, self->phase, &prev) < 0)
+            return NULL;
+        out = PyObject_Vectorcall(self->orig, args, nargsf, kwnames);
+        if (out == NULL) {
+            core_exit_on_error(c, prev);
+            return NULL;
+        }
+        if (core_exit(c, prev, NULL) < 0 || add_batch_size(self, out) < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        return out;
+
+    case K_CALL:
+    case K_BACKWARD:
+    case K_PHASE:
+        if (PyThread_get_thread_ident() != c->owner
+            || (self->kind == K_CALL && c->current != I_OTHER))
+            return PyObject_Vectorcall(self->orig, args, nargsf, kwnames);
+        if (c->bwd_pending && (self->kind == K_CALL || c->current == I_OTHER)
+            && self->kind != K_PHASE && call_noargs_method(c, s_top_level_event) < 0)
+            return NULL;
+        if (core_enter(c, self->phase, &prev) < 0)
+            return NULL;
+        /* CUDA events round the call, the one device seen at its start (the backward's:
+           round the outermost backward only) */
+        PyObject *dev = NULL;
+        if (self->dev_end != NULL && c->device != Py_None
+            && (self->kind != K_BACKWARD || prev == I_OTHER)) {
+            dev = Py_NewRef(c->device);
+            if (device_mark(dev, self->dev_begin) < 0) {
+                Py_DECREF(dev);
+                core_exit_on_error(c, prev);
+                return NULL;
+            }
+        }
+        out = PyObject_Vectorcall(self->orig, args, nargsf, kwnames);
+        if (out == NULL) {
+            device_mark_on_error(dev, self->dev_end);
+            Py_XDECREF(dev);
+            core_exit_on_error(c, prev);
+            if (self->kind == K_BACKWARD && c->bwd_track)
+                c->bwd_pending = 1;
+            return NULL;
+        }
+        if (dev != NULL) {
+            int r = device_mark(dev, self->dev_end);
+            Py_DECREF(dev);
+            if (r < 0) {
+                Py_DECREF(out);
+                core_exit_on_error(c, prev);
+                return NULL;
+            }
+        }
+        if (core_exit(c, prev, NULL) < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        if (self->kind == K_BACKWARD && c->bwd_track)
+            c->bwd_pending = 1;
+        return out;
+
+    case K_READ:
+    case K_SYNC: {
+        t0 = now_ns();
+        out = PyObject_Vectorcall(self->orig, args, nargsf, kwnames);
+        if (out == NULL)
+            return NULL;
+        int sync = 1;
+        if (self->kind == K_READ) {
+            if (acc_add(c, I_HOST_READS, 1) < 0)
+                goto error;
+            sync = 0;
+            if (PyVectorcall_NARGS(nargsf) > 0) {
+                PyObject *is_cpu = PyObject_GetAttr(args[0], s_is_cpu);
+                if (is_cpu == NULL)
+                    goto error;
+                sync = is_cpu == Py_False;
+                Py_DECREF(is_cpu);
+            }
+        }
+        if (sync
+            && (acc_add(c, I_SYNC_N, 1) < 0 || acc_add(c, I_SYNC_NS, now_ns() - t0) < 0))
+            goto error;
+        return out;
+    error:
+        Py_DECREF(out);
+        return NULL;
+    }
+
+    case K_OPT_PRE:
+    case K_OPT_POST: {
+        Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+        if (nargs < 1) {
+            PyErr_SetString(PyExc_TypeError, "optimizer hook called without the optimizer");
+            return NULL;
+        }
+        if (PyThread_get_thread_ident() != c->owner)
+            Py_RETURN_NONE;
+        if (self->kind == K_OPT_PRE) {
+            if (core_enter(c, self->phase, &prev) < 0)
+                return NULL;
+            c->opt_prev = prev;
+            if (device_mark(c->device, self->dev_begin) < 0)
+                return NULL;
+            Py_RETURN_NONE;
+        }
+        if (device_mark(c->device, self->dev_end) < 0)
+            return NULL;
+        if (core_exit(c, c->opt_prev, &now) < 0)
+            return NULL;
+        if ((unsigned long long)(uintptr_t)args[0] == c->fast_opt) {
+            /* the primary optimizer in steady state (see StepClock.optimizer_stepped) */
+            if (core_close(c, 0, now) < 0)
+                return NULL;
+            Py_RETURN_NONE;
+        }
+        PyObject *when = PyLong_FromLongLong(now);
+        if (when == NULL)
+            return NULL;
+        /* slot 0 is free for the callee (PY_VECTORCALL_ARGUMENTS_OFFSET) */
+        PyObject *cargs[4] = {NULL, (PyObject *)c, args[0], when};
+        PyObject *r = PyObject_VectorcallMethod(s_optimizer_stepped, cargs + 1,
+                                                3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        Py_DECREF(when);
+        if (r == NULL)
+            return NULL;
+        Py_DECREF(r);
+        Py_RETURN_NONE;
+    }
+    }
+    PyErr_SetString(PyExc_SystemError, "trainprof: bad Timed kind");
+    return NULL;
+}
+
+static PyObject *
+timed_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"kind", "clock", "orig", "phase", "extra", "tensor_type",
+                             "dev_begin", "dev_end", NULL};
+    int kind, phase;
+    PyObject *clock, *orig, *extra = NULL, *tensor_type = NULL, *dev_begin = NULL,
+                            *dev_end = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iO!Oi|OOOO:Timed", kwlist, &kind,
+                                     &ClockCoreType, &clock, &orig, &phase, &extra,
+                                     &tensor_type, &dev_begin, &dev_end))
+        return NULL;
+    if (N_ACC < 0) {
+        PyErr_SetString(PyExc_RuntimeError, "trainprof._fastclock: configure() first");
+        return NULL;
+    }
+    if (kind < K_NEXT || kind > K_OPT_POST) {
+        PyErr_SetString(PyExc_ValueError, "unknown kind");
+        return NULL;
+    }
+    if (kind < K_OPT_PRE && !PyCallable_Check(orig)) {
+        PyErr_SetString(PyExc_TypeError, "orig must be callable");
+        return NULL;
+    }
+    if (kind == K_NEXT && (extra == NULL || tensor_type == NULL || !PyCallable_Check(extra))) {
+        PyErr_SetString(PyExc_TypeError, "K_NEXT needs extra=batch_size_of and tensor_type");
+        return NULL;
+    }
+    Timed *self = (Timed *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->kind = kind;
+    self->phase = phase;
+    self->clock = (ClockCore *)Py_NewRef(clock);
+    self->orig = orig == Py_None ? NULL : Py_NewRef(orig);
+    self->extra = Py_XNewRef(extra == Py_None ? NULL : extra);
+    self->tensor_type = Py_XNewRef(tensor_type == Py_None ? NULL : tensor_type);
+    self->dev_begin = Py_XNewRef(dev_begin == Py_None ? NULL : dev_begin);
+    self->dev_end = Py_XNewRef(dev_end == Py_None ? NULL : dev_end);
+    self->vectorcall = (vectorcallfunc)timed_vectorcall;
+    return (PyObject *)self;
+}
+
+static int
+timed_traverse(Timed *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->clock);
+    Py_VISIT(self->orig);
+    Py_VISIT(self->extra);
+    Py_VISIT(self->tensor_type);
+    Py_VISIT(self->dev_begin);
+    Py_VISIT(self->dev_end);
+    return 0;
+}
+
+static int
+timed_clear(Timed *self)
+{
+    Py_CLEAR(self->clock);
+    Py_CLEAR(self->orig);
+    Py_CLEAR(self->extra);
+    Py_CLEAR(self->tensor_type);
+    Py_CLEAR(self->dev_begin);
+    Py_CLEAR(self->dev_end);
+    return 0;
+}
+
+static void
+timed_dealloc(Timed *self)
+{
+    PyObject_GC_UnTrack(self);
+    timed_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* A method descriptor: on a class, instance.attr binds like a function does. */
+static PyObject *
+timed_descr_get(PyObject *self, PyObject *obj, PyObject *type)
+{
+    if (obj == NULL || obj == Py_None)
+        return Py_NewRef(self);
+    return PyMethod_New(self, obj);
+}
+
+static PyObject *
+timed_get_wrapped(Timed *self, void *closure)
+{
+    if (self->orig == NULL)
+        Py_RETURN_NONE;
+    return Py_NewRef(self->orig);
+}
+
+static PyObject *
+timed_get_orig_attr(Timed *self, void *closure)
+{
+    if (self->orig == NULL)
+        return PyUnicode_FromString("optimizer_hook");
+    return PyObject_GetAttrString(self->orig, (const char *)closure);
+}
+
+static PyObject *
+timed_repr(Timed *self)
+{
+    if (self->orig == NULL)
+        return PyUnicode_FromFormat("<trainprof timed hook, kind %d>", self->kind);
+    return PyUnicode_FromFormat("<trainprof timed %R>", self->orig);
+}
+
+static PyGetSetDef timed_getset[] = {
+    {"__wrapped__", (getter)timed_get_wrapped, NULL, "the wrapped callable", NULL},
+    {"__name__", (getter)timed_get_orig_attr, NULL, NULL, "__name__"},
+    {"__qualname__", (getter)timed_get_orig_attr, NULL, NULL, "__qualname__"},
+    {"__doc__", (getter)timed_get_orig_attr, NULL, NULL, "__doc__"},
+    {NULL}};
+
+static PyMemberDef timed_members[] = {
+    {"__vectorcalloffset__", T_PYSSIZET, offsetof(Timed, vectorcall), READONLY},
+    {"kind", T_INT, offsetof(Timed, kind), READONLY},
+    {"phase", T_INT, offsetof(Timed, phase), READONLY},
+    {NULL}};
+
+static PyTypeObject TimedType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "trainprof.capture._fastclock.Timed",
+    .tp_doc = "Timed(kind, clock, orig, phase, extra=None, tensor_type=None, dev_begin=None, "
+              "dev_end=None): calls orig, timing the call as `phase` of the clock.",
+    .tp_basicsize = sizeof(Timed),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL
+                | Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_new = timed_new,
+    .tp_traverse = (traverseproc)timed_traverse,
+    .tp_clear = (inquiry)timed_clear,
+    .tp_dealloc = (destructor)timed_dealloc,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(Timed, vectorcall),
+    .tp_descr_get = timed_descr_get,
+    .tp_repr = (reprfunc)timed_repr,
+    .tp_getset = timed_getset,
+    .tp_members = timed_members,
+};
+
+/* ------------------------------------------------------------------- module */
+
+static PyObject *
+configure(PyObject *mod, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"n_acc", "other", "samples", "host_reads", "sync_n", "sync_ns",
+                             NULL};
+    Py_ssize_t n, o, s, h, sn, sns;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "nnnnnn:configure", kwlist, &n, &o, &s, &h,
+                                     &sn, &sns))
+        return NULL;
+    if (n < 1 || n + 4 > MAX_RECORD || o < 0 || o >= n || s < 0 || s >= n || h < 0 || h >= n
+        || sn < 0 || sn >= n || sns < 0 || sns >= n) {
+        PyErr_SetString(PyExc_ValueError, "bad accumulator layout");
+        return NULL;
+    }
+    N_ACC = n;
+    I_OTHER = o;
+    I_SAMPLES = s;
+    I_HOST_READS = h;
+    I_SYNC_N = sn;
+    I_SYNC_NS = sns;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+py_now_ns(PyObject *mod, PyObject *unused)
+{
+    return PyLong_FromLongLong(now_ns());
+}
+
+static PyMethodDef module_methods[] = {
+    {"configure", (PyCFunction)(void (*)(void))configure, METH_VARARGS | METH_KEYWORDS,
+     "Set the accumulator layout (indices from trainprof.schema)."},
+    {"now_ns", py_now_ns, METH_NOARGS, "The clock the C path reads: time.perf_counter_ns()."},
+    {NULL}};
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT, "_fastclock",
+    "The step clock's hot path in C (optional; see trainprof.capture.clock).", -1,
+    module_methods};
+
+PyMODINIT_FUNC
+PyInit__fastclock(void)
+{
+    if (PyType_Ready(&ClockCoreType) < 0 || PyType_Ready(&TimedType) < 0)
+        return NULL;
+#define INTERN(var, text)                                                                       \
+    if ((var = PyUnicode_InternFromString(text)) == NULL)                                       \
+        return NULL;
+    INTERN(s_begin, "begin");
+    INTERN(s_top_level_event, "top_level_event");
+    INTERN(s_mark, "mark");
+    INTERN(s_frombytes, "frombytes");
+    INTERN(s_step_closed, "step_closed");
+    INTERN(s_watch, "_watch");
+    INTERN(s_optimizer_stepped, "optimizer_stepped");
+    INTERN(s_shape, "shape");
+    INTERN(s_is_cpu, "is_cpu");
+#undef INTERN
+    if ((zero_int = PyLong_FromLong(0)) == NULL)
+        return NULL;
+    PyObject *m = PyModule_Create(&moduledef);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(m, "ClockCore", (PyObject *)&ClockCoreType) < 0
+        || PyModule_AddObjectRef(m, "Timed", (PyObject *)&TimedType) < 0
+        || PyModule_AddIntConstant(m, "K_NEXT", K_NEXT) < 0
+        || PyModule_AddIntConstant(m, "K_CALL", K_CALL) < 0
+        || PyModule_AddIntConstant(m, "K_BACKWARD", K_BACKWARD) < 0
+        || PyModule_AddIntConstant(m, "K_PHASE", K_PHASE) < 0
+        || PyModule_AddIntConstant(m, "K_READ", K_READ) < 0
+        || PyModule_AddIntConstant(m, "K_SYNC", K_SYNC) < 0
+        || PyModule_AddIntConstant(m, "K_OPT_PRE", K_OPT_PRE) < 0
+        || PyModule_AddIntConstant(m, "K_OPT_POST", K_OPT_POST) < 0
+        || PyModule_AddIntConstant(m, "VERSION", FASTCLOCK_VERSION) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,282 @@
+"""The step clock's two hot paths (C extension, pure Python) record the same steps.
+
+Every other test runs the default path (C where the extension was built); here
+the same training loops run under both, ``TRAINPROF_PURE_PYTHON=1`` forcing the
+fallback, and the C types are checked against the Python ones directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import textwrap
+import threading
+from array import array
+
+import pytest
+
+from trainprof.capture import clock as clock_mod
+from trainprof.schema import DATA, FORWARD, N_ACC, OTHER, RECORD_WIDTH, SAMPLES, ZERO_GRAD
+
+try:
+    from trainprof.capture import _fastclock
+except ImportError:  # built without a compiler: only the pure-Python path exists
+    _fastclock = None
+
+needs_c = pytest.mark.skipif(_fastclock is None, reason="C extension not built")
+PATHS = [pytest.param("c", marks=needs_c), "python"]
+
+LOOP = r"""
+import json, sys, time, gc
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+import trainprof
+from trainprof.capture import clock as clock_mod
+from trainprof.capture.recorder import active_recorder
+from trainprof.store import load_run
+
+class Slow(Dataset):
+    def __len__(self): return 64
+    def __getitem__(self, i):
+        time.sleep(0.0005)  # 4 ms per batch of 8
+        return torch.randn(4), torch.zeros(1)
+
+class Dicts(Dataset):
+    def __len__(self): return 64
+    def __getitem__(self, i): return {"x": torch.randn(4)}
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    def forward(self, x):
+        time.sleep(0.002)
+        if x.shape[0] == 3:
+            raise ValueError("odd batch")
+        return self.body(x)
+
+out = {"fast": clock_mod.FAST}
+torch.manual_seed(0)
+with trainprof.profile(sys.argv[1] + "/opt", report=False) as prof:
+    model, loss_fn = Net(), nn.MSELoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    dicts = iter(DataLoader(Dicts(), batch_size=5))
+    errors = 0
+    for x, y in DataLoader(Slow(), batch_size=8):
+        next(dicts)  # a mapping batch: batch_size_of's general walk (5 more samples)
+        try:
+            model(torch.randn(3, 4))
+        except ValueError:
+            errors += 1
+        out.setdefault("current_after_error", []).append(active_recorder().clock.current)
+        loss = loss_fn(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        loss.item()
+    out["errors"] = errors
+with trainprof.profile(sys.argv[1] + "/bwd", report=False) as prof:
+    w = torch.zeros(3, requires_grad=True)
+    for _ in range(5):
+        (w * 2).sum().backward()
+        with torch.no_grad():
+            w -= 0.1 * w.grad
+            w.grad = None
+for name in ("opt", "bwd"):
+    run = load_run(sys.argv[1] + "/" + name)
+    out[name] = {"delimiter": run.meta.get("step_delimiter"),
+                 "steps": {f: run.steps[f].tolist() for f in run.steps.dtype.names}}
+print(json.dumps(out))
+"""
+
+
+def _run_loop(tmp_path, path: str) -> dict:
+    env = {**os.environ, "TRAINPROF_PURE_PYTHON": "1" if path == "python" else "0"}
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_both_hot_paths_time_the_same_loop(tmp_path, path):
+    out = _run_loop(tmp_path, path)
+    assert out["fast"] is (path == "c")
+    assert out["errors"] == 8 and out["current_after_error"] == [OTHER] * 8
+    opt = out["opt"]
+    assert opt["delimiter"] == "optimizer"
+    # the loop's last next() (StopIteration) opens a partial 9th step
+    s = {f: v[:8] for f, v in opt["steps"].items()}
+    n = len(s["dur_ns"])
+    assert n == 8 and s["flags"] == [0] * 8
+    assert s["samples"] == [8 + 5] * 8  # the (tensor, tensor) batch plus the mapping batch
+    # loss.item(); step 0 also has the DataLoader iterator's seed (an .item() in torch)
+    assert s["host_reads"][1:] == [1] * 7 and s["sync_n"] == [0] * 8
+    phases = [f for f in s if f.endswith("_ns") and f not in ("t_start_ns", "dur_ns", "sync_ns")]
+    for i in range(n):
+        assert sum(s[f][i] for f in phases) == s["dur_ns"][i]
+        assert s["data_wait_ns"][i] > 3.5e6  # 8 samples x 0.5 ms
+        assert s["forward_ns"][i] > 4e6  # two forwards of 2 ms, the failing one included
+        assert s["backward_ns"][i] > 0 and s["optimizer_ns"][i] > 0
+        assert s["zero_grad_ns"][i] > 0
+    bwd = out["bwd"]
+    assert bwd["delimiter"] == "backward"
+    assert len(bwd["steps"]["dur_ns"]) == 5
+
+
+def test_pure_python_switch_and_default():
+    code = "from trainprof.capture import clock; print(clock.FAST)"
+    for value, expected in (("1", False), ("0", _fastclock is not None)):
+        env = {**os.environ, "TRAINPROF_PURE_PYTHON": value}
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env=env, timeout=60)
+        assert proc.stdout.strip() == str(expected), proc.stderr
+
+
+def test_extension_is_built_where_a_compiler_is():
+    """`pip install -e .` builds the extension; a failed build would only show as lost speed."""
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(cc) is None or not os.path.exists(sysconfig.get_paths()["include"]):
+        pytest.skip("no C compiler or Python headers here")
+    assert _fastclock is not None, "the C fast path is not built: run `pip install -e .`"
+    assert clock_mod.FAST or os.environ.get("TRAINPROF_PURE_PYTHON") not in (None, "", "0")
+
+
+def _py_clock_class() -> type:
+    """StepClock on the pure-Python core, whichever core this process uses."""
+    body = {k: v for k, v in vars(clock_mod.StepClock).items()
+            if k not in ("__dict__", "__weakref__")}
+    return type("PyStepClock", (clock_mod._PyCore,), body)
+
+
+@needs_c
+def test_c_core_matches_python_core_record_for_record():
+    c, p = clock_mod.StepClock(), _py_clock_class()()
+    assert isinstance(c, _fastclock.ClockCore) and not isinstance(p, _fastclock.ClockCore)
+    for clk in (c, p):
+        clk.origin_ns = 1_000
+        clk.begin(5_000)
+        clk.mode = "optimizer"
+    for step in range(3):
+        for clk in (c, p):
+            clk.acc[:] = [step * 100 + i for i in range(N_ACC)]
+            clk.mark = 6_000 + step
+        c._close(2, 9_000 + step * 10)
+        p._close(2, 9_000 + step * 10)
+    assert c.records.tobytes() == p.records.tobytes()
+    assert len(c.records) == 3 * RECORD_WIDTH and c.n_steps == p.n_steps == 3
+    assert c.acc == p.acc == [0] * N_ACC and c.step_start == p.step_start == 9_020
+    # without `now`: charge the time since the last transition to the current phase
+    for clk in (c, p):
+        clk.current = DATA
+        clk.mark = clock_mod.perf_counter_ns()
+        clk._close(0)
+        assert clk.records[-RECORD_WIDTH + 3 + DATA] >= 0 and clk.acc[DATA] == 0
+    # --max-steps: the watch runs from the C close too
+    c2 = clock_mod.StepClock(max_steps=2)
+    c2.begin(clock_mod.perf_counter_ns())
+    c2._close(0)
+    with pytest.raises(clock_mod.StopTraining):
+        c2._close(0)
+
+
+@needs_c
+def test_timed_wrapper_binds_passes_through_and_restores_the_phase():
+    clk = clock_mod.StepClock()
+
+    class Thing:
+        def work(self, x, *, scale=1):
+            if x < 0:
+                raise ValueError(x)
+            return x * scale
+
+    orig = Thing.work
+    Thing.work = _fastclock.Timed(_fastclock.K_PHASE, clk, orig, ZERO_GRAD)
+    assert Thing.work.__wrapped__ is orig and Thing.work.__name__ == "work"
+    t = Thing()
+    assert t.work(3, scale=2) == 6 and Thing.work(t, 4) == 4
+    assert clk.started and clk.current == OTHER and clk.acc[ZERO_GRAD] > 0
+    with pytest.raises(ValueError):
+        t.work(-1)
+    assert clk.current == OTHER
+    # another thread: straight through, the clock untouched
+    before = list(clk.acc)
+    res = []
+    th = threading.Thread(target=lambda: res.append(t.work(5)))
+    th.start()
+    th.join()
+    assert res == [5] and clk.acc == before
+    # a root module's call is timed only at top level
+    call = _fastclock.Timed(_fastclock.K_CALL, clk, lambda m, x: x + 1, FORWARD)
+    clk.current = ZERO_GRAD
+    assert call(object(), 1) == 2 and clk.acc[FORWARD] == 0
+    clk.current = OTHER
+    assert call(object(), 1) == 2 and clk.acc[FORWARD] > 0
+
+
+@needs_c
+def test_next_wrapper_counts_samples_of_any_batch_layout():
+    import torch
+
+    from trainprof.capture.hooks import batch_size_of
+
+    clk = clock_mod.StepClock()
+    batches = iter([(torch.zeros(7, 2), 1), [torch.zeros(3)], {"x": torch.zeros(5, 1)},
+                    torch.zeros(2, 2), "text"])
+    nxt = _fastclock.Timed(_fastclock.K_NEXT, clk, lambda: next(batches), DATA,
+                           extra=batch_size_of, tensor_type=torch.Tensor)
+    for _ in range(5):
+        nxt()
+    assert clk.acc[SAMPLES] == 7 + 3 + 5 + 2 + 0 and clk.acc[DATA] > 0
+    with pytest.raises(StopIteration):
+        nxt()
+    assert clk.current == OTHER
+
+
+def test_records_array_layout_is_unchanged():
+    """The packed record is what ``array('q').extend`` wrote before: the on-disk format."""
+    clk = clock_mod.StepClock()
+    clk.begin(clock_mod.perf_counter_ns())
+    clk.acc[:] = list(range(N_ACC))
+    clk._close(0, clk.step_start + 123)
+    expected = array("q", [0, clk.step_start - 123 - clk.origin_ns, 123, *range(N_ACC), 0])
+    assert clk.records.tobytes() == expected.tobytes()
+
+
+def test_script_under_trainprof_run_both_paths(tmp_path):
+    """`trainprof run` on an unmodified script: same step count and samples either way."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+        from torch.utils.data import DataLoader, TensorDataset
+        data = TensorDataset(torch.randn(96, 4), torch.randn(96, 1))
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 2)  # wraps opt.step on the instance
+        for x, y in DataLoader(data, batch_size=16):
+            loss = nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+    """))
+    docs = {}
+    for path in ("1", "0"):
+        env = {**os.environ, "TRAINPROF_PURE_PYTHON": path}
+        proc = subprocess.run(
+            [sys.executable, "-m", "trainprof", "run", "--json", "--out",
+             str(tmp_path / f"run{path}"), str(script)],
+            capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        docs[path] = json.loads(proc.stdout)
+    for doc in docs.values():
+        assert doc["steps"]["count"] == 6 and doc["steps"]["delimiter"] == "optimizer"
+        assert doc["samples_per_s"] == pytest.approx(16 / doc["steps"]["mean_s"], rel=1e-6)
