@@ -61,7 +61,12 @@ from typing import Any
 
 import numpy as np
 
-from trainprof.analysis.steps import BREAKDOWN_KEYS, complete_steps, detect_warmup
+from trainprof.analysis.steps import (
+    BREAKDOWN_KEYS,
+    PHASE_COLUMNS,
+    complete_steps,
+    detect_warmup,
+)
 from trainprof.analysis.summary import summarize_run
 from trainprof.store import Run
 
@@ -80,14 +85,7 @@ MAX_RESAMPLE = 10_000
 BATCH_TOLERANCE = 0.01
 
 #: Phase -> the step-record fields it groups (as in trainprof.analysis.steps' breakdown).
-PHASE_FIELDS: dict[str, tuple[str, ...]] = {
-    "data_wait": ("data_wait_ns",),
-    "forward": ("forward_ns",),
-    "backward": ("backward_ns",),
-    "optimizer": ("optimizer_ns", "zero_grad_ns"),
-    "gc": ("gc_ns",),
-    "other": ("other_ns", "region_ns"),
-}
+PHASE_FIELDS = PHASE_COLUMNS
 assert tuple(PHASE_FIELDS) == BREAKDOWN_KEYS
 
 COMPUTE = ("forward", "backward", "optimizer")
@@ -163,8 +161,15 @@ def bootstrap_ratio_ci(
     rng = np.random.default_rng(seed)
     ma = _boot_medians(np.asarray(a, dtype=np.float64), rng, n_boot)
     mb = _boot_medians(np.asarray(b, dtype=np.float64), rng, n_boot)
+    return percentile_ratio_interval(mb, ma, confidence)
+
+
+def percentile_ratio_interval(
+    num: np.ndarray, den: np.ndarray, confidence: float = CONFIDENCE
+) -> tuple[float, float]:
+    """Percentile interval of the bootstrap ratios ``num / den`` (NaN, NaN if none is finite)."""
     with np.errstate(divide="ignore", invalid="ignore"):
-        ratios = mb / ma
+        ratios = num / den
     ratios = ratios[np.isfinite(ratios)]
     if len(ratios) == 0:
         return (math.nan, math.nan)

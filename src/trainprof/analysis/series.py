@@ -28,7 +28,12 @@ from typing import Any
 
 import numpy as np
 
-from trainprof.analysis.steps import BREAKDOWN_KEYS, complete_steps, detect_warmup
+from trainprof.analysis.steps import (
+    BREAKDOWN_KEYS,
+    PHASE_COLUMNS,
+    complete_steps,
+    detect_warmup,
+)
 from trainprof.analysis.system import load_samples
 from trainprof.schema import FLAG_PARTIAL, FLAG_PROFILED
 from trainprof.store import Run
@@ -40,14 +45,7 @@ MAX_POINTS = 5000
 
 #: Step-record columns (ns) that make up each plotted phase; same grouping as
 #: :func:`trainprof.analysis.steps.step_statistics` ("breakdown").
-_PHASE_COLUMNS: dict[str, tuple[str, ...]] = {
-    "data_wait": ("data_wait_ns",),
-    "forward": ("forward_ns",),
-    "backward": ("backward_ns",),
-    "optimizer": ("optimizer_ns", "zero_grad_ns"),
-    "gc": ("gc_ns",),
-    "other": ("other_ns", "region_ns"),
-}
+_PHASE_COLUMNS = PHASE_COLUMNS
 assert tuple(_PHASE_COLUMNS) == BREAKDOWN_KEYS
 
 

@@ -31,6 +31,17 @@ from trainprof.schema import FLAG_BACKWARD, FLAG_MANUAL, FLAG_PARTIAL, FLAG_PROF
 
 BREAKDOWN_KEYS = ("data_wait", "forward", "backward", "optimizer", "gc", "other")
 
+#: The step-record columns (ns) each breakdown phase groups: zero_grad inside the
+#: optimizer, named regions inside "other" (see the module docstring).
+PHASE_COLUMNS: dict[str, tuple[str, ...]] = {
+    "data_wait": ("data_wait_ns",),
+    "forward": ("forward_ns",),
+    "backward": ("backward_ns",),
+    "optimizer": ("optimizer_ns", "zero_grad_ns"),
+    "gc": ("gc_ns",),
+    "other": ("other_ns", "region_ns"),
+}
+
 
 def complete_steps(steps: np.ndarray) -> np.ndarray:
     """The steps to analyse: complete ones, with a manual run's automatic prefix merged.

@@ -23,17 +23,10 @@ from typing import Any
 
 import numpy as np
 
+from trainprof.analysis.steps import PHASE_COLUMNS
 from trainprof.schema import FLAG_PARTIAL
 
 #: Exclusive phase columns of a step record, in the order of the summary's breakdown.
-PHASE_COLUMNS: dict[str, tuple[str, ...]] = {
-    "data_wait": ("data_wait_ns",),
-    "forward": ("forward_ns",),
-    "backward": ("backward_ns",),
-    "optimizer": ("optimizer_ns", "zero_grad_ns"),
-    "gc": ("gc_ns",),
-    "other": ("other_ns", "region_ns"),
-}
 
 #: A step is an outlier when it exceeds the median by all of: SPIKE_SIGMAS robust standard
 #: deviations (1.4826 x MAD, Composer's median/MAD pruning, expert-rules N4), SPIKE_REL of the

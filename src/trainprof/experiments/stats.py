@@ -36,7 +36,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from trainprof.analysis.compare import CONFIDENCE, MAX_RESAMPLE, N_BOOT, SEED
+from trainprof.analysis.compare import (
+    CONFIDENCE,
+    MAX_RESAMPLE,
+    N_BOOT,
+    SEED,
+    percentile_ratio_interval,
+)
 
 
 def boot_stats(
@@ -86,11 +92,4 @@ def ratio_ci(
     rng = np.random.default_rng(seed)
     mb = boot_stats(baseline, rng, n_boot, stat)
     ma = boot_stats(arm, rng, n_boot, stat)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratios = ma / mb
-    ratios = ratios[np.isfinite(ratios)]
-    if len(ratios) == 0:
-        return (math.nan, math.nan)
-    alpha = (1 - confidence) / 2
-    lo, hi = np.quantile(ratios, [alpha, 1 - alpha])
-    return float(lo), float(hi)
+    return percentile_ratio_interval(ma, mb, confidence)
