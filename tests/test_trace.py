@@ -36,6 +36,8 @@ if not TB.is_dir():
     TB = Path(__file__).resolve().parent / "data" / "tb-resnet50"
 MORE = TRACES / "more"
 needs_traces = pytest.mark.skipif(not TB.is_dir(), reason="shared/traces not available")
+#: the other field traces are not vendored: those tests run where ../shared/traces exists
+needs_more = pytest.mark.skipif(not MORE.is_dir(), reason="shared/traces/more not available")
 
 CATEGORIES = ("Kernel", "Memcpy", "Memset", "Communication", "Runtime", "DataLoader", "CpuOp",
               "Other", "Total")
@@ -124,6 +126,7 @@ def test_temporal_breakdown_matches_hta(tb_results, name, idle, compute, non_com
 
 
 @needs_traces
+@needs_more
 def test_gpu_timeline_matches_tracelens():
     """TraceLens's gpu_timeline.csv for the H100 traces: total, idle and busy time agree.
 
@@ -181,6 +184,7 @@ def test_every_shared_trace_analyses(path):
 
 
 @needs_traces
+@needs_more
 def test_format_facts_of_the_field():
     amd = analyse_trace(MORE / "hta" / "mi250_minitoy_train_ROCm6_2_kineto.json.gz")
     assert amd["format"]["device_type"] == "ROCm"
@@ -200,6 +204,7 @@ def test_format_facts_of_the_field():
 
 
 @needs_traces
+@needs_more
 def test_directory_of_ranks_is_merged():
     doc = analyse_trace(MORE / "hta" / "trace_filter_2ranks")
     assert set(doc["ranks"]) == {"0", "1"}
@@ -564,6 +569,7 @@ def test_malformed_memory_records_are_read_or_skipped(tmp_path):
 
 
 @needs_traces
+@needs_more
 def test_memory_summary_of_a_modern_cuda_trace():
     """TraceLens's H100 trace (modern records with the allocator's totals) against a
     direct reading of its JSON."""
@@ -748,6 +754,7 @@ def test_interval_helpers_against_brute_force():
 
 
 @needs_traces
+@needs_more
 def test_vectorised_op_tree_matches_a_stack_sweep():
     from trainprof.analysis.trace.correlate import Links
     from trainprof.analysis.trace.events import load_events
