@@ -10,7 +10,7 @@ for contrast.
 
     python benchmarks/overhead.py            # ~2 minutes
     python benchmarks/overhead.py --quick    # a few seconds, a rough figure
-    python benchmarks/overhead.py --parts    # also the step clock and hooks alone
+    python benchmarks/overhead.py --parts    # also the capture's parts on their own
     TRAINPROF_PURE_PYTHON=1 python benchmarks/overhead.py   # the pure-Python hot path
 
 The figure goes into the README. Noise floor: the spread of plain-vs-plain
@@ -94,23 +94,25 @@ def _ci_pct(with_: list[float], without: list[float], n: int = 2000) -> tuple[fl
     return (lo - 1) * 100, (hi - 1) * 100
 
 
-def start_recorder(run_dir: Path, hooks_only: bool = False) -> Recorder:
+def start_recorder(run_dir: Path, *, workers: bool = True, sampler: bool = True) -> Recorder:
     """The always-on capture as ``trainprof run`` starts it (less the one-off fingerprint).
 
-    ``hooks_only``: the step clock and its hooks alone - no DataLoader
-    sample/collate timing (:mod:`trainprof.capture.worker`), and a sampler that
-    never ticks - to tell their share of the cost apart.
+    Parts can be left out to tell their shares of the cost apart: ``workers``,
+    the DataLoader sample/collate timing of :mod:`trainprof.capture.worker`
+    (here in the training process: ``num_workers=0``); ``sampler``, the system
+    sampler's ticks (its thread still starts, but never wakes). The step clock
+    and its hooks are always on.
     """
     # the one-off fingerprint (~20 ms per run) is left out: this is the per-step cost
     rec = Recorder(run_dir, name="overhead", command=sys.argv, fingerprint=False,
-                   sample_interval_s=3600.0 if hooks_only else 0.2)
-    if hooks_only and rec.instrumentation is not None:
+                   sample_interval_s=0.2 if sampler else 3600.0)
+    if not workers and rec.instrumentation is not None:
         rec.instrumentation.workers = None
     return rec.start()
 
 
 def measure(
-    rounds: int, steps: int, cpu_time: bool = False, hidden: int = 256, settle: int = 100,
+    rounds: int, steps: int, cpu_time: bool = False, hidden: int = 256, settle: int = 128,
     parts: bool = False,
 ) -> dict[str, Any]:
     """Rounds of three arms in random order: plain, plain again, trainprof.
@@ -125,26 +127,29 @@ def measure(
     forward wrapper moves onto the root module classes after
     ``DISCOVERY_STEPS``) - a one-off cost per run, reported separately as
     ``startup_ms`` over the first ``settle`` steps. "plain again" against
-    "plain" is the noise floor. With ``parts``, a fourth arm, ``hooks``: the
-    clock and its hooks alone (see :func:`start_recorder`).
+    "plain" is the noise floor. With ``parts``, two more arms (see
+    :func:`start_recorder`): ``hooks``, the step clock and its hooks alone, and
+    ``nosampler``, everything but the system sampler's ticks.
     torch.profiler is measured afterwards, in its own rounds, each profiled
     block followed by an untimed block: its teardown disturbs the process for
     a while (a plain block right after it runs up to 1.5x slower here), which
     would otherwise spill onto whichever arm comes next.
     """
     run_steps, _ = make_loop(time.thread_time if cpu_time else time.perf_counter, hidden)
-    run_steps(300)  # warm up
+    run_steps(320)  # warm up (whole epochs, like every block)
     rng = random.Random(0)
     times: dict[str, list[float]] = {"plain": [], "plain2": [], "trainprof": []}
     if parts:
         times["hooks"] = []
+        times["nosampler"] = []
     first: dict[str, list[float]] = {name: [] for name in times}
     tmp = Path(tempfile.mkdtemp(prefix="trainprof-overhead-"))
 
     def arm(name: str, r: int) -> None:
         rec = None
-        if name in ("trainprof", "hooks"):
-            rec = start_recorder(tmp / f"{name}{r}", hooks_only=name == "hooks")
+        if name != "plain" and name != "plain2":
+            rec = start_recorder(tmp / f"{name}{r}", workers=name != "hooks",
+                                 sampler=name == "trainprof")
         try:
             first[name].append(run_steps(settle) * settle)
             times[name].append(run_steps(steps))
@@ -181,8 +186,9 @@ def measure(
         "settle_steps": settle,
     }
     if parts:
-        res["hooks_overhead_pct"] = _ratio_pct(times["hooks"], times["plain"])
-        res["hooks_overhead_ci95_pct"] = _ci_pct(times["hooks"], times["plain"])
+        for part in ("hooks", "nosampler"):
+            res[f"{part}_overhead_pct"] = _ratio_pct(times[part], times["plain"])
+            res[f"{part}_overhead_ci95_pct"] = _ci_pct(times[part], times["plain"])
     return res
 
 
@@ -199,16 +205,19 @@ def main() -> None:
                         "thread was descheduled: steal, other load) instead of wall time")
     parser.add_argument("--cpu", type=int, default=None,
                         help="pin the benchmark to this core (less noise on a busy machine)")
-    parser.add_argument("--settle", type=int, default=100,
+    parser.add_argument("--settle", type=int, default=128,
                         help="steps after the capture starts that are left out of the ratio "
                         "(their extra time is the one-off start-up cost)")
     parser.add_argument("--parts", action="store_true",
-                        help="also measure the step clock and hooks alone")
+                        help="also measure the step clock and hooks alone, and everything "
+                        "but the system sampler")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
-    steps = 100 if args.quick else max(20, 200 * 256 // args.hidden)
+    # whole epochs of the loader (64 batches), so that every block, settle included,
+    # holds the same number of epoch boundaries (a new iterator and permutation each)
+    steps = 64 if args.quick else max(64, 192 * 256 // args.hidden // 64 * 64)
     res = measure(rounds=6 if args.quick else args.rounds, steps=steps, cpu_time=args.cpu_time,
                   hidden=args.hidden, settle=args.settle, parts=args.parts)
     if args.json:
@@ -220,9 +229,10 @@ def main() -> None:
     print(f"trainprof always-on:   {res['overhead_pct']:+.2f}% step time "
           f"(95% CI {lo:+.2f}% .. {hi:+.2f}%)")
     if args.parts:
-        lo, hi = res["hooks_overhead_ci95_pct"]
-        print(f"  clock + hooks alone: {res['hooks_overhead_pct']:+.2f}% "
-              f"(95% CI {lo:+.2f}% .. {hi:+.2f}%)")
+        for part, label in (("hooks", "clock + hooks alone"), ("nosampler", "all but sampler")):
+            lo, hi = res[f"{part}_overhead_ci95_pct"]
+            print(f"  {label + ':':20s} {res[f'{part}_overhead_pct']:+.2f}% "
+                  f"(95% CI {lo:+.2f}% .. {hi:+.2f}%)")
     lo, hi = res["noise_ci95_pct"]
     print(f"plain vs plain (noise): {res['noise_pct']:+.2f}% (95% CI {lo:+.2f}% .. {hi:+.2f}%)")
     print(f"torch.profiler (CPU):  {res['torch_profiler_overhead_pct']:+.1f}% step time")

@@ -8,17 +8,26 @@ under ``valgrind --tool=callgrind`` and counts the training thread's
 instructions in blocks of steps, in rounds of arms:
 
 * ``plain``: no capture;
-* ``trainprof``: the always-on capture as ``trainprof run`` starts it;
-* ``hooks``: the step clock and its hooks alone (no DataLoader sample timing,
-  a sampler that never ticks; see ``overhead.start_recorder``).
+* ``hooks``: the step clock and its hooks;
+* ``capture``: the step clock, its hooks and the DataLoader sample/collate
+  timing (:mod:`trainprof.capture.worker`, in the training process here:
+  ``num_workers=0``): everything ``trainprof run`` adds to the training thread
+  but the system sampler.
+
+The system sampler's thread is started but never ticks in either arm: it ticks
+on wall time (5 Hz), and under callgrind's ~50x slowdown it would tick 50 times
+as often per step as it really does; its share is measured by
+``benchmarks/overhead.py`` (``--parts``).
 
 Each arm first runs ``--settle`` steps uncounted (the one-off start-up: CPython
-re-specialising code on the patched classes), then ``--steps`` counted steps.
+re-specialising code on the patched classes), then ``--steps`` counted steps;
+both are whole epochs of the loop's DataLoader, so that every counted block
+starts at the same point of an epoch.
 Only instructions of the training thread are counted: system calls (the
 kernel's side of reading clocks and /proc) and other threads are not, so this
 complements the wall-clock figure, it does not replace it.
 
-    python benchmarks/overhead_instructions.py                 # ~3 minutes per path
+    python benchmarks/overhead_instructions.py                 # ~10 minutes per path
     python benchmarks/overhead_instructions.py --paths c,python
 
 How blocks are delimited: each counted block runs inside ``functools.reduce``
@@ -45,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-ARMS = ("plain", "trainprof", "hooks")
+ARMS = ("plain", "hooks", "capture")
 
 
 def child(rounds: int, steps: int, settle: int, hidden: int, path: str) -> None:
@@ -60,11 +69,12 @@ def child(rounds: int, steps: int, settle: int, hidden: int, path: str) -> None:
 
     torch.set_num_threads(1)
     run_steps, _ = make_loop(hidden=hidden)
-    run_steps(60)
+    run_steps(64)
     tmp = Path(tempfile.mkdtemp(prefix="trainprof-instr-"))
     for r in range(rounds):
         for arm in ARMS:
-            rec = None if arm == "plain" else start_recorder(tmp / f"{arm}{r}", arm == "hooks")
+            rec = None if arm == "plain" else start_recorder(
+                tmp / f"{arm}{r}", workers=arm == "capture", sampler=False)
             try:
                 run_steps(settle)
                 # the same collector state for every block: a full collection that
@@ -116,8 +126,10 @@ def _block_counts(path: str) -> tuple[int, int] | None:
     return total, alloc
 
 
-def run_path(path: str, rounds: int, steps: int, settle: int, hidden: int) -> dict[str, float]:
-    out = Path(tempfile.mkdtemp(prefix="trainprof-callgrind-"))
+def run_path(path: str, rounds: int, steps: int, settle: int, hidden: int,
+             keep: str | None = None) -> dict[str, Any]:
+    out = Path(keep) / path if keep else Path(tempfile.mkdtemp(prefix="trainprof-callgrind-"))
+    out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "TRAINPROF_PURE_PYTHON": "1" if path == "python" else "0",
            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
     cmd = ["valgrind", "--tool=callgrind", "--separate-threads=yes", "--collect-atstart=no",
@@ -135,7 +147,8 @@ def run_path(path: str, rounds: int, steps: int, settle: int, hidden: int) -> di
     if len(counts) != rounds * len(ARMS):
         sys.exit(f"error: expected {rounds * len(ARMS)} counted blocks, found {len(counts)} "
                  f"(in {out})")
-    shutil.rmtree(out, ignore_errors=True)
+    if not keep:
+        shutil.rmtree(out, ignore_errors=True)
     res: dict[str, Any] = {}
     for key, pick in (("", lambda c: c[0]), ("_no_alloc", lambda c: c[0] - c[1])):
         per_step: dict[str, list[float]] = {arm: [] for arm in ARMS}
@@ -156,12 +169,16 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--paths", default="c", help="hot paths to count: c, python or c,python")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--settle", type=int, default=100)
+    # whole epochs (64 batches): every block holds the same epoch boundaries (a new
+    # iterator, a permutation of 4096 indices: ~1.8M instructions, more than the capture)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--settle", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=16,
                         help="MLP width (the capture's cost does not depend on it; 16 keeps "
                         "MKL's share, and its run-to-run variation, small)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--keep", metavar="DIR",
+                        help="keep callgrind's files here (callgrind_annotate reads them)")
     args = parser.parse_args()
     if args.child:
         child(args.rounds, args.steps, args.settle, args.hidden, args.child)
@@ -170,7 +187,8 @@ def main() -> None:
         sys.exit("error: valgrind is not installed (apt-get install valgrind)")
     results = {}
     for path in args.paths.split(","):
-        results[path] = run_path(path, args.rounds, args.steps, args.settle, args.hidden)
+        results[path] = run_path(path, args.rounds, args.steps, args.settle, args.hidden,
+                                 args.keep)
     if args.json:
         print(json.dumps(results))
         return
