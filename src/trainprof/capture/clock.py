@@ -40,9 +40,11 @@ when it was built, whose ``Timed`` wrappers (installed by
 :mod:`trainprof.capture.hooks`) time a call with no Python frame of their own
 and close a step without leaving C; otherwise :class:`_PyCore` below, with the
 same attributes and methods, and Python closures as the wrappers. Measured
-(``benchmarks/overhead_instructions.py``): the clock and its hooks add about 6k
-instructions per step with the extension, about 55k without; before this split
-they added about 67k. ``TRAINPROF_PURE_PYTHON=1`` forces the pure-Python path
+(``benchmarks/overhead_instructions.py``, instructions of the training thread
+per step of its loop): the clock and its hooks add about 10k with the
+extension, 46k without; 54k before the hot path was rewritten (enter/exit
+called as methods, ``array.extend`` of a tuple per step, two Python optimizer
+hooks). ``TRAINPROF_PURE_PYTHON=1`` forces the pure-Python path
 (``tests/test_fastclock.py`` runs the same loops under both).
 """
 
@@ -107,7 +109,8 @@ class _PyCore:
     next_watch: int
     device: Any
 
-    def begin(self, now: int) -> None:  # StepClock's
+    def begin(self, now: int) -> None:
+        """Abstract here: StepClock (the subclass) defines it; this base holds the hot path only."""
         raise NotImplementedError
 
     def enter(self, phase: int) -> int:
