@@ -505,16 +505,18 @@ if __name__ == "__main__":
     fns = w["functions"]
     assert fns["samples_in_fetch"] >= 80, fns  # ~100 Hz over >= 0.8 s of fetching per worker
     top = fns["top"]
-    # burn() is where slow_transform spends its CPU, so it is the innermost frame (self time);
-    # the samples are of wall time: on 2 busy cores both the 8 ms of CPU and the 1 ms sleep
-    # (its wake-up) stretch, so only their order is certain - and on a saturated machine not
-    # even that (a fresh-clone CI run beside other jobs once put read_file first)
+    # burn() is where slow_transform spends its CPU, so it is the innermost frame (self time).
+    # The samples are of wall time: ~8 ms of transform to ~1 ms of read, and on busy cores the
+    # transform's CPU stretches more than the sleep. With the default 5 ms GIL switch interval
+    # the sampler waited out the transform's last 5 ms and landed in the next read: read_file
+    # got 0.59 of the samples in CI (see worker.py, sampling bias) - this guards that fix.
     names = [f["function"] for f in top]
     assert "burn" in names[:2], top
     by_name = {f["function"]: f for f in top}
     assert by_name["slow_transform"]["total_share"] >= by_name["burn"]["total_share"]
     assert by_name["slow_transform"]["self_samples"] == 0
-    assert by_name["slow_transform"]["total_share"] > by_name["read_file"]["total_share"] > 0
+    assert by_name["slow_transform"]["total_share"] >= 0.6, top
+    assert 0 < by_name["read_file"]["total_share"] <= 0.3, top
     assert by_name["Images.__getitem__"]["total_share"] > 0.9, top
     assert all(f["where"].startswith("train.py:") for f in top[:2])
     stacks = list((tmp_path / "run" / "workers").glob("*.stacks.json"))
