@@ -671,8 +671,12 @@ timed_get_wrapped(Timed *self, void *closure)
 static PyObject *
 timed_get_orig_attr(Timed *self, void *closure)
 {
-    if (self->orig == NULL)
-        return PyUnicode_FromString("optimizer_hook");
+    if (self->orig == NULL) {
+        if (strcmp((const char *)closure, "__doc__") == 0)
+            Py_RETURN_NONE;
+        return PyUnicode_FromString(self->kind == K_OPT_PRE ? "optimizer_pre_hook"
+                                                            : "optimizer_post_hook");
+    }
     return PyObject_GetAttrString(self->orig, (const char *)closure);
 }
 
