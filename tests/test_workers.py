@@ -140,9 +140,11 @@ def test_timed_fetch_is_torchs_fetch_and_times_per_sample_only_when_it_is_cheap_
     acc = dict(zip(W.ACC_NAMES, st.acc, strict=True))
     assert acc["batches"] == 21 and acc["samples"] == 3 + 20 * 64
     # samples far cheaper than 200 µs: after the first batch, timed per batch (no per-sample
-    # clock reads), but every sample is still counted in the histograms
+    # clock reads), and the CPU clocks are read on one batch in eight (batches 9 and 17):
+    # the histograms hold the samples of those batches
     assert acc["samples_timed"] == 3
-    assert sum(st.h_cpu) == sum(st.h_blocked) == acc["samples"]
+    assert acc["cpu_batches"] == 3 and acc["cpu_get_ns"] < acc["get_ns"]
+    assert sum(st.h_cpu) == sum(st.h_blocked) == 3 + 2 * 64
     f, timed, st = _fetcher(Slow())
     for _ in range(3):
         timed(f, list(range(4)))
@@ -324,6 +326,53 @@ if __name__ == "__main__":
         w["sample_cpu_ms"]["median"], rel=1e-3)
     assert "ms of CPU in the DataLoader workers" in f["title"]
     assert "num_workers=2,  # unchanged" in f["fix"]["snippet"]
+
+
+def test_cheap_batches_read_the_cpu_on_one_batch_in_eight_and_scale_it_to_all(tmp_path):
+    """The CPU split of cheap batches is estimated from the batches that read the CPU.
+
+    Samples of ~40 µs: CPU-bound in the first half of the run, asleep in the second
+    (a phase change the systematic sample must follow). The estimate from one batch in
+    eight must match the thread's CPU time over the whole loop.
+    """
+    def burn_us(us):
+        t = time.thread_time_ns()
+        while time.thread_time_ns() - t < us * 1000:
+            pass
+
+    class Phases:
+        sleeping = False
+
+        def __getitem__(self, i):
+            if self.sleeping:
+                time.sleep(40e-6)  # ~100 µs with the timer slack: blocked
+            else:
+                burn_us(40)
+            return i
+
+    ds = Phases()
+    f, timed, st = _fetcher(ds)
+    wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
+    for half in range(2):
+        ds.sleeping = half == 1
+        for _ in range(64):
+            timed(f, list(range(16)))
+    wall, cpu = time.perf_counter_ns() - wall, time.thread_time_ns() - cpu
+    acc = dict(zip(W.ACC_NAMES, st.acc, strict=True))
+    assert acc["batches"] == 128 and acc["samples_timed"] <= 32
+    assert 16 <= acc["cpu_batches"] <= 20  # one in eight, plus the batches timed per sample
+    run = tmp_path / "run"
+    (run / "workers").mkdir(parents=True)
+    (run / "workers" / "1.json").write_bytes(json.dumps({
+        "format": 1, "pid": 1, "role": "main", "updated_ns": time.perf_counter_ns(),
+        "ended": True, "streams": [{**st.snapshot(), "loader_index": 0, "worker_id": None,
+                                    "num_workers": 0, "generation": 1}]}).encode())
+    w = summarize_workers(run)["loaders"][0]
+    split = w["fetch_split"]
+    # the truth: the thread's CPU time over the whole loop (timing included: a few %)
+    assert split["cpu"] + split["collate"] == pytest.approx(cpu / wall, abs=0.08), split
+    assert w["sample_cpu_ms"]["mean"] == pytest.approx(cpu / 2048 / 1e6, rel=0.25), w
+    assert w["sample_cpu_ms"]["mean"] >= 0.020  # at least the burn's 40 µs in half the samples
 
 
 def test_num_workers_0_is_measured_in_the_training_process(tmp_path):
