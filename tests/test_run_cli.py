@@ -430,3 +430,39 @@ def test_spawned_workers_can_unpickle_classes_from_the_script(tp):
     doc = res.json()
     assert doc["steps"]["count"] == 8
     assert doc["dataloaders"][0]["multiprocessing_context"] == "spawn"
+
+
+CTRL_C_WHILE_CLOSING = """
+import os, signal, time
+import torch
+from trainprof.capture import recorder as R
+
+_stop = R.Recorder.stop
+
+def stop(self, *args, **kwargs):  # a second Ctrl-C lands while trainprof closes the record
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.2)
+    return _stop(self, *args, **kwargs)
+
+R.Recorder.stop = stop
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(12):
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_ctrl_c_while_the_record_closes_waits_for_it(tmp_path):
+    write_script(tmp_path, "train.py", CTRL_C_WHILE_CLOSING)
+    res = trainprof("run", "--out", str(tmp_path / "run"), "train.py", cwd=tmp_path)
+    assert res.returncode == 130, res.stderr
+    assert "Traceback" not in res.stderr
+    assert res.stderr.rstrip().endswith("trainprof: interrupted")
+    meta = json.loads((tmp_path / "run" / "run.json").read_text())
+    # the script had finished: the record says so, complete, and report reads it
+    assert meta["status"] == "finished" and meta["exit_code"] == 0
+    assert meta["steps_recorded"] >= 12  # 12 optimizer steps (and the trailing zero_grad's)
+    rep = trainprof("report", str(tmp_path / "run"), "--json", cwd=tmp_path)
+    assert rep.returncode == 0 and rep.json()["steps"]["count"] >= 12

@@ -291,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 1
+    except KeyboardInterrupt:
+        # Ctrl-C in trainprof's own work (analysing a trace, writing a report): a run's
+        # record is closed before any of it starts (see commands.run_command)
+        print("trainprof: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

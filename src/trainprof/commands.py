@@ -128,6 +128,31 @@ def stdout_to_stderr() -> Iterator[int]:
         os.close(saved)
 
 
+@contextmanager
+def deferred_sigint() -> Iterator[None]:
+    """Hold Ctrl-C while the record is closed, then deliver it.
+
+    A second Ctrl-C (people press it twice) must not leave ``run.json`` half
+    written with status ``running``: closing takes well under a second, so the
+    interrupt waits for it and is raised right after, where the run's record is
+    complete and ``trainprof report`` can read it.
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:  # None: a handler not set from Python; the default is what it did
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+    if pending:
+        raise KeyboardInterrupt
+
+
 def run_command(
     target: str,
     args: list[str],
@@ -172,13 +197,22 @@ def run_command(
         print(f"trainprof: {names}: {runner.schedule.describe()}", file=sys.stderr, flush=True)
 
     def execute() -> Any:
-        recorder.start()
+        from trainprof.capture.launcher import Outcome
+
+        try:
+            recorder.start()
+        except KeyboardInterrupt:  # Ctrl-C before the script ran: still a closed record
+            with deferred_sigint():
+                recorder.stop("interrupted", 130)
+            return Outcome("interrupted", 130, "trainprof: interrupted before the script started")
         try:
             outcome = run_target(target, args, module)
         except BaseException:
-            recorder.stop("crashed", 1)
+            with deferred_sigint():
+                recorder.stop("crashed", 1)
             raise
-        recorder.stop(outcome.status, outcome.exit_code)
+        with deferred_sigint():
+            recorder.stop(outcome.status, outcome.exit_code)
         return outcome
 
     if json_out:
