@@ -33,12 +33,10 @@ Definitions:
   Without ``persistent_workers`` every epoch starts a new generation, so all but the
   first start-up could be avoided (``avoidable_s``).
 
-The CPU-side sums (``get_cpu_ns``, ``collate_cpu_ns``, ``runq_ns``) may cover only a
-sample of the batches: cheap batches read the CPU clocks on one batch in eight, and a
-stream then says which (``cpu_batches``) and their wall times (``cpu_fetch_ns``,
-``cpu_get_ns``, ``cpu_collate_ns``). Each sum is scaled to all batches by the ratio of
-wall times (:func:`_cpu_scaled`, a ratio estimator); a stream without these fields
-read the CPU on every batch.
+The sums may cover only a sample of the batches: cheap batches are timed one in
+eight, and a stream then says how many were (``timed_batches``); each sum is scaled
+to all ``batches`` (:func:`_scaled`, a ratio estimate). A stream without the field
+timed every batch.
 
 Percentiles come from log-linear histograms (16 bins per power of two), which merge
 exactly across workers; a value is the bin's linear interpolation, within 3%. Samples
@@ -239,31 +237,24 @@ def _startup(streams: list[dict[str, Any]], origin_ns: int | None,
     }
 
 
-#: CPU-side sums of a stream and the wall-time sums that scale each (see the docstring).
-_CPU_SCALE = {"get_cpu_ns": ("get_ns", "cpu_get_ns"),
-              "collate_cpu_ns": ("collate_ns", "cpu_collate_ns"),
-              "runq_ns": ("fetch_ns", "cpu_fetch_ns")}
-
-
-def _cpu_scaled(stream: dict[str, Any], key: str) -> float:
-    """A CPU-side sum of ``stream`` over all its batches (estimated where it was sampled)."""
+def _scaled(stream: dict[str, Any], key: str) -> float:
+    """A sum of ``stream`` over all its batches (estimated where only some were timed)."""
     value = _num(stream, key)
-    if "cpu_batches" not in stream or _num(stream, "cpu_batches") >= _num(stream, "batches"):
+    timed = _num(stream, "timed_batches")
+    batches = _num(stream, "batches")
+    if "timed_batches" not in stream or timed >= batches:
         return value
-    wall_key, sampled_key = _CPU_SCALE[key]
-    sampled = _num(stream, sampled_key)
-    return value * _num(stream, wall_key) / sampled if sampled > 0 else 0
+    return value * batches / timed if timed > 0 else 0
 
 
 def _summarize_loader(index: int | None, mode: str, procs: list[tuple[dict[str, Any], dict]],
                       stacks: dict[int, dict[str, Any]], origin_ns: int | None) -> dict[str, Any]:
     streams = [s for _, s in procs]
-    tot = {k: sum(_num(s, k) for s in streams) for k in (
-        "batches", "samples", "samples_timed", "fetch_ns", "get_ns", "collate_ns")}
-    for k in ("get_cpu_ns", "collate_cpu_ns"):
-        tot[k] = round(sum(_cpu_scaled(s, k) for s in streams))
+    tot = {k: sum(_num(s, k) for s in streams) for k in ("batches", "samples", "samples_timed")}
+    for k in ("fetch_ns", "get_ns", "get_cpu_ns", "collate_ns", "collate_cpu_ns"):
+        tot[k] = round(sum(_scaled(s, k) for s in streams))
     measured = [s for s in streams if s.get("runq_measured")]
-    runq = round(sum(_cpu_scaled(s, "runq_ns") for s in measured))
+    runq = round(sum(_scaled(s, "runq_ns") for s in measured))
     fetch = tot["fetch_ns"]
     blocked_ns = max(0, tot["get_ns"] - tot["get_cpu_ns"])
     off_cpu = max(0, fetch - tot["get_cpu_ns"] - tot["collate_cpu_ns"])
@@ -304,7 +295,7 @@ def _summarize_loader(index: int | None, mode: str, procs: list[tuple[dict[str, 
         busy, active = [], []
         for doc, s in procs:
             end = _num(doc, "updated_ns")
-            f = _num(s, "fetch_ns")
+            f = _scaled(s, "fetch_ns")
             if end > _num(s, "started_ns") > 0:
                 busy.append(min(1.0, f / (end - _num(s, "started_ns"))))
             last = _num(s, "last_fetch_end_ns")

@@ -37,16 +37,16 @@ Cost: per sample, two clock reads (``thread_time_ns`` is a system call: 0.6 µs 
 an idle machine here, 1.3 µs under load) and two histogram increments, about 1-2 µs.
 That is kept near 1% of the loading time or less by timing samples one by one only while
 they take at least :data:`PER_SAMPLE_MIN_NS` (200 µs) on average; cheaper samples
-(in-memory tensors) are timed per batch, each getting the batch's mean, which keeps
-the means exact and costs nothing per sample. Per batch: three ``perf_counter_ns``
-reads (70 ns each) for the wall time of the fetch, the samples and the collate. The
-CPU side of a batch (three ``thread_time_ns`` and two ``pread`` of the schedstat
-file: ~5 µs here, 1% of a 0.9 ms training step on its own) is read on every batch
-while samples are timed one by one, and otherwise on one batch in
-:data:`CPU_SAMPLE_EVERY`: the CPU, collate-CPU and run-queue sums then cover those
-batches (``cpu_batches``, with their wall times ``cpu_fetch_ns``, ``cpu_get_ns``,
-``cpu_collate_ns``), and the analysis scales them to all batches by the wall-time
-ratio - a ratio estimate over a systematic sample of batches.
+(in-memory tensors) are timed per batch, each getting the batch's mean, and only one
+batch in :data:`TIME_EVERY` is timed at all: a timed batch costs three
+``thread_time_ns``, three ``perf_counter_ns`` and two ``pread`` of the schedstat file
+plus the bookkeeping, ~5 µs and ~14,000 instructions here - 1% of a 0.9 ms training
+step with ``num_workers=0`` - while an untimed one only counts its batch and samples.
+The sums of a stream (``fetch_ns``, ``get_ns``, ...) then cover its ``timed_batches``,
+and the analysis scales them to all ``batches``: a ratio estimate over a systematic
+sample, exact for the means of a steady pipeline, and following a change of pace
+within eight batches (a batch whose samples turn expensive switches timing back to
+every sample, every batch).
 
 Results
 -------
@@ -112,17 +112,17 @@ SAMPLING_SWITCH_INTERVAL_S = 1e-4
 MAX_FUNCTIONS = 300
 #: Samples are timed one by one while the previous batch's took at least this long each.
 PER_SAMPLE_MIN_NS = 200_000
-#: Cheap batches (timed per batch) read the CPU clocks on one batch in this many.
-CPU_SAMPLE_EVERY = 8
+#: Cheap batches (timed per batch, not per sample) are timed one in this many.
+TIME_EVERY = 8
 
 # Counter slots of Stream.acc.
 BATCHES, SAMPLES, FETCH_NS, GET_NS, GET_CPU_NS, COLLATE_NS, COLLATE_CPU_NS, RUNQ_NS = range(8)
 FIRST_FETCH_NS, FIRST_BATCH_NS, LAST_FETCH_END_NS, SAMPLES_TIMED = range(8, 12)
-CPU_BATCHES, CPU_FETCH_NS, CPU_GET_NS, CPU_COLLATE_NS = range(12, 16)
+TIMED_BATCHES = 12
 ACC_NAMES = (
     "batches", "samples", "fetch_ns", "get_ns", "get_cpu_ns", "collate_ns", "collate_cpu_ns",
     "runq_ns", "first_fetch_ns", "first_batch_ns", "last_fetch_end_ns", "samples_timed",
-    "cpu_batches", "cpu_fetch_ns", "cpu_get_ns", "cpu_collate_ns",
+    "timed_batches",
 )
 
 _perf = time.perf_counter_ns
@@ -148,7 +148,7 @@ class Stream:
     """
 
     __slots__ = ("acc", "h_blocked", "h_cpu", "h_collate", "info", "in_fetch", "off",
-                 "per_sample", "_fd", "_ident", "version")
+                 "per_sample", "skip", "time_every", "_fd", "_ident", "version")
 
     def __init__(self, info: dict[str, Any]) -> None:
         self.acc = [0] * len(ACC_NAMES)
@@ -159,6 +159,8 @@ class Stream:
         self.in_fetch = False
         self.off = False  # set when the capture itself failed: fetch runs untimed
         self.per_sample = True  # time samples one by one (else per batch; see the docstring)
+        self.skip = 0  # untimed batches left before the next timed one (per-batch timing)
+        self.time_every = TIME_EVERY  # 1 where stacks are sampled: they are taken in fetch
         self._fd = -1
         self._ident = 0
         self.version = 0  # bumped per batch: the writer skips unchanged streams
@@ -178,37 +180,33 @@ class Stream:
         except (OSError, ValueError, IndexError):
             return -1
 
-    def reads_cpu(self) -> bool:
-        """Whether the batch about to be fetched reads the CPU clocks (see the docstring)."""
-        return self.per_sample or self.acc[BATCHES] % CPU_SAMPLE_EVERY == 0
+    def counted(self, n: int) -> None:
+        """Book one untimed batch of ``n`` samples."""
+        acc = self.acc
+        acc[BATCHES] += 1
+        acc[SAMPLES] += n
+        self.version += 1
 
     def batch(self, n: int, t_begin: int, get_ns: int, get_cpu: int, col_ns: int, col_cpu: int,
-              t_end: int, q0: int, cpu: bool = True) -> None:
-        """Book one fetched batch (called once per batch, after the samples were binned).
-
-        ``cpu``: whether the CPU clocks were read for it (else ``get_cpu``/``col_cpu``
-        are meaningless and ``q0`` is -1).
-        """
+              t_end: int, q0: int) -> None:
+        """Book one timed batch (called once per batch, after the samples were binned)."""
         acc = self.acc
-        if acc[BATCHES] == 0:
+        if acc[TIMED_BATCHES] == 0:
             acc[FIRST_FETCH_NS] = t_begin
             acc[FIRST_BATCH_NS] = t_end
         acc[BATCHES] += 1
+        acc[TIMED_BATCHES] += 1
         acc[SAMPLES] += n
         acc[FETCH_NS] += t_end - t_begin
         acc[GET_NS] += get_ns
+        acc[GET_CPU_NS] += get_cpu
         acc[COLLATE_NS] += col_ns
+        acc[COLLATE_CPU_NS] += max(0, col_cpu)
         acc[LAST_FETCH_END_NS] = t_end
-        if cpu:
-            acc[CPU_BATCHES] += 1
-            acc[CPU_FETCH_NS] += t_end - t_begin
-            acc[CPU_GET_NS] += get_ns
-            acc[CPU_COLLATE_NS] += col_ns
-            acc[GET_CPU_NS] += get_cpu
-            acc[COLLATE_CPU_NS] += max(0, col_cpu)
         if self.per_sample:
             acc[SAMPLES_TIMED] += n
         self.per_sample = n > 0 and get_ns >= PER_SAMPLE_MIN_NS * n
+        self.skip = 0 if self.per_sample else self.time_every - 1
         if q0 >= 0:
             q1 = self.runq_ns()
             if q1 >= q0:
@@ -266,10 +264,22 @@ def make_map_fetch(orig: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]
         st = _stream_of(self)
         if st is None or st.off:
             return orig(self, possibly_batched_index)
-        cpu = st.reads_cpu()
-        # int() is 0: a batch that does not read the CPU clocks pays no system call
-        perf, tt = _perf, (_tt if cpu else int)
-        q0 = st.runq_ns() if cpu else -1
+        if st.skip > 0:  # an untimed batch: torch's logic, counted (inline: 0.3 µs, not 1.1)
+            st.skip -= 1
+            ds = self.dataset
+            if self.auto_collation:
+                getitems = getattr(ds, "__getitems__", None)
+                if getitems:
+                    data = getitems(possibly_batched_index)
+                else:
+                    data = [ds[idx] for idx in possibly_batched_index]
+                st.counted(_size(possibly_batched_index, data))
+            else:
+                data = ds[possibly_batched_index]
+                st.counted(1)
+            return self.collate_fn(data)
+        perf, tt = _perf, _tt
+        q0 = st.runq_ns()
         st.in_fetch = True
         try:
             t_begin = t0 = perf()
@@ -287,8 +297,7 @@ def make_map_fetch(orig: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]
                     data = getitems(possibly_batched_index)
                     t0 = perf()
                     c0 = tt()
-                    if cpu:
-                        st.even(_size(possibly_batched_index, data), t0 - t_begin, c0 - c_begin)
+                    st.even(_size(possibly_batched_index, data), t0 - t_begin, c0 - c_begin)
                     st.per_sample = False  # one call: no per-sample times to take
                 elif not st.per_sample:  # cheap samples: one timing for the batch
                     if inner is None:
@@ -297,8 +306,7 @@ def make_map_fetch(orig: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]
                         data = [inner[indices[idx]] for idx in possibly_batched_index]
                     t0 = perf()
                     c0 = tt()
-                    if cpu:
-                        st.even(len(data), t0 - t_begin, c0 - c_begin)
+                    st.even(len(data), t0 - t_begin, c0 - c_begin)
                 else:
                     data = []
                     append = data.append
@@ -324,8 +332,7 @@ def make_map_fetch(orig: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]
                 data = ds[possibly_batched_index]
                 t0 = perf()
                 c0 = tt()
-                if cpu:
-                    st.even(1, t0 - t_begin, c0 - c_begin)
+                st.even(1, t0 - t_begin, c0 - c_begin)
                 n = 1
             out = self.collate_fn(data)
         finally:
@@ -333,7 +340,7 @@ def make_map_fetch(orig: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]
         t2 = perf()
         c2 = tt()
         try:
-            st.batch(n, t_begin, t0 - t_begin, c0 - c_begin, t2 - t0, c2 - c0, t2, q0, cpu)
+            st.batch(n, t_begin, t0 - t_begin, c0 - c_begin, t2 - t0, c2 - c0, t2, q0)
         except Exception:
             st.off = True
         return out
@@ -351,10 +358,26 @@ def make_iterable_fetch(orig: Callable[[Any, Any], Any]) -> Callable[[Any, Any],
             return orig(self, possibly_batched_index)
         if self.ended:
             raise StopIteration
-        cpu = st.reads_cpu()
-        # int() is 0: a batch that does not read the CPU clocks pays no system call
-        perf, tt = _perf, (_tt if cpu else int)
-        q0 = st.runq_ns() if cpu else -1
+        if st.skip > 0:  # an untimed batch: torch's logic, counted
+            st.skip -= 1
+            it = self.dataset_iter
+            if not self.auto_collation:
+                data = next(it)
+                st.counted(1)
+                return self.collate_fn(data)
+            data = []
+            for _ in possibly_batched_index:
+                try:
+                    data.append(next(it))
+                except StopIteration:
+                    self.ended = True
+                    break
+            if len(data) == 0 or (self.drop_last and len(data) < len(possibly_batched_index)):
+                raise StopIteration
+            st.counted(len(data))
+            return self.collate_fn(data)
+        perf, tt = _perf, _tt
+        q0 = st.runq_ns()
         st.in_fetch = True
         try:
             t_begin = t0 = perf()
@@ -389,8 +412,7 @@ def make_iterable_fetch(orig: Callable[[Any, Any], Any]) -> Callable[[Any, Any],
                 if not per_sample:
                     t0 = perf()
                     c0 = tt()
-                    if cpu:
-                        st.even(len(data), t0 - t_begin, c0 - c_begin)
+                    st.even(len(data), t0 - t_begin, c0 - c_begin)
                 if len(data) == 0 or (
                     self.drop_last and len(data) < len(possibly_batched_index)
                 ):
@@ -400,8 +422,7 @@ def make_iterable_fetch(orig: Callable[[Any, Any], Any]) -> Callable[[Any, Any],
                 data = next(it)
                 t0 = perf()
                 c0 = tt()
-                if cpu:
-                    st.even(1, t0 - t_begin, c0 - c_begin)
+                st.even(1, t0 - t_begin, c0 - c_begin)
                 n = 1
             out = self.collate_fn(data)
         finally:
@@ -409,7 +430,7 @@ def make_iterable_fetch(orig: Callable[[Any, Any], Any]) -> Callable[[Any, Any],
         t2 = perf()
         c2 = tt()
         try:
-            st.batch(n, t_begin, t0 - t_begin, c0 - c_begin, t2 - t0, c2 - c0, t2, q0, cpu)
+            st.batch(n, t_begin, t0 - t_begin, c0 - c_begin, t2 - t0, c2 - c0, t2, q0)
         except Exception:
             st.off = True
         return out
@@ -496,6 +517,7 @@ class _WorkerRuntime:
         if sampling:
             stop = {f.__code__ for f in (make_map_fetch(_noop), make_iterable_fetch(_noop))}
             self.sampler = StackSampler(threading.get_ident(), stream, stop)
+            stream.time_every = 1  # the sampler counts only ticks inside a timed fetch
             # the worker's own interpreter: nothing of the user's main process changes
             sys.setswitchinterval(min(sys.getswitchinterval(), SAMPLING_SWITCH_INTERVAL_S))
         self._stop = threading.Event()
