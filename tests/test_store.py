@@ -90,6 +90,16 @@ def test_warmup_detection():
     spiky[0] = 0.010
     assert detect_warmup(spiky) == 0
     assert detect_warmup(np.array([1.0, 0.01])) == 0
+    # steps that alternate between two levels are steady once settled, not warm for half the
+    # run (a band around the one median put every even-length window's median outside it)
+    warm = [0.5, 0.1]
+    assert detect_warmup(np.concatenate([warm, np.tile([0.010, 0.020], 200)])) == 2
+    assert detect_warmup(np.concatenate([warm, np.tile([0.010, 0.010, 0.020, 0.020], 100)])) == 2
+    mixed = np.where(rng.random(400) < 0.5, 0.010, 0.020)
+    assert detect_warmup(np.concatenate([warm, mixed])) <= 3
+    # ... while a real warm-up before them still counts
+    slow_start = [2.0, 0.5, 0.05, 0.04]
+    assert detect_warmup(np.concatenate([slow_start, np.tile([0.010, 0.020], 100)])) == 4
 
 
 def test_steps_written_in_another_layout_read_through_run_json(tmp_path):

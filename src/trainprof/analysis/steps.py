@@ -5,11 +5,15 @@ Definitions used throughout trainprof:
 * **Warm-up** is the prefix of steps before step times settle (worker start,
   lazy initialisation, allocator growth, cuDNN autotuning). It ends at the
   first step ``i`` such that step ``i`` *and* the median of the window that
-  starts at ``i`` both lie within a tolerance of the steady-state reference
-  (the median of the second half of the run). The tolerance is the larger of
-  10% of the reference and 3 robust standard deviations (1.4826 x MAD) of the
-  second half, so noisy runs are not called "still warming up". Warm-up is
-  capped at half the steps.
+  starts at ``i`` both lie in the steady band of the second half of the run.
+  The band is centred on the reference (the second half's median), at least
+  the larger of 10% of it and 3 robust standard deviations (1.4826 x MAD), so
+  noisy runs are not called "still warming up"; and it reaches 10% of the
+  reference beyond what the second half itself shows - the 5th to 95th
+  percentile of its steps, the range of its window medians - so a run whose
+  steps alternate between two levels (a log every other step, two loaders)
+  is steady from its first settled step, not warm for half its length, which
+  a band around one median would make it. Warm-up is capped at half the steps.
 * **Step-time percentiles** are over steady-state steps only (numpy's
   default linear interpolation).
 * **Breakdown** shares are *time-weighted*: the sum of each phase over steady
@@ -78,12 +82,24 @@ def detect_warmup(durations: np.ndarray) -> int:
     ref = float(np.median(tail))
     mad = float(np.median(np.abs(tail - ref)))
     tol = max(0.10 * ref, 3 * 1.4826 * mad)
+    margin = 0.10 * ref
     window = max(3, min(20, n // 20))
     limit = n // 2
+    p5, p95 = np.percentile(tail, [5, 95])
+    step_lo, step_hi = min(ref - tol, p5 - margin), max(ref + tol, p95 + margin)
+    if len(tail) >= window:
+        windows = np.lib.stride_tricks.sliding_window_view(tail, window)
+        # at most ~20,000 of them (a million-step run stays fast and small)
+        windows = windows[:: max(1, len(windows) // 20_000)]
+        medians = np.median(windows, axis=1)
+        win_lo = min(ref - tol, float(medians.min()) - margin)
+        win_hi = max(ref + tol, float(medians.max()) + margin)
+    else:
+        win_lo, win_hi = ref - tol, ref + tol
     for i in range(limit + 1):
-        if abs(durations[i] - ref) > tol:
+        if not step_lo <= durations[i] <= step_hi:
             continue
-        if abs(float(np.median(durations[i : i + window])) - ref) <= tol:
+        if win_lo <= float(np.median(durations[i : i + window])) <= win_hi:
             return i
     return limit
 
