@@ -19,6 +19,7 @@ from trainprof.diagnosis.context import Context, fit_period
 from trainprof.diagnosis.finding import band, sweep
 from trainprof.diagnosis.input_pipeline import suggest_workers
 from trainprof.report.terminal import render_summary
+from trainprof.schema import FLAG_PROFILED
 from trainprof.store import STEP_DTYPE, load_run
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -295,6 +296,30 @@ def test_evaluation_every_n_steps():
     assert f["severity"] == "high"  # 480 ms of 1.28 s
     assert ev["excess_by_phase"]["forward"] > 0.99
     assert "EVAL_INTERVAL" in f["fix"]["snippet"]
+
+
+def test_steps_under_a_heavy_tool_leave_the_rules_and_the_period_intact():
+    """The op-count sample (steps 8-9, and the step carrying its stop) is slow and flagged.
+
+    The rules see the steps the summary's statistics see; the evaluation every 10 steps
+    is still found at its step numbers although three steps are missing between them.
+    """
+    fwd = np.full(80, 3 * MS)
+    fwd[5::10] = 63 * MS
+    fwd[8:11] = 40 * MS  # the profiled steps: slow, but not the user's
+    steps = make_steps(80, forward=fwd)
+    steps["flags"][8:11] |= FLAG_PROFILED
+    summary = make_summary(steps)
+    assert summary["steps"]["profiled"] == 3 and summary["steps"]["count"] == 80
+    out = diagnose(summary, steps)
+    f = out[0]
+    assert (f["category"], f["cause"]) == ("periodic_overhead", "evaluation")
+    ev = f["evidence"]
+    assert ev["period_steps"] == 10 and ev["occurrences"] == 8
+    assert ev["at_steps"] == [5, 15, 25, 35, 45, 55, 65, 75]
+    assert not [g for g in out if g["category"] == "measurement_noise"], out
+    ctx = Context(summary, steps)
+    assert len(ctx.steady) == summary["steps"]["steady_count"]
 
 
 #: Step times (ms) of examples/eval_every.py --steps 80 recorded while another process kept one

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import math
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
 import numpy as np
 
-from trainprof.analysis.steps import PHASE_COLUMNS
-from trainprof.schema import FLAG_PARTIAL
+from trainprof.analysis.steps import PHASE_COLUMNS, complete_steps
 
 #: Exclusive phase columns of a step record, in the order of the summary's breakdown.
 
@@ -58,7 +57,7 @@ class PeriodFit:
     """Outliers that recur at a fixed period."""
 
     period: int
-    residue: int  # members are at residue + k * period
+    residue: int  # members are at residue + k * period (steps after the first steady one)
     indices: np.ndarray  # the members: positions in the steady-state steps
     coverage: float  # members / slots of that period and phase in the whole window
     strays: int  # outliers that are not members (noise spikes on a busy machine)
@@ -195,7 +194,9 @@ class Context:
         if steps is None or len(steps) == 0 or steps.dtype.names is None:
             self.steps = np.zeros(0)
         elif "flags" in steps.dtype.names:
-            self.steps = steps[(steps["flags"] & FLAG_PARTIAL) == 0]
+            # the steps the summary's statistics are over (warm-up indexes into them): not
+            # the cut-off last one, nor those under a heavy tool (--deep, --py, the op sample)
+            self.steps = complete_steps(steps)
         else:
             self.steps = steps
         steps_info = summary.get("steps") or {}
@@ -358,6 +359,27 @@ class Context:
     # -- shared spike analysis -------------------------------------------------------------
 
     @cached_property
+    def _step_axis(self) -> np.ndarray:
+        """Each steady step's number minus the first one's: positions with gaps kept.
+
+        Steps under a heavy tool (the op-count sample, ``--deep``, ``--py``) are left
+        out of the steady steps, so array positions skip over them; a period is a
+        number of *steps*, so outliers are placed by their step numbers.
+        """
+        numbers = self.steady["step"].astype(np.int64)
+        return numbers - numbers[0]
+
+    def _fit_period(self, idx: np.ndarray, expected: int | None = None) -> PeriodFit | None:
+        """:func:`fit_period` on the step-number axis, members given back as positions."""
+        axis = self._step_axis
+        if len(axis) == 0 or np.any(np.diff(axis) <= 0):  # not numbered in order: positions
+            axis = np.arange(len(self.steady))
+        fit = fit_period(axis[idx], int(axis[-1]) + 1, expected=expected) if len(axis) else None
+        if fit is None:
+            return None
+        return replace(fit, indices=np.searchsorted(axis, fit.indices))
+
+    @cached_property
     def epoch_spikes(self) -> SpikeGroup | None:
         """Data-wait outliers that recur at the training loader's epoch length.
 
@@ -375,7 +397,7 @@ class Context:
             return None
         bpe = self.batches_per_epoch(self.train_loader)
         n = len(dw)
-        fit = fit_period(idx, n, expected=bpe) if bpe else fit_period(idx, n)
+        fit = self._fit_period(idx, expected=bpe)
         if fit is None:
             return None
         base = np.setdiff1d(np.arange(n), idx)
@@ -432,9 +454,8 @@ class Context:
         steps (an evaluation) is usually much larger than such stalls, so the outliers
         above the median outlier excess are tried next, and so on while 3 remain.
         """
-        n = len(self.durations)
         while len(idx) >= 3:
-            fit = fit_period(idx, n)
+            fit = self._fit_period(idx)
             if fit is not None:
                 return fit
             keep = excess > np.median(excess)
