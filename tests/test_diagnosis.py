@@ -507,6 +507,10 @@ def test_terminal_shows_every_part_of_a_finding():
     assert "could save up to" in text and "evidence: data_wait_share=" in text
     assert "    num_workers=4,  # was 0; 2 usable cores" in text  # the snippet, unwrapped
     assert "verify: trainprof tune --knob num_workers=0,1,2,4" in text
+    # off a terminal: 120 columns, and no line padded with blanks to the table's width
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 120
+    assert not [line for line in lines if line != line.rstrip()]
 
 
 # -- end to end: the examples under `trainprof run --json` ------------------------------------

@@ -8,14 +8,13 @@ environment diff, most likely explanation first.
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import IO, Any
 
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from trainprof.report.console import make_console
 from trainprof.report.terminal import fmt_bytes, fmt_pct, fmt_time
 
 #: Environment-diff rows shown; the rest is in --json.
@@ -187,9 +186,7 @@ def _env_table(result: dict[str, Any]) -> Table | None:
 def render_compare(result: dict[str, Any], file: IO[str] | None = None) -> None:
     """Print a comparison (the document of :func:`trainprof.analysis.compare.compare_runs`)."""
     out = file if file is not None else sys.stdout
-    # 120 columns off a terminal, as trainprof.report.terminal does
-    width = None if out.isatty() or "COLUMNS" in os.environ else 120
-    console = Console(file=out, highlight=False, soft_wrap=True, width=width)
+    console = make_console(out)
     console.print(verdict_line(result))
     a, b = result["a"], result["b"]
     console.print(Text(f"A: {a.get('name')}  {a.get('run_dir')}", style="dim"))

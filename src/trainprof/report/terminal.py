@@ -11,6 +11,8 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
+from trainprof.report.console import make_console
+
 _PHASE_STYLE = {
     "data_wait": ("data wait", "red"),
     "forward": ("forward", "green"),
@@ -136,10 +138,7 @@ def _worker_rows(workers: dict[str, Any] | None) -> list[tuple[str, str]]:
 def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None:
     """Print the end-of-run summary."""
     out = file if file is not None else sys.stdout
-    # on a terminal rich fits its width; in a log or a pipe, 120 columns rather
-    # than rich's default 80, so evidence and fix lines are not chopped up
-    width = None if out.isatty() or "COLUMNS" in os.environ else 120
-    console = Console(file=out, highlight=False, soft_wrap=True, width=width)
+    console = make_console(out)
     console.print(_status_line(summary))
     table = Table.grid(padding=(0, 2))
     table.add_column(style="bold cyan", no_wrap=True)

@@ -6,10 +6,10 @@ import os
 import sys
 from typing import IO, Any
 
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from trainprof.report.console import make_console
 from trainprof.report.terminal import _print_finding, fmt_bytes
 
 #: Breakdown categories, their labels (the TensorBoard plugin's) and colours.
@@ -285,8 +285,7 @@ def _ranks_table(doc: dict[str, Any]) -> Table | None:
 def render_trace(result: dict[str, Any], file: IO[str] | None = None) -> None:
     """Print the analysis of a trace: summary, breakdown, GPU, HTA, tables, then findings."""
     out = file if file is not None else sys.stdout
-    width = None if out.isatty() or "COLUMNS" in os.environ else 120
-    console = Console(file=out, highlight=False, soft_wrap=True, width=width)
+    console = make_console(out)
     console.print(_header(result))
 
     grid = Table.grid(padding=(0, 2))

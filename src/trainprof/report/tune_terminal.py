@@ -9,14 +9,13 @@ the verdict.
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import IO, Any
 
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from trainprof.report.console import make_console
 from trainprof.report.terminal import fmt_time
 
 _VERDICT = {
@@ -106,9 +105,7 @@ def _arms_table(doc: dict[str, Any]) -> Table:
 def render_tune(doc: dict[str, Any], file: IO[str] | None = None) -> None:
     """Print a tune result (the document of :func:`trainprof.experiments.tune.tune_command`)."""
     out = file if file is not None else sys.stdout
-    # 120 columns off a terminal, as trainprof.report.terminal does
-    width = None if out.isatty() or "COLUMNS" in os.environ else 120
-    console = Console(file=out, highlight=False, soft_wrap=True, width=width)
+    console = make_console(out)
     # prose wraps at the console width (120 off a terminal); the path below does not
     console.print(headline(doc), soft_wrap=False)
     status = doc.get("status")
