@@ -384,6 +384,7 @@ train(DataLoader(Sleepy(), batch_size=8))
     w = loader_entry(doc)
     assert (w["mode"], w["num_workers"], w["samples"], w["batches"]) == ("main", 0, 96, 12)
     assert w["processes"] == 1 and w["startup"] is None and w["busy_share"] is None
+    assert w["cpu_wait_share"] is None  # no schedstat reads on the training thread
     assert 4.9 <= reads_ms(w) <= 6.5 and w["sample_cpu_ms"]["median"] < 1.0, w
     files = list((tmp_path / "run" / "workers").glob("*.json"))
     docs = [json.loads(p.read_text()) for p in files]

@@ -20,8 +20,9 @@ Definitions:
 
 * **blocked** time of a sample = wall − CPU time of the loading thread in
   ``__getitem__``: reads, sleeps, network, and waiting for a core. The last part is
-  measured separately where Linux exposes it (``/proc/thread-self/schedstat``, run
-  delay) and reported as ``waiting_for_cpu`` in ``fetch_split``: a worker that waits
+  measured separately in workers where Linux exposes it (``/proc/thread-self/schedstat``,
+  run delay; not in the training process, where it would cost the step a system call)
+  and reported as ``waiting_for_cpu`` in ``fetch_split``: a worker that waits
   for a core is short of CPU, not slow to read.
 * **busy share** of a worker = time in ``fetch`` / wall time since it started
   (``busy_share``), and from the start of its first batch to the end of its last

@@ -38,10 +38,15 @@ an idle machine here, 1.3 µs under load) and two histogram increments, about 1-
 That is kept near 1% of the loading time or less by timing samples one by one only while
 they take at least :data:`PER_SAMPLE_MIN_NS` (200 µs) on average; cheaper samples
 (in-memory tensors) are timed per batch, each getting the batch's mean, and only one
-batch in :data:`TIME_EVERY` is timed at all: a timed batch costs three
-``thread_time_ns``, three ``perf_counter_ns`` and two ``pread`` of the schedstat file
-plus the bookkeeping, ~5 µs and ~14,000 instructions here - 1% of a 0.9 ms training
-step with ``num_workers=0`` - while an untimed one only counts its batch and samples.
+batch in :data:`TIME_EVERY` is timed at all (:data:`MAIN_TIME_EVERY` in the training
+process), while an untimed one only counts its batch and samples. A timed batch costs
+three ``thread_time_ns``, three ``perf_counter_ns`` and, in a worker, two ``pread`` of
+the schedstat file. System calls cost far more inside a training loop than in a tight
+loop that measures them (cold caches: a schedstat ``pread`` took 5.8 µs, p90 17 µs, in
+the 0.4 ms loop of ``benchmarks/overhead.py --hidden 16`` against 1.4 µs alone), so
+timing every batch there cost 30 µs a batch; and the training process does not read
+its run-queue wait per batch at all (``runq_measured`` is false for it: its waits for a
+core are counted as blocked time).
 The sums of a stream (``fetch_ns``, ``get_ns``, ...) then cover its ``timed_batches``,
 and the analysis scales them to all ``batches``: a ratio estimate over a systematic
 sample, exact for the means of a steady pipeline, and following a change of pace
@@ -112,8 +117,10 @@ SAMPLING_SWITCH_INTERVAL_S = 1e-4
 MAX_FUNCTIONS = 300
 #: Samples are timed one by one while the previous batch's took at least this long each.
 PER_SAMPLE_MIN_NS = 200_000
-#: Cheap batches (timed per batch, not per sample) are timed one in this many.
+#: Cheap batches (timed per batch, not per sample) are timed one in this many...
 TIME_EVERY = 8
+#: ... and one in this many when they load in the training process (num_workers=0).
+MAIN_TIME_EVERY = 32
 
 # Counter slots of Stream.acc.
 BATCHES, SAMPLES, FETCH_NS, GET_NS, GET_CPU_NS, COLLATE_NS, COLLATE_CPU_NS, RUNQ_NS = range(8)
@@ -724,7 +731,8 @@ class WorkerCapture:
                              "num_workers": 0, "persistent_workers": False,
                              "start_method": None, "requested_ns": None,
                              "started_ns": _perf(), "init_ns": 0})
-                st.bind_thread()
+                # not bind_thread(): no schedstat reads on the training thread (see above)
+                st.time_every = MAIN_TIME_EVERY
                 self._main[index] = st
             fetcher.__dict__["_trainprof_stream"] = st
         except Exception as exc:
