@@ -140,6 +140,31 @@ def test_pure_python_switch_and_default():
         assert proc.stdout.strip() == str(expected), proc.stderr
 
 
+@needs_c
+def test_pread_held_reads_like_os_pread_and_the_sampler_uses_it(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(b"0123456789")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for length, offset in ((4, 0), (100, 3), (0, 0), (5, 20)):
+            assert _fastclock.pread_held(fd, length, offset) == os.pread(fd, length, offset)
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError):
+        _fastclock.pread_held(fd, 4, 0)  # closed: EBADF, as os.pread raises
+    with pytest.raises(ValueError):
+        _fastclock.pread_held(0, -1, 0)
+    with pytest.raises(TypeError):
+        _fastclock.pread_held(0, 1)
+    code = ("from trainprof.capture import sampler, _fastclock; "
+            "print(sampler._pread is _fastclock.pread_held)")
+    for value, expected in (("0", "True"), ("1", "False")):  # the pure-Python switch: os.pread
+        env = {**os.environ, "TRAINPROF_PURE_PYTHON": value}
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env=env, timeout=60)
+        assert proc.stdout.strip() == expected, proc.stderr
+
+
 def test_extension_is_built_where_a_compiler_is():
     """`pip install -e .` builds the extension; a failed build would only show as lost speed."""
     cc = (sysconfig.get_config_var("CC") or "cc").split()[0]

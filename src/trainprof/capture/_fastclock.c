@@ -22,6 +22,9 @@
 #include <Python.h>
 #include "structmember.h"
 #include "pythread.h"
+#include <errno.h>
+#include <limits.h>
+#include <unistd.h>
 
 /* What trainprof.capture.clock expects (_FAST_VERSION): bumped when the interface
    between this file and the Python code changes, so that a stale build is not used. */
@@ -752,10 +755,52 @@ py_now_ns(PyObject *mod, PyObject *unused)
     return PyLong_FromLongLong(now_ns());
 }
 
+/* pread_held(fd, length, offset) -> bytes: os.pread without releasing the GIL.
+ *
+ * For the system sampler's reads of /proc files, which the kernel generates in
+ * microseconds and never block on a disk. os.pread releases the GIL around the
+ * system call; the training thread then takes it, and the sampler must wait for
+ * it to be handed back (a forced switch after sys.getswitchinterval()): one such
+ * hand-off per read, each costing the training thread a futex round trip and
+ * cold caches. Holding the GIL through these reads leaves one hand-off a tick. */
+static PyObject *
+py_pread_held(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "pread_held(fd, length, offset)");
+        return NULL;
+    }
+    long fd = PyLong_AsLong(args[0]);
+    Py_ssize_t length = PyLong_AsSsize_t(args[1]);
+    long long offset = PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (length < 0 || offset < 0 || fd < 0 || fd > INT_MAX) {
+        PyErr_SetString(PyExc_ValueError, "pread_held: negative length, offset or fd");
+        return NULL;
+    }
+    PyObject *buf = PyBytes_FromStringAndSize(NULL, length);
+    if (buf == NULL)
+        return NULL;
+    ssize_t got;
+    do {
+        got = pread((int)fd, PyBytes_AS_STRING(buf), (size_t)length, (off_t)offset);
+    } while (got < 0 && errno == EINTR);
+    if (got < 0) {
+        Py_DECREF(buf);
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    if (got != length && _PyBytes_Resize(&buf, got) < 0)
+        return NULL;
+    return buf;
+}
+
 static PyMethodDef module_methods[] = {
     {"configure", (PyCFunction)(void (*)(void))configure, METH_VARARGS | METH_KEYWORDS,
      "Set the accumulator layout (indices from trainprof.schema)."},
     {"now_ns", py_now_ns, METH_NOARGS, "The clock the C path reads: time.perf_counter_ns()."},
+    {"pread_held", (PyCFunction)(void (*)(void))py_pread_held, METH_FASTCALL,
+     "os.pread(fd, length, offset) without releasing the GIL (for /proc files)."},
     {NULL}};
 
 static struct PyModuleDef moduledef = {

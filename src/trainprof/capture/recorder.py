@@ -30,6 +30,9 @@ from trainprof.schema import RECORD_WIDTH, REGION
 from trainprof.store import SAMPLES_JSONL, RunWriter
 
 #: ``torch.cuda.memory_stats`` keys recorded in run.json's ``cuda_memory`` (see ``stop``).
+#: Longest time finished steps wait in memory before they are written (what kill -9 can lose).
+DRAIN_INTERVAL_S = 1.0
+
 CUDA_MEMORY_KEYS = ("num_alloc_retries", "num_ooms", "allocated_bytes.all.peak",
                     "reserved_bytes.all.peak", "num_device_alloc", "num_device_free")
 
@@ -99,6 +102,7 @@ class Recorder:
         )
         self._started = False
         self._stopped = False
+        self._last_drain = 0.0
 
     # -- lifecycle -----------------------------------------------------------
     def start(self) -> Recorder:
@@ -169,13 +173,21 @@ class Recorder:
         return self.run_dir
 
     def flush(self) -> None:
-        """Drain finished steps to disk (called from the sampler thread, and at stop).
+        """Drain finished steps to disk: at most once a second from the sampler thread, and at stop.
+
+        Once a second, not every tick: each write hands the GIL to the training thread
+        and back, and a ``kill -9`` may lose up to a second of records anyway (the
+        sampler's lines are flushed at the same pace).
 
         The environment fingerprint is taken here too, once the first step is
         done: by then the script has set ``CUDA_VISIBLE_DEVICES`` and friends,
         which probing CUDA earlier would freeze; and it happens off the
         training thread.
         """
+        now = time.perf_counter()
+        if not self._stopped and now - self._last_drain < DRAIN_INTERVAL_S:
+            return
+        self._last_drain = now
         buf = self.clock.records
         n = len(buf) - len(buf) % RECORD_WIDTH
         if n:

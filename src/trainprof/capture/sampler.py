@@ -14,9 +14,13 @@ Design constraints, and how they are met:
   up to ``sys.getswitchinterval()`` (5 ms).  psutil opens, stats, reads and closes a file per
   call: ~70 syscalls per tick, which stretched a 50 ms tick to ~180 ms against a busy main thread.
   On Linux we therefore keep ``/proc`` files open and re-read each with a single ``pread``
-  (about six syscalls per tick); psutil remains the portable fallback.
-* **Crash safety.**  Each line is written and flushed to the OS immediately, so a ``kill -9``
-  loses at most the tick being written (the loader ignores a truncated last line).
+  (about six syscalls per tick); psutil remains the portable fallback.  Even those hand-offs
+  cost the training thread: with the C extension (``_fastclock.pread_held``) the ``/proc``
+  reads keep the GIL (the kernel generates these files in microseconds, no disk involved),
+  so a tick hands the GIL back and forth only where it writes its records.
+* **Crash safety.**  Lines are handed to the OS at least once a second (``flush_interval_s``),
+  so a ``kill -9`` loses at most the last second of samples (the loader ignores a truncated
+  last line); the file write is one more GIL hand-off, so not one per tick.
 * **Same clock as the step timeline.**  ``t`` is :func:`time.perf_counter`, which the step clock of
   the same process also uses, so samples and steps align without conversion.
 * **No shared global state.**  CPU percentages come from our own deltas of cumulative counters,
@@ -120,6 +124,20 @@ class _Rate:
 # -- Linux /proc access ----------------------------------------------------------------------------
 
 
+def _held_pread() -> Callable[[int, int, int], bytes]:
+    """``os.pread``, or the C extension's copy that keeps the GIL (see the module docstring)."""
+    if os.environ.get("TRAINPROF_PURE_PYTHON", "") not in ("", "0"):
+        return os.pread
+    try:
+        from trainprof.capture._fastclock import pread_held
+    except ImportError:  # built without a C compiler (or an older build)
+        return os.pread
+    return pread_held  # type: ignore[no-any-return]
+
+
+_pread = _held_pread()
+
+
 class _ProcFile:
     """A ``/proc`` file kept open and re-read with one ``pread`` per read.
 
@@ -134,7 +152,7 @@ class _ProcFile:
     def read(self, enough: bytes | None = None) -> bytes:
         """Return the content; stop growing the buffer once it contains ``enough`` (if given)."""
         while True:
-            data = os.pread(self._fd, self._size, 0)
+            data = _pread(self._fd, self._size, 0)
             if len(data) < self._size or (enough is not None and enough in data):
                 return data
             self._size *= 2
@@ -673,6 +691,8 @@ class SystemSampler:
             pids; must be cheap and thread-safe.
         on_tick: Called after each sample is written, e.g. to flush the caller's own buffers.
         gpu: Whether to try NVML.
+        flush_interval_s: Longest time a sample waits in the buffer before it reaches the OS
+            (what a ``kill -9`` can lose).
 
     Attributes:
         missing: Human-readable notes on what could not be sampled; one per kind of problem.
@@ -689,9 +709,12 @@ class SystemSampler:
         worker_pids: Callable[[], Iterable[int]] | None = None,
         on_tick: Callable[[], None] | None = None,
         gpu: bool = True,
+        flush_interval_s: float = 1.0,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        self.flush_interval_s = float(flush_interval_s)
+        self._last_flush = 0.0
         self.out_path = Path(out_path)
         self.interval_s = float(interval_s)
         self.pid = os.getpid() if pid is None else pid
@@ -898,12 +921,14 @@ class SystemSampler:
     # -- output / notes --------------------------------------------------------------------------
 
     def _write(self, rec: dict[str, Any]) -> None:
-        """Append and flush one line: flushing per tick is what makes kill -9 lose at most one."""
+        """Append one line; hand the buffer to the OS at least every ``flush_interval_s``."""
         if self._fh is None:
             return
         try:
             self._fh.write(orjson.dumps(rec, option=orjson.OPT_APPEND_NEWLINE))
-            self._fh.flush()
+            if rec["t"] - self._last_flush >= self.flush_interval_s:
+                self._fh.flush()
+                self._last_flush = rec["t"]
             self.ticks += 1
         except (OSError, TypeError) as exc:  # disk full, unserialisable value
             self._note("write", f"output: write failed ({type(exc).__name__}: {exc})")
