@@ -162,3 +162,23 @@ def test_training_goes_on_when_the_sampler_fails(tmp_path, monkeypatch):
     assert prof.summary["steps"]["count"] == 5
     assert any("system sampler" in m for m in prof.summary["missing"])
     assert prof.summary["system"]["n_samples"] == 0
+
+
+def test_recording_again_and_again_keeps_nothing_alive(tmp_path):
+    """One fork hook per process, not one per recording: finished recordings are freed."""
+    import gc
+    import weakref
+
+    from trainprof.capture import hooks
+
+    refs = []
+    for i in range(3):
+        with trainprof.profile(tmp_path / f"r{i}", report=False) as prof:
+            _loop(prof, 3)
+            (inst,) = list(hooks._INSTALLED)
+            refs.append(weakref.ref(inst))
+        assert not list(hooks._INSTALLED)  # uninstalled at the end of the block
+        del prof, inst
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]
+    assert hooks._FORK_HOOK

@@ -74,6 +74,22 @@ _INHERITED = object()
 if FAST:  # the C wrappers (see trainprof.capture.clock); else the Python closures below
     from trainprof.capture import _fastclock
 
+#: The installed instrumentations, for the one fork hook (see :func:`_uninstall_in_child`).
+_INSTALLED: weakref.WeakSet[Instrumentation] = weakref.WeakSet()
+_FORK_HOOK = False
+
+
+def _uninstall_in_child() -> None:
+    """In a forked child (a DataLoader worker): the originals back, for every recording.
+
+    Registered once per process: ``os.register_at_fork`` cannot unregister, so a hook
+    per recording would keep every finished recording (its clock, its records) alive
+    and run at every later fork of a process that records more than once.
+    """
+    for inst in list(_INSTALLED):
+        inst._after_fork_in_child()
+
+
 #: Steps during which every module call is watched to find the top-level
 #: (root) module classes; afterwards only those are wrapped.
 DISCOVERY_STEPS = 3
@@ -493,7 +509,11 @@ class Instrumentation:
         self._gc_cb = on_gc
         gc.callbacks.append(on_gc)
         self.installed = True
-        os.register_at_fork(after_in_child=self._after_fork_in_child)
+        global _FORK_HOOK
+        _INSTALLED.add(self)
+        if not _FORK_HOOK:
+            os.register_at_fork(after_in_child=_uninstall_in_child)
+            _FORK_HOOK = True
 
     def _narrow_forward(
         self, root_classes: list[type], make_call: Callable[[Any], Any]
@@ -523,6 +543,7 @@ class Instrumentation:
         if not self.installed:
             return
         self.installed = False
+        _INSTALLED.discard(self)
         if self.workers is not None:
             self.workers.close()  # last write of num_workers=0 timings (no-op in a fork child)
         for owner, name, original in reversed(self._restore):
