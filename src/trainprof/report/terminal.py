@@ -243,6 +243,15 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
             + (f" · {env['torch_num_threads']} intra-op threads"
                if env.get("torch_num_threads") else ""),
         )
+    ops = summary.get("ops")
+    if ops:
+        table.add_row(
+            "Torch calls",
+            f"{ops['calls_per_step']:,.0f} per step from Python (sampled over "
+            f"{ops['steps_sampled']} steps)",
+        )
+    for label, line in _deep_rows(summary.get("deep")):
+        table.add_row(label, line)
     findings = summary.get("findings") or []
     if findings:
         table.add_row("Findings", f"{len(findings)}, highest estimated gain first (below)")
@@ -251,15 +260,6 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
     for note in list(summary.get("missing") or []) + list(summary.get("notes") or []):
         table.add_row("Note", str(note))
     table.add_row("Run folder", str(summary.get("run_dir")))
-    for label, line in _deep_rows(summary.get("deep")):
-        table.add_row(label, line)
-    ops = summary.get("ops")
-    if ops:
-        table.add_row(
-            "Torch calls",
-            f"{ops['calls_per_step']:,.0f} per step from Python (sampled over "
-            f"{ops['steps_sampled']} steps)",
-        )
     console.print(table)
     python_profile = summary.get("python_profile")
     if python_profile:
