@@ -298,6 +298,25 @@ def test_evaluation_every_n_steps():
     assert "EVAL_INTERVAL" in f["fix"]["snippet"]
 
 
+def test_data_waits_every_num_workers_steps_are_the_input_pipeline_not_an_evaluation():
+    """Workers that cannot keep up deliver in turns: the loop waits every num_workers steps.
+
+    The fix of examples/slow_input.py (num_workers=4) produced exactly this, and it was
+    reported as "every 4 steps, evaluation adds 0.04 s".
+    """
+    data = np.full(60, 0.2 * MS)
+    data[2::4] = 40 * MS  # the wait for the next round of 4 workers
+    steps = make_steps(60, data=data)
+    summary = make_summary(steps, dataloaders=[loader(num_workers=4, persistent_workers=True)])
+    out = diagnose(summary, steps)
+    assert not [f for f in out if f["category"] == "periodic_overhead"], out
+    top = out[0]
+    assert top["category"] == "input_pipeline", top
+    # the whole wait counts, the spikes included (none is left to another rule)
+    assert top["estimated_gain"] == pytest.approx(share(steps, "data_wait_ns", summary), rel=0.05)
+    assert "data_wait_share_in_periodic_steps" not in top["evidence"]
+
+
 def test_steps_under_a_heavy_tool_leave_the_rules_and_the_period_intact():
     """The op-count sample (steps 8-9, and the step carrying its stop) is slow and flagged.
 

@@ -63,6 +63,9 @@ class PeriodFit:
     strays: int  # outliers that are not members (noise spikes on a busy machine)
 
 
+#: Share of a period's excess in data wait above which it is the input pipeline's.
+DATA_OWNED = 0.8
+
 #: Candidate periods tried by :func:`fit_period` (bounds its cost on long runs).
 _MAX_CANDIDATES = 8
 #: Family-wise false-alarm rate of :func:`fit_period`: the chance that outliers scattered at
@@ -412,12 +415,16 @@ class Context:
 
     @cached_property
     def spike_groups(self) -> dict[str, SpikeGroup]:
-        """Outlier steps by owner: ``epoch`` (input pipeline), ``gc``, ``periodic``, ``stray``.
+        """Outlier steps by owner: ``epoch``, ``input``, ``gc``, ``periodic``, ``stray``.
 
         An outlier step belongs to ``gc`` when garbage collection is most of its excess
         time, to ``epoch`` when it is one of :attr:`epoch_spikes`; of the others, those
         that recur at a fixed period (evaluation, checkpointing, logging every N steps)
-        are ``periodic`` (with their :class:`PeriodFit`) and the rest ``stray``.
+        are ``periodic`` (with their :class:`PeriodFit`) and the rest ``stray`` - except
+        that a period whose excess is almost all data wait (:data:`DATA_OWNED`) is the
+        input pipeline's (``input``): workers that cannot keep up deliver in turns, so
+        the loop waits every ``num_workers`` steps, which is not work of the script's
+        own every N steps (an evaluation shows in forward too).
         """
         idx = self.step_spikes
         if len(idx) == 0:
@@ -433,8 +440,15 @@ class Context:
         rest = ~is_gc & ~is_epoch
         fit = self._fit_by_magnitude(idx[rest], total[rest])
         is_periodic = np.isin(idx, fit.indices) if fit is not None else np.zeros_like(rest)
-        masks = {"gc": is_gc, "epoch": is_epoch, "periodic": is_periodic,
-                 "stray": rest & ~is_periodic}
+        is_input = np.zeros_like(rest)
+        if fit is not None:
+            periodic_total = float(total[is_periodic].sum())
+            if periodic_total > 0 and (
+                float(per_phase["data_wait"][is_periodic].sum()) >= DATA_OWNED * periodic_total
+            ):
+                is_input, is_periodic = is_periodic, np.zeros_like(rest)
+        masks = {"gc": is_gc, "epoch": is_epoch, "input": is_input, "periodic": is_periodic,
+                 "stray": rest & ~is_periodic & ~is_input}
         out = {}
         for name, mask in masks.items():
             if not mask.any():
@@ -442,7 +456,7 @@ class Context:
             out[name] = SpikeGroup(
                 indices=idx[mask],
                 excess_s={k: float(v[mask].sum()) for k, v in per_phase.items()},
-                fit=fit if name == "periodic" else None,
+                fit=fit if name in ("periodic", "input") else None,
             )
         return out
 
