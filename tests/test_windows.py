@@ -220,6 +220,25 @@ def test_deep_window_writes_a_trace_of_the_chosen_steps(tp) -> None:
     assert "Deep window  steps 6-8" in res.stdout
 
 
+def test_deep_window_without_warm_up_records_its_first_step(tp) -> None:
+    """With warmup=0 the profiler starts at the window's first step and records it.
+
+    torch.profiler computes its first action at construction, for step 0 (before the
+    window: WARMUP); left so, the first active step ran in warm-up, unrecorded.
+    """
+    res = tp(DEEP_SCRIPT, "--deep", "skip=5,warmup=0,active=3")
+    assert res.returncode == 0, res.stderr
+    traces = sorted((res.run_dir / "deep").glob("*.pt.trace.json.gz"))
+    assert len(traces) == 1 and traces[0].name.endswith(".steps5-7.pt.trace.json.gz")
+    assert _trace_steps(traces[0]) == ["ProfilerStep#5", "ProfilerStep#6", "ProfilerStep#7"]
+    with gzip.open(traces[0]) as f:
+        events = json.load(f)["traceEvents"]
+    first = next(e for e in events if e.get("name") == "ProfilerStep#5")
+    inside = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"
+              and first["ts"] <= e["ts"] <= first["ts"] + first["dur"]]
+    assert len(inside) > 10  # the step's ops were recorded, not only its annotation
+
+
 def test_deep_window_cut_short_by_the_end_of_the_run_is_kept(tp) -> None:
     res = tp(DEEP_SCRIPT, "--max-steps", "8", "--deep", "skip=3,warmup=1,active=10", "--json")
     assert res.returncode == 0, res.stderr

@@ -78,8 +78,6 @@ class TorchProfilerTool:
         activities = [ProfilerActivity.CPU]
         if torch.cuda.is_initialized():
             activities.append(ProfilerActivity.CUDA)
-        # The schedule reads absolute step numbers: at construction it sees
-        # step 0 (< the window's start), i.e. WARMUP (or RECORD without warm-up).
         if step >= self._window[1]:
             self._window = (step, step, self._window[2])
         self._prof = profile(
@@ -88,7 +86,14 @@ class TorchProfilerTool:
             on_trace_ready=self._save,
             **self.options,
         )
+        # The schedule reads absolute step numbers, and torch.profiler takes its
+        # first action at construction, for step 0: before the window, WARMUP.
+        # Without a warm-up that would run the first active step unrecorded, so
+        # the first action is the one of the step the profiler starts at.
         self._prof.step_num = step
+        self._prof.current_action = self._action(step)
+        if hasattr(self._prof, "_prev_schedule_action"):
+            self._prof._prev_schedule_action = self._prof.current_action
         self._prof.start()
 
     def _save(self, prof: Any) -> None:
