@@ -188,10 +188,11 @@ class Stream:
             return -1
 
     def counted(self, n: int) -> None:
-        """Book one untimed batch of ``n`` samples."""
+        """Book one untimed batch of ``n`` samples (its end still bounds the busy window)."""
         acc = self.acc
         acc[BATCHES] += 1
         acc[SAMPLES] += n
+        acc[LAST_FETCH_END_NS] = _perf()
         self.version += 1
 
     def batch(self, n: int, t_begin: int, get_ns: int, get_cpu: int, col_ns: int, col_cpu: int,
@@ -280,11 +281,13 @@ def make_map_fetch(orig: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]
                     data = getitems(possibly_batched_index)
                 else:
                     data = [ds[idx] for idx in possibly_batched_index]
-                st.counted(_size(possibly_batched_index, data))
+                n = _size(possibly_batched_index, data)
             else:
                 data = ds[possibly_batched_index]
-                st.counted(1)
-            return self.collate_fn(data)
+                n = 1
+            out = self.collate_fn(data)
+            st.counted(n)
+            return out
         perf, tt = _perf, _tt
         q0 = st.runq_ns()
         st.in_fetch = True
@@ -369,9 +372,9 @@ def make_iterable_fetch(orig: Callable[[Any, Any], Any]) -> Callable[[Any, Any],
             st.skip -= 1
             it = self.dataset_iter
             if not self.auto_collation:
-                data = next(it)
+                out = self.collate_fn(next(it))
                 st.counted(1)
-                return self.collate_fn(data)
+                return out
             data = []
             for _ in possibly_batched_index:
                 try:
@@ -381,8 +384,9 @@ def make_iterable_fetch(orig: Callable[[Any, Any], Any]) -> Callable[[Any, Any],
                     break
             if len(data) == 0 or (self.drop_last and len(data) < len(possibly_batched_index)):
                 raise StopIteration
+            out = self.collate_fn(data)
             st.counted(len(data))
-            return self.collate_fn(data)
+            return out
         perf, tt = _perf, _tt
         q0 = st.runq_ns()
         st.in_fetch = True
