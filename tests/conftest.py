@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,3 +61,12 @@ def tp(tmp_path: Path):
                          timeout=timeout, env=env)
 
     return run
+
+
+def burn_cpu(seconds: float) -> tuple[float, float]:
+    """Busy-loop in the calling thread; return the perf_counter window it covered."""
+    t0 = time.perf_counter()
+    x = 0
+    while time.perf_counter() - t0 < seconds:
+        x += 1
+    return t0, time.perf_counter()

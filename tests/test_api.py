@@ -151,12 +151,12 @@ def test_forward_wrapper_moves_onto_root_classes_after_discovery(tmp_path):
 
 
 def test_training_goes_on_when_the_sampler_fails(tmp_path, monkeypatch):
-    from trainprof.capture import sampler
+    from trainprof.capture import sampler_process
 
     def broken_start(self):
         raise OSError("no /proc here")
 
-    monkeypatch.setattr(sampler.SystemSampler, "start", broken_start)
+    monkeypatch.setattr(sampler_process.SamplerProcess, "start", broken_start)
     with trainprof.profile(tmp_path / "r", report=False) as prof:
         _loop(prof, 5)
     assert prof.summary["steps"]["count"] == 5

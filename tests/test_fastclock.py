@@ -191,13 +191,13 @@ def test_c_core_matches_python_core_record_for_record():
         clk.mode = "optimizer"
     for step in range(3):
         for clk in (c, p):
-            clk.acc[:] = [step * 100 + i for i in range(N_ACC)]
+            clk.acc[:] = array("q", [step * 100 + i for i in range(N_ACC)])
             clk.mark = 6_000 + step
         c._close(2, 9_000 + step * 10)
         p._close(2, 9_000 + step * 10)
     assert c.records.tobytes() == p.records.tobytes()
     assert len(c.records) == 3 * RECORD_WIDTH and c.n_steps == p.n_steps == 3
-    assert c.acc == p.acc == [0] * N_ACC and c.step_start == p.step_start == 9_020
+    assert list(c.acc) == p.acc == [0] * N_ACC and c.step_start == p.step_start == 9_020
     # without `now`: charge the time since the last transition to the current phase
     for clk in (c, p):
         clk.current = DATA
@@ -237,7 +237,7 @@ def test_timed_wrapper_binds_passes_through_and_restores_the_phase():
     th = threading.Thread(target=lambda: res.append(t.work(5)))
     th.start()
     th.join()
-    assert res == [5] and clk.acc == before
+    assert res == [5] and list(clk.acc) == before
     # a root module's call is timed only at top level
     call = _fastclock.Timed(_fastclock.K_CALL, clk, lambda m, x: x + 1, FORWARD)
     clk.current = ZERO_GRAD
@@ -269,7 +269,7 @@ def test_records_array_layout_is_unchanged():
     """The packed record is what ``array('q').extend`` wrote before: the on-disk format."""
     clk = clock_mod.StepClock()
     clk.begin(clock_mod.perf_counter_ns())
-    clk.acc[:] = list(range(N_ACC))
+    clk.acc[:] = array("q", range(N_ACC))
     clk._close(0, clk.step_start + 123)
     expected = array("q", [0, clk.step_start - 123 - clk.origin_ns, 123, *range(N_ACC), 0])
     assert clk.records.tobytes() == expected.tobytes()
@@ -305,3 +305,44 @@ def test_script_under_trainprof_run_both_paths(tmp_path):
     for doc in docs.values():
         assert doc["steps"]["count"] == 6 and doc["steps"]["delimiter"] == "optimizer"
         assert doc["samples_per_s"] == pytest.approx(16 / doc["steps"]["mean_s"], rel=1e-6)
+
+
+@pytest.mark.parametrize("core", PATHS)
+def test_record_buffer_drains_whole_records_in_order(core):
+    """Thousands of steps (past the C buffer's first capacity) come out once, in order."""
+    clk = clock_mod.StepClock() if core == "c" else _py_clock_class()()
+    if core == "c":
+        assert isinstance(clk, _fastclock.ClockCore)
+    clk.begin(10_000)
+    clk.mode = "optimizer"
+    drained = b""
+    for step in range(5_000):
+        clk.acc[DATA] += step  # what the hooks and the GC callback do
+        clk.acc[SAMPLES] += 1
+        clk._close(0, clk.step_start + 7)
+        if step == 2_999:
+            assert len(clk.peek_records()) == 3_000 * RECORD_WIDTH * 8  # peek leaves them
+            drained += clk.drain_records()
+            assert clk.drain_records() == b""
+    drained += clk.drain_records()
+    recs = array("q", drained)
+    assert len(recs) == 5_000 * RECORD_WIDTH
+    assert list(recs[0::RECORD_WIDTH]) == list(range(5_000))  # step numbers
+    assert list(recs[3 + DATA::RECORD_WIDTH]) == list(range(5_000))
+    assert set(recs[3 + SAMPLES::RECORD_WIDTH]) == {1} and set(recs[2::RECORD_WIDTH]) == {7}
+    assert list(clk.acc) == [0] * N_ACC
+
+
+@needs_c
+def test_c_core_rejects_partial_records_and_bad_phases():
+    clk = clock_mod.StepClock()
+    with pytest.raises(ValueError):
+        clk._append_record(b"\0" * (8 * RECORD_WIDTH - 8))
+    clk._append_record(bytes(8 * RECORD_WIDTH * 2))
+    assert len(clk.records) == 2 * RECORD_WIDTH
+    with pytest.raises(ValueError):
+        clk.enter(N_ACC)
+    with pytest.raises(ValueError):
+        _fastclock.Timed(_fastclock.K_PHASE, clk, print, N_ACC)
+    view = clk.acc
+    assert view.format == "q" and view.shape == (N_ACC,) and not view.readonly

@@ -331,8 +331,16 @@ def _start(tmp_path: Path, body: str) -> tuple[subprocess.Popen, Path]:
     return proc, run_dir
 
 
+def _sampler_pids(pid: int) -> set[int]:
+    """The system sampler's process among ``pid``'s children."""
+    return {p.pid for p in psutil.Process(pid).children()
+            if "trainprof.capture.sampler_process" in " ".join(p.cmdline())}
+
+
 def test_ctrl_c_interrupts_with_summary_and_exit_130(tmp_path):
     proc, run_dir = _start(tmp_path, WORKERS_FOREVER)
+    sampler = _sampler_pids(proc.pid)
+    assert len(sampler) == 1
     time.sleep(0.3)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
@@ -341,7 +349,8 @@ def test_ctrl_c_interrupts_with_summary_and_exit_130(tmp_path):
     meta = json.loads((run_dir / "run.json").read_text())
     assert meta["status"] == "interrupted" and meta["exit_code"] == 130
     assert meta["summary"]["steps"]["count"] >= 4
-    assert _gone(_worker_pids(run_dir))
+    assert meta["summary"]["system"]["n_samples"] > 0
+    assert _gone(_worker_pids(run_dir)) and _gone(sampler, within=1)
 
 
 def test_sigterm_is_an_interruption(tmp_path):
@@ -354,6 +363,7 @@ def test_sigterm_is_an_interruption(tmp_path):
 
 def test_kill_9_leaves_a_readable_record(tmp_path):
     proc, run_dir = _start(tmp_path, WORKERS_FOREVER)
+    sampler = _sampler_pids(proc.pid)
     time.sleep(1.5)  # > one flush period
     proc.kill()
     proc.communicate(timeout=30)
@@ -363,8 +373,8 @@ def test_kill_9_leaves_a_readable_record(tmp_path):
     doc = res.json()
     assert doc["status"] == "crashed" and doc["recorded_status"] == "running"
     assert doc["steps"]["count"] >= 4
-    # workers notice their parent is gone and exit (DataLoader's watchdog)
-    assert _gone(pids, within=15)
+    # workers notice their parent is gone and exit (DataLoader's watchdog); so does the sampler
+    assert _gone(pids, within=15) and _gone(sampler, within=5)
 
 
 def test_profile_api_inside_trainprof_run_attaches_to_the_run(tp):

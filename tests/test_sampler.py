@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import burn_cpu
 
 from trainprof.analysis.system import load_samples, summarize_system
 from trainprof.capture import sampler as sampler_mod
@@ -47,13 +48,6 @@ def busy_child() -> Iterator[subprocess.Popen[bytes]]:
     _kill(proc)
 
 
-def _burn(seconds: float) -> tuple[float, float]:
-    """Busy-loop in this (the main) thread; return the perf_counter window it covered."""
-    t0 = time.perf_counter()
-    x = 0
-    while time.perf_counter() - t0 < seconds:
-        x += 1
-    return t0, time.perf_counter()
 
 
 def _gpu_explained(s: SystemSampler) -> bool:
@@ -78,7 +72,7 @@ def test_sampler_measures_busy_main_process_and_worker(
     s.start()
     child = psutil.Process(busy_child.pid)
     ru0, child0 = resource.getrusage(resource.RUSAGE_SELF), child.cpu_times()
-    t0, t1 = _burn(1.0)
+    t0, t1 = burn_cpu(1.0)
     ru1, child1 = resource.getrusage(resource.RUSAGE_SELF), child.cpu_times()
     stop_started = time.perf_counter()
     s.stop()

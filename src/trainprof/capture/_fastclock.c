@@ -9,8 +9,9 @@
  * caller's arguments through untouched and keeps the clock's state in C fields.
  *
  * ClockCore  the base class of StepClock: the hot state as C fields, exposed
- *            to Python as ordinary attributes (current, mark, acc, ...), and
- *            enter()/exit().
+ *            to Python as ordinary attributes (current, mark, ...; acc as a
+ *            writable int64 memoryview), enter()/exit(), and the buffer of
+ *            finished step records (drain_records()).
  * Timed      a callable that times one call of `orig` as a phase of the clock
  *            (kinds below); a method descriptor, so it can replace a method or
  *            a slot such as __call__ or __next__ on a class.
@@ -28,7 +29,7 @@
 
 /* What trainprof.capture.clock expects (_FAST_VERSION): bumped when the interface
    between this file and the Python code changes, so that a stale build is not used. */
-#define FASTCLOCK_VERSION 1
+#define FASTCLOCK_VERSION 2
 
 /* Indices into clock.acc, given by trainprof.schema through configure(). */
 static Py_ssize_t I_OTHER = -1, I_SAMPLES = -1, I_HOST_READS = -1, I_SYNC_N = -1,
@@ -38,8 +39,7 @@ static Py_ssize_t I_OTHER = -1, I_SAMPLES = -1, I_HOST_READS = -1, I_SYNC_N = -1
 #define MAX_RECORD 64
 
 static PyObject *s_begin, *s_top_level_event, *s_mark, *s_optimizer_stepped, *s_shape,
-    *s_is_cpu, *s_frombytes, *s_step_closed, *s_watch;
-static PyObject *zero_int;
+    *s_is_cpu, *s_step_closed, *s_watch;
 
 enum {
     K_NEXT = 1,     /* DataLoader iterator __next__: phase, batch size -> acc[SAMPLES] */
@@ -66,12 +66,21 @@ now_ns(void)
 
 /* ---------------------------------------------------------------- ClockCore */
 
+/* The accumulators live in the object itself and finished steps in one growing C
+ * buffer: a step touches a few cache lines of this struct and appends one memcpy,
+ * where a list of Python ints (one allocation per phase transition) and an
+ * array.frombytes() method call per step touched a dozen objects. The hooks run
+ * once per step between milliseconds of torch code, with cold caches: what they
+ * cost is mostly the memory they touch, not their instructions. */
+#define MAX_ACC (MAX_RECORD - 4)
+
 typedef struct {
     PyObject_HEAD
-    PyObject *acc;     /* list of N_ACC ints, the same list all run long */
-    PyObject *device;  /* None, or a DeviceTimer (CUDA events at phase boundaries) */
-    PyObject *records; /* array('q') of finished steps, drained by the Recorder */
-    long long mark;    /* perf_counter_ns of the last phase transition */
+    long long acc[MAX_ACC]; /* per-phase ns and counters of the open step (N_ACC used) */
+    PyObject *device;       /* None, or a DeviceTimer (CUDA events at phase boundaries) */
+    char *rbuf;             /* finished steps: native int64 records, drained by the Recorder */
+    Py_ssize_t rlen, rcap;  /* bytes used / allocated in rbuf */
+    long long mark;         /* perf_counter_ns of the last phase transition */
     long long n_steps, step_start, origin_ns, extra_flags, next_watch;
     unsigned long long fast_opt; /* id() of the optimizer whose post-hook closes steps */
     unsigned long owner;         /* threading.get_ident() of the training thread */
@@ -86,12 +95,14 @@ typedef struct {
 static PyObject *
 core_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    ClockCore *self = (ClockCore *)type->tp_alloc(type, 0);
+    if (N_ACC < 0) {
+        PyErr_SetString(PyExc_RuntimeError, "trainprof._fastclock: configure() first");
+        return NULL;
+    }
+    ClockCore *self = (ClockCore *)type->tp_alloc(type, 0); /* zeroed: acc, rbuf, ... */
     if (self == NULL)
         return NULL;
-    self->acc = Py_NewRef(Py_None);
     self->device = Py_NewRef(Py_None);
-    self->records = Py_NewRef(Py_None);
     self->bwd_track = 1;
     return (PyObject *)self;
 }
@@ -99,18 +110,14 @@ core_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 static int
 core_traverse(ClockCore *self, visitproc visit, void *arg)
 {
-    Py_VISIT(self->acc);
     Py_VISIT(self->device);
-    Py_VISIT(self->records);
     return 0;
 }
 
 static int
 core_clear(ClockCore *self)
 {
-    Py_CLEAR(self->acc);
     Py_CLEAR(self->device);
-    Py_CLEAR(self->records);
     return 0;
 }
 
@@ -120,28 +127,16 @@ core_dealloc(ClockCore *self)
 {
     PyObject_GC_UnTrack(self);
     core_clear(self);
+    PyMem_Free(self->rbuf);
+    self->rbuf = NULL;
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* acc[i] += d */
-static int
+/* acc[i] += d (i comes from configure(), checked there) */
+static inline void
 acc_add(ClockCore *c, Py_ssize_t i, long long d)
 {
-    PyObject *acc = c->acc;
-    if (!PyList_CheckExact(acc) || i < 0 || i >= PyList_GET_SIZE(acc)) {
-        PyErr_SetString(PyExc_RuntimeError, "trainprof: clock.acc is not the accumulator list");
-        return -1;
-    }
-    PyObject *old = PyList_GET_ITEM(acc, i);
-    long long v = PyLong_AsLongLong(old);
-    if (v == -1 && PyErr_Occurred())
-        return -1;
-    PyObject *nv = PyLong_FromLongLong(v + d);
-    if (nv == NULL)
-        return -1;
-    PyList_SET_ITEM(acc, i, nv);
-    Py_DECREF(old);
-    return 0;
+    c->acc[i] += d;
 }
 
 /* StepClock.enter: make `phase` current; the previous one goes to *prev. */
@@ -159,8 +154,11 @@ core_enter(ClockCore *c, int phase, int *prev)
             return -1;
         Py_DECREF(r);
     }
-    if (acc_add(c, c->current, now - c->mark) < 0)
+    if (c->current < 0 || c->current >= N_ACC) {
+        PyErr_SetString(PyExc_ValueError, "trainprof: clock.current is not a phase");
         return -1;
+    }
+    acc_add(c, c->current, now - c->mark);
     *prev = c->current;
     c->current = phase;
     c->mark = now;
@@ -172,12 +170,16 @@ static int
 core_exit(ClockCore *c, int prev, long long *when)
 {
     long long now = now_ns();
-    int r = acc_add(c, c->current, now - c->mark);
+    if (c->current < 0 || c->current >= N_ACC) {
+        PyErr_SetString(PyExc_ValueError, "trainprof: clock.current is not a phase");
+        return -1;
+    }
+    acc_add(c, c->current, now - c->mark);
     c->current = prev;
     c->mark = now;
     if (when != NULL)
         *when = now;
-    return r;
+    return 0;
 }
 
 /* core_exit while an exception is propagating: the exception wins. */
@@ -191,46 +193,50 @@ core_exit_on_error(ClockCore *c, int prev)
     PyErr_Restore(type, value, tb);
 }
 
+/* Append n bytes of whole records to the buffer (grown by doubling, never shrunk:
+   the Recorder drains it once a second, so it settles at a second's worth). */
+static int
+records_append(ClockCore *c, const char *data, Py_ssize_t n)
+{
+    if (c->rlen + n > c->rcap) {
+        Py_ssize_t cap = c->rcap ? c->rcap : 64 * (Py_ssize_t)sizeof(long long) * MAX_RECORD;
+        while (cap < c->rlen + n) {
+            if (cap > PY_SSIZE_T_MAX / 2) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            cap *= 2;
+        }
+        char *nb = PyMem_Realloc(c->rbuf, (size_t)cap);
+        if (nb == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        c->rbuf = nb;
+        c->rcap = cap;
+    }
+    memcpy(c->rbuf + c->rlen, data, (size_t)n);
+    c->rlen += n;
+    return 0;
+}
+
 /* StepClock._close: end the current step at `now`: append its record, zero acc,
    then the rare work in Python (CUDA events of the step, windows, --max-steps). */
 static int
 core_close(ClockCore *c, long long flags, long long now)
 {
-    PyObject *acc = c->acc;
     long long rec[MAX_RECORD];
-    if (!PyList_CheckExact(acc) || PyList_GET_SIZE(acc) != N_ACC) {
-        PyErr_SetString(PyExc_RuntimeError, "trainprof: clock.acc is not the accumulator list");
-        return -1;
-    }
     rec[0] = c->n_steps;
     rec[1] = c->step_start - c->origin_ns;
     rec[2] = now - c->step_start;
-    for (Py_ssize_t i = 0; i < N_ACC; i++) {
-        rec[3 + i] = PyLong_AsLongLong(PyList_GET_ITEM(acc, i));
-        if (rec[3 + i] == -1 && PyErr_Occurred())
-            return -1;
-    }
+    memcpy(rec + 3, c->acc, sizeof(long long) * (size_t)N_ACC);
     rec[3 + N_ACC] = flags | c->extra_flags;
-    PyObject *data = PyBytes_FromStringAndSize((const char *)rec,
-                                               (Py_ssize_t)sizeof(long long) * (N_ACC + 4));
-    if (data == NULL)
+    if (records_append(c, (const char *)rec, (Py_ssize_t)sizeof(long long) * (N_ACC + 4)) < 0)
         return -1;
-    PyObject *margs[3] = {NULL, c->records, data};
-    PyObject *r = PyObject_VectorcallMethod(s_frombytes, margs + 1,
-                                            2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-    Py_DECREF(data);
-    if (r == NULL)
-        return -1;
-    Py_DECREF(r);
-    for (Py_ssize_t i = 0; i < N_ACC; i++) {
-        PyObject *old = PyList_GET_ITEM(acc, i);
-        if (old != zero_int) {
-            PyList_SET_ITEM(acc, i, Py_NewRef(zero_int));
-            Py_DECREF(old);
-        }
-    }
+    memset(c->acc, 0, sizeof(long long) * (size_t)N_ACC);
     c->n_steps += 1;
     c->step_start = now;
+    PyObject *r;
     if (c->device != Py_None) {
         PyObject *device = Py_NewRef(c->device);
         PyObject *step = PyLong_FromLongLong(c->n_steps - 1);
@@ -266,12 +272,8 @@ core_py_close(ClockCore *self, PyObject *const *args, Py_ssize_t nargs)
         if (now == -1 && PyErr_Occurred())
             return NULL;
     }
-    else {
-        now = now_ns();
-        if (acc_add(self, self->current, now - self->mark) < 0)
-            return NULL;
-        self->mark = now;
-    }
+    else if (core_exit(self, self->current, &now) < 0) /* charge the time to the current phase */
+        return NULL;
     if (core_close(self, flags, now) < 0)
         return NULL;
     Py_RETURN_NONE;
@@ -284,6 +286,10 @@ core_py_enter(ClockCore *self, PyObject *arg)
     int prev;
     if (phase == -1 && PyErr_Occurred())
         return NULL;
+    if (phase < 0 || phase >= N_ACC) {
+        PyErr_SetString(PyExc_ValueError, "enter(): not a phase");
+        return NULL;
+    }
     if (core_enter(self, (int)phase, &prev) < 0)
         return NULL;
     return PyLong_FromLong(prev);
@@ -296,9 +302,106 @@ core_py_exit(ClockCore *self, PyObject *arg)
     long long now;
     if (prev == -1 && PyErr_Occurred())
         return NULL;
+    if (prev < 0 || prev >= N_ACC) {
+        PyErr_SetString(PyExc_ValueError, "exit(): not a phase");
+        return NULL;
+    }
     if (core_exit(self, (int)prev, &now) < 0)
         return NULL;
     return PyLong_FromLongLong(now);
+}
+
+/* _append_record(data): whole records (bytes, native int64) from the Python side. */
+static PyObject *
+core_py_append_record(ClockCore *self, PyObject *arg)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    Py_ssize_t width = (Py_ssize_t)sizeof(long long) * (N_ACC + 4);
+    int r = -1;
+    if (view.len % width != 0)
+        PyErr_SetString(PyExc_ValueError, "_append_record: not whole records");
+    else
+        r = records_append(self, (const char *)view.buf, view.len);
+    PyBuffer_Release(&view);
+    if (r < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+core_py_init_core(ClockCore *self, PyObject *unused)
+{
+    Py_RETURN_NONE; /* the struct is the state (the pure-Python core makes a list here) */
+}
+
+/* drain_records() -> bytes: the finished steps since the last drain (native int64). */
+static PyObject *
+core_py_drain_records(ClockCore *self, PyObject *unused)
+{
+    PyObject *data = PyBytes_FromStringAndSize(self->rbuf ? self->rbuf : "", self->rlen);
+    if (data != NULL)
+        self->rlen = 0;
+    return data;
+}
+
+/* peek_records() -> bytes: the same, left in place. */
+static PyObject *
+core_py_peek_records(ClockCore *self, PyObject *unused)
+{
+    return PyBytes_FromStringAndSize(self->rbuf ? self->rbuf : "", self->rlen);
+}
+
+/* acc as a buffer: memoryview(clock) is a writable int64 view of the accumulators. */
+static Py_ssize_t acc_itemsize = sizeof(long long);
+
+static int
+core_getbuffer(ClockCore *self, Py_buffer *view, int flags)
+{
+    static Py_ssize_t shape;
+    shape = N_ACC;
+    view->obj = Py_NewRef(self);
+    view->buf = self->acc;
+    view->len = (Py_ssize_t)sizeof(long long) * N_ACC;
+    view->readonly = 0;
+    view->itemsize = acc_itemsize;
+    view->format = (flags & PyBUF_FORMAT) ? "q" : NULL;
+    view->ndim = 1;
+    view->shape = (flags & PyBUF_ND) ? &shape : NULL;
+    view->strides = (flags & PyBUF_STRIDES) == PyBUF_STRIDES ? &acc_itemsize : NULL;
+    view->suboffsets = NULL;
+    view->internal = NULL;
+    return 0;
+}
+
+static PyBufferProcs core_as_buffer = {
+    .bf_getbuffer = (getbufferproc)core_getbuffer,
+};
+
+/* clock.acc: a writable int64 view of the accumulators (reads and `acc[i] += d` work
+   as on the pure-Python core's list; compare with list(acc)). */
+static PyObject *
+core_get_acc(ClockCore *self, void *closure)
+{
+    return PyMemoryView_FromObject((PyObject *)self);
+}
+
+static PyObject *
+core_get_device(ClockCore *self, void *closure)
+{
+    return Py_NewRef(self->device);
+}
+
+static int
+core_set_device(ClockCore *self, PyObject *value, void *closure)
+{
+    if (value == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "cannot delete device");
+        return -1;
+    }
+    Py_SETREF(self->device, Py_NewRef(value));
+    return 0;
 }
 
 static PyMethodDef core_methods[] = {
@@ -308,12 +411,23 @@ static PyMethodDef core_methods[] = {
      "Leave the current phase for `prev`; returns the time of the transition."},
     {"_close", (PyCFunction)(void (*)(void))core_py_close, METH_FASTCALL,
      "End the current step at `now` (default: this instant)."},
+    {"_init_core", (PyCFunction)core_py_init_core, METH_NOARGS,
+     "Nothing to set up: the accumulators and the record buffer are in the struct."},
+    {"_append_record", (PyCFunction)core_py_append_record, METH_O,
+     "Append whole step records (bytes of native int64s)."},
+    {"drain_records", (PyCFunction)core_py_drain_records, METH_NOARGS,
+     "The finished step records since the last drain, as bytes (native int64s)."},
+    {"peek_records", (PyCFunction)core_py_peek_records, METH_NOARGS,
+     "The undrained step records, as bytes (native int64s), left in place."},
+    {NULL}};
+
+static PyGetSetDef core_getset[] = {
+    {"acc", (getter)core_get_acc, NULL, "the open step's accumulators (int64 view)", NULL},
+    {"device", (getter)core_get_device, (setter)core_set_device,
+     "None, or the DeviceTimer of a CUDA run", NULL},
     {NULL}};
 
 static PyMemberDef core_members[] = {
-    {"acc", T_OBJECT_EX, offsetof(ClockCore, acc), 0, NULL},
-    {"device", T_OBJECT_EX, offsetof(ClockCore, device), 0, NULL},
-    {"records", T_OBJECT_EX, offsetof(ClockCore, records), 0, NULL},
     {"mark", T_LONGLONG, offsetof(ClockCore, mark), 0, NULL},
     {"n_steps", T_LONGLONG, offsetof(ClockCore, n_steps), 0, NULL},
     {"step_start", T_LONGLONG, offsetof(ClockCore, step_start), 0, NULL},
@@ -342,6 +456,8 @@ static PyTypeObject ClockCoreType = {
     .tp_dealloc = (destructor)core_dealloc,
     .tp_methods = core_methods,
     .tp_members = core_members,
+    .tp_getset = core_getset,
+    .tp_as_buffer = &core_as_buffer,
 };
 
 /* -------------------------------------------------------------------- Timed */
@@ -427,7 +543,8 @@ add_batch_size(Timed *self, PyObject *batch)
     }
     if (n == -1 && PyErr_Occurred())
         return -1;
-    return acc_add(self->clock, I_SAMPLES, n);
+    acc_add(self->clock, I_SAMPLES, n);
+    return 0;
 }
 
 static PyObject *
@@ -514,8 +631,7 @@ timed_vectorcall(Timed *self, PyObject *const *args, size_t nargsf, PyObject *kw
             return NULL;
         int sync = 1;
         if (self->kind == K_READ) {
-            if (acc_add(c, I_HOST_READS, 1) < 0)
-                goto error;
+            acc_add(c, I_HOST_READS, 1);
             sync = 0;
             if (PyVectorcall_NARGS(nargsf) > 0) {
                 PyObject *is_cpu = PyObject_GetAttr(args[0], s_is_cpu);
@@ -525,9 +641,10 @@ timed_vectorcall(Timed *self, PyObject *const *args, size_t nargsf, PyObject *kw
                 Py_DECREF(is_cpu);
             }
         }
-        if (sync
-            && (acc_add(c, I_SYNC_N, 1) < 0 || acc_add(c, I_SYNC_NS, now_ns() - t0) < 0))
-            goto error;
+        if (sync) {
+            acc_add(c, I_SYNC_N, 1);
+            acc_add(c, I_SYNC_NS, now_ns() - t0);
+        }
         return out;
     error:
         Py_DECREF(out);
@@ -593,6 +710,10 @@ timed_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         return NULL;
     if (N_ACC < 0) {
         PyErr_SetString(PyExc_RuntimeError, "trainprof._fastclock: configure() first");
+        return NULL;
+    }
+    if (phase < 0 || phase >= N_ACC) {
+        PyErr_SetString(PyExc_ValueError, "phase out of range");
         return NULL;
     }
     if (kind < K_NEXT || kind > K_OPT_POST) {
@@ -819,15 +940,12 @@ PyInit__fastclock(void)
     INTERN(s_begin, "begin");
     INTERN(s_top_level_event, "top_level_event");
     INTERN(s_mark, "mark");
-    INTERN(s_frombytes, "frombytes");
     INTERN(s_step_closed, "step_closed");
     INTERN(s_watch, "_watch");
     INTERN(s_optimizer_stepped, "optimizer_stepped");
     INTERN(s_shape, "shape");
     INTERN(s_is_cpu, "is_cpu");
 #undef INTERN
-    if ((zero_int = PyLong_FromLong(0)) == NULL)
-        return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (m == NULL)
         return NULL;

@@ -83,7 +83,8 @@ AUTO_DECIDE_AFTER = 64
 #: One step record as native int64s: ``array.frombytes`` of one packed record
 #: costs a tenth of ``array.extend`` of a tuple, which converts item by item.
 _RECORD = struct.Struct(f"={RECORD_WIDTH}q")
-_ZEROS = (0,) * N_ACC
+#: Zeroed accumulators: slice-assignable to the C core's int64 view and to a list.
+_ZEROS = array("q", bytes(8 * N_ACC))
 
 
 class _PyCore:
@@ -101,7 +102,7 @@ class _PyCore:
     mark: int
     started: bool
     acc: list[int]
-    records: array[int]
+    _records: array[int]
     n_steps: int
     step_start: int
     origin_ns: int
@@ -109,9 +110,34 @@ class _PyCore:
     next_watch: int
     device: Any
 
+    def _init_core(self) -> None:
+        """The hot state the C core keeps in its own struct: here a list and an array."""
+        self.acc = [0] * N_ACC  # the same list all run long: the hooks hold it
+        self._records = array("q")
+
     def begin(self, now: int) -> None:
         """Abstract here: StepClock (the subclass) defines it; this base holds the hot path only."""
         raise NotImplementedError
+
+    def _append_record(self, data: bytes) -> None:
+        """Append whole records (native int64s): ``array.frombytes``, one C call."""
+        self._records.frombytes(data)
+
+    def drain_records(self) -> bytes:
+        """The finished step records since the last drain (native int64s).
+
+        Called from the Recorder's thread: the training thread only ever extends the
+        end by whole records, so the first ``n`` stay intact between the two calls.
+        """
+        buf = self._records
+        n = len(buf)
+        data = buf[:n].tobytes()
+        del buf[:n]
+        return data
+
+    def peek_records(self) -> bytes:
+        """The undrained step records (native int64s), left in place."""
+        return self._records.tobytes()
 
     def enter(self, phase: int) -> int:
         """Make ``phase`` current; returns the phase to give back to :meth:`exit`.
@@ -146,7 +172,7 @@ class _PyCore:
             self.mark = now
         start = self.step_start
         n = self.n_steps
-        self.records.frombytes(
+        self._records.frombytes(
             _RECORD.pack(n, start - self.origin_ns, now - start, *acc, flags | self.extra_flags)
         )
         acc[:] = _ZEROS
@@ -159,7 +185,7 @@ class _PyCore:
 
 
 #: The ``_fastclock.VERSION`` this module is written for (a stale build is not used).
-_FAST_VERSION = 1
+_FAST_VERSION = 2
 
 
 def _core_class() -> type:
@@ -196,11 +222,11 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
         self.origin_ns = perf_counter_ns()
         self.owner = threading.get_ident()
         self.max_steps = max_steps
-        # Finished steps, flat: RECORD_WIDTH int64 values each. An array, not a
-        # deque of tuples: nothing per step for the GC to track, and the
-        # sampler thread drains it with one memcpy (holding the GIL for
-        # microseconds, not the milliseconds a tuple-to-numpy conversion takes).
-        self.records = array("q")
+        # The accumulators and the finished steps (flat: RECORD_WIDTH int64 values
+        # each), which the Recorder drains once a second: an int64 buffer, not
+        # tuples, so nothing per step for the GC to track and a drain is one copy.
+        # In the C core's struct, or a list and an array (_PyCore._init_core).
+        self._init_core()
         self.mode = "auto"  # auto | optimizer | backward | manual
         self.n_steps = 0
         self.started = False
@@ -208,7 +234,6 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
         # phases to restore after hook pairs (optimizer pre/post, GC start/stop)
         self.opt_prev = OTHER
         self.gc_prev = OTHER
-        self.acc = [0] * N_ACC  # the same list all run long (see _PyCore)
         self.mark = 0
         self.step_start = 0
         self.bwd_pending = False
@@ -311,7 +336,7 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
             now = perf_counter_ns()
             self.acc[self.current] += now - self.mark
             self.mark = now
-            self._subs.append((now, self.acc.copy()))
+            self._subs.append((now, list(self.acc)))
             if len(self._subs) >= AUTO_DECIDE_AFTER:
                 self._set_mode("backward")
                 self._emit_subs()
@@ -324,17 +349,22 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
             diff = [a - b for a, b in zip(snap, prev, strict=True)]
             self._append(prev_t, t - prev_t, diff, FLAG_BACKWARD)
             prev_t, prev = t, snap
-        self.acc[:] = [a - b for a, b in zip(self.acc, prev, strict=True)]
+        self.acc[:] = array("q", [a - b for a, b in zip(self.acc, prev, strict=True)])
         self.step_start = prev_t
         self._subs.clear()
         self._check_max_steps()
 
-    def _append(self, t_start: int, dur: int, acc: list[int], flags: int) -> None:
-        self.records.frombytes(
+    def _append(self, t_start: int, dur: int, acc: Any, flags: int) -> None:
+        self._append_record(
             _RECORD.pack(self.n_steps, t_start - self.origin_ns, dur, *acc,
                          flags | self.extra_flags)
         )
         self.n_steps += 1
+
+    @property
+    def records(self) -> array[int]:
+        """The undrained step records as a flat int64 array (a copy; for tests and tools)."""
+        return array("q", self.peek_records())
 
     def add_window(self, runner: Any) -> None:
         """Drive a :class:`~trainprof.capture.window.WindowRunner` from the step boundaries."""

@@ -160,8 +160,8 @@ def describe_loader(loader: DataLoader) -> dict[str, Any]:
 class LoaderRegistry:
     """DataLoaders seen in the run: their settings, live iterators and worker pids.
 
-    ``worker_pids`` is a tuple replaced as a whole, so the sampler thread can
-    read it without locking.
+    ``worker_pids`` is a tuple replaced as a whole, so other threads can read
+    it without locking; ``on_workers`` hears of every change.
     """
 
     def __init__(self, on_new_loader: Callable[[int, dict[str, Any]], None]) -> None:
@@ -171,6 +171,8 @@ class LoaderRegistry:
         self.configs: list[dict[str, Any]] = []
         self.worker_pids: tuple[int, ...] = ()
         self.all_worker_pids: set[int] = set()
+        #: told the worker pids whenever an iterator starts workers (the system sampler)
+        self.on_workers: Callable[[tuple[int, ...]], None] | None = None
 
     def index_of(self, loader: DataLoader) -> int:
         """The loader's index in the run (registered the first time it is seen)."""
@@ -199,6 +201,9 @@ class LoaderRegistry:
                     pids.append(w.pid)
         self.all_worker_pids.update(pids)
         self.worker_pids = tuple(pids)
+        if self.on_workers is not None:
+            with contextlib.suppress(Exception):
+                self.on_workers(self.worker_pids)
 
     def shutdown_workers(self) -> None:
         """Stop the workers of every live iterator (the run is over, however it ended)."""

@@ -1,8 +1,9 @@
 """The Recorder: everything that is always on during a profiled run, started and stopped together.
 
-It owns the step clock, the auto-instrumentation, the system sampler and the
-Run writer. The sampler thread also drains finished steps to disk once per
-tick, so the training thread never writes files.
+It owns the step clock, the auto-instrumentation, the system sampler (a child
+process: :mod:`trainprof.capture.sampler_process`) and the Run writer. A
+daemon thread drains finished steps to disk once a second, so the training
+thread never writes files.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 import time
+from array import array
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -23,10 +26,10 @@ from trainprof.capture.device_timer import DeviceTimer
 from trainprof.capture.fingerprint import collect_fingerprint
 from trainprof.capture.hooks import Instrumentation, LoaderRegistry
 from trainprof.capture.knobs import install_knobs
-from trainprof.capture.sampler import SystemSampler
+from trainprof.capture.sampler_process import SamplerProcess
 from trainprof.capture.window import WindowRunner
 from trainprof.capture.worker import WORKERS_DIR, WorkerCapture
-from trainprof.schema import RECORD_WIDTH, REGION
+from trainprof.schema import REGION
 from trainprof.store import SAMPLES_JSONL, RunWriter
 
 #: ``torch.cuda.memory_stats`` keys recorded in run.json's ``cuda_memory`` (see ``stop``).
@@ -93,13 +96,11 @@ class Recorder:
         self.instrumentation = (
             Instrumentation(self.clock, self.loaders, self.worker_capture) if auto else None
         )
-        self.sampler = SystemSampler(
-            run_dir / SAMPLES_JSONL,
-            interval_s=sample_interval_s,
-            pid=os.getpid(),
-            worker_pids=lambda: self.loaders.worker_pids,
-            on_tick=self.flush,
-        )
+        self.sampler = SamplerProcess(run_dir / SAMPLES_JSONL, interval_s=sample_interval_s,
+                                      pid=os.getpid())
+        self.loaders.on_workers = self.sampler.set_worker_pids
+        self._flusher: threading.Thread | None = None
+        self._flusher_stop = threading.Event()
         self._started = False
         self._stopped = False
         self._last_drain = 0.0
@@ -122,8 +123,24 @@ class Recorder:
             self.sampler.start()
         except Exception as exc:  # training goes on without system samples
             self.writer.meta["missing"].append(f"system sampler: {exc}")
+        self._flusher = threading.Thread(target=self._flush_loop, name="trainprof-flush",
+                                         daemon=True)
+        self._flusher.start()
         self._started = True
         return self
+
+    def _flush_loop(self) -> None:
+        """Once a second: finished steps and loading timings to disk, CUDA detection.
+
+        One wake-up a second: each one takes the GIL from the training thread.
+        """
+        while not self._flusher_stop.wait(DRAIN_INTERVAL_S):
+            try:
+                self.flush()
+            except Exception as exc:  # the next second, or stop(), tries again
+                note = f"recorder: flush failed ({type(exc).__name__}: {exc})"
+                if note not in self.writer.meta["missing"]:
+                    self.writer.meta["missing"].append(note)
 
     def stop(self, status: str, exit_code: int | None) -> Path:
         """Close the record. Safe to call once; later calls return the folder."""
@@ -141,6 +158,9 @@ class Recorder:
             self.instrumentation.uninstall()
         self.loaders.shutdown_workers()
         self._kill_leftover_workers()
+        self._flusher_stop.set()
+        if self._flusher is not None:
+            self._flusher.join(5.0)
         with contextlib.suppress(Exception):
             self.sampler.stop()
         self.flush()
@@ -173,11 +193,11 @@ class Recorder:
         return self.run_dir
 
     def flush(self) -> None:
-        """Drain finished steps to disk: at most once a second from the sampler thread, and at stop.
+        """Drain finished steps to disk: at most once a second from the flush thread, and at stop.
 
-        Once a second, not every tick: each write hands the GIL to the training thread
-        and back, and a ``kill -9`` may lose up to a second of records anyway (the
-        sampler's lines are flushed at the same pace).
+        Once a second: each wake-up takes the GIL from the training thread, and a
+        ``kill -9`` may lose up to a second of records anyway (the sampler process
+        hands its lines to the OS at the same pace).
 
         The environment fingerprint is taken here too, once the first step is
         done: by then the script has set ``CUDA_VISIBLE_DEVICES`` and friends,
@@ -188,16 +208,12 @@ class Recorder:
         if not self._stopped and now - self._last_drain < DRAIN_INTERVAL_S:
             return
         self._last_drain = now
-        buf = self.clock.records
-        n = len(buf) - len(buf) % RECORD_WIDTH
-        if n:
-            # each of these is one C call under the GIL; the training thread only
-            # ever extends the end by whole records, so the first n stay intact
-            chunk = buf[:n]
-            del buf[:n]
-            if sys.byteorder == "big":
-                chunk.byteswap()  # the file is little-endian (STEP_DTYPE)
-            data = chunk.tobytes()
+        data = self.clock.drain_records()  # whole records, native int64s
+        if data:
+            if sys.byteorder == "big":  # the file is little-endian (STEP_DTYPE)
+                chunk = array("q", data)
+                chunk.byteswap()
+                data = chunk.tobytes()
             self.writer.append_step_bytes(data)
         device = self.clock.device
         if device is not None:

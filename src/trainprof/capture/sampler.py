@@ -2,8 +2,9 @@
 
 A step timeline tells *that* a step was slow; these samples tell *why*: was the main process
 pegged at one core (Python-bound input pipeline), were the DataLoader workers saturated, was the
-disk busy, was the GPU idle?  The sampler runs in a daemon thread of the training process and
-appends one JSON object per tick to a JSON-lines file.
+disk busy, was the GPU idle?  The sampler runs in a daemon thread and appends one JSON object per
+tick to a JSON-lines file; ``trainprof run`` runs it in a process of its own
+(:mod:`trainprof.capture.sampler_process`), so that it never takes the training process's GIL.
 
 Design constraints, and how they are met:
 
@@ -325,7 +326,9 @@ class _MainProcess:
     and, unlike psutil's ``num_ctx_switches()`` on Linux, which reads ``/proc/<pid>/status`` and so
     counts the *main thread only*, it covers every thread.  The sampler thread's own CPU and
     switches are subtracted so the numbers describe training, not the profiler; the sampler's cost
-    is reported separately as ``SystemSampler.self_cpu_s``.
+    is reported separately as ``SystemSampler.self_cpu_s``.  Another process (how ``trainprof
+    run`` samples: :mod:`trainprof.capture.sampler_process`) is read from ``/proc``: CPU in clock
+    ticks, and the switches of its main thread, which is the training thread of most scripts.
     """
 
     def __init__(self, pid: int, note: Callable[[str, str], None]) -> None:
@@ -353,10 +356,10 @@ class _MainProcess:
             cpu_s = ru.ru_utime + ru.ru_stime - own_cpu_s
             ctx = ru.ru_nvcsw + ru.ru_nivcsw - own_ctx
         else:
+            # another process (the sampler's own process, see sampler_process): on Linux
+            # /proc/<pid>/status counts the main thread's switches, the training thread's
             switches = self._proc.num_ctx_switches()
             ctx = switches.voluntary + switches.involuntary
-            if sys.platform.startswith("linux"):
-                self._note("ctx", "ctx switches: main thread only (pid is another process)")
         cpu_rate = self._cpu.update(cpu_s, now)
         ctx_rate = self._ctx.update(float(ctx), now)
         rec["proc_cpu_pct"] = None if cpu_rate is None else _round1(cpu_rate * 100.0)
