@@ -398,6 +398,49 @@ train(DataLoader(Sleepy(), batch_size=8))
     assert "num_workers=4,  # was 0" in f["fix"]["snippet"]
 
 
+def test_cheap_num_workers_0_batches_run_torchs_fetch_and_are_all_counted(tmp_path):
+    """Cheap batches in the training process: torch's own fetch, a few timed, all counted.
+
+    Three epochs of 40 batches (a new iterator each, let go at its end), one epoch
+    left after 7 batches, and a last one still held when the run ends. Untimed
+    batches must run the fetcher class's method untouched (no wrapper at all), and
+    the batch count must be exact: it comes from the iterators themselves.
+    """
+    doc = run_script(tmp_path, """
+from torch.utils.data._utils import fetch as F
+original = F._MapDatasetFetcher.fetch
+
+class Cheap(Dataset):
+    def __len__(self):
+        return 320
+    def __getitem__(self, i):
+        return torch.zeros(8), i % 2
+
+loader = DataLoader(Cheap(), batch_size=8)
+assert F._MapDatasetFetcher.fetch is original  # the class is never patched
+train(loader, epochs=3, step_s=0.01)
+for i, _ in enumerate(loader):
+    if i == 6:
+        break
+held = iter(loader)
+untimed = 0
+for i in range(25):
+    next(held)
+    time.sleep(0.01)
+    untimed += "fetch" not in held._dataset_fetcher.__dict__
+assert untimed >= 10, untimed  # most batches ran torch's fetch, unwrapped
+assert F._MapDatasetFetcher.fetch is original
+""", "--sample-interval", "0.05")
+    w = loader_entry(doc)
+    assert w["mode"] == "main" and w["batches"] == 3 * 40 + 7 + 25
+    assert w["samples"] == 8 * w["batches"]  # every batch full: the estimate is exact
+    files = list((tmp_path / "run" / "workers").glob("*.json"))
+    (stream,) = json.loads(files[0].read_text())["streams"]
+    # timed about five times a second (~1.6 s of loading), and never all of them
+    assert 4 <= stream["timed_batches"] <= 40, stream["timed_batches"]
+    assert w["sample_blocked_ms"]["mean"] + w["sample_cpu_ms"]["mean"] < 1.0
+
+
 def test_a_slow_collate_is_named(tmp_path):
     doc = run_script(tmp_path, """
 class Cheap(Dataset):

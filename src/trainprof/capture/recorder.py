@@ -28,7 +28,7 @@ from trainprof.capture.hooks import Instrumentation, LoaderRegistry
 from trainprof.capture.knobs import install_knobs
 from trainprof.capture.sampler_process import SamplerProcess
 from trainprof.capture.window import WindowRunner
-from trainprof.capture.worker import WORKERS_DIR, WorkerCapture
+from trainprof.capture.worker import MAIN_REARM_HZ, WORKERS_DIR, WorkerCapture
 from trainprof.schema import REGION
 from trainprof.store import SAMPLES_JSONL, RunWriter
 
@@ -130,12 +130,14 @@ class Recorder:
         return self
 
     def _flush_loop(self) -> None:
-        """Once a second: finished steps and loading timings to disk, CUDA detection.
+        """Five times a second, re-arm the timing of ``num_workers=0`` loading; once a
+        second, finished steps and loading timings to disk, CUDA detection.
 
-        One wake-up a second: each one takes the GIL from the training thread.
+        Each wake-up takes the GIL from the training thread for a few microseconds.
         """
-        while not self._flusher_stop.wait(DRAIN_INTERVAL_S):
+        while not self._flusher_stop.wait(1.0 / MAIN_REARM_HZ):
             try:
+                self.worker_capture.rearm()
                 self.flush()
             except Exception as exc:  # the next second, or stop(), tries again
                 note = f"recorder: flush failed ({type(exc).__name__}: {exc})"
