@@ -8,7 +8,7 @@ median over rounds of (block time with capture / block time without).
 torch.profiler (CPU activity, the usual settings) is measured on the same loop
 for contrast.
 
-    python benchmarks/overhead.py            # ~2 minutes
+    python benchmarks/overhead.py            # ~4 minutes
     python benchmarks/overhead.py --quick    # a few seconds, a rough figure
     python benchmarks/overhead.py --parts    # also the capture's parts on their own
     TRAINPROF_PURE_PYTHON=1 python benchmarks/overhead.py   # the pure-Python hot path
@@ -100,8 +100,8 @@ def start_recorder(run_dir: Path, *, workers: bool = True, sampler: bool = True)
     Parts can be left out to tell their shares of the cost apart: ``workers``,
     the DataLoader sample/collate timing of :mod:`trainprof.capture.worker`
     (here in the training process: ``num_workers=0``); ``sampler``, the system
-    sampler's ticks (its thread still starts, but never wakes). The step clock
-    and its hooks are always on.
+    sampler's ticks (its process still starts, but never samples). The step
+    clock, its hooks and the flush thread are always on.
     """
     # the one-off fingerprint (~20 ms per run) is left out: this is the per-step cost
     rec = Recorder(run_dir, name="overhead", command=sys.argv, fingerprint=False,
@@ -197,7 +197,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--rounds", type=int, default=120,
+                        help="rounds of blocks; the confidence interval narrows as 1/sqrt")
     parser.add_argument("--hidden", type=int, default=256,
                         help="MLP width: 256 gives ~1 ms/step here, 1024 ~10 ms/step")
     parser.add_argument("--cpu-time", action="store_true",
@@ -216,8 +217,9 @@ def main() -> None:
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
     # whole epochs of the loader (64 batches), so that every block, settle included,
-    # holds the same number of epoch boundaries (a new iterator and permutation each)
-    steps = 64 if args.quick else max(64, 192 * 256 // args.hidden // 64 * 64)
+    # holds the same number of epoch boundaries (a new iterator and permutation each);
+    # blocks of ~0.3 s: each spans one flush and one or two samples of the capture
+    steps = 64 if args.quick else max(64, 384 * 256 // args.hidden // 64 * 64)
     res = measure(rounds=6 if args.quick else args.rounds, steps=steps, cpu_time=args.cpu_time,
                   hidden=args.hidden, settle=args.settle, parts=args.parts)
     if args.json:

@@ -14,9 +14,10 @@ instructions in blocks of steps, in rounds of arms:
   ``num_workers=0``): everything ``trainprof run`` adds to the training thread
   but the system sampler.
 
-The system sampler's thread is started but never ticks in either arm: it ticks
-on wall time (5 Hz), and under callgrind's ~50x slowdown it would tick 50 times
-as often per step as it really does; its share is measured by
+The system sampler (a process of its own) is started but never samples in either
+arm, and only the training thread is counted: the sampler and the Recorder's flush
+thread run on wall time (5 Hz), and under callgrind's ~50x slowdown they would run
+50 times as often per step as they really do; their share is measured by
 ``benchmarks/overhead.py`` (``--parts``).
 
 Each arm first runs ``--settle`` steps uncounted (the one-off start-up: CPython

@@ -141,3 +141,23 @@ def test_ctrl_c_in_the_terminal_does_not_reach_the_child(tmp_path: Path) -> None
 def test_bad_interval_is_refused(tmp_path: Path, bad: float) -> None:
     with pytest.raises(ValueError):
         SamplerProcess(tmp_path / "s.jsonl", interval_s=bad)
+
+
+def test_stop_is_prompt_while_a_forked_child_holds_the_pipe(tmp_path: Path) -> None:
+    """A forked DataLoader worker (or any fork of the script) inherits the pipe: EOF
+    alone would wait for it; the explicit ``q`` does not."""
+    s = SamplerProcess(tmp_path / "s.jsonl", interval_s=0.05, gpu=False)
+    s.start()
+    pid = os.fork()
+    if pid == 0:  # the fork: holds the pipe's write end, does nothing
+        time.sleep(4)
+        os._exit(0)
+    try:
+        time.sleep(0.3)
+        started = time.perf_counter()
+        s.stop()
+        assert time.perf_counter() - started < 2.0
+        assert not s.missing and s.ticks >= 1
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)

@@ -12,8 +12,9 @@ Layout (schema version :data:`SCHEMA_VERSION`; a **contract**, see DESIGN.md)::
 Why this shape: a 1,000,000-step run must stay small and load in seconds, so
 steps are binary (144 bytes each, read with one ``numpy.frombuffer``), while rare,
 variable-shaped events stay human-readable JSON lines. Every file is
-append-only and flushed at least once a second by the sampler thread, so a
-crash or ``kill -9`` loses at most the last second; ``run.json`` is replaced
+append-only and flushed at least once a second (by the Recorder's flush thread
+and the sampler process), so a crash or ``kill -9`` loses at most the last
+second; ``run.json`` is replaced
 atomically (write, fsync, rename), so it is never half-written. A reader drops
 a torn last record or line.
 """
@@ -80,7 +81,7 @@ def _write_json_atomic(path: Path, data: Any) -> None:
 class RunWriter:
     """Writes one Run folder while the training script runs.
 
-    ``append_step_bytes`` and ``event`` may be called from the sampler thread;
+    ``append_step_bytes`` and ``event`` may be called from the flush thread;
     metadata updates come from the main thread. Writes are small and appended.
     """
 

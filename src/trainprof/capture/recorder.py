@@ -236,7 +236,7 @@ class Recorder:
         """torch's thread counts as the training thread sees them.
 
         With OpenMP the intra-op count is per thread, so the fingerprint
-        (taken on the sampler thread) can disagree with what the script set
+        (taken on the flush thread) can disagree with what the script set
         via ``torch.set_num_threads``; this is read on the training thread.
         """
         import torch

@@ -20,14 +20,15 @@ What changes for the samples (``samples.jsonl``, same fields):
   for every process of the machine, so samples and steps align as before.
 
 The child is ``python -m trainprof.capture.sampler_process``: it imports neither
-torch nor the training script. The training process tells it the DataLoader worker
-pids over the child's stdin (a line per change, written without blocking when
-iterators start workers) and closes stdin to stop it; the child then takes a last
-sample and prints one JSON line of status (what could not be sampled, GPUs seen,
-its own CPU time). It runs in a session of its own, so a Ctrl-C in the terminal
-reaches only the training process, which then stops the sampler in order; and it
-stops by itself when the training process is gone (``kill -9``): stdin reaches EOF,
-or its parent pid changes (forked DataLoader workers may hold the pipe open).
+torch nor the training script. The training process tells it the DataLoader
+worker pids over the child's stdin (a line per change, written without blocking
+when iterators start workers), and stops it with ``q`` and EOF; the child then
+takes a last sample and prints one JSON line of status (what could not be
+sampled, GPUs seen, its own CPU time). It runs in a session of its own, so a
+Ctrl-C in the terminal reaches only the training process, which then stops the
+sampler in order; and it stops by itself when the training process is gone
+(``kill -9``): stdin reaches EOF, or its parent pid changes (forked DataLoader
+workers may hold the pipe open).
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ class SamplerProcess:
         self._stdin = self._proc.stdin
         assert self._stdin is not None
         # a full pipe (a stuck child) must never block the training thread
-        os.set_blocking(self._stdin.fileno(), False)
+        with contextlib.suppress(OSError, AttributeError):  # POSIX pipes: always possible
+            os.set_blocking(self._stdin.fileno(), False)
 
     def set_worker_pids(self, pids: Iterable[int]) -> None:
         """Tell the child the current DataLoader worker pids (sent only when they change).
@@ -133,7 +135,11 @@ class SamplerProcess:
         if proc is None or stdin is None:
             return
         with contextlib.suppress(OSError):
-            stdin.close()  # EOF: the child's signal to stop
+            # "q", then EOF: a forked child of the script that inherited the pipe may keep
+            # it open, so EOF alone might never come
+            os.write(stdin.fileno(), b"q\n")
+        with contextlib.suppress(OSError):
+            stdin.close()
         proc.stdin = None  # communicate() below must not flush it
         try:
             out, err = proc.communicate(timeout=STOP_TIMEOUT_S)
@@ -180,10 +186,13 @@ def _last_json_line(data: bytes | None) -> dict[str, Any] | None:
 
 
 def _read_commands(box: list[tuple[int, ...]], done: threading.Event) -> None:
-    """Worker-pid lines from stdin until EOF (the training process closed it, or died)."""
+    """Worker-pid lines (``w PID ...``) from stdin until ``q`` or EOF (the training
+    process stopped the sampler, or died)."""
     try:
         for raw in sys.stdin.buffer:
             parts = raw.split()
+            if parts and parts[0] == b"q":
+                break
             if parts and parts[0] == b"w":
                 with contextlib.suppress(ValueError):
                     box[0] = tuple(int(p) for p in parts[1:])
