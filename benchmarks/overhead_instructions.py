@@ -68,6 +68,13 @@ def child(rounds: int, steps: int, settle: int, hidden: int, path: str) -> None:
         sys.exit(f"error: asked for the {path} hot path, but the C extension is "
                  f"{'in use' if FAST else 'not built (or stale): run `pip install -e .`'}")
 
+    from trainprof.capture import recorder
+
+    # The flush thread re-arms the timing of num_workers=0 batches five times a second
+    # of wall time: 1 batch in ~200 at 1 ms a step, but 1 in ~4 under callgrind's
+    # slowdown. Here it never wakes; the timing is re-armed once before each counted
+    # block instead: 1 timed batch in `steps` (64), more than the real rate.
+    recorder.MAIN_REARM_HZ = 1e-6
     torch.set_num_threads(1)
     run_steps, _ = make_loop(hidden=hidden)
     run_steps(64)
@@ -78,6 +85,8 @@ def child(rounds: int, steps: int, settle: int, hidden: int, path: str) -> None:
                 tmp / f"{arm}{r}", workers=arm == "capture", sampler=False)
             try:
                 run_steps(settle)
+                if rec is not None:
+                    rec.worker_capture.rearm()
                 # the same collector state for every block: a full collection that
                 # happened to fall into one block would cost more than the capture
                 gc.collect()

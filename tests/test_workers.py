@@ -115,8 +115,7 @@ def _fetcher(dataset: Any, kind: str = "map", batch: bool = True):
         timed = W.make_iterable_fetch(F._IterableDatasetFetcher.fetch)
     st = W.Stream({})
     st.bind_thread()
-    f.__dict__["_trainprof_stream"] = st
-    return f, timed, st
+    return W.ArmedFetcher(f, None, st, timed), timed, st
 
 
 def test_timed_fetch_is_torchs_fetch_and_times_per_sample_only_when_it_is_cheap_to():
@@ -427,7 +426,7 @@ untimed = 0
 for i in range(25):
     next(held)
     time.sleep(0.01)
-    untimed += "fetch" not in held._dataset_fetcher.__dict__
+    untimed += type(held._dataset_fetcher) is F._MapDatasetFetcher
 assert untimed >= 10, untimed  # most batches ran torch's fetch, unwrapped
 assert F._MapDatasetFetcher.fetch is original
 """, "--sample-interval", "0.05")

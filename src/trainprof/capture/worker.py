@@ -106,7 +106,7 @@ import os
 import sys
 import threading
 import time
-import types
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -280,8 +280,57 @@ def _size(index: Any, data: Any) -> int:
 
 
 def _stream_of(fetcher: Any) -> Stream | None:
-    st = fetcher.__dict__.get("_trainprof_stream")
-    return st if st is not None else _worker_stream
+    if type(fetcher) is ArmedFetcher:  # the training process (num_workers=0)
+        return fetcher.stream
+    return _worker_stream
+
+
+class ArmedFetcher:
+    """A fetcher that times its next batch, in place of an iterator's own (num_workers=0).
+
+    Armed by putting it in the iterator's ``_dataset_fetcher`` (an attribute the
+    iterator already has: assigning it keeps the iterator's attribute layout), and
+    disarmed by putting the real one back. Nothing is ever set on the real fetcher:
+    a new instance attribute would turn its ``__dict__`` into a plain dict, and
+    CPython 3.11's specialised ``self.dataset`` reads - once per sample in torch's
+    fetch - would fall back to the generic lookup (~250 instructions a sample,
+    measured with ``benchmarks/overhead_instructions.py``).
+
+    The timed fetch reads the fetcher's fields through the properties below (and sets
+    ``ended``, the iterable fetcher's end of data).
+    """
+
+    __slots__ = ("inner", "stream", "_it", "_timed")
+
+    def __init__(self, inner: Any, it: Any, stream: Stream,
+                 timed: Callable[[Any, Any], Any]) -> None:
+        self.inner = inner
+        self.stream = stream
+        self._it = None if it is None else weakref.ref(it)  # no cycle: see rearm()
+        self._timed = timed
+
+    def fetch(self, possibly_batched_index: Any) -> Any:
+        return self._timed(self, possibly_batched_index)
+
+    def disarm(self) -> None:
+        """Put the real fetcher back: the next batches run torch's fetch, untouched."""
+        it = self._it() if self._it is not None else None
+        if it is not None and getattr(it, "_dataset_fetcher", None) is self:
+            it._dataset_fetcher = self.inner
+
+    dataset = property(lambda self: self.inner.dataset)
+    auto_collation = property(lambda self: self.inner.auto_collation)
+    collate_fn = property(lambda self: self.inner.collate_fn)
+    drop_last = property(lambda self: self.inner.drop_last)
+    dataset_iter = property(lambda self: self.inner.dataset_iter)
+
+    @property
+    def ended(self) -> bool:
+        return bool(self.inner.ended)
+
+    @ended.setter
+    def ended(self, value: bool) -> None:
+        self.inner.ended = value
 
 
 def make_map_fetch(orig: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
@@ -371,8 +420,8 @@ def make_map_fetch(orig: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]
         c2 = tt()
         try:
             st.batch(n, t_begin, t0 - t_begin, c0 - c_begin, t2 - t0, c2 - c0, t2, q0)
-            if st.rearm and not st.per_sample:
-                self.__dict__.pop("fetch", None)  # cheap: torch's fetch until rearm()
+            if st.rearm and not st.per_sample and type(self) is ArmedFetcher:
+                self.disarm()  # cheap: torch's fetch until rearm()
         except Exception:
             st.off = True
         return out
@@ -464,8 +513,8 @@ def make_iterable_fetch(orig: Callable[[Any, Any], Any]) -> Callable[[Any, Any],
         c2 = tt()
         try:
             st.batch(n, t_begin, t0 - t_begin, c0 - c_begin, t2 - t0, c2 - c0, t2, q0)
-            if st.rearm and not st.per_sample:
-                self.__dict__.pop("fetch", None)  # cheap: torch's fetch until rearm()
+            if st.rearm and not st.per_sample and type(self) is ArmedFetcher:
+                self.disarm()  # cheap: torch's fetch until rearm()
         except Exception:
             st.off = True
         return out
@@ -760,8 +809,7 @@ class WorkerCapture:
     def _tag_single_process(self, it: Any, index: int) -> None:
         try:
             fetcher = it._dataset_fetcher
-            timed = self._timed.get(type(fetcher))
-            if timed is None:
+            if type(fetcher) not in self._timed:
                 return  # a fetcher of a torch version we do not know: loading untimed
             st = self._main.get(index)
             if st is None:
@@ -773,12 +821,16 @@ class WorkerCapture:
                 st.time_every = 1
                 st.rearm = True
                 self._main[index] = st
-            fetcher.__dict__["_trainprof_stream"] = st
             # held until only we hold it: its batch count is then final (see rearm)
             self._iters.setdefault(index, []).append(it)
-            fetcher.__dict__["fetch"] = types.MethodType(timed, fetcher)  # the first batch
+            self._arm(it, st)  # the first batch
         except Exception as exc:
             self._note(f"worker capture (num_workers=0): {type(exc).__name__}: {exc}")
+
+    def _arm(self, it: Any, st: Stream) -> None:
+        fetcher = it._dataset_fetcher
+        if type(fetcher) is not ArmedFetcher and not st.off:
+            it._dataset_fetcher = ArmedFetcher(fetcher, it, st, self._timed[type(fetcher)])
 
     def rearm(self) -> None:
         """Time the next batch of every live single-process iterator; count their batches.
@@ -787,7 +839,7 @@ class WorkerCapture:
         iterator that only this list still references can yield no more batches: its
         count is final, so it is folded into the stream's total and let go. (The
         references are the list's, the loop variable's and ``getrefcount``'s own;
-        ``LoaderRegistry`` holds iterators weakly, and a fetcher does not point back.)
+        ``LoaderRegistry`` holds iterators weakly, and an ArmedFetcher too.)
         """
         for index, its in list(self._iters.items()):
             st = self._main[index]
@@ -797,14 +849,10 @@ class WorkerCapture:
                 n = int(getattr(it, "_num_yielded", 0))
                 if sys.getrefcount(it) <= 3:  # abandoned by the script
                     self._folded[index] = self._folded.get(index, 0) + n
-                    it._dataset_fetcher.__dict__.pop("fetch", None)
                     continue
                 live += n
                 keep.append(it)
-                fetcher = it._dataset_fetcher
-                if "fetch" not in fetcher.__dict__ and not st.off:
-                    fetcher.__dict__["fetch"] = types.MethodType(self._timed[type(fetcher)],
-                                                                 fetcher)
+                self._arm(it, st)
             its[:] = keep
             yielded = self._folded.get(index, 0) + live
             if yielded != st.yielded:
@@ -812,12 +860,13 @@ class WorkerCapture:
                 st.version += 1
 
     def _disarm_all(self) -> None:
-        """At the end: every fetcher back to torch's method; counts final."""
+        """At the end: every iterator's own fetcher back; counts final."""
         self.rearm()
         for its in self._iters.values():
             for it in its:
-                with contextlib.suppress(Exception):
-                    it._dataset_fetcher.__dict__.pop("fetch", None)
+                fetcher = getattr(it, "_dataset_fetcher", None)
+                if type(fetcher) is ArmedFetcher:
+                    fetcher.disarm()
 
     def _note(self, msg: str) -> None:
         if msg not in self.missing:
