@@ -31,15 +31,15 @@ user's own ``worker_init_fn``, which it calls unchanged. In the worker it replac
 the fetchers' ``fetch`` with a timed copy of torch 2.13's (same calls in the same
 order, same exceptions), then calls the user's function.
 
-In the training process (``num_workers=0``) the fetcher classes stay torch's: the
-timed ``fetch`` is set on the fetcher *instance* of each single-process iterator
-(an instance attribute shadows the class's method), times one batch and removes
-itself; the Recorder's flush thread sets it again five times a second
+In the training process (``num_workers=0``) the fetcher classes stay torch's: an
+:class:`ArmedFetcher` takes the place of a single-process iterator's own fetcher
+(``_dataset_fetcher``), times one batch and puts the real one back; the
+Recorder's flush thread arms it again five times a second
 (:meth:`WorkerCapture.rearm`). An untimed batch so runs torch's code and nothing
 else - a wrapper that only counted cost about 1 µs a batch in context, 0.1-0.3% of
 a 1 ms step - and the batches are counted from the iterators' own
-``_num_yielded``. While samples are expensive (see below) the timed ``fetch``
-stays armed and times every batch, sample by sample, as in a worker.
+``_num_yielded``. While samples are expensive (see below) the fetcher stays armed
+and times every batch, sample by sample, as in a worker.
 
 Cost: per sample, two clock reads (``thread_time_ns`` is a system call: 0.6 µs on
 an idle machine here, 1.3 µs under load) and two histogram increments, about 1-2 µs.
