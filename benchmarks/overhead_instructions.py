@@ -51,6 +51,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,11 @@ def child(rounds: int, steps: int, settle: int, hidden: int, path: str) -> None:
     # block instead: 1 timed batch in `steps` (64), more than the real rate.
     recorder.MAIN_REARM_HZ = 1e-6
     torch.set_num_threads(1)
+    # glibc's malloc skips its locks until a process first creates a thread, and never
+    # goes back: without this, the first plain block would run the single-threaded
+    # allocator and every later block (the capture's flush thread) the locking one,
+    # ~10k instructions a step of torch's allocations in this loop, charged to the capture
+    threading.Thread(target=lambda: None).start()
     run_steps, _ = make_loop(hidden=hidden)
     run_steps(64)
     tmp = Path(tempfile.mkdtemp(prefix="trainprof-instr-"))
