@@ -41,10 +41,11 @@ when it was built, whose ``Timed`` wrappers (installed by
 and close a step without leaving C; otherwise :class:`_PyCore` below, with the
 same attributes and methods, and Python closures as the wrappers. Measured
 (``benchmarks/overhead_instructions.py``, instructions of the training thread
-per step of its loop): the clock and its hooks add about 10k with the
-extension, 46k without; 54k before the hot path was rewritten (enter/exit
+per step of its loop): the clock and its hooks add about 4-6k with the
+extension, 44k without; 54k before the hot path was rewritten (enter/exit
 called as methods, ``array.extend`` of a tuple per step, two Python optimizer
-hooks). ``TRAINPROF_PURE_PYTHON=1`` forces the pure-Python path
+hooks), 10k with the extension before its accumulators and step records moved
+into its C struct. ``TRAINPROF_PURE_PYTHON=1`` forces the pure-Python path
 (``tests/test_fastclock.py`` runs the same loops under both).
 """
 
