@@ -28,7 +28,7 @@ Only instructions of the training thread are counted: system calls (the
 kernel's side of reading clocks and /proc) and other threads are not, so this
 complements the wall-clock figure, it does not replace it.
 
-    python benchmarks/overhead_instructions.py                 # ~10 minutes per path
+    python benchmarks/overhead_instructions.py                 # ~2 minutes per path
     python benchmarks/overhead_instructions.py --paths c,python
 
 How blocks are delimited: each counted block runs inside ``functools.reduce``

@@ -1,0 +1,149 @@
+"""`trainprof run` on a real CUDA training loop: device time per phase, syncs, NVML, fingerprint.
+
+CI has no GPU, so these are skipped there; they run wherever ``torch.cuda.is_available()``
+(see the README's "Development": on a GPU machine, ``python -m pytest -q tests/test_cuda.py``).
+Everything here is also covered on the CPU by fakes (fake events in
+test_device_timer, a fake pynvml in test_sampler); these check the real thing: that
+CUDA events resolve lazily into device times that add up, that trainprof's hooks never
+force a host-device sync of their own, and that NVML and the fingerprint see the GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from conftest import Result, trainprof, write_script
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+#: A GPU-bound loop with known device work: forward sleeps CYCLES on the device and
+#: backward twice that (``torch.cuda._sleep`` spins a kernel for that many clock cycles,
+#: so the ratio holds whatever the clock), through a pinned-memory DataLoader. With
+#: ``sync``, one ``.item()`` a step: the host waits for the device there, so the host
+#: and device step times agree. Without, nothing syncs until the end, under torch's
+#: sync debug mode: any synchronizing call (trainprof's included) raises.
+SCRIPT = """
+import sys, torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+CYCLES = 2_000_000  # ~1 ms of device time at ~2 GHz
+
+
+class SleepInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        torch.cuda._sleep(2 * CYCLES)
+        return grad
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(256, 10)
+
+    def forward(self, x):
+        torch.cuda._sleep(CYCLES)
+        return SleepInBackward.apply(self.lin(x))
+
+
+epochs, sync = int(sys.argv[1]), sys.argv[2] == "sync"
+dev = "cuda"
+ds = TensorDataset(torch.randn(1024, 256), torch.randint(0, 10, (1024,)))
+loader = DataLoader(ds, batch_size=64, shuffle=True, pin_memory=True, drop_last=True)
+model = Net().to(dev)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+if not sync:
+    torch.cuda.set_sync_debug_mode("error")
+for epoch in range(epochs):
+    for x, y in loader:
+        x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if sync:
+            loss.item()
+torch.cuda.set_sync_debug_mode("default")
+torch.cuda.synchronize()
+"""
+
+#: 16 steps an epoch; 40 epochs of ~3 ms steps: ~2 s, ten samples of the 5 Hz sampler
+EPOCHS = "40"
+
+
+def _run(tp, *args: str) -> tuple[Result, dict]:
+    res = tp(SCRIPT, "--json", args=args, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res, json.loads(res.stdout)
+
+
+@pytest.fixture(scope="module")
+def synced(tmp_path_factory) -> tuple[Result, dict]:
+    """One synced run, shared by the tests that read it."""
+
+    cwd = tmp_path_factory.mktemp("synced")
+    write_script(cwd, "train.py", SCRIPT)
+    res = trainprof("run", "--json", "train.py", EPOCHS, "sync", cwd=cwd, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res, json.loads(res.stdout)
+
+
+def test_device_time_per_phase_matches_the_known_device_work(synced):
+    _, doc = synced
+    steps = doc["steps"]
+    assert steps["count"] == 640
+    dev = doc["device"]
+    assert dev is not None, doc.get("missing")
+    # the timer starts when the flush thread sees CUDA initialised (within a second)
+    assert dev["steps"] >= 200
+    shares = dev["breakdown"]
+    assert all(v >= 0 for v in shares.values())
+    assert sum(shares.values()) == pytest.approx(1.0, abs=0.01)
+    # backward holds twice forward's device sleep; both dwarf the rest of the step
+    assert shares["backward"] / shares["forward"] == pytest.approx(2.0, rel=0.2), shares
+    assert shares["forward"] + shares["backward"] > 0.6, shares
+    # the host waits for the device at .item() each step: the step times agree
+    assert dev["median_step_s"] == pytest.approx(steps["median_s"], rel=0.2), (dev, steps)
+
+
+def test_item_on_a_cuda_tensor_is_a_timed_sync(synced):
+    _, doc = synced
+    assert doc["syncs"]["per_step"] == pytest.approx(1.0, abs=0.02)
+    # the host spends most of a GPU-bound step waiting there
+    assert 0.3 < doc["syncs"]["share"] < 1, doc["syncs"]
+
+
+def test_hooks_never_sync_the_device(tp):
+    """The unsynced loop runs under torch's sync debug mode "error": a sync would crash it."""
+    _, doc = _run(tp, EPOCHS, "nosync")
+    assert doc["status"] == "finished"
+    assert doc["steps"]["count"] == 640
+    assert doc["syncs"]["per_step"] == 0
+    assert doc["device"] is not None and doc["device"]["steps"] >= 200
+
+
+def test_fingerprint_memory_counters_and_nvml_see_the_gpu(synced):
+    res, doc = synced
+    env = doc["environment"]
+    assert env["gpu"] == torch.cuda.get_device_name(0)
+    assert env["gpu_count"] == torch.cuda.device_count()
+    assert env["cuda"] == torch.version.cuda
+    meta = json.loads((res.run_dir / "run.json").read_text())
+    assert meta["fingerprint"]["driver_version"]
+    mem = doc["cuda_memory"]["devices"][0]
+    assert mem["allocated_bytes.all.peak"] > 0 and mem["num_ooms"] == 0
+    if importlib.util.find_spec("pynvml") is None:
+        assert any("nvidia-ml-py" in m for m in doc["missing"])
+        return
+    gpus = doc["system"]["gpu"]
+    assert gpus and gpus[0]["mem_total_bytes"] > 0 and gpus[0]["mem_used_bytes"] > 0
+    # the device is busy most of each step (the sleeps): NVML sees it
+    assert gpus[0]["util_pct"] is not None and gpus[0]["util_pct"] > 30, gpus
