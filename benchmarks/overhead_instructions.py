@@ -30,6 +30,7 @@ complements the wall-clock figure, it does not replace it.
 
     python benchmarks/overhead_instructions.py                 # ~2 minutes per path
     python benchmarks/overhead_instructions.py --paths c,python
+    python benchmarks/overhead_instructions.py --cache-sim     # and L1 cache misses (~3x slower)
 
 How blocks are delimited: each counted block runs inside ``functools.reduce``
 (a C function the loop itself does not call), and callgrind collects and dumps
@@ -69,13 +70,17 @@ def child(rounds: int, steps: int, settle: int, hidden: int, path: str) -> None:
         sys.exit(f"error: asked for the {path} hot path, but the C extension is "
                  f"{'in use' if FAST else 'not built (or stale): run `pip install -e .`'}")
 
-    from trainprof.capture import recorder
+    from trainprof.capture import recorder, worker
 
     # The flush thread re-arms the timing of num_workers=0 batches five times a second
     # of wall time: 1 batch in ~200 at 1 ms a step, but 1 in ~4 under callgrind's
     # slowdown. Here it never wakes; the timing is re-armed once before each counted
     # block instead: 1 timed batch in `steps` (64), more than the real rate.
     recorder.MAIN_REARM_HZ = 1e-6
+    # Samples cheaper than PER_SAMPLE_MIN_NS are timed a batch at a time; the decision
+    # reads the wall clock, which valgrind slows 50-150x: without this, this loop's ~2 us
+    # samples would look slow enough (with --cache-sim) to be timed one by one
+    worker.PER_SAMPLE_MIN_NS *= 500
     torch.set_num_threads(1)
     # glibc's malloc skips its locks until a process first creates a thread, and never
     # goes back: without this, the first plain block would run the single-threaded
@@ -142,14 +147,31 @@ def _block_counts(path: str) -> tuple[int, int] | None:
     return total, alloc
 
 
+def _block_misses(path: str) -> tuple[int, int] | None:
+    """(first-level instruction-cache misses, data-cache misses) of one block dump.
+
+    From the dump's ``events:`` and ``summary:`` lines (``--cache-sim=yes``); None if
+    the dump is not a block.
+    """
+    text = Path(path).read_text(errors="replace")
+    trigger = re.search(r"^desc: Trigger: (.*)$", text, re.M)
+    events = re.search(r"^events: (.*)$", text, re.M)
+    summary = re.search(r"^summary: (.*)$", text, re.M)
+    if not (trigger and events and summary) or "functools_reduce" not in trigger.group(1):
+        return None
+    ev = dict(zip(events.group(1).split(), map(int, summary.group(1).split()), strict=False))
+    return ev.get("I1mr", 0), ev.get("D1mr", 0) + ev.get("D1mw", 0)
+
+
 def run_path(path: str, rounds: int, steps: int, settle: int, hidden: int,
-             keep: str | None = None) -> dict[str, Any]:
+             keep: str | None = None, cache_sim: bool = False) -> dict[str, Any]:
     out = Path(keep) / path if keep else Path(tempfile.mkdtemp(prefix="trainprof-callgrind-"))
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "TRAINPROF_PURE_PYTHON": "1" if path == "python" else "0",
            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
     cmd = ["valgrind", "--tool=callgrind", "--separate-threads=yes", "--collect-atstart=no",
            "--toggle-collect=functools_reduce", "--dump-after=functools_reduce",
+           *(["--cache-sim=yes"] if cache_sim else []),
            f"--callgrind-out-file={out}/cg.out", sys.executable, __file__, "--child", path,
            "--rounds", str(rounds), "--steps", str(steps), "--settle", str(settle),
            "--hidden", str(hidden)]
@@ -163,9 +185,22 @@ def run_path(path: str, rounds: int, steps: int, settle: int, hidden: int,
     if len(counts) != rounds * len(ARMS):
         sys.exit(f"error: expected {rounds * len(ARMS)} counted blocks, found {len(counts)} "
                  f"(in {out})")
+    misses = [m for m in map(_block_misses, dumps) if m is not None] if cache_sim else []
     if not keep:
         shutil.rmtree(out, ignore_errors=True)
     res: dict[str, Any] = {}
+    for key, col in (("i1_misses", 0), ("d1_misses", 1)):
+        if not misses:
+            break
+        per_arm: dict[str, list[float]] = {arm: [] for arm in ARMS}
+        for i, m in enumerate(misses):
+            per_arm[ARMS[i % len(ARMS)]].append(m[col] / steps)
+        plain = statistics.median(per_arm["plain"])
+        res[f"plain_{key}_per_step"] = plain
+        for arm in ARMS[1:]:
+            deltas = [a - b for a, b in zip(per_arm[arm], per_arm["plain"], strict=True)]
+            res[f"{arm}_{key}_added_per_step"] = statistics.median(deltas)
+            res[f"{arm}_{key}_added_pct"] = statistics.median(deltas) / plain * 100
     for key, pick in (("", lambda c: c[0]), ("_no_alloc", lambda c: c[0] - c[1])):
         per_step: dict[str, list[float]] = {arm: [] for arm in ARMS}
         for i, c in enumerate(counts):
@@ -192,6 +227,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=16,
                         help="MLP width (the capture's cost does not depend on it; 16 keeps "
                         "MKL's share, and its run-to-run variation, small)")
+    parser.add_argument("--cache-sim", action="store_true",
+                        help="also count first-level cache misses (valgrind's cache "
+                        "simulation; about three times slower)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--keep", metavar="DIR",
                         help="keep callgrind's files here (callgrind_annotate reads them)")
@@ -204,7 +242,7 @@ def main() -> None:
     results = {}
     for path in args.paths.split(","):
         results[path] = run_path(path, args.rounds, args.steps, args.settle, args.hidden,
-                                 args.keep)
+                                 args.keep, args.cache_sim)
     if args.json:
         print(json.dumps(results))
         return
@@ -216,6 +254,14 @@ def main() -> None:
                 print(f"  {arm:10s} {res[f'{arm}{key}_added_per_step']:+9,.0f} instructions/step "
                       f"({res[f'{arm}{key}_added_pct']:+.3f}%; rounds {lo:+,.0f} .. {hi:+,.0f})"
                       f"  [{label}]")
+        for key, label in (("i1_misses", "L1 instruction-cache misses"),
+                           ("d1_misses", "L1 data-cache misses")):
+            if f"plain_{key}_per_step" not in res:
+                continue
+            print(f"  {label}: plain loop {res[f'plain_{key}_per_step']:,.0f}/step")
+            for arm in ARMS[1:]:
+                print(f"  {arm:10s} {res[f'{arm}_{key}_added_per_step']:+9,.0f} /step "
+                      f"({res[f'{arm}_{key}_added_pct']:+.2f}%)")
 
 
 if __name__ == "__main__":
