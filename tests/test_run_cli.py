@@ -377,6 +377,36 @@ def test_kill_9_leaves_a_readable_record(tmp_path):
     assert _gone(pids, within=15) and _gone(sampler, within=5)
 
 
+def test_training_goes_on_when_the_sampler_dies_and_the_summary_says_so(tp):
+    """The system sampler (a child process) killed mid-run: the script never notices, the
+    samples written before stay, and the summary names what went missing."""
+    body = """
+    import time, psutil, torch
+    from torch import nn
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train_for(seconds):
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            loss = model(torch.randn(8, 4)).sum()
+            opt.zero_grad(); loss.backward(); opt.step()
+            time.sleep(0.005)
+
+    train_for(1.5)  # > one second: the sampler has handed samples to the OS
+    for child in psutil.Process().children():
+        if "trainprof.capture.sampler_process" in " ".join(child.cmdline()):
+            child.kill()
+    train_for(1.0)
+    """
+    res = tp(body, "--json")
+    assert res.returncode == 0, res.stderr
+    doc = res.json()
+    assert doc["status"] == "finished" and doc["steps"]["count"] > 100
+    assert "system sampler: exited with code -9" in doc["missing"], doc["missing"]
+    assert doc["system"]["n_samples"] >= 3  # the 5 Hz samples of the first 1.5 s
+
+
 def test_profile_api_inside_trainprof_run_attaches_to_the_run(tp):
     body = """
     import torch, trainprof
