@@ -182,3 +182,44 @@ def test_recording_again_and_again_keeps_nothing_alive(tmp_path):
     gc.collect()
     assert [r() for r in refs] == [None, None, None]
     assert hooks._FORK_HOOK
+
+
+def _auto_steps(n: int) -> None:
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(n):
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def test_once_a_step_closed_other_threads_optimizer_steps_do_not_move_the_clock(tmp_path):
+    """The clock follows the thread of the run's first optimizer step, and only that one:
+    a helper thread stepping its own optimizer later (an EMA, a probe) is not measured."""
+    import threading
+
+    with trainprof.profile(tmp_path / "r", report=False) as prof:
+        _auto_steps(6)  # 5 steps close here (the first step begins at the first event)
+        helper = threading.Thread(target=_auto_steps, args=(10,))
+        helper.start()
+        helper.join()
+        _auto_steps(3)
+    assert prof.summary["steps"]["count"] == 8
+    assert prof.summary["notes"] == []
+
+
+def test_manual_steps_keep_their_thread(tmp_path):
+    import threading
+
+    with trainprof.profile(tmp_path / "r", report=False) as prof:
+        prof.step()  # the first call begins the first step: manual from here on
+        helper = threading.Thread(target=_auto_steps, args=(5,))
+        helper.start()  # before any step closed: its optimizer steps would move an auto clock
+        helper.join()
+        for _ in range(4):
+            time.sleep(0.002)
+            prof.step()
+    assert prof.summary["steps"]["count"] == 4
+    assert prof.summary["steps"]["delimiter"] == "manual"
+    assert prof.summary["notes"] == []

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import psutil
+import pytest
 from conftest import trainprof, write_script
 
 from trainprof.store import load_run
@@ -405,6 +406,44 @@ def test_training_goes_on_when_the_sampler_dies_and_the_summary_says_so(tp):
     assert doc["status"] == "finished" and doc["steps"]["count"] > 100
     assert "system sampler: exited with code -9" in doc["missing"], doc["missing"]
     assert doc["system"]["n_samples"] >= 3  # the 5 Hz samples of the first 1.5 s
+
+
+@pytest.mark.parametrize("pure_python", ["0", "1"])
+def test_a_script_that_trains_in_a_thread_of_its_own_is_measured_there(tp, pure_python):
+    """The main thread starts a trainer thread and waits: the first optimizer step, in
+    the trainer, moves the clock there; that step (already partly past) is not counted."""
+    body = """
+    import threading, time, torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 1)
+        def forward(self, x):
+            time.sleep(0.002)          # 2 ms of "compute"
+            return self.lin(x)
+
+    def train():
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(40):
+            loss = model(torch.randn(4, 8)).sum()
+            opt.zero_grad(); loss.backward(); opt.step()
+
+    trainer = threading.Thread(target=train, name="trainer")
+    trainer.start()
+    trainer.join()
+    """
+    res = tp(body, "--json", env={"TRAINPROF_PURE_PYTHON": pure_python})
+    assert res.returncode == 0, res.stderr
+    doc = res.json()
+    assert doc["steps"]["count"] == 39
+    assert doc["breakdown"]["forward"] > 0.5  # the sleep dominates each step
+    assert any("'trainer'" in n for n in doc["notes"]), doc["notes"]
+    run = load_run(res.run_dir)
+    assert (run.steps["forward_ns"] >= 2e6).all()
+    assert (run.steps["optimizer_ns"] > 0).all() and (run.steps["backward_ns"] > 0).all()
 
 
 def test_profile_api_inside_trainprof_run_attaches_to_the_run(tp):

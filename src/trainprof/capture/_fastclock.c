@@ -29,7 +29,7 @@
 
 /* What trainprof.capture.clock expects (_FAST_VERSION): bumped when the interface
    between this file and the Python code changes, so that a stale build is not used. */
-#define FASTCLOCK_VERSION 2
+#define FASTCLOCK_VERSION 3
 
 /* Indices into clock.acc, given by trainprof.schema through configure(). */
 static Py_ssize_t I_OTHER = -1, I_SAMPLES = -1, I_HOST_READS = -1, I_SYNC_N = -1,
@@ -39,7 +39,7 @@ static Py_ssize_t I_OTHER = -1, I_SAMPLES = -1, I_HOST_READS = -1, I_SYNC_N = -1
 #define MAX_RECORD 64
 
 static PyObject *s_begin, *s_top_level_event, *s_mark, *s_optimizer_stepped, *s_shape,
-    *s_is_cpu, *s_step_closed, *s_watch;
+    *s_is_cpu, *s_step_closed, *s_watch, *s_adopt_thread;
 
 enum {
     K_NEXT = 1,     /* DataLoader iterator __next__: phase, batch size -> acc[SAMPLES] */
@@ -658,8 +658,22 @@ timed_vectorcall(Timed *self, PyObject *const *args, size_t nargsf, PyObject *kw
             PyErr_SetString(PyExc_TypeError, "optimizer hook called without the optimizer");
             return NULL;
         }
-        if (PyThread_get_thread_ident() != c->owner)
+        unsigned long ident = PyThread_get_thread_ident();
+        if (ident != c->owner) {
+            /* before any step: the first optimizer step in another thread moves the
+               clock there (StepClock.adopt_thread) */
+            if (self->kind == K_OPT_POST && c->n_steps == 0) {
+                PyObject *tid = PyLong_FromUnsignedLong(ident);
+                if (tid == NULL)
+                    return NULL;
+                PyObject *r = PyObject_CallMethodOneArg((PyObject *)c, s_adopt_thread, tid);
+                Py_DECREF(tid);
+                if (r == NULL)
+                    return NULL;
+                Py_DECREF(r);
+            }
             Py_RETURN_NONE;
+        }
         if (self->kind == K_OPT_PRE) {
             if (core_enter(c, self->phase, &prev) < 0)
                 return NULL;
@@ -945,6 +959,7 @@ PyInit__fastclock(void)
     INTERN(s_optimizer_stepped, "optimizer_stepped");
     INTERN(s_shape, "shape");
     INTERN(s_is_cpu, "is_cpu");
+    INTERN(s_adopt_thread, "adopt_thread");
 #undef INTERN
     PyObject *m = PyModule_Create(&moduledef);
     if (m == NULL)

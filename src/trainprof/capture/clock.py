@@ -186,7 +186,7 @@ class _PyCore:
 
 
 #: The ``_fastclock.VERSION`` this module is written for (a stale build is not used).
-_FAST_VERSION = 2
+_FAST_VERSION = 3
 
 
 def _core_class() -> type:
@@ -252,6 +252,8 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
         #: flags OR-ed into every step record (FLAG_PROFILED while a tool is on)
         self.extra_flags = 0
         self._cooldown = 0
+        #: the name of the thread the clock moved to, if it did (adopt_thread)
+        self.adopted_thread: str | None = None
 
     def begin(self, now: int) -> None:
         """Start the first step at the first instrumented event of the run.
@@ -261,6 +263,32 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
         self.started = True
         self.mark = now
         self.step_start = now
+
+    def adopt_thread(self, ident: int) -> bool:
+        """Measure thread ``ident`` from now on: the run's first optimizer step ran there.
+
+        The clock measures one thread: the one that started it (under ``trainprof
+        run``, the main thread). A script that trains in a thread of its own (a GUI or
+        a server around the loop, a watchdog in the main thread) would show no step at
+        all. So while no step has closed, an optimizer step in another thread moves
+        the clock there (the global post-hook calls this): what the first thread
+        accumulated is dropped, and the next event in the new thread begins the first
+        step (the one in progress, already partly past, is not counted). Manual steps
+        (``prof.step()``) keep the thread that calls them.
+        """
+        if self.n_steps or self.mode == "manual" or ident == self.owner:
+            return False
+        # called from the post-hook, in the thread that stepped
+        self.adopted_thread = threading.current_thread().name
+        self.owner = ident
+        self.started = False
+        self.current = OTHER
+        self.bwd_pending = False
+        self._subs.clear()
+        acc = self.acc
+        for i in range(len(acc)):
+            acc[i] = 0
+        return True
 
     # -- step boundaries ---------------------------------------------------
     def top_level_event(self) -> None:

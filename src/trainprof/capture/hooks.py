@@ -21,10 +21,13 @@ runs, and restores them afterwards:
   ``torch.cuda.synchronize``. Reads of a tensor that is not on the CPU force
   a host-device synchronization; those are counted and timed as syncs.
 
-Only the thread that started profiling is measured, and forked children
-(DataLoader workers) restore the originals at fork, so workers run
-uninstrumented by these hooks; what workers spend their time on is measured by
-:mod:`trainprof.capture.worker`, which they get through ``worker_init_fn``.
+Only one thread is measured: the one that started profiling, unless the run's
+first optimizer step happens in another thread, which then becomes the measured
+one (:meth:`StepClock.adopt_thread`: a script that trains in a thread of its
+own). Forked children (DataLoader workers) restore the originals at fork, so
+workers run uninstrumented by these hooks; what workers spend their time on is
+measured by :mod:`trainprof.capture.worker`, which they get through
+``worker_init_fn``.
 """
 
 from __future__ import annotations
@@ -241,7 +244,6 @@ class Instrumentation:
 
     def install(self) -> None:
         clock = self.clock
-        owner = clock.owner
         get_ident = threading.get_ident
         enter, exit_ = clock.enter, clock.exit
         Tensor = torch.Tensor  # noqa: N806 - a local alias for the hot path
@@ -259,7 +261,7 @@ class Instrumentation:
                                         extra=batch_size_of, tensor_type=Tensor)
 
             def __next__(it: Any) -> Any:  # noqa: N807 - replaces a dunder
-                if get_ident() != owner:
+                if get_ident() != clock.owner:
                     return orig(it)
                 if clock.bwd_pending:
                     clock.top_level_event()
@@ -320,7 +322,7 @@ class Instrumentation:
                                         dev_begin=FWD_BEGIN, dev_end=FWD_END)
 
             def __call__(module: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
-                if clock.current != OTHER or get_ident() != owner:
+                if clock.current != OTHER or get_ident() != clock.owner:
                     return orig(module, *args, **kwargs)
                 if discovering[0]:
                     roots[type(module)] = None
@@ -359,7 +361,7 @@ class Instrumentation:
                                         dev_begin=BWD_BEGIN, dev_end=BWD_END)
 
             def backward(*args: Any, **kwargs: Any) -> Any:
-                if get_ident() != owner:
+                if get_ident() != clock.owner:
                     return orig(*args, **kwargs)
                 if clock.bwd_pending and clock.current == OTHER:
                     # a script with no DataLoader or module calls still gets
@@ -394,7 +396,7 @@ class Instrumentation:
 
         # -- optimizer step and zero_grad ----------------------------------
         def pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-            if get_ident() == owner:
+            if get_ident() == clock.owner:
                 now = perf_counter_ns()
                 if not clock.started:
                     clock.begin(now)
@@ -407,17 +409,20 @@ class Instrumentation:
                     clock.device.mark(OPT_BEGIN)
 
         def post_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-            if get_ident() == owner:
-                if clock.device is not None:
-                    clock.device.mark(OPT_END)
-                now = perf_counter_ns()
-                acc[clock.current] += now - clock.mark
-                clock.current = clock.opt_prev
-                clock.mark = now
-                if id(optimizer) == clock.fast_opt:  # the primary optimizer, steady state
-                    clock._close(0, now)
-                else:
-                    clock.optimizer_stepped(optimizer, now)
+            if get_ident() != clock.owner:
+                if clock.n_steps == 0:  # the first step: this thread may be the training one
+                    clock.adopt_thread(get_ident())
+                return
+            if clock.device is not None:
+                clock.device.mark(OPT_END)
+            now = perf_counter_ns()
+            acc[clock.current] += now - clock.mark
+            clock.current = clock.opt_prev
+            clock.mark = now
+            if id(optimizer) == clock.fast_opt:  # the primary optimizer, steady state
+                clock._close(0, now)
+            else:
+                clock.optimizer_stepped(optimizer, now)
 
         from torch.optim.optimizer import (
             register_optimizer_step_post_hook,
@@ -437,7 +442,7 @@ class Instrumentation:
                 return _fastclock.Timed(_fastclock.K_PHASE, clock, orig, ZERO_GRAD)
 
             def zero_grad(self_: Any, *args: Any, **kwargs: Any) -> Any:
-                if get_ident() != owner:
+                if get_ident() != clock.owner:
                     return orig(self_, *args, **kwargs)
                 now = perf_counter_ns()
                 if not clock.started:
@@ -496,7 +501,7 @@ class Instrumentation:
         # -- garbage collection --------------------------------------------
         def on_gc(phase: str, info: dict[str, Any]) -> None:
             # GC before the first step (imports, dataset set-up) must not start the clock.
-            if get_ident() != owner or not clock.started:
+            if get_ident() != clock.owner or not clock.started:
                 return
             try:
                 if phase == "start":

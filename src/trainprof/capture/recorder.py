@@ -181,6 +181,7 @@ class Recorder:
             step_delimiter=self.clock.mode,
             dataloaders=self.loaders.configs,
             missing=missing,
+            notes=self._notes(),
             # the module classes whose top-level calls were timed as forward
             forward_roots=self.instrumentation.forward_roots if self.instrumentation else [],
             windows=[
@@ -230,6 +231,14 @@ class Recorder:
         if not self._fingerprinted and (self.clock.n_steps > 0 or self._stopped):
             self._fingerprinted = True
             self.writer.update_meta(fingerprint=collect_fingerprint(self._script, self._command))
+
+    def _notes(self) -> list[str]:
+        """What a reader of the summary should know about how the run was measured."""
+        notes = []
+        if self.clock.adopted_thread is not None:
+            notes.append(f"steps measured in thread {self.clock.adopted_thread!r}, where the "
+                         "first optimizer step ran (not the thread that started trainprof)")
+        return notes
 
     @staticmethod
     def _training_thread_settings() -> dict[str, int]:
