@@ -14,6 +14,7 @@ from trainprof.store import load_run
 
 
 def _loop(prof, steps: int, eval_every: int = 0) -> None:
+    """A tiny training loop; with ``prof``, steps marked by hand (else by the optimizer)."""
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(steps):
@@ -21,6 +22,8 @@ def _loop(prof, steps: int, eval_every: int = 0) -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if prof is None:
+            continue
         if eval_every and step % eval_every == eval_every - 1:
             with prof.region("eval"):
                 time.sleep(0.02)
@@ -184,27 +187,17 @@ def test_recording_again_and_again_keeps_nothing_alive(tmp_path):
     assert hooks._FORK_HOOK
 
 
-def _auto_steps(n: int) -> None:
-    model = nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(n):
-        loss = model(torch.randn(8, 4)).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-
-
 def test_once_a_step_closed_other_threads_optimizer_steps_do_not_move_the_clock(tmp_path):
     """The clock follows the thread of the run's first optimizer step, and only that one:
     a helper thread stepping its own optimizer later (an EMA, a probe) is not measured."""
     import threading
 
     with trainprof.profile(tmp_path / "r", report=False) as prof:
-        _auto_steps(6)  # 5 steps close here (the first step begins at the first event)
-        helper = threading.Thread(target=_auto_steps, args=(10,))
+        _loop(None, 6)  # 5 steps close here (the first step begins at the first event)
+        helper = threading.Thread(target=_loop, args=(None, 10))
         helper.start()
         helper.join()
-        _auto_steps(3)
+        _loop(None, 3)
     assert prof.summary["steps"]["count"] == 8
     assert prof.summary["notes"] == []
 
@@ -214,7 +207,7 @@ def test_manual_steps_keep_their_thread(tmp_path):
 
     with trainprof.profile(tmp_path / "r", report=False) as prof:
         prof.step()  # the first call begins the first step: manual from here on
-        helper = threading.Thread(target=_auto_steps, args=(5,))
+        helper = threading.Thread(target=_loop, args=(None, 5))
         helper.start()  # before any step closed: its optimizer steps would move an auto clock
         helper.join()
         for _ in range(4):
