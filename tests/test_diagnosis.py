@@ -627,3 +627,33 @@ def test_worker_startup_every_epoch_end_to_end(tmp_path):
     assert (top["category"], top["cause"]) == ("input_pipeline", "worker_startup_per_epoch")
     assert top["evidence"]["epoch_spikes"]["period_steps"] == 8
     assert "persistent_workers=True" in top["fix"]["snippet"]
+
+
+def test_terminal_breaks_long_values_between_parts_never_inside_one(monkeypatch):
+    """rich wraps at any space ("CPU 292" / "µs"): long values break at their " · " first."""
+    from trainprof.report.terminal import _fit
+
+    value = ("in the training process (num_workers=0) · 1,920 samples · per sample blocked "
+             "1.6 ms (p90 1.6 ms), CPU 292 µs (p90 468 µs) · collate 237 µs (p90 279 µs)/batch")
+    assert _fit(value, 200) == value
+    for room in (40, 60, 80, 100):
+        lines = _fit(value, room).splitlines()
+        assert len(lines) > 1
+        assert all(line.endswith(" ·") for line in lines[:-1])
+        assert " ".join(lines) == value  # whole parts, in order
+        # each line fits, unless it is one part longer than a line (rich wraps that one)
+        assert [ln for ln in lines if len(ln) > room and " · " in ln.rstrip(" ·")] == []
+    # rendered at 70 columns: no unit or separator left alone on a line
+    steps = make_steps(60, data=5 * MS)
+    summary = make_summary(steps, dataloaders=[loader()], run_dir="r", status="finished",
+                           name="t", missing=[], notes=[],
+                           system={"n_samples": 20, "proc_cpu_pct": 70.0, "workers_cpu_pct": 0.0,
+                                   "sys_cpu_pct": 50.0, "iowait_pct": 1.0})
+    monkeypatch.setenv("COLUMNS", "70")
+    buf = io.StringIO()
+    render_summary(summary, file=buf)
+    lines = buf.getvalue().splitlines()
+    assert max(len(line) for line in lines) <= 70
+    cpu = [ln for ln in lines if "process 70%" in ln]
+    assert cpu and cpu[0].rstrip().endswith("·")  # the CPU row broke between its parts
+    assert not [ln for ln in lines if ln.strip() in ("·", "ms", "µs", "%")]

@@ -6,6 +6,7 @@ import os
 import sys
 from typing import IO, Any
 
+from rich.cells import cell_len
 from rich.console import Console
 from rich.padding import Padding
 from rich.table import Table
@@ -135,14 +136,59 @@ def _worker_rows(workers: dict[str, Any] | None) -> list[tuple[str, str]]:
     return rows
 
 
+#: what separates the parts of a summary value ("1,920 samples · per sample ...")
+_PART_SEP = " · "
+
+
+def _fit(value: str, room: int) -> str:
+    """Break a long value between its parts so each line fits in ``room`` columns.
+
+    rich wraps at any space, which can leave a number at the end of one line and
+    its unit at the start of the next ("CPU 292" / "µs"); breaking between parts
+    first leaves rich only parts longer than a whole line to wrap. A broken line
+    ends with the separator's dot, and is kept short enough to hold it.
+    """
+    if room < 20 or cell_len(value) <= room or "\n" in value:
+        return value
+    tail = _PART_SEP.rstrip()  # " ·" at the end of a broken line
+    lines: list[str] = []
+    line = ""
+    for part in value.split(_PART_SEP):
+        joined = f"{line}{_PART_SEP}{part}" if line else part
+        if line and cell_len(joined + tail) > room:
+            lines.append(line + tail)
+            line = part
+        else:
+            line = joined
+    lines.append(line)
+    return "\n".join(lines)
+
+
+class _Rows:
+    """The summary's label/value rows, laid out for the console's width when printed."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, str | Text]] = []
+
+    def add_row(self, label: str, value: str | Text) -> None:
+        self.rows.append((label, value))
+
+    def layout(self, width: int) -> Table:
+        table = Table.grid(padding=(0, 2))
+        table.add_column(style="bold cyan", no_wrap=True)
+        table.add_column()
+        room = width - max((len(label) for label, _ in self.rows), default=0) - 2
+        for label, value in self.rows:
+            table.add_row(label, _fit(value, room) if isinstance(value, str) else value)
+        return table
+
+
 def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None:
     """Print the end-of-run summary."""
     out = file if file is not None else sys.stdout
     console = make_console(out)
     console.print(_status_line(summary))
-    table = Table.grid(padding=(0, 2))
-    table.add_column(style="bold cyan", no_wrap=True)
-    table.add_column()
+    table = _Rows()
     steps = summary["steps"]
     if steps["count"] == 0:
         table.add_row(
@@ -260,7 +306,7 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
     for note in list(summary.get("missing") or []) + list(summary.get("notes") or []):
         table.add_row("Note", str(note))
     table.add_row("Run folder", str(summary.get("run_dir")))
-    console.print(table)
+    console.print(table.layout(console.width))
     python_profile = summary.get("python_profile")
     if python_profile:
         from trainprof.report.python_profile_terminal import render_python_profile
