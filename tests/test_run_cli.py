@@ -446,6 +446,58 @@ def test_a_script_that_trains_in_a_thread_of_its_own_is_measured_there(tp, pure_
     assert (run.steps["optimizer_ns"] > 0).all() and (run.steps["backward_ns"] > 0).all()
 
 
+def test_training_in_spawned_processes_is_named_not_just_no_steps(tp):
+    """torch.multiprocessing.spawn trains in child processes, which trainprof does not
+    measure (yet): the summary says so, instead of only "no step seen"."""
+    body = """
+    import torch
+    import torch.multiprocessing as mp
+    from torch import nn
+
+    def train(rank):
+        model = nn.Linear(8, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(5):
+            loss = model(torch.randn(4, 8)).sum()
+            opt.zero_grad(); loss.backward(); opt.step()
+
+    if __name__ == "__main__":
+        mp.spawn(train, nprocs=2)
+    """
+    res = tp(body, "--json")
+    assert res.returncode == 0, res.stderr
+    doc = res.json()
+    assert doc["steps"]["count"] == 0
+    note = [n for n in doc["notes"] if "started 2 processes besides DataLoader workers" in n]
+    assert note and "no step ran in this process" in note[0], doc["notes"]
+
+
+def test_dataloader_workers_are_not_counted_as_other_processes(tp):
+    body = """
+    import multiprocessing, torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    if __name__ == "__main__":
+        loader = DataLoader(TensorDataset(torch.randn(64, 8)), batch_size=8, num_workers=2)
+        model = nn.Linear(8, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for (x,) in loader:
+            loss = model(x).sum()
+            opt.zero_grad(); loss.backward(); opt.step()
+        helper = multiprocessing.Process(target=print, args=("helper",), name="helper")
+        helper.start()
+        helper.join()
+    """
+    res = tp(body, "--json")
+    assert res.returncode == 0, res.stderr
+    doc = res.json()
+    assert doc["steps"]["count"] == 8  # 64 samples in batches of 8
+    assert [n for n in doc["notes"] if "process" in n] == [
+        "the script started 1 process besides DataLoader workers (helper): "
+        "only this process is measured"]
+
+
 def test_profile_api_inside_trainprof_run_attaches_to_the_run(tp):
     body = """
     import torch, trainprof

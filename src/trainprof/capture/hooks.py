@@ -35,6 +35,7 @@ from __future__ import annotations
 import _thread
 import contextlib
 import gc
+import multiprocessing.process
 import os
 import threading
 import weakref
@@ -232,6 +233,8 @@ class Instrumentation:
         self._gc_cb: Callable[[str, dict[str, Any]], None] | None = None
         self.installed = False
         self.forward_roots: list[str] = []
+        #: (pid, name) of every process the script started (DataLoader workers included)
+        self.started_processes: list[tuple[int, str]] = []
 
     def _patch(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
         # An inherited attribute (Tensor.item lives on TensorBase) is restored
@@ -497,6 +500,21 @@ class Instrumentation:
             return synchronize
 
         self._patch(torch.cuda, "synchronize", make_sync)
+
+        # -- processes the script starts -----------------------------------
+        # Training in child processes (torch.multiprocessing.spawn) runs unmeasured:
+        # the summary says so rather than only "no step seen" (see Recorder._notes).
+        started = self.started_processes
+
+        def make_start(orig: Callable[[Any], None]) -> Callable[[Any], None]:
+            def start(process: Any) -> None:
+                orig(process)
+                with contextlib.suppress(Exception):
+                    started.append((int(process.pid), str(process.name)))
+
+            return start
+
+        self._patch(multiprocessing.process.BaseProcess, "start", make_start)
 
         # -- garbage collection --------------------------------------------
         def on_gc(phase: str, info: dict[str, Any]) -> None:

@@ -238,6 +238,18 @@ class Recorder:
         if self.clock.adopted_thread is not None:
             notes.append(f"steps measured in thread {self.clock.adopted_thread!r}, where the "
                          "first optimizer step ran (not the thread that started trainprof)")
+        inst = self.instrumentation
+        others = [] if inst is None else [
+            name for pid, name in inst.started_processes
+            if pid not in self.loaders.all_worker_pids]
+        if others:
+            shown = ", ".join(sorted(set(others))[:3]) + (", ..." if len(set(others)) > 3 else "")
+            where = ("no step ran in this process; training there (torch.multiprocessing.spawn "
+                     "and the like) is not measured" if self.clock.n_steps == 0 else
+                     "only this process is measured")
+            notes.append(f"the script started {len(others)} process"
+                         f"{'es' if len(others) > 1 else ''} besides DataLoader workers "
+                         f"({shown}): {where}")
         return notes
 
     @staticmethod
