@@ -70,3 +70,21 @@ def burn_cpu(seconds: float) -> tuple[float, float]:
     while time.perf_counter() - t0 < seconds:
         x += 1
     return t0, time.perf_counter()
+
+
+def sampler_children(pid: int) -> list:
+    """The system sampler processes among ``pid``'s children (psutil.Process objects).
+
+    A child that is a zombie (left by an earlier test) has no command line: skipped.
+    """
+    import psutil
+
+    found = []
+    for p in psutil.Process(pid).children():
+        try:
+            cmdline = " ".join(p.cmdline())
+        except psutil.Error:  # ZombieProcess, NoSuchProcess
+            continue
+        if "trainprof.capture.sampler_process" in cmdline:
+            found.append(p)
+    return found

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from conftest import trainprof, write_script
+from conftest import sampler_children, trainprof, write_script
 
 from trainprof.store import load_run
 
@@ -334,8 +334,7 @@ def _start(tmp_path: Path, body: str) -> tuple[subprocess.Popen, Path]:
 
 def _sampler_pids(pid: int) -> set[int]:
     """The system sampler's process among ``pid``'s children."""
-    return {p.pid for p in psutil.Process(pid).children()
-            if "trainprof.capture.sampler_process" in " ".join(p.cmdline())}
+    return {p.pid for p in sampler_children(pid)}
 
 
 def test_ctrl_c_interrupts_with_summary_and_exit_130(tmp_path):

@@ -17,15 +17,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import burn_cpu
+from conftest import burn_cpu, sampler_children
 
 from trainprof.analysis.system import load_samples
 from trainprof.capture.sampler_process import SamplerProcess
-
-
-def _sampler_children(pid: int) -> list[psutil.Process]:
-    return [p for p in psutil.Process(pid).children()
-            if "trainprof.capture.sampler_process" in " ".join(p.cmdline())]
 
 
 def _gone(proc: psutil.Process, within: float) -> bool:
@@ -43,7 +38,7 @@ def test_child_samples_this_process_and_the_workers_it_is_told_of(tmp_path: Path
     try:
         s = SamplerProcess(tmp_path / "s.jsonl", interval_s=0.05, gpu=False)
         s.start()
-        assert len(_sampler_children(os.getpid())) == 1
+        assert len(sampler_children(os.getpid())) == 1
         s.set_worker_pids([busy.pid])
         time.sleep(0.5)  # the child's start-up (an interpreter, psutil) and a few ticks
         ru0 = resource.getrusage(resource.RUSAGE_SELF)
@@ -69,7 +64,7 @@ def test_child_samples_this_process_and_the_workers_it_is_told_of(tmp_path: Path
     assert sum(seen) / len(seen) > 40 or psutil.cpu_count() < 2
     assert all(x["ctx_switches_ps"] is not None and x["ctx_switches_ps"] >= 0 for x in during)
     s.stop()  # idempotent
-    assert not _sampler_children(os.getpid())
+    assert not sampler_children(os.getpid())
 
 
 def test_worker_pid_updates_never_block_and_stop_is_idempotent(tmp_path: Path) -> None:
@@ -99,7 +94,7 @@ def test_child_stops_with_its_parent_after_kill_9(tmp_path: Path) -> None:
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert parent.stdout is not None and "READY" in parent.stdout.readline()
-        children = _sampler_children(parent.pid)
+        children = sampler_children(parent.pid)
         assert len(children) == 1
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and (
@@ -124,7 +119,7 @@ def test_ctrl_c_in_the_terminal_does_not_reach_the_child(tmp_path: Path) -> None
     s = SamplerProcess(tmp_path / "s.jsonl", interval_s=0.05, gpu=False)
     s.start()
     try:
-        (child,) = _sampler_children(os.getpid())
+        (child,) = sampler_children(os.getpid())
         assert os.getsid(child.pid) != os.getsid(0)
         deadline = time.monotonic() + 10  # started: its handlers are set once it samples
         while time.monotonic() < deadline and not (tmp_path / "s.jsonl").exists():

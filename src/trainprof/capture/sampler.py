@@ -45,6 +45,8 @@ from typing import IO, Any, Protocol
 import orjson
 import psutil
 
+from trainprof.capture.nvml import NvmlReader
+
 try:  # Not available on Windows.
     import resource
 except ImportError:  # pragma: no cover - platform dependent
@@ -567,109 +569,6 @@ class _Descendants:
         return found
 
 
-class _Nvml:
-    """Per-GPU counters via NVML (``pynvml`` from the optional ``nvidia-ml-py`` package).
-
-    Imported lazily so the sampler works on CPU-only hosts without the package.  ``util_pct`` is
-    NVML's "percent of time a kernel was running" over the driver's sample period, not SM
-    occupancy: a GPU running one tiny kernel at a time shows 100 %.  All physical devices are
-    sampled (NVML ignores CUDA_VISIBLE_DEVICES, and mapping it to NVML indices is ambiguous);
-    ``index`` is the NVML index.
-    """
-
-    def __init__(self, note: Callable[[str, str], None]) -> None:
-        self._note = note
-        self._nv: Any = None
-        self._handles: list[Any] = []
-        self._unsupported: set[tuple[int, str]] = set()
-
-    def open(self) -> int:
-        """Initialise NVML; return the device count (0, with a note, when unavailable)."""
-        try:
-            import pynvml
-        except ImportError:
-            self._note("gpu", "gpu: nvidia-ml-py not installed")
-            return 0
-        try:
-            pynvml.nvmlInit()
-        except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
-            self._note("gpu", f"gpu: no NVIDIA GPU (NVML init failed: {exc})")
-            return 0
-        try:
-            count = pynvml.nvmlDeviceGetCount()
-            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
-        except Exception as exc:
-            self._note("gpu", f"gpu: NVML device enumeration failed: {exc}")
-            self._shutdown(pynvml)
-            return 0
-        if not self._handles:
-            self._note("gpu", "gpu: NVML reports no devices")
-            self._shutdown(pynvml)
-            return 0
-        self._nv = pynvml
-        return len(self._handles)
-
-    def read(self) -> list[dict[str, Any]] | None:
-        """Return one dict per device, or None when NVML is not in use."""
-        if self._nv is None:
-            return None
-        return [self._read_device(i, h) for i, h in enumerate(self._handles)]
-
-    def close(self) -> None:
-        """Shut NVML down (idempotent)."""
-        if self._nv is not None:
-            self._shutdown(self._nv)
-            self._nv = None
-
-    @staticmethod
-    def _shutdown(nv: Any) -> None:
-        with contextlib.suppress(Exception):  # nothing useful to do at shutdown
-            nv.nvmlShutdown()
-
-    def _read_device(self, index: int, handle: Any) -> dict[str, Any]:
-        nv = self._nv
-        util = self._field(index, "util_pct", lambda: nv.nvmlDeviceGetUtilizationRates(handle).gpu)
-        mem = self._field(index, "memory", lambda: nv.nvmlDeviceGetMemoryInfo(handle))
-        power_mw = self._field(index, "power_w", lambda: nv.nvmlDeviceGetPowerUsage(handle))
-        temp = self._field(
-            index, "temp_c", lambda: nv.nvmlDeviceGetTemperature(handle, nv.NVML_TEMPERATURE_GPU)
-        )
-        sm_clock = self._field(
-            index, "sm_clock_mhz", lambda: nv.nvmlDeviceGetClockInfo(handle, nv.NVML_CLOCK_SM)
-        )
-        mem_clock = self._field(
-            index, "mem_clock_mhz", lambda: nv.nvmlDeviceGetClockInfo(handle, nv.NVML_CLOCK_MEM)
-        )
-        return {
-            "index": index,
-            "util_pct": util,
-            "mem_used_bytes": None if mem is None else mem.used,
-            "mem_total_bytes": None if mem is None else mem.total,
-            "power_w": None if power_mw is None else _round1(power_mw / 1000.0),
-            "temp_c": temp,
-            "sm_clock_mhz": sm_clock,
-            "mem_clock_mhz": mem_clock,
-        }
-
-    def _field(self, index: int, name: str, fn: Callable[[], Any]) -> Any:
-        """Read one field; on error return None and note it once.
-
-        A field the board does not support (power on many consumer or MIG configurations) is not
-        asked for again: each NVML call is a driver round trip and a GIL release.  Other errors
-        may be transient, so those fields are retried on the next tick.
-        """
-        if (index, name) in self._unsupported:
-            return None
-        try:
-            return fn()
-        except Exception as exc:
-            not_supported = getattr(self._nv, "NVMLError_NotSupported", None)
-            if isinstance(not_supported, type) and isinstance(exc, not_supported):
-                self._unsupported.add((index, name))
-            self._note(f"gpu:{name}", f"gpu {name}: unavailable ({exc})")
-            return None
-
-
 def _thread_usage() -> tuple[float, int]:
     """CPU seconds and context switches of the *calling* thread (switches 0 where unsupported)."""
     cpu = time.thread_time()
@@ -741,7 +640,7 @@ class SystemSampler:
         self._descendants: _Descendants | None = None
         self._sys_cpu: _SystemCpu | None = None
         self._disk: _Disk | None = None
-        self._nvml = _Nvml(self._note)
+        self._nvml = NvmlReader(self._note)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
