@@ -16,6 +16,7 @@ import psutil
 import pytest
 from conftest import sampler_children, trainprof, write_script
 
+from trainprof.analysis.system import load_samples
 from trainprof.store import load_run
 
 SLEEPY = """
@@ -393,7 +394,7 @@ def test_training_goes_on_when_the_sampler_dies_and_the_summary_says_so(tp):
             opt.zero_grad(); loss.backward(); opt.step()
             time.sleep(0.005)
 
-    train_for(1.5)  # > one second: the sampler has handed samples to the OS
+    train_for(2.0)  # > one second of sampling: the sampler has handed samples to the OS
     for child in psutil.Process().children():
         if "trainprof.capture.sampler_process" in " ".join(child.cmdline()):
             child.kill()
@@ -404,7 +405,9 @@ def test_training_goes_on_when_the_sampler_dies_and_the_summary_says_so(tp):
     doc = res.json()
     assert doc["status"] == "finished" and doc["steps"]["count"] > 100
     assert "system sampler: exited with code -9" in doc["missing"], doc["missing"]
-    assert doc["system"]["n_samples"] >= 3  # the 5 Hz samples of the first 1.5 s
+    # the 5 Hz samples of the first two seconds (less the child's start-up, which
+    # compiles its modules on a fresh checkout) stay in the record
+    assert len(load_samples(res.run_dir / "samples.jsonl")) >= 3
 
 
 @pytest.mark.parametrize("pure_python", ["0", "1"])
