@@ -32,10 +32,17 @@ def write_script(directory: Path, name: str, body: str) -> Path:
 
 
 def trainprof(*args: str, cwd: Path, timeout: float = 120, env: dict | None = None) -> Result:
-    """Run `python -m trainprof ARGS` in cwd; the run folder is cwd/run unless --out is given."""
+    """Run `python -m trainprof ARGS` in cwd; the run folder is cwd/run unless --out is given.
+
+    A second run in the same folder goes to cwd/run-2, and so on (a folder that holds
+    a run is refused).
+    """
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     argv = list(args)
-    run_dir = cwd / "run"
+    run_dir, n = cwd / "run", 1
+    while argv and argv[0] == "run" and "--out" not in argv and run_dir.exists():
+        n += 1
+        run_dir = cwd / f"run-{n}"
     if argv and argv[0] == "run" and "--out" not in argv:
         argv = ["run", "--out", str(run_dir), *argv[1:]]
     proc = subprocess.run(

@@ -134,7 +134,7 @@ def test_script_sees_its_own_argv_main_and_cwd(tmp_path):
                     "cwd": str(tmp_path), "value": 42}
     assert "Steps" in res.stdout and "none seen" in res.stdout
     # trainprof's own --json: the script's stdout moves to stderr
-    res = trainprof("run", "--json", "sub/train.py", "x", cwd=tmp_path)
+    res = trainprof("run", "--json", "--out", "run2", "sub/train.py", "x", cwd=tmp_path)
     assert json.loads(res.stderr.splitlines()[1])["argv"] == ["sub/train.py", "x"]
     assert res.json()["steps"]["count"] == 0
 
@@ -265,6 +265,15 @@ def test_missing_script_and_bad_option_are_one_line_errors(tmp_path):
     (tmp_path / "notarun").mkdir()
     res = trainprof("report", str(tmp_path / "notarun"), cwd=tmp_path)
     assert res.returncode == 2 and "Traceback" not in res.stderr
+    # --out naming a folder that holds a run: refused, and the run there is left as it was
+    write_script(tmp_path, "ok.py", "print('ran')\n")
+    assert trainprof("run", "--out", "done", "ok.py", cwd=tmp_path).returncode == 0
+    before = {f.name: f.read_bytes() for f in (tmp_path / "done").iterdir() if f.is_file()}
+    res = trainprof("run", "--out", "done", "ok.py", cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr.startswith("error:") and "already holds" in res.stderr
+    assert "ran" not in res.stdout + res.stderr  # refused before the script ran
+    after = {f.name: f.read_bytes() for f in (tmp_path / "done").iterdir() if f.is_file()}
+    assert after == before
 
 
 WORKERS_FOREVER = """
@@ -446,6 +455,13 @@ def test_a_script_that_trains_in_a_thread_of_its_own_is_measured_there(tp, pure_
     run = load_run(res.run_dir)
     assert (run.steps["forward_ns"] >= 2e6).all()
     assert (run.steps["optimizer_ns"] > 0).all() and (run.steps["backward_ns"] > 0).all()
+    # --max-steps stops the trainer thread: one line, no traceback, the script goes on
+    res = tp(body.rstrip() + "\n    print('main thread done')\n", "--json", "--max-steps", "10",
+             "--out", str(res.run_dir.parent / "run2"), env={"TRAINPROF_PURE_PYTHON": pure_python})
+    assert res.returncode == 0, res.stderr
+    assert res.json()["steps"]["count"] == 10
+    assert "trainprof: stopped thread 'trainer': reached --max-steps after 10 steps" in res.stderr
+    assert "Traceback" not in res.stderr and "main thread done" in res.stderr
 
 
 def test_training_in_spawned_processes_is_named_not_just_no_steps(tp):

@@ -86,6 +86,10 @@ class RunWriter:
     """
 
     def __init__(self, run_dir: Path, meta: dict[str, Any]) -> None:
+        # a second run appended to a folder's files would mix two runs' steps and samples
+        if (run_dir / RUN_JSON).exists():
+            raise UsageError(f"{run_dir} already holds a recorded run: record into a new "
+                             "folder (or remove that one)")
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:

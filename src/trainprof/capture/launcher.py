@@ -135,6 +135,32 @@ def _sigterm_as_exception() -> Iterator[None]:
             signal.signal(signal.SIGTERM, previous)
 
 
+@contextmanager
+def _stop_threads_quietly() -> Iterator[None]:
+    """``--max-steps`` reached in a thread of the script's own: one line, no traceback.
+
+    The clock follows a script that trains in a thread (StepClock.adopt_thread), so
+    StopTraining is raised there; the thread ends as if its loop had, and the rest
+    of the script goes on. Any other exception in a thread goes to the hook that
+    was there before (Python's prints it as usual).
+    """
+    previous = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if args.exc_type is not None and issubclass(args.exc_type, StopTraining):
+            name = args.thread.name if args.thread is not None else "?"
+            print(f"trainprof: stopped thread {name!r}: {args.exc_value}", file=sys.stderr)
+            return
+        previous(args)
+
+    threading.excepthook = hook
+    try:
+        yield
+    finally:
+        if threading.excepthook is hook:
+            threading.excepthook = previous
+
+
 def _run_file_as_main(path: Path) -> None:
     """Execute a script file as ``python path`` does.
 
@@ -185,7 +211,7 @@ def run_target(target: str, args: list[str], module: bool) -> Outcome:
         resolved = Path(target).resolve()  # python puts the script's folder (or the zip/dir) first
         sys.path[0:1] = [str(resolved if not resolved.is_file() else resolved.parent)]
     try:
-        with _sigterm_as_exception():
+        with _sigterm_as_exception(), _stop_threads_quietly():
             if module:
                 runpy.run_module(target, run_name="__main__", alter_sys=True)
             elif Path(target).is_file():
