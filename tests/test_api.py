@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -190,8 +191,6 @@ def test_recording_again_and_again_keeps_nothing_alive(tmp_path):
 def test_once_a_step_closed_other_threads_optimizer_steps_do_not_move_the_clock(tmp_path):
     """The clock follows the thread of the run's first optimizer step, and only that one:
     a helper thread stepping its own optimizer later (an EMA, a probe) is not measured."""
-    import threading
-
     with trainprof.profile(tmp_path / "r", report=False) as prof:
         _loop(None, 6)  # 5 steps close here (the first step begins at the first event)
         helper = threading.Thread(target=_loop, args=(None, 10))
@@ -203,8 +202,6 @@ def test_once_a_step_closed_other_threads_optimizer_steps_do_not_move_the_clock(
 
 
 def test_manual_steps_keep_their_thread(tmp_path):
-    import threading
-
     with trainprof.profile(tmp_path / "r", report=False) as prof:
         prof.step()  # the first call begins the first step: manual from here on
         helper = threading.Thread(target=_loop, args=(None, 5))
@@ -216,3 +213,20 @@ def test_manual_steps_keep_their_thread(tmp_path):
     assert prof.summary["steps"]["count"] == 4
     assert prof.summary["steps"]["delimiter"] == "manual"
     assert prof.summary["notes"] == []
+
+
+def test_the_clock_moves_to_another_thread_only_while_nothing_is_measured_yet():
+    from trainprof.capture.clock import StepClock
+    from trainprof.schema import FORWARD, OTHER
+
+    me, other = threading.get_ident(), threading.get_ident() + 1
+    clock = StepClock()
+    clock.current = FORWARD  # this thread is inside a timed call: its wrapper closes it
+    assert not clock.adopt_thread(other) and clock.owner == me
+    clock.current = OTHER
+    assert not clock.adopt_thread(me)
+    assert clock.adopt_thread(other) and clock.owner == other and not clock.started
+    assert clock.adopted_thread == threading.current_thread().name
+    moved = StepClock()
+    moved._close(0)  # a step closed: the clock stays where it is
+    assert not moved.adopt_thread(other) and moved.owner == me

@@ -274,9 +274,12 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
         the clock there (the global post-hook calls this): what the first thread
         accumulated is dropped, and the next event in the new thread begins the first
         step (the one in progress, already partly past, is not counted). Manual steps
-        (``prof.step()``) keep the thread that calls them.
+        (``prof.step()``) keep the thread that calls them, and so does a thread that is
+        inside a timed phase right now (its wrapper will still close that phase): the
+        next optimizer step of the other thread tries again.
         """
-        if self.n_steps or self.mode == "manual" or ident == self.owner:
+        if (self.n_steps or self.mode == "manual" or ident == self.owner
+                or self.current != OTHER):
             return False
         # called from the post-hook, in the thread that stepped
         self.adopted_thread = threading.current_thread().name
