@@ -233,7 +233,7 @@ class Instrumentation:
         self._gc_cb: Callable[[str, dict[str, Any]], None] | None = None
         self.installed = False
         self.forward_roots: list[str] = []
-        #: (pid, name) of every process the script started (DataLoader workers included)
+        #: (pid, name) of the processes the script started, DataLoader workers aside
         self.started_processes: list[tuple[int, str]] = []
 
     def _patch(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
@@ -505,12 +505,15 @@ class Instrumentation:
         # Training in child processes (torch.multiprocessing.spawn) runs unmeasured:
         # the summary says so rather than only "no step seen" (see Recorder._notes).
         started = self.started_processes
+        from torch.utils.data._utils.worker import _worker_loop  # a DataLoader worker's target
 
         def make_start(orig: Callable[[Any], None]) -> Callable[[Any], None]:
             def start(process: Any) -> None:
-                orig(process)
-                with contextlib.suppress(Exception):
-                    started.append((int(process.pid), str(process.name)))
+                loader_worker = getattr(process, "_target", None) is _worker_loop
+                orig(process)  # (which drops process._target)
+                if not loader_worker:
+                    with contextlib.suppress(Exception):
+                        started.append((int(process.pid), str(process.name)))
 
             return start
 

@@ -239,9 +239,7 @@ class Recorder:
             notes.append(f"steps measured in thread {self.clock.adopted_thread!r}, where the "
                          "first optimizer step ran (not the thread that started trainprof)")
         inst = self.instrumentation
-        others = [] if inst is None else [
-            name for pid, name in inst.started_processes
-            if pid not in self.loaders.all_worker_pids]
+        others = [] if inst is None else [name for _, name in inst.started_processes]
         if others:
             shown = ", ".join(sorted(set(others))[:3]) + (", ..." if len(set(others)) > 3 else "")
             where = ("no step ran in this process; training there (torch.multiprocessing.spawn "
