@@ -189,29 +189,30 @@ def run_path(path: str, rounds: int, steps: int, settle: int, hidden: int,
     if not keep:
         shutil.rmtree(out, ignore_errors=True)
     res: dict[str, Any] = {}
-    for key, col in (("i1_misses", 0), ("d1_misses", 1)):
-        if not misses:
-            break
-        per_arm: dict[str, list[float]] = {arm: [] for arm in ARMS}
-        for i, m in enumerate(misses):
-            per_arm[ARMS[i % len(ARMS)]].append(m[col] / steps)
-        plain = statistics.median(per_arm["plain"])
-        res[f"plain_{key}_per_step"] = plain
-        for arm in ARMS[1:]:
-            deltas = [a - b for a, b in zip(per_arm[arm], per_arm["plain"], strict=True)]
-            res[f"{arm}_{key}_added_per_step"] = statistics.median(deltas)
-            res[f"{arm}_{key}_added_pct"] = statistics.median(deltas) / plain * 100
-    for key, pick in (("", lambda c: c[0]), ("_no_alloc", lambda c: c[0] - c[1])):
-        per_step: dict[str, list[float]] = {arm: [] for arm in ARMS}
-        for i, c in enumerate(counts):
-            per_step[ARMS[i % len(ARMS)]].append(pick(c) / steps)
-        plain = statistics.median(per_step["plain"])
-        res[f"plain{key}_per_step"] = plain
-        for arm in ARMS[1:]:
-            deltas = [a - b for a, b in zip(per_step[arm], per_step["plain"], strict=True)]
-            res[f"{arm}{key}_added_per_step"] = statistics.median(deltas)
-            res[f"{arm}{key}_added_range"] = (min(deltas), max(deltas))
-            res[f"{arm}{key}_added_pct"] = statistics.median(deltas) / plain * 100
+    for key, per_block in (("", [c[0] for c in counts]),
+                           ("_no_alloc", [c[0] - c[1] for c in counts]),
+                           ("_i1_misses", [m[0] for m in misses]),
+                           ("_d1_misses", [m[1] for m in misses])):
+        if per_block:
+            res.update(_added_per_step(per_block, steps, key))
+    return res
+
+
+def _added_per_step(per_block: list[int], steps: int, key: str) -> dict[str, Any]:
+    """What each arm adds per step to ``plain``: the median over rounds of the difference.
+
+    ``per_block`` holds one count per block, arms in :data:`ARMS` order round after round.
+    """
+    per_arm: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    for i, count in enumerate(per_block):
+        per_arm[ARMS[i % len(ARMS)]].append(count / steps)
+    plain = statistics.median(per_arm["plain"])
+    res: dict[str, Any] = {f"plain{key}_per_step": plain}
+    for arm in ARMS[1:]:
+        deltas = [a - b for a, b in zip(per_arm[arm], per_arm["plain"], strict=True)]
+        res[f"{arm}{key}_added_per_step"] = statistics.median(deltas)
+        res[f"{arm}{key}_added_range"] = (min(deltas), max(deltas))
+        res[f"{arm}{key}_added_pct"] = statistics.median(deltas) / plain * 100
     return res
 
 
@@ -254,14 +255,14 @@ def main() -> None:
                 print(f"  {arm:10s} {res[f'{arm}{key}_added_per_step']:+9,.0f} instructions/step "
                       f"({res[f'{arm}{key}_added_pct']:+.3f}%; rounds {lo:+,.0f} .. {hi:+,.0f})"
                       f"  [{label}]")
-        for key, label in (("i1_misses", "L1 instruction-cache misses"),
-                           ("d1_misses", "L1 data-cache misses")):
-            if f"plain_{key}_per_step" not in res:
+        for key, label in (("_i1_misses", "L1 instruction-cache misses"),
+                           ("_d1_misses", "L1 data-cache misses")):
+            if f"plain{key}_per_step" not in res:
                 continue
-            print(f"  {label}: plain loop {res[f'plain_{key}_per_step']:,.0f}/step")
+            print(f"  {label}: plain loop {res[f'plain{key}_per_step']:,.0f}/step")
             for arm in ARMS[1:]:
-                print(f"  {arm:10s} {res[f'{arm}_{key}_added_per_step']:+9,.0f} /step "
-                      f"({res[f'{arm}_{key}_added_pct']:+.2f}%)")
+                print(f"  {arm:10s} {res[f'{arm}{key}_added_per_step']:+9,.0f} /step "
+                      f"({res[f'{arm}{key}_added_pct']:+.2f}%)")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 from torch.utils.data import dataloader as _dl
+from torch.utils.data._utils.worker import _worker_loop  # a DataLoader worker's target
 
 from trainprof.capture.clock import FAST, StepClock
 from trainprof.capture.device_timer import (
@@ -505,7 +506,6 @@ class Instrumentation:
         # Training in child processes (torch.multiprocessing.spawn) runs unmeasured:
         # the summary says so rather than only "no step seen" (see Recorder._notes).
         started = self.started_processes
-        from torch.utils.data._utils.worker import _worker_loop  # a DataLoader worker's target
 
         def make_start(orig: Callable[[Any], None]) -> Callable[[Any], None]:
             def start(process: Any) -> None:

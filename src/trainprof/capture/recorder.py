@@ -241,7 +241,8 @@ class Recorder:
         inst = self.instrumentation
         others = [] if inst is None else [name for _, name in inst.started_processes]
         if others:
-            shown = ", ".join(sorted(set(others))[:3]) + (", ..." if len(set(others)) > 3 else "")
+            names = sorted(set(others))
+            shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
             where = ("no step ran in this process; training there (torch.multiprocessing.spawn "
                      "and the like) is not measured" if self.clock.n_steps == 0 else
                      "only this process is measured")
