@@ -242,10 +242,11 @@ def test_the_slowest_stage_in_the_workers_names_the_cause():
 def test_measurements_that_cannot_decide_leave_it_to_the_sampled_cpu_use():
     sysinfo = {"n_samples": 20, "proc_cpu_pct": 100.0, "workers_cpu_pct": 40.0,
                "sys_cpu_pct": 70.0}
-    # workers idle most of the time: their stages are not what the loop waits for
+    # workers idle most of the time: their stages are not what the loop waits for, and
+    # their low CPU use (20% each) is idleness, not blocked reads
     f, _, _ = diagnose_with(entry(0.1, 0.0, 0.9, 0.5, busy=0.3), system=sysinfo)
-    assert f["cause"] == "slow_reads"  # 20% CPU per worker, as without measurements
-    assert "busy_share" not in f["title"] and "ms of CPU" not in f["title"]
+    assert f["cause"] == "undetermined"
+    assert "busy only 30% of the time" in f["fix"]["text"] and "ms of CPU" not in f["title"]
     assert f["evidence"]["worker_busy_share"] == 0.3
     # too few samples measured
     f, _, _ = diagnose_with(entry(0.1, 0.0, 0.9, 0.5, samples=8), system=sysinfo)
@@ -448,7 +449,7 @@ def test_a_slow_collate_is_named(tmp_path):
     doc = run_script(tmp_path, """
 class Cheap(Dataset):
     def __len__(self):
-        return 128
+        return 512  # 32 batches a worker: the start-up stall is a small part of their time
     def __getitem__(self, i):
         return [float(v) for v in range(16)], i % 2
 
@@ -466,10 +467,10 @@ if __name__ == "__main__":
         opt.zero_grad(); loss.backward(); opt.step()
 """)
     w = loader_entry(doc)
-    assert w["batches"] == 16 and w["samples"] == 128
+    assert w["batches"] == 64 and w["samples"] == 512
     # cheap samples: timed per batch after each worker's first batch (a batch stretched by
     # preemption on the busy machine may be timed per sample again: it costs little)
-    assert w["samples_timed"] < 64, w
+    assert w["samples_timed"] < 128, w
     assert w["collate_ms"]["mean"] >= 14.0, w
     assert w["fetch_split"]["collate"] > 0.8, w
     f = input_finding(doc)

@@ -32,10 +32,12 @@ are not counted here. The ladder:
    when cores are idle and the workers do not wait for one, else ``cpu_transforms``.
    Workers that wait for a core count as CPU-bound, not blocked: that wait is a CPU
    shortage. Only when the workers are busy (at least :data:`BUSY` of their time
-   since their first batch) and measured :data:`MIN_SAMPLES` samples; otherwise the
-   workers are not what the loop waits for, and step 4 decides.
-4. Without them (a run recorded by an older trainprof, a trace), "blocked vs CPU" is
-   estimated from the workers' CPU use sampled from outside.
+   since their first batch) and measured :data:`MIN_SAMPLES` samples. Measured
+   workers that are mostly idle are not what the loop waits for: ``undetermined``,
+   and the fix points at how batches reach the training process (their low CPU use
+   is idleness, not blocked reads).
+4. Without them (fewer samples, a run recorded by an older trainprof, a trace),
+   "blocked vs CPU" is estimated from the workers' CPU use sampled from outside.
 """
 
 from __future__ import annotations
@@ -308,6 +310,10 @@ def data_wait(ctx: Context) -> Finding | None:
             cause = "too_few_workers"
         else:
             cause = "cpu_transforms"
+    elif stage is not None and nw > 0:
+        # measured, but the workers mostly wait to be asked: their speed is not what the
+        # loop waits for, and their low CPU use says nothing about reads
+        cause = "undetermined"
     elif per_worker is None:
         cause = "too_few_workers" if cores and nw < cores else "undetermined"
     elif per_worker < BLOCKED:
