@@ -15,23 +15,55 @@ from pathlib import Path
 from typing import Any
 
 from trainprof.analysis.deep import trace_findings
+from trainprof.analysis.ranks import merge_ranks, pick_main, rank_dirs
+from trainprof.analysis.steps import complete_steps
 from trainprof.analysis.summary import summarize_run
 from trainprof.capture.window import Schedule, WindowRunner, parse_spec
 from trainprof.report.json_report import render_json
 from trainprof.report.terminal import render_summary
-from trainprof.store import Run, default_run_dir, load_run, save_summary
+from trainprof.store import RANKS_DIR, RUN_JSON, Run, default_run_dir, load_run, save_summary
 
 
-def analyse(run: Run) -> dict[str, Any]:
-    """The summary of a Run with its findings: what every output renders."""
+def _diagnosed(summary: dict[str, Any], run: Run) -> dict[str, Any]:
+    """``summary`` with its findings, from the summary and ``run``'s step records."""
     from trainprof.diagnosis import diagnose
 
-    summary = summarize_run(run)
     findings = diagnose(summary, run.steps)
     # what only a deep window's trace can show (tensor cores, launches, copies), ranked in
     deep_only = trace_findings(summary.get("deep"), {f["category"] for f in findings})
     summary["findings"] = sorted(findings + deep_only, key=lambda f: -f["estimated_gain"])
     return summary
+
+
+def analyse(run: Run) -> dict[str, Any]:
+    """The summary of a Run with its findings: what every output renders."""
+    return _diagnosed(summarize_run(run), run)
+
+
+def analyse_folder(run_dir: Path) -> tuple[dict[str, Any], Run]:
+    """The summary of a run folder, its ranks merged, and the Run its figures come from.
+
+    A folder with ranks (``ranks/<k>/``: processes the script started, or a torchrun
+    launch, which has no record of its own) is summarised rank by rank and merged
+    (:mod:`trainprof.analysis.ranks`); any other folder is one Run.
+    """
+    run_dir = Path(run_dir)
+    ranks = rank_dirs(run_dir)
+    if not ranks or (run_dir / RUN_JSON).exists():
+        own_run = load_run(run_dir)
+        if not ranks:
+            return analyse(own_run), own_run
+    else:
+        own_run = None
+    rank_runs = {label: load_run(path) for label, path in ranks}
+    merged = merge_ranks(
+        run_dir,
+        analyse(own_run) if own_run is not None else None,
+        [(label, analyse(run), run.meta) for label, run in rank_runs.items()],
+    )
+    main_run = own_run if merged["main_rank"] is None else rank_runs[merged["main_rank"]]
+    assert main_run is not None
+    return _diagnosed(merged, main_run), main_run
 
 
 #: Default window of cProfile / line_profiler: no warm-up needed, more steps than torch.profiler
@@ -92,23 +124,46 @@ def build_windows(
     return runners
 
 
+def load_main_run(run_dir: Path) -> Run:
+    """The Run whose figures stand for a folder: its own, or the main rank's (analysis.ranks).
+
+    For the commands that read one record (``compare``, ``export``): a torchrun launch's
+    folder has no record of its own, and a script that spawned its ranks trained in them.
+    """
+    run_dir = Path(run_dir)
+    ranks = rank_dirs(run_dir)
+    if not ranks:
+        return load_run(run_dir)
+    own = load_run(run_dir) if (run_dir / RUN_JSON).exists() else None
+    runs = {label: load_run(path) for label, path in ranks}
+    label = pick_main(None if own is None else len(complete_steps(own.steps)),
+                      [(k, len(complete_steps(r.steps))) for k, r in runs.items()])
+    main = own if label is None else runs[label]
+    assert main is not None
+    return main
+
+
 def finalize_run(run_dir: Path, html: bool = False) -> dict[str, Any]:
     """Summarise a closed Run folder, diagnose it, and store both in it (findings.json).
 
     ``html``: also write ``RUN_DIR/report.html``. A report that cannot be
     written is a note on stderr, never a lost run: the record is already safe.
     """
-    run = load_run(run_dir)
-    summary = analyse(run)
+    summary, run = analyse_folder(run_dir)
     save_summary(run_dir, summary)
     if html:
-        try:
-            path = write_html(summary, run)
-        except Exception as exc:  # noqa: BLE001 - the run's record matters more than its page
-            print(f"trainprof: HTML report not written: {exc}", file=sys.stderr)
-        else:
-            print(f"trainprof: HTML report {path}", file=sys.stderr)
+        _write_html_noted(summary, run, Path(run_dir) / "report.html")
     return summary
+
+
+def _write_html_noted(summary: dict[str, Any], run: Run, path: Path) -> None:
+    """Write the HTML report; one that cannot be written is a line on stderr."""
+    try:
+        written = write_html(summary, run, path)
+    except Exception as exc:  # noqa: BLE001 - the run's record matters more than its page
+        print(f"trainprof: HTML report not written: {exc}", file=sys.stderr)
+    else:
+        print(f"trainprof: HTML report {written}", file=sys.stderr)
 
 
 @contextmanager
@@ -174,12 +229,19 @@ def run_command(
     and cProfile; ``lines``: line_profiler targets. Returns the script's exit code.
     """
     from trainprof.capture.launcher import check_target, run_target
+    from trainprof.capture.ranks import default_launch_dir, launcher_rank
     from trainprof.capture.recorder import Recorder
 
     check_target(target, module)
     if name is None:
         name = target.rsplit(".", 1)[-1] if module else Path(target).stem
-    run_dir = out if out is not None else default_run_dir(name)
+    # under torchrun: one record per rank, under ranks/ of one folder for the launch
+    launch = launcher_rank()
+    if launch is not None:
+        launch_dir = out if out is not None else default_launch_dir(name, launch.rank)
+        run_dir = launch_dir / RANKS_DIR / str(launch.rank)
+    else:
+        run_dir = out if out is not None else default_run_dir(name)
     command = [sys.executable, *(["-m", target] if module else [target]), *args]
     recorder = Recorder(
         run_dir,
@@ -215,21 +277,44 @@ def run_command(
             recorder.stop(outcome.status, outcome.exit_code)
         return outcome
 
+    def summarize() -> dict[str, Any] | None:
+        """The summary to print: this run's, or under torchrun the launch's, ranks merged,
+        from its local rank 0 only (None: this rank prints none)."""
+        summary = finalize_run(run_dir, html=html and launch is None)
+        if launch is None:
+            return summary
+        if launch.local_rank != 0:
+            print(f"trainprof: rank {launch.rank} recorded to {run_dir}", file=sys.stderr)
+            return None
+        from trainprof.capture.ranks import wait_for_ranks
+
+        missing = wait_for_ranks(launch_dir, launch.local_world_size)
+        summary, main_run = analyse_folder(launch_dir)
+        if missing:
+            summary["notes"] = [*summary.get("notes", []), "ranks not closed when this summary "
+                                f"was printed: {', '.join(missing)} (`trainprof report "
+                                f"{launch_dir}` merges them later)"]
+        if html:
+            _write_html_noted(summary, main_run, launch_dir / "report.html")
+        return summary
+
     if json_out:
         with stdout_to_stderr() as real_stdout:
             outcome = execute()
             if outcome.message:
                 print(outcome.message, file=sys.stderr)
-            summary = finalize_run(run_dir, html=html)
-            with os.fdopen(os.dup(real_stdout), "w") as f:
-                render_json(summary, f)
+            summary = summarize()
+            if summary is not None:
+                with os.fdopen(os.dup(real_stdout), "w") as f:
+                    render_json(summary, f)
         return outcome.exit_code
     outcome = execute()
     if outcome.message:
         print(outcome.message, file=sys.stderr)
-    summary = finalize_run(run_dir, html=html)
+    summary = summarize()
     sys.stderr.flush()
-    render_summary(summary)
+    if summary is not None:
+        render_summary(summary)
     return outcome.exit_code
 
 
@@ -247,14 +332,14 @@ def report_command(run_dir: Path, json_out: bool = False, html: Path | bool | No
     """
     # Diagnosed again rather than read from findings.json: a run killed before
     # finalize_run has none stored, and the installed trainprof's rules apply.
-    run = load_run(run_dir)
-    summary = analyse(run)
+    summary, run = analyse_folder(run_dir)
     if json_out:
         render_json(summary)
     else:
         render_summary(summary)
     if html is not None:
-        path = write_html(summary, run, None if html is True else Path(html))
+        path = write_html(summary, run, Path(run_dir) / "report.html" if html is True
+                           else Path(html))
         print(f"trainprof: HTML report written to {path}", file=sys.stderr)
     return 0
 
@@ -284,7 +369,7 @@ def compare_command(
     """``trainprof compare``: B against A; exit 1 on a significant slowdown (``fail_if_slower``)."""
     from trainprof.analysis.compare import compare_runs, exceeds_slowdown
 
-    result = compare_runs(load_run(run_a), load_run(run_b))
+    result = compare_runs(load_main_run(run_a), load_main_run(run_b))
     if json_out:
         render_json(result)
     else:
@@ -307,7 +392,7 @@ def export_command(run_dir: Path, *, perfetto: Path) -> int:
     """``trainprof export --perfetto``: one Chrome-trace JSON of the run for Perfetto."""
     from trainprof.report.perfetto import export_perfetto
 
-    stats = export_perfetto(load_run(run_dir), perfetto)
+    stats = export_perfetto(load_main_run(run_dir), perfetto)
     print(f"trainprof: wrote {perfetto} ({stats.get('events', 0)} events); "
           "open it in https://ui.perfetto.dev or chrome://tracing", file=sys.stderr)
     return 0

@@ -43,6 +43,8 @@ STEP_DTYPE = np.dtype([(name, "<i8") for name in STEP_FIELDS])
 DEVICE_DTYPE = np.dtype([(name, "<i8") for name in DEVICE_FIELDS])
 
 RUN_JSON = "run.json"
+#: Sub-folder of a run with one run folder per rank (trainprof.capture.ranks).
+RANKS_DIR = "ranks"
 DEVICE_BIN = "device.bin"
 STEPS_BIN = "steps.bin"
 SAMPLES_JSONL = "samples.jsonl"
@@ -56,11 +58,16 @@ def now_iso() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds")
 
 
+def safe_name(name: str) -> str:
+    """``name`` with anything but letters, digits, ``-_.`` replaced: a folder name part."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "run"
+
+
 def default_run_dir(name: str, root: Path | None = None) -> Path:
     """``./trainprof-runs/<timestamp>-<name>/``, made unique if it already exists."""
     root = root if root is not None else Path.cwd() / "trainprof-runs"
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "run"
+    safe = safe_name(name)
     path = root / f"{stamp}-{safe}"
     n = 1
     while path.exists():
@@ -181,6 +188,20 @@ def _process_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+    return True
+
+
+def record_is_open(run_dir: Path) -> bool:
+    """True while the process that writes this record still runs it (see :func:`load_run`)."""
+    try:
+        meta = orjson.loads((Path(run_dir) / RUN_JSON).read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return True  # not written yet
+    if not isinstance(meta, dict) or meta.get("status") != "running":
+        return False
+    pid = meta.get("pid")
+    if meta.get("hostname") == socket.gethostname() and isinstance(pid, int):
+        return _process_alive(pid)
     return True
 
 

@@ -57,6 +57,7 @@ from trainprof.capture.device_timer import (
     OPT_BEGIN,
     OPT_END,
 )
+from trainprof.capture.ranks import ChildRuns
 from trainprof.capture.worker import WorkerCapture
 from trainprof.schema import (
     BACKWARD,
@@ -236,6 +237,8 @@ class Instrumentation:
         self.forward_roots: list[str] = []
         #: (pid, name) of the processes the script started, DataLoader workers aside
         self.started_processes: list[tuple[int, str]] = []
+        #: records the processes that may train, one run folder each (None: none recorded)
+        self.child_runs: ChildRuns | None = None
 
     def _patch(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
         # An inherited attribute (Tensor.item lives on TensorBase) is restored
@@ -505,11 +508,15 @@ class Instrumentation:
         # -- processes the script starts -----------------------------------
         # Training in child processes (torch.multiprocessing.spawn) runs unmeasured:
         # the summary says so rather than only "no step seen" (see Recorder._notes).
+        # Those that may train are recorded in RUN_DIR/ranks/ (trainprof.capture.ranks).
         started = self.started_processes
+        child_runs = self.child_runs
 
         def make_start(orig: Callable[[Any], None]) -> Callable[[Any], None]:
             def start(process: Any) -> None:
                 loader_worker = getattr(process, "_target", None) is _worker_loop
+                if child_runs is not None and not loader_worker:
+                    child_runs.prepare(process)
                 orig(process)  # (which drops process._target)
                 if not loader_worker:
                     with contextlib.suppress(Exception):

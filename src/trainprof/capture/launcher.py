@@ -192,7 +192,7 @@ def _run_file_as_main(path: Path) -> None:
             sys.modules["__main__"] = saved_main
 
 
-def _exit_code(code: object) -> tuple[int, str | None]:
+def exit_code_of(code: object) -> tuple[int, str | None]:
     if code is None:
         return 0, None
     if isinstance(code, int):
@@ -219,7 +219,7 @@ def run_target(target: str, args: list[str], module: bool) -> Outcome:
             else:  # a directory or zip with __main__.py
                 runpy.run_path(target, run_name="__main__")
     except SystemExit as exc:
-        code, message = _exit_code(exc.code)
+        code, message = exit_code_of(exc.code)
         return Outcome("finished", code, message)
     except StopTraining as exc:
         return Outcome("finished", 0, f"trainprof: stopped the script: {exc}")

@@ -26,6 +26,7 @@ from trainprof.capture.device_timer import DeviceTimer
 from trainprof.capture.fingerprint import collect_fingerprint
 from trainprof.capture.hooks import Instrumentation, LoaderRegistry
 from trainprof.capture.knobs import install_knobs
+from trainprof.capture.ranks import RANKS_DIR, ChildRuns
 from trainprof.capture.sampler_process import SamplerProcess
 from trainprof.capture.window import WindowRunner
 from trainprof.capture.worker import MAIN_REARM_HZ, WORKERS_DIR, WorkerCapture
@@ -47,6 +48,19 @@ def active_recorder() -> Recorder | None:
     return _active
 
 
+def forget_inherited_recorder() -> bool:
+    """In a forked child: the parent's recorder (a copy) is not ours. True if there was one.
+
+    Its instrumentation was undone at fork; ``trainprof tune``'s overrides (knobs) stay
+    in place, as they were in the parent.
+    """
+    global _active
+    if _active is not None and _active.pid != os.getpid():
+        _active = None
+        return True
+    return False
+
+
 class Recorder:
     """Always-on capture of one training run into one Run folder."""
 
@@ -62,8 +76,10 @@ class Recorder:
         auto: bool = True,
         fingerprint: bool = True,
         windows: list[WindowRunner] | None = None,
+        knobs: bool = True,
     ) -> None:
         self.run_dir = run_dir
+        self._knobs_enabled = knobs  # off in a forked child: the parent's are in place
         self.clock = StepClock(max_steps=max_steps)
         #: heavy tools over bounded windows of steps (--deep, --py, --lines)
         self.windows = list(windows or [])
@@ -96,6 +112,13 @@ class Recorder:
         self.instrumentation = (
             Instrumentation(self.clock, self.loaders, self.worker_capture) if auto else None
         )
+        # processes the script starts that may train: a run folder each, under ranks/
+        self.child_runs = ChildRuns(run_dir, name=name, command=command,
+                                    sample_interval_s=sample_interval_s, max_steps=max_steps)
+        if self.instrumentation is not None:
+            self.instrumentation.child_runs = self.child_runs
+        self.pid = os.getpid()
+        self._distributed_seen = False
         self.sampler = SamplerProcess(run_dir / SAMPLES_JSONL, interval_s=sample_interval_s,
                                       pid=os.getpid())
         self.loaders.on_workers = self.sampler.set_worker_pids
@@ -111,7 +134,7 @@ class Recorder:
         if _active is not None:
             raise RuntimeError("a trainprof recorder is already running in this process")
         # trainprof tune's overrides (TRAINPROF_KNOBS), before the script runs; None otherwise
-        self.knobs = install_knobs()
+        self.knobs = install_knobs() if self._knobs_enabled else None
         if self.knobs is not None:
             self.writer.update_meta(knobs=self.knobs.record())
         _active = self
@@ -228,9 +251,29 @@ class Recorder:
             # CUDA came up in the script: time phases on the device from now on
             self.clock.device = DeviceTimer.for_cuda()
         self.worker_capture.flush()  # num_workers=0 loading timed in this process
+        self._note_distributed()
         if not self._fingerprinted and (self.clock.n_steps > 0 or self._stopped):
             self._fingerprinted = True
             self.writer.update_meta(fingerprint=collect_fingerprint(self._script, self._command))
+
+    def _note_distributed(self) -> None:
+        """This process's torch.distributed rank, once its process group is up.
+
+        Looked at from the flush thread (once a second) and at the end: a script may
+        destroy its process group before it returns.
+        """
+        if self._distributed_seen:
+            return
+        dist = sys.modules.get("torch.distributed")
+        try:
+            if dist is None or not dist.is_available() or not dist.is_initialized():
+                return
+            info = {"rank": dist.get_rank(), "world_size": dist.get_world_size(),
+                    "backend": str(dist.get_backend())}
+        except Exception:  # noqa: BLE001 - a group torn down meanwhile: try again later
+            return
+        self._distributed_seen = True
+        self.writer.update_meta(distributed=info)
 
     def _notes(self) -> list[str]:
         """What a reader of the summary should know about how the run was measured."""
@@ -239,16 +282,25 @@ class Recorder:
             notes.append(f"steps measured in thread {self.clock.adopted_thread!r}, where the "
                          "first optimizer step ran (not the thread that started trainprof)")
         inst = self.instrumentation
-        others = [] if inst is None else [name for _, name in inst.started_processes]
+        started = [] if inst is None else [name for _, name in inst.started_processes]
+        recorded = self.child_runs.recorded
+        if recorded:
+            labels = ", ".join(label for label, _ in recorded[:8])
+            labels += ", ..." if len(recorded) > 8 else ""
+            notes.append(f"the script started {len(recorded)} process"
+                         f"{'es' if len(recorded) > 1 else ''} that may train: each is "
+                         f"recorded in {RANKS_DIR}/<k>/ of this run (k = {labels})")
+        recorded_names = [name for _, name in recorded]
+        others = list(started)
+        for name in recorded_names:
+            if name in others:
+                others.remove(name)
         if others:
             names = sorted(set(others))
             shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-            where = ("no step ran in this process; training there (torch.multiprocessing.spawn "
-                     "and the like) is not measured" if self.clock.n_steps == 0 else
-                     "only this process is measured")
-            notes.append(f"the script started {len(others)} process"
-                         f"{'es' if len(others) > 1 else ''} besides DataLoader workers "
-                         f"({shown}): {where}")
+            notes.append(f"{len(others)} other process{'es' if len(others) > 1 else ''} "
+                         f"({shown}) not measured: pool and manager helpers, or a Process "
+                         "subclass with a run() of its own")
         return notes
 
     @staticmethod

@@ -38,6 +38,7 @@ FAMILIES: tuple[str, ...] = (
     "noise",
     "python_loop",
     "device",
+    "distributed",
 )
 
 _RULES: dict[str, RuleFn] = {}

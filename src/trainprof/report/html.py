@@ -83,7 +83,7 @@ _KNOWN_KEYS = frozenset(
         "duration_s", "steps", "breakdown", "breakdown_detail", "samples_per_s", "steps_per_s",
         "syncs", "gc", "regions", "dataloaders", "system", "device", "environment", "missing",
         "notes", "findings", "recorded_status", "deep", "python_profile", "line_profile",
-        "telemetry", "workers",
+        "telemetry", "workers", "ranks", "rank_spread", "samples_per_s_all_ranks", "main_rank",
     }
 )
 
@@ -544,6 +544,32 @@ _DEEP_HIDDEN = frozenset({"kind", "schema_version", "findings", "breakdown_pct",
 _DEEP_ROWS = 20
 
 
+def _ranks_section(s: dict[str, Any]) -> str:
+    """A line per rank of a merged run (analysis.ranks), then how far apart they are."""
+    rows = [
+        {
+            "rank": r.get("label"),
+            "status": r.get("status"),
+            "exit_code": r.get("exit_code"),
+            "steps": r.get("steps"),
+            "median_s": r.get("median_s"),
+            "p90_s": r.get("p90_s"),
+            "data_wait_share": r.get("data_wait"),
+            "data_wait_s": r.get("data_wait_s"),
+            "samples_per_s": r.get("samples_per_s"),
+            "run_dir": r.get("run_dir"),
+        }
+        for r in s.get("ranks") or []
+    ]
+    main = s.get("main_rank")
+    note = (f'<p class="note">The figures in the other sections are rank {esc(main)}\'s; '
+            "each rank's own report: <code>trainprof report RUN/ranks/&lt;k&gt; --html</code>."
+            "</p>" if main is not None else "")
+    spread = s.get("rank_spread")
+    extra = render_generic({"rank_spread": spread}) if spread else ""
+    return _table(rows, mono=("run_dir",)) + note + extra
+
+
 def _deep_section(deep: Any) -> str:
     """The deep-window trace analysis (``trainprof.analysis.trace``), shown generically.
 
@@ -842,6 +868,8 @@ def render_html(summary: dict[str, Any], run: Run, path: Path) -> Path:
     loader = _dataloader_section(s)
     if loader:
         sections.append(_section("dataloader", "Input pipeline", loader))
+    if s.get("ranks"):
+        sections.append(_section("ranks", "Ranks", _ranks_section(s)))
     if s.get("deep"):
         sections.append(_section("deep", "Deep window (torch.profiler trace)",
                                  _deep_section(s["deep"])))

@@ -140,6 +140,40 @@ def _worker_rows(workers: dict[str, Any] | None) -> list[tuple[str, str]]:
 _PART_SEP = " · "
 
 
+def _rank_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """A line per rank of a merged run (analysis.ranks), then how far apart they are."""
+    rows: list[tuple[str, str]] = []
+    for r in summary.get("ranks") or []:
+        parts = [str(r.get("status"))]
+        if r.get("exit_code") not in (0, None):
+            parts[0] += f" (exit {r['exit_code']})"
+        if r.get("rank") is not None and str(r["rank"]) != r["label"]:
+            parts.append(f"torch.distributed rank {r['rank']}")
+        if r.get("steps"):
+            parts.append(f"{r['steps']} steps")
+        else:
+            parts.append("no step")
+        if r.get("median_s") is not None:
+            parts.append(f"median {fmt_time(r['median_s'])} (p90 {fmt_time(r['p90_s'])})")
+        if r.get("data_wait") is not None and r.get("steps"):
+            parts.append(f"data wait {r['data_wait'] * 100:.1f}%")
+        if r.get("samples_per_s"):
+            parts.append(f"{r['samples_per_s']:,.0f} samples/s")
+        rows.append((f"Rank {r['label']}", " · ".join(parts)))
+    spread = summary.get("rank_spread")
+    if spread:
+        line = (f"median step {spread['spread_pct']:.0f}% apart (slowest rank "
+                f"{spread['slowest_rank']}, fastest {spread['fastest_rank']})")
+        if spread.get("data_wait_spread_s"):
+            waits = spread["data_wait_s"]
+            line += (f" · data wait per step {fmt_time(waits[spread['most_data_wait_rank']])} "
+                     f"(rank {spread['most_data_wait_rank']}) to "
+                     f"{fmt_time(waits[spread['least_data_wait_rank']])} "
+                     f"(rank {spread['least_data_wait_rank']})")
+        rows.append(("Ranks", line))
+    return rows
+
+
 def _fit(value: str, room: int) -> str:
     """Break a long value between its parts so each line fits in ``room`` columns.
 
@@ -220,6 +254,8 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
             thr.append(f"{summary['samples_per_s']:,.0f} samples/s")
         if summary.get("steps_per_s"):
             thr.append(f"{summary['steps_per_s']:,.1f} steps/s")
+        if summary.get("samples_per_s_all_ranks"):
+            thr.append(f"all ranks {summary['samples_per_s_all_ranks']:,.0f} samples/s")
         table.add_row("Throughput", " · ".join(thr) or "—")
     breakdown = summary.get("breakdown")
     if breakdown:
@@ -297,6 +333,8 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
             f"{ops['steps_sampled']} steps)",
         )
     for label, line in _deep_rows(summary.get("deep")):
+        table.add_row(label, line)
+    for label, line in _rank_rows(summary):
         table.add_row(label, line)
     findings = summary.get("findings") or []
     if findings:

@@ -1,0 +1,176 @@
+"""The ranks of one run, merged: DESIGN.md's "one record per rank, merged".
+
+A run whose training happened in several processes has one complete run folder
+per process under ``RUN_DIR/ranks/<k>/`` (:mod:`trainprof.capture.ranks`). Each is
+summarised on its own, exactly as ``trainprof report RUN_DIR/ranks/<k>`` would; the
+merged document is then the *main* record's summary - the run's own when its
+process trained, else the lowest-numbered rank with steps (rank 0 in the usual
+data-parallel run: every rank runs the same loop) - with, added:
+
+``ranks``
+    a row per rank: its status, steps, median / p10 / p90 step time, data-wait
+    share and seconds per step, samples/s, and its torch.distributed rank when the
+    process group was up;
+``rank_spread``
+    the spread of median step times across the ranks with steps, defined as for
+    merged torch.profiler traces (:func:`trainprof.analysis.trace.analyse.merge_ranks`):
+    ``(slowest - fastest) / slowest``, the share of the slowest rank's step that the
+    fastest would wait for at a collective; and the spread of data-wait seconds
+    per step, the usual cause of a straggler that synchronous data parallelism hides
+    (every rank's *step* takes as long as the slowest rank's: the others wait inside
+    backward, in the gradient all-reduce);
+``samples_per_s_all_ranks``
+    the run's throughput, the sum over ranks (each rank loads its own share of the data).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from trainprof.store import RANKS_DIR, RUN_JSON
+
+#: How a merged run's status is told from its ranks' when it has no record of its own
+#: (a torchrun launch): the worst one wins.
+_STATUS_ORDER = ("crashed", "interrupted", "running", "finished")
+
+
+def _label_key(label: str) -> tuple[int, int | str]:
+    return (0, int(label)) if label.isdigit() else (1, label)
+
+
+def rank_dirs(run_dir: Path) -> list[tuple[str, Path]]:
+    """``(label, folder)`` of every rank recorded under ``run_dir/ranks``, in rank order."""
+    root = Path(run_dir) / RANKS_DIR
+    if not root.is_dir():
+        return []
+    found = [(p.name, p) for p in root.iterdir() if (p / RUN_JSON).is_file()]
+    return sorted(found, key=lambda item: _label_key(item[0]))
+
+
+def _data_wait_s(summary: dict[str, Any]) -> float | None:
+    """Mean seconds per steady step spent waiting for data (share x mean step)."""
+    share = (summary.get("breakdown") or {}).get("data_wait")
+    mean = (summary.get("steps") or {}).get("mean_s")
+    if share is None or mean is None:
+        return None
+    return float(share) * float(mean)
+
+
+def rank_row(label: str, summary: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    """One rank's line of the merged view."""
+    steps = summary.get("steps") or {}
+    dist = meta.get("distributed") or {}
+    return {
+        "label": label,
+        "rank": dist.get("rank"),
+        "world_size": dist.get("world_size"),
+        "pid": meta.get("pid"),
+        "run_dir": summary.get("run_dir"),
+        "status": summary.get("status"),
+        "exit_code": summary.get("exit_code"),
+        "steps": steps.get("count", 0),
+        "median_s": steps.get("median_s"),
+        "p10_s": steps.get("p10_s"),
+        "p90_s": steps.get("p90_s"),
+        "data_wait": (summary.get("breakdown") or {}).get("data_wait"),
+        "data_wait_s": _data_wait_s(summary),
+        "samples_per_s": summary.get("samples_per_s"),
+        "findings": [f.get("category") for f in summary.get("findings") or []],
+    }
+
+
+def rank_spread(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """How far apart the ranks with steady steps are (see the module docstring)."""
+    timed = [r for r in rows if r.get("median_s")]
+    if len(timed) < 2:
+        return None
+    slow = max(timed, key=lambda r: r["median_s"])
+    fast = min(timed, key=lambda r: r["median_s"])
+    out: dict[str, Any] = {
+        "median_step_s": {r["label"]: r["median_s"] for r in timed},
+        "slowest_rank": slow["label"],
+        "fastest_rank": fast["label"],
+        "spread_pct": (slow["median_s"] - fast["median_s"]) / slow["median_s"] * 100.0,
+    }
+    waits = [r for r in timed if r.get("data_wait_s") is not None]
+    if len(waits) >= 2:
+        most = max(waits, key=lambda r: r["data_wait_s"])
+        least = min(waits, key=lambda r: r["data_wait_s"])
+        out["data_wait_s"] = {r["label"]: r["data_wait_s"] for r in waits}
+        out["most_data_wait_rank"] = most["label"]
+        out["least_data_wait_rank"] = least["label"]
+        out["data_wait_spread_s"] = most["data_wait_s"] - least["data_wait_s"]
+    return out
+
+
+def pick_main(own_steps: int | None, rank_steps: list[tuple[str, int]]) -> str | None:
+    """The label of the rank whose figures lead the merged view (None: the run's own).
+
+    ``own_steps``: the run's own step count (None: a launch, no record of its own);
+    ``rank_steps``: ``(label, step count)`` per rank, in rank order.
+    """
+    if own_steps:
+        return None
+    with_steps = [label for label, n in rank_steps if n]
+    if with_steps:
+        return with_steps[0]
+    return None if own_steps is not None or not rank_steps else rank_steps[0][0]
+
+
+def _count(summary: dict[str, Any]) -> int:
+    return int((summary.get("steps") or {}).get("count") or 0)
+
+
+def merged_status(ranks: list[tuple[str, dict[str, Any]]]) -> tuple[str, int | None]:
+    """A launch's status and exit code from its ranks' (no record of its own): the worst."""
+    statuses = [str(s.get("status")) for _, s in ranks]
+    status = next((st for st in _STATUS_ORDER if st in statuses), "finished")
+    codes = [s.get("exit_code") for _, s in ranks]
+    code = next((c for c in codes if c not in (0, None)), 0 if codes else None)
+    return status, code
+
+
+def merge_ranks(
+    run_dir: Path,
+    own: dict[str, Any] | None,
+    ranks: list[tuple[str, dict[str, Any], dict[str, Any]]],
+) -> dict[str, Any]:
+    """The merged summary of a run with ranks (see the module docstring).
+
+    ``own``: the run's own summary (None for a launch with no record of its own);
+    ``ranks``: ``(label, summary, meta)`` per rank, each summary complete with its
+    findings. The caller diagnoses the merged document again (the distributed rules
+    read ``ranks`` and ``rank_spread``).
+    """
+    main_label = pick_main(None if own is None else _count(own),
+                           [(label, _count(s)) for label, s, _ in ranks])
+    by_label = {label: s for label, s, _ in ranks}
+    main = dict(own if main_label is None and own is not None else by_label[main_label or ""])
+    if own is not None:
+        # the run is the process the user started: its status, exit code and command
+        for key in ("status", "exit_code", "command", "name", "started_at", "ended_at",
+                    "duration_s"):
+            main[key] = own.get(key)
+        if "recorded_status" in own:
+            main["recorded_status"] = own["recorded_status"]
+    else:
+        main["status"], main["exit_code"] = merged_status([(lb, s) for lb, s, _ in ranks])
+    main["run_dir"] = str(run_dir)
+    main["main_rank"] = main_label
+    rows = [rank_row(label, s, meta) for label, s, meta in ranks]
+    main["ranks"] = rows
+    main["rank_spread"] = rank_spread(rows)
+    rates = [r["samples_per_s"] for r in rows if r.get("samples_per_s")]
+    main["samples_per_s_all_ranks"] = sum(rates) if rates else None
+    if main_label is not None:
+        # the rank's own notes, the launching process's (less the one this replaces)
+        own_notes = [n for n in (own or {}).get("notes") or [] if f"{RANKS_DIR}/<k>/" not in n]
+        main["notes"] = [
+            f"{len(rows)} ranks recorded under {RANKS_DIR}/: the figures above are rank "
+            f"{main_label}'s; every rank has a line under Ranks",
+            *own_notes,
+            *(main.get("notes") or []),
+        ]
+    main["findings"] = []  # diagnosed again on the merged document
+    return main

@@ -1,0 +1,316 @@
+"""Training processes of one run, one record each: ``RUN_DIR/ranks/<k>/``.
+
+Data-parallel training runs one training process per device, a *rank*. They are
+started either by the script itself (``torch.multiprocessing.spawn``, a
+``multiprocessing.Process`` per rank) or by a launcher that runs the whole command
+once per rank (``torchrun``, ``python -m torch.distributed.run``). Either way each
+rank gets a complete run folder of its own under ``ranks/`` of the run - the same
+record as any run (steps and phases, system samples of that process and its
+DataLoader workers), so one rank reads like any run
+(``trainprof report RUN_DIR/ranks/1``) - and ``trainprof report RUN_DIR`` merges
+them (:mod:`trainprof.analysis.ranks`): DESIGN.md's "one record per rank, merged".
+
+Processes the script starts
+---------------------------
+The instrumentation sees every ``multiprocessing`` process start
+(:mod:`trainprof.capture.hooks`). For one that may train, :class:`ChildRuns`
+swaps the process's target for a :class:`RecordedTarget` before it starts: a
+plain, picklable object (``spawn`` pickles the process; a ``fork`` child gets it
+as it is) that, in the child, starts a :class:`~trainprof.capture.recorder.Recorder`
+on ``RUN_DIR/ranks/<k>``, calls the real target and closes the record however it
+ends. For ``torch.multiprocessing.spawn`` the function given to ``spawn`` is
+wrapped, not torch's ``_wrap`` around it, so that its exception is seen (``_wrap``
+turns it into ``sys.exit(1)``) and ``k`` is spawn's process index: the rank, in
+the usual ``spawn(train, nprocs=world_size)``. Other processes get the next free
+number in start order. Never recorded: DataLoader workers (measured by
+:mod:`trainprof.capture.worker`), ``multiprocessing`` pool and manager processes
+and ``concurrent.futures`` process-pool workers (helpers, not training), and a
+``Process`` subclass that overrides ``run()`` instead of passing a target (its
+``run`` cannot be swapped without pickling the process into itself) - those are
+named in the run's notes.
+
+A launcher's ranks
+------------------
+Under ``torchrun`` every rank runs ``trainprof run`` with ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` set (the torch.distributed
+environment-variable contract). Each records into ``<out>/ranks/<RANK>``, where
+``<out>`` is ``--out`` (the same for every rank) or a default folder named after
+the launcher process's start time, which all ranks of one launch share.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from trainprof.store import RANKS_DIR, RUN_JSON, safe_name
+
+#: (module, qualified name) of process targets that are helpers, never training.
+_HELPER_TARGETS = frozenset({
+    ("multiprocessing.pool", "worker"),
+    ("multiprocessing.managers", "BaseManager._run_server"),
+    ("concurrent.futures.process", "_process_worker"),
+    ("torch.utils.data._utils.worker", "_worker_loop"),
+})
+
+
+def _qualified(target: Any) -> tuple[str, str]:
+    func = getattr(target, "__func__", target)  # a bound (class) method: its function
+    return (str(getattr(func, "__module__", "")), str(getattr(func, "__qualname__", "")))
+
+
+def is_helper_target(target: Any) -> bool:
+    """True for the targets of pool, manager and DataLoader worker processes."""
+    return _qualified(target) in _HELPER_TARGETS
+
+
+def _is_spawn_wrap(target: Any) -> bool:
+    return _qualified(target) == ("torch.multiprocessing.spawn", "_wrap")
+
+
+@dataclass
+class ChildSpec:
+    """What a recorded child needs to know to record itself (picklable)."""
+
+    run_dir: str
+    name: str
+    command: list[str]
+    label: str
+    sample_interval_s: float
+    max_steps: int | None
+
+
+class RecordedTarget:
+    """A process target that records the process while the real target runs.
+
+    Picklable when the target is (``spawn`` pickles it by reference, as it would
+    have pickled the target itself).
+    """
+
+    def __init__(self, target: Callable[..., Any], spec: ChildSpec) -> None:
+        self.target = target
+        self.spec = spec
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return run_recorded(self.target, self.spec, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"<trainprof recorded {self.target!r} -> {self.spec.run_dir}>"
+
+
+def run_recorded(
+    target: Callable[..., Any], spec: ChildSpec, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """In the child: record this process into ``spec.run_dir`` while ``target`` runs.
+
+    The record's status follows the launcher's table (:mod:`trainprof.capture.launcher`):
+    returned or ``sys.exit(n)`` - finished; raised - crashed (exit 1); Ctrl-C -
+    interrupted. The exception itself goes on as it would have, so ``spawn`` and
+    ``multiprocessing`` report it in the parent as usual. ``--max-steps`` ends the
+    target as if it had returned (every rank stops after the same number of steps,
+    so none is left waiting in a collective).
+    """
+    from trainprof.capture import recorder as recorder_module
+    from trainprof.capture.clock import StopTraining
+    from trainprof.capture.launcher import exit_code_of
+
+    # A forked child holds a copy of the parent's recorder; its patches were
+    # already undone at fork (hooks._uninstall_in_child). This process records anew.
+    forked = recorder_module.forget_inherited_recorder()
+    try:
+        rec = recorder_module.Recorder(
+            Path(spec.run_dir),
+            name=spec.name,
+            command=spec.command,
+            max_steps=spec.max_steps,
+            sample_interval_s=spec.sample_interval_s,
+            knobs=not forked,
+        )
+        rec.writer.update_meta(rank_label=spec.label, parent_pid=os.getppid())
+        rec.start()
+    except Exception as exc:  # noqa: BLE001 - the process must run, recorded or not
+        print(f"trainprof: process {spec.label} not recorded: {exc}", file=sys.stderr, flush=True)
+        return target(*args, **kwargs)
+    status, code = "finished", 0
+    try:
+        return target(*args, **kwargs)
+    except StopTraining as exc:
+        print(f"trainprof: stopped process {spec.label}: {exc}", file=sys.stderr, flush=True)
+        return None
+    except SystemExit as exc:
+        code = exit_code_of(exc.code)[0]
+        raise
+    except KeyboardInterrupt:
+        status, code = "interrupted", 130
+        raise
+    except BaseException:
+        status, code = "crashed", 1
+        raise
+    finally:
+        rec.stop(status, code)
+
+
+class ChildRuns:
+    """The parent's side: decides which started processes are recorded, and where.
+
+    Called by the instrumentation for every ``multiprocessing`` process the script
+    starts, before it starts (see the module docstring).
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        name: str,
+        command: list[str],
+        sample_interval_s: float,
+        max_steps: int | None,
+    ) -> None:
+        self.root = run_dir / RANKS_DIR
+        self._base = ChildSpec("", name, list(command), "", sample_interval_s, max_steps)
+        self._taken: set[str] = set()
+        self._lock = threading.Lock()
+        #: (label, process name) of the processes recorded, in start order
+        self.recorded: list[tuple[str, str]] = []
+        #: names of the processes that could not be recorded (a subclass's own run())
+        self.unrecorded: list[str] = []
+
+    def _claim(self, wanted: str | None) -> str:
+        with self._lock:
+            label = wanted
+            if label is None or label in self._taken or (self.root / label).exists():
+                n = 0
+                while str(n) in self._taken or (self.root / str(n)).exists():
+                    n += 1
+                label = str(n)
+            self._taken.add(label)
+            return label
+
+    def _spec(self, label: str) -> ChildSpec:
+        b = self._base
+        return ChildSpec(str(self.root / label), f"{b.name}-rank{label}", b.command, label,
+                         b.sample_interval_s, b.max_steps)
+
+    def prepare(self, process: Any) -> None:
+        """Swap ``process``'s target for a recorded one, unless it is a helper."""
+        target = getattr(process, "_target", None)
+        name = str(getattr(process, "name", "?"))
+        if target is None:
+            if type(process).run is not _base_run():  # a subclass with its own run()
+                self.unrecorded.append(name)
+            return
+        if is_helper_target(target) or isinstance(target, RecordedTarget):
+            return
+        args = tuple(getattr(process, "_args", ()))
+        if _is_spawn_wrap(target) and len(args) >= 2 and isinstance(args[1], int):
+            label = self._claim(str(args[1]))
+            process._args = (RecordedTarget(args[0], self._spec(label)), *args[1:])
+        else:
+            label = self._claim(None)
+            process._target = RecordedTarget(target, self._spec(label))
+        self.recorded.append((label, name))
+
+
+def _base_run() -> Callable[..., Any]:
+    import multiprocessing.process
+
+    return multiprocessing.process.BaseProcess.run
+
+
+# -- a launcher's ranks (torchrun) ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LauncherRank:
+    """This process's place in a launch by torchrun (the torch.distributed env contract)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+def launcher_rank(environ: Mapping[str, str] | None = None) -> LauncherRank | None:
+    """The rank this process was launched as, or None outside a multi-process launch.
+
+    ``RANK`` and ``WORLD_SIZE`` are what torchrun (and SLURM wrappers following the
+    same contract) set for every process; a world of one is an ordinary run.
+    """
+    env = os.environ if environ is None else environ
+    try:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None
+    if world < 2 or not 0 <= rank < world:
+        return None
+    try:
+        local = int(env.get("LOCAL_RANK", rank))
+        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+    except ValueError:
+        local, local_world = rank, world
+    return LauncherRank(rank, world, local, local_world)
+
+
+def _launcher_started() -> datetime:
+    """When the launcher (this process's parent) started: the same for all its ranks."""
+    try:
+        import psutil
+
+        return datetime.fromtimestamp(psutil.Process(os.getppid()).create_time())
+    except Exception:  # noqa: BLE001 - no parent to ask: this process's own start
+        return datetime.now()
+
+
+def default_launch_dir(name: str, rank: int, root: Path | None = None) -> Path:
+    """``./trainprof-runs/<launcher start>-<name>/``: one folder for all ranks of a launch.
+
+    Named after the launcher's start time, so that every rank picks the same folder
+    without talking to the others; a folder where this rank's record already exists
+    belongs to an earlier launch, and the next free suffix is taken (the same one
+    for every rank of this launch).
+    """
+    root = root if root is not None else Path.cwd() / "trainprof-runs"
+    stem = f"{_launcher_started().strftime('%Y%m%d-%H%M%S')}-{safe_name(name)}"
+    path, n = root / stem, 1
+    while (path / RANKS_DIR / str(rank) / RUN_JSON).exists():
+        n += 1
+        path = root / f"{stem}-{n}"
+    return path
+
+
+def wait_for_ranks(base: Path, expected: int, timeout_s: float = 60.0) -> list[str]:
+    """Wait until ``expected`` ranks have records under ``base/ranks`` and none is open.
+
+    Called by a launch's local rank 0 before it prints the merged summary: the ranks of
+    a synchronous job end within moments of each other, but each closes its own record.
+    Returns the labels still open (or missing) when ``timeout_s`` ran out: the summary
+    then says so, and ``trainprof report`` merges them later.
+    """
+    import time
+
+    from trainprof.store import record_is_open
+
+    start = time.monotonic()
+    told = False
+    while True:
+        root = base / RANKS_DIR
+        labels = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+        still_open = [label for label in labels if record_is_open(root / label)]
+        if len(labels) >= expected and not still_open:
+            return []
+        waited = time.monotonic() - start
+        if waited >= timeout_s:
+            return still_open + [f"{expected - len(labels)} not started"] * (
+                len(labels) < expected)
+        if not told and waited >= 1.0:
+            print(f"trainprof: waiting for the other ranks to close their records "
+                  f"({len(labels) - len(still_open)} of {expected} done)", file=sys.stderr,
+                  flush=True)
+            told = True
+        time.sleep(0.2)

@@ -1,0 +1,341 @@
+"""Training in several processes: one record per rank, merged (DESIGN.md).
+
+Real runs in subprocesses: ``torch.multiprocessing.spawn`` and ``multiprocessing``
+processes started by the script, and a ``torchrun`` launch of ``trainprof run``
+with DistributedDataParallel over gloo. The uneven-ranks scripts give one rank a
+dataset that sleeps a known time per sample, so the merged view must name that rank.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import trainprof, write_script
+
+from trainprof.analysis.ranks import merge_ranks, merged_status, rank_spread
+from trainprof.capture.ranks import default_launch_dir, launcher_rank
+from trainprof.commands import analyse_folder
+from trainprof.diagnosis.distributed import straggler_rank, uneven_input_pipeline
+from trainprof.store import RUN_JSON, load_run
+
+#: Two ranks of DDP over gloo (CPU); rank 1's dataset sleeps SLOW_S per sample.
+#: Run by torch.multiprocessing.spawn (``spawn``) or as a torchrun script (``env``).
+DDP = """
+import os, sys, time
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+
+SLOW_S = 0.002
+BATCH = 8
+
+
+class Samples(Dataset):
+    def __init__(self, delay):
+        self.delay = delay
+
+    def __len__(self):
+        return 24 * BATCH
+
+    def __getitem__(self, i):
+        if self.delay:
+            time.sleep(self.delay)
+        return torch.randn(16), torch.randn(1)
+
+
+def train(rank, world_size, port):
+    if port:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=rank, world_size=world_size)
+    else:
+        dist.init_process_group("gloo")  # torchrun's environment
+    rank = dist.get_rank()
+    torch.set_num_threads(1)
+    loader = DataLoader(Samples(SLOW_S if rank == 1 else 0.0), batch_size=BATCH)
+    model = DDP(nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for x, y in loader:
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "spawn":
+        mp.spawn(train, args=(2, int(sys.argv[2])), nprocs=2)
+    else:
+        train(0, 0, 0)
+"""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _check_uneven_ranks(doc: dict) -> None:
+    """The merged view of DDP: rank 1 waits ~24 x 2 ms... for data, rank 0 waits in backward."""
+    rows = {r["label"]: r for r in doc["ranks"]}
+    assert set(rows) == {"0", "1"}
+    assert doc["main_rank"] == "0"
+    for label, row in rows.items():
+        assert row["status"] == "finished" and row["steps"] == 24, row
+        assert row["rank"] == int(label) and row["world_size"] == 2
+    # rank 1 loads 8 samples of 2 ms per step: >= 16 ms of data wait; rank 0 almost none
+    assert rows["1"]["data_wait_s"] >= 0.016, rows["1"]
+    assert rows["0"]["data_wait_s"] < 0.005, rows["0"]
+    # synchronous data parallelism: both step at the slow rank's pace
+    assert rows["0"]["median_s"] == pytest.approx(rows["1"]["median_s"], rel=0.25)
+    # ...rank 0 waiting inside backward (the gradient all-reduce)
+    assert doc["breakdown"]["backward"] > 0.5, doc["breakdown"]
+    spread = doc["rank_spread"]
+    assert spread["most_data_wait_rank"] == "1" and spread["data_wait_spread_s"] >= 0.015
+    total = rows["0"]["samples_per_s"] + rows["1"]["samples_per_s"]
+    assert doc["samples_per_s_all_ranks"] == pytest.approx(total)
+    top = doc["findings"][0]
+    assert (top["category"], top["cause"]) == ("distributed", "uneven_input_pipeline"), top
+    assert top["title"].startswith("Rank 1 waits") and top["estimated_gain"] > 0.5
+
+
+def test_spawned_ranks_are_recorded_one_folder_each_and_merged(tp):
+    res = tp(DDP, "--json", args=("spawn", str(_free_port())), timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = res.json()
+    _check_uneven_ranks(doc)
+    assert doc["run_dir"] == str(res.run_dir)
+    assert any("2 ranks recorded under ranks/" in n for n in doc["notes"]), doc["notes"]
+    # each rank is a complete run folder of its own, readable on its own
+    for label in ("0", "1"):
+        run = load_run(res.run_dir / "ranks" / label)
+        assert run.status == "finished"
+        assert run.meta["distributed"] == {"rank": int(label), "world_size": 2,
+                                           "backend": "gloo"}
+        assert (res.run_dir / "ranks" / label / "samples.jsonl").stat().st_size > 0
+    # the HTML report and the stored summary are the merged ones, in the run's folder
+    assert ">Ranks</h2>" in (res.run_dir / "report.html").read_text()
+    assert not (res.run_dir / "ranks" / "0" / "report.html").exists()
+    stored = json.loads((res.run_dir / RUN_JSON).read_text())["summary"]
+    assert [r["label"] for r in stored["ranks"]] == ["0", "1"]
+    # `trainprof report` of the run merges again; of one rank, shows that rank
+    rep = trainprof("report", str(res.run_dir), "--json", cwd=res.run_dir.parent)
+    assert rep.returncode == 0, rep.stderr
+    assert rep.json()["rank_spread"]["most_data_wait_rank"] == "1"
+    one = trainprof("report", str(res.run_dir / "ranks" / "1"), "--json", cwd=res.run_dir.parent)
+    assert one.json()["breakdown"]["data_wait"] > 0.5 and "ranks" not in one.json()
+
+
+def test_torchrun_launch_records_each_rank_and_rank_0_prints_the_merge(tmp_path):
+    write_script(tmp_path, "train.py", DDP)
+    out = tmp_path / "launch"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "--no-python", sys.executable, "-m", "trainprof", "run", "--json", "--out", str(out),
+         "train.py", "env"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)  # one document: local rank 0's, the others print none
+    _check_uneven_ranks(doc)
+    assert doc["status"] == "finished" and doc["exit_code"] == 0
+    assert "trainprof: rank 1 recorded to" in proc.stderr
+    assert not (out / RUN_JSON).exists()  # a launch has no process of its own
+    assert (out / "report.html").exists()
+    for label in ("0", "1"):
+        assert (out / "ranks" / label / RUN_JSON).exists()
+        assert (out / "ranks" / label / "findings.json").exists()
+
+
+def test_a_forked_process_that_crashes_leaves_a_crashed_rank(tp):
+    body = """
+    import multiprocessing as mp
+    import torch
+    from torch import nn
+
+    def train(n):
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(n):
+            loss = model(torch.randn(2, 4)).sum()
+            opt.zero_grad(); loss.backward(); opt.step()
+        raise RuntimeError("out of data")
+
+    if __name__ == "__main__":
+        ctx = mp.get_context("fork")
+        p = ctx.Process(target=train, args=(7,), name="trainer")
+        p.start(); p.join()
+        print("child exit", p.exitcode)
+    """
+    res = tp(body, "--json")
+    assert res.returncode == 0, res.stderr
+    assert "RuntimeError: out of data" in res.stderr  # multiprocessing prints it, as before
+    assert "child exit 1" in res.stderr  # (--json: the script's stdout goes to stderr)
+    doc = res.json()
+    assert doc["status"] == "finished" and doc["main_rank"] == "0"
+    assert doc["steps"]["count"] == 7
+    (row,) = doc["ranks"]
+    assert (row["status"], row["exit_code"], row["steps"]) == ("crashed", 1, 7)
+
+
+def test_max_steps_stops_every_spawned_rank(tp):
+    body = """
+    import torch
+    import torch.multiprocessing as mp
+    from torch import nn
+
+    def train(rank):
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        while True:
+            loss = model(torch.randn(2, 4)).sum()
+            opt.zero_grad(); loss.backward(); opt.step()
+
+    if __name__ == "__main__":
+        mp.spawn(train, nprocs=2)
+    """
+    res = tp(body, "--json", "--max-steps", "15", timeout=120)
+    assert res.returncode == 0, res.stderr
+    doc = res.json()
+    assert [(r["steps"], r["status"]) for r in doc["ranks"]] == [(15, "finished")] * 2
+    assert "trainprof: stopped process 0: reached --max-steps after 15 steps" in res.stderr
+
+
+def test_helper_processes_are_not_recorded(tp):
+    body = """
+    import multiprocessing as mp
+    import torch
+    from torch import nn
+
+    if __name__ == "__main__":
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with mp.get_context("spawn").Pool(2) as pool:
+            print(sum(pool.map(abs, range(-4, 4))))
+        for step in range(6):
+            loss = model(torch.randn(2, 4)).sum()
+            opt.zero_grad(); loss.backward(); opt.step()
+    """
+    res = tp(body, "--json")
+    assert res.returncode == 0, res.stderr
+    doc = res.json()
+    assert doc["steps"]["count"] == 6 and "ranks" not in doc
+    assert not (res.run_dir / "ranks").exists()
+    assert any("2 other processes" in n and "not measured" in n for n in doc["notes"]), doc
+
+
+# -- the pieces, on their own ---------------------------------------------------------
+
+
+def test_launcher_rank_reads_the_torch_distributed_environment():
+    env = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
+    r = launcher_rank(env)
+    assert r is not None and (r.rank, r.world_size, r.local_rank, r.local_world_size) == (
+        3, 8, 1, 4)
+    assert launcher_rank({"RANK": "0", "WORLD_SIZE": "1"}) is None  # a world of one
+    assert launcher_rank({"RANK": "x", "WORLD_SIZE": "2"}) is None
+    assert launcher_rank({"RANK": "2", "WORLD_SIZE": "2"}) is None  # out of range
+    assert launcher_rank({}) is None
+    # no LOCAL_*: a single-host launch
+    r = launcher_rank({"RANK": "1", "WORLD_SIZE": "2"})
+    assert r is not None and (r.local_rank, r.local_world_size) == (1, 2)
+
+
+def test_default_launch_dir_is_shared_and_skips_an_earlier_launch(tmp_path):
+    a = default_launch_dir("train", 0, root=tmp_path)
+    assert default_launch_dir("train", 1, root=tmp_path) == a  # every rank picks the same
+    (a / "ranks" / "1").mkdir(parents=True)
+    (a / "ranks" / "1" / RUN_JSON).write_text("{}")
+    b = default_launch_dir("train", 1, root=tmp_path)
+    assert b == a.with_name(a.name + "-2")
+
+
+def _row(label: str, median: float, wait: float) -> dict:
+    return {"label": label, "median_s": median, "data_wait_s": wait, "samples_per_s": 10.0}
+
+
+def test_rank_spread_follows_the_trace_definition():
+    spread = rank_spread([_row("0", 0.010, 0.001), _row("1", 0.008, 0.004), _row("2", 0.0, 0)])
+    assert spread is not None
+    # (slowest - fastest) / slowest, as merged torch.profiler traces (analysis.trace)
+    assert spread["spread_pct"] == pytest.approx(20.0)
+    assert (spread["slowest_rank"], spread["fastest_rank"]) == ("0", "1")
+    assert spread["data_wait_spread_s"] == pytest.approx(0.003)
+    assert spread["most_data_wait_rank"] == "1"
+    assert rank_spread([_row("0", 0.01, 0.0)]) is None
+
+
+def test_merged_status_of_a_launch_is_its_worst_rank():
+    assert merged_status([("0", {"status": "finished", "exit_code": 0}),
+                          ("1", {"status": "crashed", "exit_code": 1})]) == ("crashed", 1)
+    assert merged_status([("0", {"status": "finished", "exit_code": 0})]) == ("finished", 0)
+
+
+class _Ctx:
+    def __init__(self, summary: dict) -> None:
+        self.summary = summary
+        self.step_info = summary["steps"]
+
+
+def _merged(waits: tuple[float, float], medians: tuple[float, float] = (0.02, 0.02)) -> dict:
+    own = None
+    ranks = []
+    for label, (wait, median) in enumerate(zip(waits, medians, strict=True)):
+        summary = {"run_dir": f"r/{label}", "status": "finished", "exit_code": 0,
+                   "steps": {"count": 50, "median_s": median, "mean_s": median,
+                             "p10_s": median, "p90_s": median},
+                   "breakdown": {"data_wait": wait / median}, "samples_per_s": 100.0,
+                   "notes": [], "findings": []}
+        ranks.append((str(label), summary, {"pid": 1}))
+    return merge_ranks(Path("r"), own, ranks)
+
+
+def test_distributed_rules_fire_on_uneven_ranks_only():
+    even = _Ctx(_merged((0.001, 0.0015)))
+    assert uneven_input_pipeline(even) is None and straggler_rank(even) is None
+    uneven = uneven_input_pipeline(_Ctx(_merged((0.001, 0.009))))
+    assert uneven is not None and uneven.severity == "high"  # 8 ms of a 20 ms step: 40%
+    assert uneven.estimated_gain == pytest.approx(0.4)
+    assert uneven_input_pipeline(_Ctx(_merged((0.0, 0.0012)))).severity == "low"  # 6%
+    slow = straggler_rank(_Ctx(_merged((0.0, 0.0), medians=(0.02, 0.026))))
+    assert slow is not None and slow.severity == "medium" and "Rank 1" in slow.title
+
+
+def test_a_launch_folder_with_ranks_only_merges(tmp_path, tp):
+    """`trainprof report` on a launch folder (no run.json of its own) merges its ranks."""
+    body = """
+    import torch
+    from torch import nn
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(12):
+        loss = model(torch.randn(2, 4)).sum()
+        opt.zero_grad(); loss.backward(); opt.step()
+    """
+    launch = tmp_path / "launch"
+    for rank in ("0", "1"):
+        res = tp(body, "--out", str(launch / "ranks" / rank))
+        assert res.returncode == 0, res.stderr
+    summary, main = analyse_folder(launch)
+    assert summary["main_rank"] == "0" and main.path == launch / "ranks" / "0"
+    assert [r["steps"] for r in summary["ranks"]] == [12, 12]
+    assert summary["status"] == "finished" and summary["run_dir"] == str(launch)
+    rep = trainprof("report", str(launch), cwd=tmp_path)
+    assert rep.returncode == 0, rep.stderr
+    assert "Rank 1" in rep.stdout and "finished · 12 steps" in rep.stdout
+    # the commands that read one record take the main rank's
+    cmp = trainprof("compare", str(launch), str(launch / "ranks" / "1"), "--json", cwd=tmp_path)
+    assert cmp.returncode == 0, cmp.stderr
+    assert cmp.json()["a"]["run_dir"] == str(launch / "ranks" / "0")
+    exp = trainprof("export", str(launch), "--perfetto", str(tmp_path / "t.json"), cwd=tmp_path)
+    assert exp.returncode == 0 and (tmp_path / "t.json").exists(), exp.stderr
