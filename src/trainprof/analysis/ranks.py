@@ -12,13 +12,15 @@ data-parallel run: every rank runs the same loop) - with, added:
     share and seconds per step, samples/s, and its torch.distributed rank when the
     process group was up;
 ``rank_spread``
-    the spread of median step times across the ranks with steps, defined as for
-    merged torch.profiler traces (:func:`trainprof.analysis.trace.analyse.merge_ranks`):
-    ``(slowest - fastest) / slowest``, the share of the slowest rank's step that the
-    fastest would wait for at a collective; and the spread of data-wait seconds
-    per step, the usual cause of a straggler that synchronous data parallelism hides
-    (every rank's *step* takes as long as the slowest rank's: the others wait inside
-    backward, in the gradient all-reduce);
+    the spread of mean steady-state step times across the ranks with steps, defined
+    as for merged torch.profiler traces (:func:`trainprof.analysis.trace.analyse.merge_ranks`):
+    ``(slowest - fastest) / slowest``. Ranks that synchronise every step (DDP) have the
+    same mean step time whatever their speed - the fast ones wait for the slowest
+    inside backward, in the gradient all-reduce - so this spread shows ranks that do
+    *not* keep in step; medians are left out of it on purpose (they differ with the
+    shape of each rank's distribution, not its pace). And the spread of data-wait
+    seconds per step: the usual cause of a straggler, which synchronous training
+    hides from step times;
 ``samples_per_s_all_ranks``
     the run's throughput, the sum over ranks (each rank loads its own share of the data).
 """
@@ -71,6 +73,7 @@ def rank_row(label: str, summary: dict[str, Any], meta: dict[str, Any]) -> dict[
         "exit_code": summary.get("exit_code"),
         "steps": steps.get("count", 0),
         "median_s": steps.get("median_s"),
+        "mean_s": steps.get("mean_s"),
         "p10_s": steps.get("p10_s"),
         "p90_s": steps.get("p90_s"),
         "data_wait": (summary.get("breakdown") or {}).get("data_wait"),
@@ -82,16 +85,16 @@ def rank_row(label: str, summary: dict[str, Any], meta: dict[str, Any]) -> dict[
 
 def rank_spread(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """How far apart the ranks with steady steps are (see the module docstring)."""
-    timed = [r for r in rows if r.get("median_s")]
+    timed = [r for r in rows if r.get("mean_s")]
     if len(timed) < 2:
         return None
-    slow = max(timed, key=lambda r: r["median_s"])
-    fast = min(timed, key=lambda r: r["median_s"])
+    slow = max(timed, key=lambda r: r["mean_s"])
+    fast = min(timed, key=lambda r: r["mean_s"])
     out: dict[str, Any] = {
-        "median_step_s": {r["label"]: r["median_s"] for r in timed},
+        "mean_step_s": {r["label"]: r["mean_s"] for r in timed},
         "slowest_rank": slow["label"],
         "fastest_rank": fast["label"],
-        "spread_pct": (slow["median_s"] - fast["median_s"]) / slow["median_s"] * 100.0,
+        "spread_pct": (slow["mean_s"] - fast["mean_s"]) / slow["mean_s"] * 100.0,
     }
     waits = [r for r in timed if r.get("data_wait_s") is not None]
     if len(waits) >= 2:

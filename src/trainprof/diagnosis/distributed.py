@@ -6,10 +6,10 @@ process has neither and they stay silent. The trace-based counterparts (exposed
 communication, step-time spread across the ranks' traces) are in
 :mod:`trainprof.diagnosis.trace_rules`, with the same bands.
 
-* ``straggler_rank``: the ranks' median step times differ by >= 10% of the slowest
-  (30%: high). Synchronous data parallelism makes every rank wait for the slowest at
-  each collective, so this shows when the ranks do not synchronise every step, or
-  their step boundaries are measured apart from the wait.
+* ``straggler_rank``: the ranks' mean step times differ by >= 10% of the slowest
+  (30%: high). Ranks that synchronise every step (DDP) have equal means whatever
+  their speed, so this fires for ranks that do not keep in step (independent
+  processes, asynchronous updates, a rank that skips or repeats work).
 * ``uneven_input_pipeline``: one rank waits for its batches longer than another by
   >= 5% of the step (10%: medium, 30%: high). Under DDP the step times agree (the
   others wait in the gradient all-reduce, inside backward) but the time one rank
@@ -45,9 +45,9 @@ def straggler_rank(ctx: Context) -> Finding | None:
         category="distributed",
         cause="straggler_rank",
         title=(f"Rank {slow} takes {pct * 100:.0f}% longer per step than rank {fast}: "
-               "the ranks do not keep pace"),
+               "the ranks do not keep in step"),
         severity=severity,
-        evidence={"median_step_s": spread.get("median_step_s"), "spread": pct},
+        evidence={"mean_step_s": spread.get("mean_step_s"), "spread": pct},
         estimated_gain=pct,
         fix=Fix(
             text=(
@@ -59,7 +59,7 @@ def straggler_rank(ctx: Context) -> Finding | None:
                 "wait for it."
             ),
         ),
-        verify=f"{VERIFY}: the spread of median step times (now {pct * 100:.0f}%) should fall "
+        verify=f"{VERIFY}: the spread of mean step times (now {pct * 100:.0f}%) should fall "
         "under 10%",
     )
 

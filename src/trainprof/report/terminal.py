@@ -162,7 +162,7 @@ def _rank_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append((f"Rank {r['label']}", " · ".join(parts)))
     spread = summary.get("rank_spread")
     if spread:
-        line = (f"median step {spread['spread_pct']:.0f}% apart (slowest rank "
+        line = (f"mean step {spread['spread_pct']:.0f}% apart (slowest rank "
                 f"{spread['slowest_rank']}, fastest {spread['fastest_rank']})")
         if spread.get("data_wait_spread_s"):
             waits = spread["data_wait_s"]
