@@ -206,11 +206,17 @@ def test_max_steps_stops_every_spawned_rank(tp):
     if __name__ == "__main__":
         mp.spawn(train, nprocs=2)
     """
-    res = tp(body, "--json", "--max-steps", "15", timeout=120)
+    res = tp(body, "--json", "--max-steps", "15", "--py", "skip_first=2,active=5", timeout=120)
     assert res.returncode == 0, res.stderr
     doc = res.json()
+    # profiled steps are counted, not timed: 15 steps each, 5 of them under cProfile
     assert [(r["steps"], r["status"]) for r in doc["ranks"]] == [(15, "finished")] * 2
     assert "trainprof: stopped process 0: reached --max-steps after 15 steps" in res.stderr
+    # every rank runs the heavy tools asked for (here cProfile over steps 2-6)
+    for label in ("0", "1"):
+        top = json.loads((res.run_dir / "ranks" / label / "python" / "top.json").read_text())
+        assert top, label
+    assert doc["python_profile"] is not None  # rank 0's, in the merged view
 
 
 def test_helper_processes_are_not_recorded(tp):

@@ -75,7 +75,7 @@ class Profile:
         html: bool = True,
     ) -> None:
         from trainprof.capture.recorder import Recorder
-        from trainprof.commands import build_windows
+        from trainprof.capture.tools import build_windows
 
         main = sys.modules.get("__main__")
         script = getattr(main, "__file__", None)

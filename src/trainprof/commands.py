@@ -18,7 +18,7 @@ from trainprof.analysis.deep import trace_findings
 from trainprof.analysis.ranks import merge_ranks, pick_main, rank_dirs
 from trainprof.analysis.steps import complete_steps
 from trainprof.analysis.summary import summarize_run
-from trainprof.capture.window import Schedule, WindowRunner, parse_spec
+from trainprof.capture.tools import build_windows
 from trainprof.report.json_report import render_json
 from trainprof.report.terminal import render_summary
 from trainprof.store import RANKS_DIR, RUN_JSON, Run, default_run_dir, load_run, save_summary
@@ -64,64 +64,6 @@ def analyse_folder(run_dir: Path) -> tuple[dict[str, Any], Run]:
     main_run = own_run if merged["main_rank"] is None else rank_runs[merged["main_rank"]]
     assert main_run is not None
     return _diagnosed(merged, main_run), main_run
-
-
-#: Default window of cProfile / line_profiler: no warm-up needed, more steps than torch.profiler
-#: (a sampled call graph needs many calls; cProfile's own cost is per call, not per window).
-PY_DEFAULT_SCHEDULE = Schedule(skip_first=10, wait=0, warmup=0, active=20, repeat=1)
-
-
-def build_windows(
-    run_dir: Path,
-    *,
-    deep: str | None = None,
-    py: str | None = None,
-    lines: str | None = None,
-    op_count: bool = True,
-) -> list[WindowRunner]:
-    """The heavy tools asked for on the command line, each over its window of steps.
-
-    ``op_count``: the always-on sample of torch calls per step (two steps; see
-    :mod:`trainprof.capture.opcount`). Option errors (a bad SPEC, a malformed
-    target) are raised here as UsageError, before the script starts.
-    """
-    runners: list[WindowRunner] = []
-    if op_count:
-        from trainprof.capture.opcount import OPCOUNT_SCHEDULE, OpCountTool
-
-        runners.append(WindowRunner(OPCOUNT_SCHEDULE, [OpCountTool(run_dir)]))
-    if deep is not None:
-        from trainprof.capture.deep import DEEP_FLAGS, TorchProfilerTool
-
-        schedule, flags = parse_spec(deep, frozenset(DEEP_FLAGS))
-        runners.append(WindowRunner(schedule, [TorchProfilerTool(run_dir, schedule, flags)]))
-    if py is not None or lines is not None:
-        schedule, _ = parse_spec(py, default=PY_DEFAULT_SCHEDULE)
-        tools: list[Any] = []
-        if lines is not None:
-            # first: resolving its targets must not land inside cProfile's window
-            from trainprof.capture.lineprof import (
-                SHARES_WINDOW_WITH_CPROFILE,
-                LineProfileTool,
-                parse_targets,
-            )
-
-            line_tool = LineProfileTool(run_dir / "python", parse_targets(lines))
-            if py is not None and not SHARES_WINDOW_WITH_CPROFILE:
-                # Python 3.12+: both need sys.monitoring's profiler slot; lines go
-                # in a window of their own, right after cProfile's
-                first = schedule.phase_starts(0)
-                later = Schedule(skip_first=first[2] + 1, wait=0, warmup=0,
-                                 active=schedule.active, repeat=1)
-                runners.append(WindowRunner(later, [line_tool]))
-            else:
-                tools.append(line_tool)
-        if py is not None:
-            from trainprof.capture.pyprof import CProfileTool
-
-            tools.append(CProfileTool(run_dir / "python"))
-        runners.append(WindowRunner(schedule, tools))
-    return runners
 
 
 def load_main_run(run_dir: Path) -> Run:
@@ -253,6 +195,7 @@ def run_command(
         windows=build_windows(run_dir, deep=deep, py=py, lines=lines),
     )
     recorder.worker_sampling = py is not None
+    recorder.child_runs.tools = {"deep": deep, "py": py, "lines": lines}  # ranks run them too
     print(f"trainprof: recording to {run_dir}", file=sys.stderr, flush=True)
     for runner in recorder.windows[1:]:  # the first is the op-count sample, always on
         names = ", ".join(t.name for t in runner.tools)

@@ -44,7 +44,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -84,6 +84,8 @@ class ChildSpec:
     label: str
     sample_interval_s: float
     max_steps: int | None
+    #: the heavy tools' specs of ``trainprof run`` (--deep, --py, --lines): each rank runs them
+    tools: dict[str, str | None] = field(default_factory=dict)
 
 
 class RecordedTarget:
@@ -122,16 +124,21 @@ def run_recorded(
 
     # A forked child holds a copy of the parent's recorder; its patches were
     # already undone at fork (hooks._uninstall_in_child). This process records anew.
+    from trainprof.capture.tools import build_windows
+
     forked = recorder_module.forget_inherited_recorder()
     try:
+        run_dir = Path(spec.run_dir)
         rec = recorder_module.Recorder(
-            Path(spec.run_dir),
+            run_dir,
             name=spec.name,
             command=spec.command,
             max_steps=spec.max_steps,
             sample_interval_s=spec.sample_interval_s,
             knobs=not forked,
+            windows=build_windows(run_dir, **spec.tools),
         )
+        rec.worker_sampling = spec.tools.get("py") is not None
         rec.writer.update_meta(rank_label=spec.label, parent_pid=os.getppid())
         rec.start()
     except Exception as exc:  # noqa: BLE001 - the process must run, recorded or not
@@ -174,6 +181,8 @@ class ChildRuns:
     ) -> None:
         self.root = run_dir / RANKS_DIR
         self._base = ChildSpec("", name, list(command), "", sample_interval_s, max_steps)
+        #: ``trainprof run``'s heavy tools (deep, py, lines specs), run in every rank too
+        self.tools: dict[str, str | None] = {}
         self._taken: set[str] = set()
         self._lock = threading.Lock()
         #: (label, process name) of the processes recorded, in start order
@@ -193,9 +202,8 @@ class ChildRuns:
             return label
 
     def _spec(self, label: str) -> ChildSpec:
-        b = self._base
-        return ChildSpec(str(self.root / label), f"{b.name}-rank{label}", b.command, label,
-                         b.sample_interval_s, b.max_steps)
+        return replace(self._base, run_dir=str(self.root / label),
+                       name=f"{self._base.name}-rank{label}", label=label, tools=dict(self.tools))
 
     def prepare(self, process: Any) -> None:
         """Swap ``process``'s target for a recorded one, unless it is a helper."""
