@@ -13,14 +13,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import trainprof, write_script
 
-from trainprof.analysis.ranks import merge_ranks, merged_status, rank_spread
+from trainprof.analysis.ranks import common_step_means, merge_ranks, merged_status, rank_spread
 from trainprof.capture.ranks import default_launch_dir, launcher_rank
 from trainprof.commands import analyse_folder
 from trainprof.diagnosis.distributed import straggler_rank, uneven_input_pipeline
-from trainprof.store import RUN_JSON, load_run
+from trainprof.store import RUN_JSON, STEP_DTYPE, load_run
 
 #: Two ranks of DDP over gloo (CPU); rank 1's dataset sleeps SLOW_S per sample.
 #: Run by torch.multiprocessing.spawn (``spawn``) or as a torchrun script (``env``).
@@ -98,7 +99,7 @@ def _check_uneven_ranks(doc: dict) -> None:
     assert rows["0"]["data_wait_s"] < 0.005, rows["0"]
     # synchronous data parallelism: both step at the slow rank's pace
     assert rows["0"]["mean_s"] == pytest.approx(rows["1"]["mean_s"], rel=0.1)
-    assert doc["rank_spread"]["spread_pct"] < 10
+    assert doc["rank_spread"].get("spread_pct", 0) < 10
     assert "straggler_rank" not in [f["cause"] for f in doc["findings"]]
     # ...rank 0 waiting inside backward (the gradient all-reduce)
     assert doc["breakdown"]["backward"] > 0.5, doc["breakdown"]
@@ -272,14 +273,29 @@ def _row(label: str, mean: float, wait: float) -> dict:
     return {"label": label, "mean_s": mean, "data_wait_s": wait, "samples_per_s": 10.0}
 
 
-def test_rank_spread_follows_the_trace_definition():
-    spread = rank_spread([_row("0", 0.010, 0.001), _row("1", 0.008, 0.004), _row("2", 0.0, 0)])
+def _steps(durations_ms: list[float], first: int = 0) -> np.ndarray:
+    out = np.zeros(len(durations_ms), dtype=STEP_DTYPE)
+    out["step"] = np.arange(first, first + len(durations_ms))
+    out["dur_ns"] = np.asarray(durations_ms) * 1e6
+    return out
+
+
+def test_rank_spread_follows_the_trace_definition_over_shared_steps():
+    # rank 0 has a slow warm-up of 3 steps, rank 1 of 1: the means cover steps 3..32 of both
+    steps = {"0": (_steps([50.0] * 3 + [10.0] * 30), 3), "1": (_steps([90.0] + [8.0] * 40), 1)}
+    means, n = common_step_means(steps)
+    assert n == 30 and means == pytest.approx({"0": 0.010, "1": 0.008})
+    rows = [_row("0", 0.010, 0.001), _row("1", 0.008, 0.004), _row("2", 0.0, 0)]
+    spread = rank_spread(rows, means, n)
     assert spread is not None
     # (slowest - fastest) / slowest, as merged torch.profiler traces (analysis.trace)
     assert spread["spread_pct"] == pytest.approx(20.0)
     assert (spread["slowest_rank"], spread["fastest_rank"]) == ("0", "1")
     assert spread["data_wait_spread_s"] == pytest.approx(0.003)
     assert spread["most_data_wait_rank"] == "1"
+    # too few shared steps: no step-time spread (a spike would decide it)
+    few = rank_spread(rows, *common_step_means({k: (d[:15], w) for k, (d, w) in steps.items()}))
+    assert few is not None and "spread_pct" not in few
     assert rank_spread([_row("0", 0.01, 0.0)]) is None
 
 
@@ -298,6 +314,7 @@ class _Ctx:
 def _merged(waits: tuple[float, float], medians: tuple[float, float] = (0.02, 0.02)) -> dict:
     own = None
     ranks = []
+    steps = {str(k): (_steps([m * 1e3] * 50), 0) for k, m in enumerate(medians)}
     for label, (wait, median) in enumerate(zip(waits, medians, strict=True)):
         summary = {"run_dir": f"r/{label}", "status": "finished", "exit_code": 0,
                    "steps": {"count": 50, "median_s": median, "mean_s": median,
@@ -305,7 +322,7 @@ def _merged(waits: tuple[float, float], medians: tuple[float, float] = (0.02, 0.
                    "breakdown": {"data_wait": wait / median}, "samples_per_s": 100.0,
                    "notes": [], "findings": []}
         ranks.append((str(label), summary, {"pid": 1}))
-    return merge_ranks(Path("r"), own, ranks)
+    return merge_ranks(Path("r"), own, ranks, steps)
 
 
 def test_distributed_rules_fire_on_uneven_ranks_only():

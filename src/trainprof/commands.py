@@ -56,10 +56,13 @@ def analyse_folder(run_dir: Path) -> tuple[dict[str, Any], Run]:
     else:
         own_run = None
     rank_runs = {label: load_run(path) for label, path in ranks}
+    summaries = {label: analyse(run) for label, run in rank_runs.items()}
     merged = merge_ranks(
         run_dir,
         analyse(own_run) if own_run is not None else None,
-        [(label, analyse(run), run.meta) for label, run in rank_runs.items()],
+        [(label, summaries[label], run.meta) for label, run in rank_runs.items()],
+        {label: (complete_steps(run.steps), int(summaries[label]["steps"]["warmup"]))
+         for label, run in rank_runs.items()},
     )
     main_run = own_run if merged["main_rank"] is None else rank_runs[merged["main_rank"]]
     assert main_run is not None

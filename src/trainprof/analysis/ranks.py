@@ -12,15 +12,17 @@ data-parallel run: every rank runs the same loop) - with, added:
     share and seconds per step, samples/s, and its torch.distributed rank when the
     process group was up;
 ``rank_spread``
-    the spread of mean steady-state step times across the ranks with steps, defined
-    as for merged torch.profiler traces (:func:`trainprof.analysis.trace.analyse.merge_ranks`):
-    ``(slowest - fastest) / slowest``. Ranks that synchronise every step (DDP) have the
-    same mean step time whatever their speed - the fast ones wait for the slowest
-    inside backward, in the gradient all-reduce - so this spread shows ranks that do
-    *not* keep in step; medians are left out of it on purpose (they differ with the
-    shape of each rank's distribution, not its pace). And the spread of data-wait
-    seconds per step: the usual cause of a straggler, which synchronous training
-    hides from step times;
+    the spread of mean step times across the ranks, defined as for merged
+    torch.profiler traces (:func:`trainprof.analysis.trace.analyse.merge_ranks`):
+    ``(slowest - fastest) / slowest``, over the step numbers every rank has past all
+    ranks' warm-up (at least :data:`MIN_COMMON_STEPS`; else no spread). Ranks that
+    synchronise every step (DDP) then have the same mean whatever their speed - the
+    fast ones wait for the slowest inside backward, in the gradient all-reduce - so
+    this spread shows ranks that do *not* keep in step. Medians, or means over each
+    rank's own steady steps, are left out on purpose: they differ with the shape of
+    each distribution and with where each rank's warm-up ended, not with its pace.
+    And the spread of data-wait seconds per step: the usual cause of a straggler,
+    which synchronous training hides from step times;
 ``samples_per_s_all_ranks``
     the run's throughput, the sum over ranks (each rank loads its own share of the data).
 """
@@ -30,7 +32,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from trainprof.store import RANKS_DIR, RUN_JSON
+
+#: Fewest steps every rank shares (past warm-up) for a step-time spread: fewer, and a
+#: spike or where the boundaries fall within a step decides it.
+MIN_COMMON_STEPS = 20
 
 #: How a merged run's status is told from its ranks' when it has no record of its own
 #: (a torchrun launch): the worst one wins.
@@ -83,20 +91,48 @@ def rank_row(label: str, summary: dict[str, Any], meta: dict[str, Any]) -> dict[
     }
 
 
-def rank_spread(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """How far apart the ranks with steady steps are (see the module docstring)."""
-    timed = [r for r in rows if r.get("mean_s")]
-    if len(timed) < 2:
-        return None
-    slow = max(timed, key=lambda r: r["mean_s"])
-    fast = min(timed, key=lambda r: r["mean_s"])
-    out: dict[str, Any] = {
-        "mean_step_s": {r["label"]: r["mean_s"] for r in timed},
-        "slowest_rank": slow["label"],
-        "fastest_rank": fast["label"],
-        "spread_pct": (slow["mean_s"] - fast["mean_s"]) / slow["mean_s"] * 100.0,
-    }
-    waits = [r for r in timed if r.get("data_wait_s") is not None]
+def common_step_means(steps: dict[str, tuple[np.ndarray, int]]) -> tuple[dict[str, float], int]:
+    """Mean step time per rank over the step numbers all ranks share past warm-up.
+
+    ``steps``: per label, the rank's complete step records (``step``, ``dur_ns``) and
+    its warm-up count. Returns the means (seconds) and how many steps they cover.
+    """
+    done = {k: (d, w) for k, (d, w) in steps.items() if len(d) > w}
+    if len(done) < 2:
+        return {}, 0
+    first = max(int(d["step"][w]) for d, w in done.values())
+    common = None
+    for d, _ in done.values():
+        numbers = d["step"][d["step"] >= first]
+        common = numbers if common is None else np.intersect1d(common, numbers)
+    if common is None or len(common) == 0:
+        return {}, 0
+    means = {k: float(d["dur_ns"][np.isin(d["step"], common)].mean()) / 1e9
+             for k, (d, _) in done.items()}
+    return means, len(common)
+
+
+def rank_spread(
+    rows: list[dict[str, Any]], step_means: dict[str, float] | None = None, n_common: int = 0
+) -> dict[str, Any] | None:
+    """How far apart the ranks are (see the module docstring).
+
+    ``step_means``: from :func:`common_step_means` over ``n_common`` shared steps; the
+    step-time spread is left out below :data:`MIN_COMMON_STEPS` of them.
+    """
+    out: dict[str, Any] = {}
+    means = step_means or {}
+    if len(means) >= 2 and n_common >= MIN_COMMON_STEPS:
+        slow = max(means, key=lambda k: means[k])
+        fast = min(means, key=lambda k: means[k])
+        out.update({
+            "mean_step_s": means,
+            "common_steps": n_common,
+            "slowest_rank": slow,
+            "fastest_rank": fast,
+            "spread_pct": (means[slow] - means[fast]) / means[slow] * 100.0,
+        })
+    waits = [r for r in rows if r.get("mean_s") and r.get("data_wait_s") is not None]
     if len(waits) >= 2:
         most = max(waits, key=lambda r: r["data_wait_s"])
         least = min(waits, key=lambda r: r["data_wait_s"])
@@ -104,7 +140,7 @@ def rank_spread(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
         out["most_data_wait_rank"] = most["label"]
         out["least_data_wait_rank"] = least["label"]
         out["data_wait_spread_s"] = most["data_wait_s"] - least["data_wait_s"]
-    return out
+    return out or None
 
 
 def pick_main(own_steps: int | None, rank_steps: list[tuple[str, int]]) -> str | None:
@@ -138,13 +174,15 @@ def merge_ranks(
     run_dir: Path,
     own: dict[str, Any] | None,
     ranks: list[tuple[str, dict[str, Any], dict[str, Any]]],
+    steps: dict[str, tuple[np.ndarray, int]] | None = None,
 ) -> dict[str, Any]:
     """The merged summary of a run with ranks (see the module docstring).
 
     ``own``: the run's own summary (None for a launch with no record of its own);
     ``ranks``: ``(label, summary, meta)`` per rank, each summary complete with its
-    findings. The caller diagnoses the merged document again (the distributed rules
-    read ``ranks`` and ``rank_spread``).
+    findings; ``steps``: per label, the complete step records and warm-up count (for
+    the step-time spread). The caller diagnoses the merged document again (the
+    distributed rules read ``ranks`` and ``rank_spread``).
     """
     main_label = pick_main(None if own is None else _count(own),
                            [(label, _count(s)) for label, s, _ in ranks])
@@ -163,7 +201,7 @@ def merge_ranks(
     main["main_rank"] = main_label
     rows = [rank_row(label, s, meta) for label, s, meta in ranks]
     main["ranks"] = rows
-    main["rank_spread"] = rank_spread(rows)
+    main["rank_spread"] = rank_spread(rows, *common_step_means(steps or {}))
     rates = [r["samples_per_s"] for r in rows if r.get("samples_per_s")]
     main["samples_per_s_all_ranks"] = sum(rates) if rates else None
     if main_label is not None:

@@ -162,15 +162,18 @@ def _rank_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append((f"Rank {r['label']}", " · ".join(parts)))
     spread = summary.get("rank_spread")
     if spread:
-        line = (f"mean step {spread['spread_pct']:.0f}% apart (slowest rank "
-                f"{spread['slowest_rank']}, fastest {spread['fastest_rank']})")
+        parts = []
+        if spread.get("spread_pct") is not None:
+            parts.append(f"mean step {spread['spread_pct']:.0f}% apart over "
+                         f"{spread['common_steps']} shared steps (slowest rank "
+                         f"{spread['slowest_rank']}, fastest {spread['fastest_rank']})")
         if spread.get("data_wait_spread_s"):
             waits = spread["data_wait_s"]
-            line += (f" · data wait per step {fmt_time(waits[spread['most_data_wait_rank']])} "
-                     f"(rank {spread['most_data_wait_rank']}) to "
-                     f"{fmt_time(waits[spread['least_data_wait_rank']])} "
-                     f"(rank {spread['least_data_wait_rank']})")
-        rows.append(("Ranks", line))
+            most, least = spread["most_data_wait_rank"], spread["least_data_wait_rank"]
+            parts.append(f"data wait per step {fmt_time(waits[most])} (rank {most}) to "
+                         f"{fmt_time(waits[least])} (rank {least})")
+        if parts:
+            rows.append(("Ranks", " · ".join(parts)))
     return rows
 
 
