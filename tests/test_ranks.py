@@ -382,3 +382,38 @@ def test_example_ddp_straggler_names_the_slow_rank_and_its_fix_clears_it(tmp_pat
     assert fixed.returncode == 0, fixed.stderr[-3000:]
     assert "distributed" not in [f["category"] for f in fixed.json()["findings"]]
     assert fixed.json()["samples_per_s_all_ranks"] > 2 * doc["samples_per_s_all_ranks"]
+
+
+def test_torchrun_rank_that_crashes_leaves_a_crashed_launch(tmp_path):
+    """Rank 1 raises at step 20; rank 0 then fails in its all-reduce (gloo sees the peer
+    gone). Every record is closed as crashed, and rank 0 still prints the merge."""
+    write_script(tmp_path, "train.py", """
+        import torch, torch.distributed as dist
+        from torch import nn
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        model = DDP(nn.Linear(16, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for step in range(1000):
+            if rank == 1 and step == 20:
+                raise RuntimeError("rank 1 failed")
+            loss = model(torch.randn(8, 16)).sum()
+            opt.zero_grad(); loss.backward(); opt.step()
+    """)
+    out = tmp_path / "launch"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "--no-python", sys.executable, "-m", "trainprof", "run", "--json", "--out", str(out),
+         "train.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode != 0
+    assert "RuntimeError: rank 1 failed" in proc.stderr
+    doc = json.loads(proc.stdout)
+    assert (doc["status"], doc["exit_code"]) == ("crashed", 1)
+    rows = {r["label"]: r for r in doc["ranks"]}
+    assert (rows["1"]["status"], rows["1"]["steps"]) == ("crashed", 20)
+    assert rows["0"]["status"] == "crashed" and rows["0"]["steps"] >= 19
+    # too few shared steps for a step-time spread: no straggler from a crash
+    assert "straggler_rank" not in [f.get("cause") for f in doc["findings"]]
