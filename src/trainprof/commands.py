@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from trainprof.analysis.deep import trace_findings
-from trainprof.analysis.ranks import merge_ranks, pick_main, rank_dirs
+from trainprof.analysis.ranks import load_main_run, merge_ranks, rank_dirs
 from trainprof.analysis.steps import complete_steps
 from trainprof.analysis.summary import summarize_run
 from trainprof.capture.tools import build_windows
@@ -67,25 +67,6 @@ def analyse_folder(run_dir: Path) -> tuple[dict[str, Any], Run]:
     main_run = own_run if merged["main_rank"] is None else rank_runs[merged["main_rank"]]
     assert main_run is not None
     return _diagnosed(merged, main_run), main_run
-
-
-def load_main_run(run_dir: Path) -> Run:
-    """The Run whose figures stand for a folder: its own, or the main rank's (analysis.ranks).
-
-    For the commands that read one record (``compare``, ``export``): a torchrun launch's
-    folder has no record of its own, and a script that spawned its ranks trained in them.
-    """
-    run_dir = Path(run_dir)
-    ranks = rank_dirs(run_dir)
-    if not ranks:
-        return load_run(run_dir)
-    own = load_run(run_dir) if (run_dir / RUN_JSON).exists() else None
-    runs = {label: load_run(path) for label, path in ranks}
-    label = pick_main(None if own is None else len(complete_steps(own.steps)),
-                      [(k, len(complete_steps(r.steps))) for k, r in runs.items()])
-    main = own if label is None else runs[label]
-    assert main is not None
-    return main
 
 
 def finalize_run(run_dir: Path, html: bool = False) -> dict[str, Any]:

@@ -34,7 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from trainprof.store import RANKS_DIR, RUN_JSON
+from trainprof.analysis.steps import complete_steps
+from trainprof.store import RANKS_DIR, RUN_JSON, Run, load_run
 
 #: Fewest steps every rank shares (past warm-up) for a step-time spread: fewer, and a
 #: spike or where the boundaries fall within a step decides it.
@@ -214,4 +215,24 @@ def merge_ranks(
             *(main.get("notes") or []),
         ]
     main["findings"] = []  # diagnosed again on the merged document
+    return main
+
+
+def load_main_run(run_dir: Path) -> Run:
+    """The Run whose figures stand for a folder: its own, or its main rank's (:func:`pick_main`).
+
+    For what reads one record (``compare``, ``export``, ``tune``'s trials): a torchrun
+    launch's folder has no record of its own, and a script that spawned its ranks
+    trained in them.
+    """
+    run_dir = Path(run_dir)
+    ranks = rank_dirs(run_dir)
+    if not ranks:
+        return load_run(run_dir)
+    own = load_run(run_dir) if (run_dir / RUN_JSON).exists() else None
+    runs = {label: load_run(path) for label, path in ranks}
+    label = pick_main(None if own is None else len(complete_steps(own.steps)),
+                      [(k, len(complete_steps(r.steps))) for k, r in runs.items()])
+    main = own if label is None else runs[label]
+    assert main is not None
     return main

@@ -325,11 +325,13 @@ def run_trial(trial: Trial, command: list[str], overrides: dict[str, Any]) -> Tr
 
 def read_trial(trial: Trial) -> Trial:
     """Fill a trial's measurements from its Run folder (status 'failed' when there is none)."""
+    from trainprof.analysis.ranks import load_main_run
     from trainprof.analysis.steps import complete_steps, detect_warmup
-    from trainprof.store import FINDINGS_JSON, load_run
+    from trainprof.store import FINDINGS_JSON
 
     try:
-        run = load_run(trial.run_dir)
+        # a script that spawns its ranks: the main rank's steps (the ranks run in lock-step)
+        run = load_main_run(trial.run_dir)
     except UsageError:
         trial.status = "failed"
         return trial
