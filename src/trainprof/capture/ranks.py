@@ -35,7 +35,10 @@ Under ``torchrun`` every rank runs ``trainprof run`` with ``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` set (the torch.distributed
 environment-variable contract). Each records into ``<out>/ranks/<RANK>``, where
 ``<out>`` is ``--out`` (the same for every rank) or a default folder named after
-the launcher process's start time, which all ranks of one launch share.
+the launcher process's start time, which all ranks of one launch on one host share
+(on several hosts, each host's agent starts at its own time: name a shared folder
+with ``--out`` to merge them all). Local rank 0 waits for its host's ranks to close
+their records and prints the merged summary; the others print one line.
 """
 
 from __future__ import annotations
@@ -314,8 +317,9 @@ def wait_for_ranks(base: Path, expected: int, timeout_s: float = 60.0) -> list[s
             return []
         waited = time.monotonic() - start
         if waited >= timeout_s:
-            return still_open + [f"{expected - len(labels)} not started"] * (
-                len(labels) < expected)
+            if len(labels) < expected:
+                still_open.append(f"{expected - len(labels)} not started")
+            return still_open
         if not told and waited >= 1.0:
             print(f"trainprof: waiting for the other ranks to close their records "
                   f"({len(labels) - len(still_open)} of {expected} done)", file=sys.stderr,
