@@ -417,3 +417,24 @@ def test_torchrun_rank_that_crashes_leaves_a_crashed_launch(tmp_path):
     assert rows["0"]["status"] == "crashed" and rows["0"]["steps"] >= 19
     # too few shared steps for a step-time spread: no straggler from a crash
     assert "straggler_rank" not in [f.get("cause") for f in doc["findings"]]
+
+
+def test_wait_for_ranks_returns_those_still_open_when_time_runs_out(tmp_path):
+    import os
+    import socket
+
+    from trainprof.capture.ranks import wait_for_ranks
+
+    def record(label: str, status: str, pid: int) -> None:
+        (tmp_path / "ranks" / label).mkdir(parents=True)
+        (tmp_path / "ranks" / label / RUN_JSON).write_text(json.dumps(
+            {"status": status, "pid": pid, "hostname": socket.gethostname()}))
+
+    record("0", "finished", os.getpid())
+    record("1", "running", os.getpid())  # alive: still open
+    assert wait_for_ranks(tmp_path, 3, timeout_s=0.3) == ["1", "1 not started"]
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout
+    (tmp_path / "ranks" / "1" / RUN_JSON).write_text(json.dumps(
+        {"status": "running", "pid": int(dead), "hostname": socket.gethostname()}))
+    assert wait_for_ranks(tmp_path, 2, timeout_s=5) == []  # a dead writer's record is closed
