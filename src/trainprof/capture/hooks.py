@@ -506,9 +506,9 @@ class Instrumentation:
         self._patch(torch.cuda, "synchronize", make_sync)
 
         # -- processes the script starts -----------------------------------
-        # Training in child processes (torch.multiprocessing.spawn) runs unmeasured:
-        # the summary says so rather than only "no step seen" (see Recorder._notes).
-        # Those that may train are recorded in RUN_DIR/ranks/ (trainprof.capture.ranks).
+        # Those that may train (torch.multiprocessing.spawn, a Process per rank) are
+        # recorded in RUN_DIR/ranks/<k>/ (trainprof.capture.ranks); the others are
+        # named in the summary's notes (Recorder._notes).
         started = self.started_processes
         child_runs = self.child_runs
 
