@@ -591,3 +591,28 @@ def test_ctrl_c_while_the_record_closes_waits_for_it(tmp_path):
     assert meta["steps_recorded"] >= 12  # 12 optimizer steps (and the trailing zero_grad's)
     rep = trainprof("report", str(tmp_path / "run"), "--json", cwd=tmp_path)
     assert rep.returncode == 0 and rep.json()["steps"]["count"] >= 12
+
+
+def test_a_compiled_model_compiles_once_and_no_dynamo_warning(tp):
+    """torch.compile: the op-count window (a TorchFunctionMode) is skipped once Dynamo has
+    compiled a frame - pushing it made Dynamo recompile, trace the mode and warn."""
+    body = """
+    import torch
+    import torch._dynamo.utils as dynamo_utils
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+    compiled = torch.compile(model, backend="eager")  # Dynamo only: no C++ compiler needed
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(30):
+        loss = compiled(torch.randn(16, 32)).pow(2).mean()
+        opt.zero_grad(); loss.backward(); opt.step()
+    print("frames", dict(dynamo_utils.counters["frames"]))
+    """
+    res = tp(body, "--json", timeout=180)
+    assert res.returncode == 0, res.stderr
+    assert "frames {'total': 1, 'ok': 1}" in res.stderr  # compiled once, as without trainprof
+    assert "Dynamo does not know how to trace" not in res.stderr
+    doc = res.json()
+    assert doc["steps"]["count"] == 30 and doc["ops"] is None
+    assert doc["breakdown"]["forward"] > 0

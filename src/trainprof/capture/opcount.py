@@ -92,6 +92,17 @@ def _first_shape(args: tuple[Any, ...]) -> list[int] | None:
     return None
 
 
+def torch_compile_in_use() -> bool:
+    """True once ``torch.compile`` has compiled a frame in this process (Dynamo's counters)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:
+        return False
+    try:
+        return bool(dynamo.utils.counters["frames"]["ok"])
+    except Exception:  # noqa: BLE001 - a torch without these counters: assume not
+        return False
+
+
 class OpCountTool:
     """A :class:`~trainprof.capture.window.WindowTool` counting torch calls by call site."""
 
@@ -162,6 +173,11 @@ class OpCountTool:
 
     # -- WindowTool ------------------------------------------------------------
     def start(self, step: int) -> None:
+        if torch_compile_in_use():
+            # A compiled model would recompile for the mode (Dynamo guards on the mode
+            # stack), trace its __torch_function__ and warn about sys._getframe; and the
+            # calls of a compiled region are not the Python loops this looks for.
+            return
         self._started_at = step
         self._mode = self._make_mode()
         self._mode.__enter__()
