@@ -657,3 +657,14 @@ def test_terminal_breaks_long_values_between_parts_never_inside_one(monkeypatch)
     cpu = [ln for ln in lines if "process 70%" in ln]
     assert cpu and cpu[0].rstrip().endswith("·")  # the CPU row broke between its parts
     assert not [ln for ln in lines if ln.strip() in ("·", "ms", "µs", "%")]
+
+
+def test_the_breakdown_bar_is_always_40_cells():
+    from trainprof.report.terminal import _breakdown_bar
+
+    # six shares that each round up (17/14/22/19/0.1/28%): alone they made 41 cells
+    amp = {"data_wait": 0.1693, "forward": 0.1378, "backward": 0.2189, "optimizer": 0.1886,
+           "gc": 0.0015, "other": 0.2839}
+    assert len(_breakdown_bar(amp).plain) == 40
+    assert len(_breakdown_bar({"data_wait": 1 / 3, "forward": 1 / 3, "other": 1 / 3}).plain) == 40
+    assert len(_breakdown_bar({"data_wait": 0.012, "other": 0.988}).plain) == 40

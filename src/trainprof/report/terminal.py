@@ -49,11 +49,17 @@ def fmt_pct(x: float | None) -> str:
 
 
 def _breakdown_bar(breakdown: dict[str, float], width: int = 40) -> Text:
+    """The shares as one bar of ``width`` cells: cumulative rounding, so the cells of the
+    phases add up to the width (rounding each share alone gave 41 cells for six shares)."""
     bar = Text()
+    total = 0.0
+    drawn = 0
     for key, (_, style) in _PHASE_STYLE.items():
-        n = round(breakdown.get(key, 0.0) * width)
-        if n:
+        total += breakdown.get(key, 0.0)
+        n = round(total * width) - drawn
+        if n > 0:
             bar.append("█" * n, style=style)
+            drawn += n
     return bar
 
 
