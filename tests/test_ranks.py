@@ -438,3 +438,24 @@ def test_wait_for_ranks_returns_those_still_open_when_time_runs_out(tmp_path):
     (tmp_path / "ranks" / "1" / RUN_JSON).write_text(json.dumps(
         {"status": "running", "pid": int(dead), "hostname": socket.gethostname()}))
     assert wait_for_ranks(tmp_path, 2, timeout_s=5) == []  # a dead writer's record is closed
+
+
+def test_the_terminal_lists_ranks_and_folds_helpers_that_ran_no_step():
+    from trainprof.report.terminal import MAX_RANK_ROWS, _rank_rows
+
+    def row(label: str, steps: int, status: str = "finished") -> dict:
+        return {"label": label, "status": status, "exit_code": 0, "steps": steps,
+                "median_s": 0.01 if steps else None, "p90_s": 0.012 if steps else None,
+                "data_wait": 0.1 if steps else None, "samples_per_s": 100.0 if steps else None}
+
+    ranks = [row("0", 50), row("1", 50), row("2", 0), row("3", 0), row("4", 0, "crashed")]
+    rows = _rank_rows({"steps": {"count": 50}, "ranks": ranks})
+    assert [label for label, _ in rows] == ["Rank 0", "Rank 1", "Rank 4", "Processes"]
+    assert rows[0][1] == "finished · 50 steps · median 10.0 ms (p90 12.0 ms) · data wait 10.0% " \
+                         "· 100 samples/s"
+    assert rows[2][1].startswith("crashed · no step")  # a helper that crashed stays in view
+    assert rows[3][1] == "2 started by the script ran no step (ranks/ 2, 3): helpers, not training"
+    # nothing stepped anywhere: every process is shown
+    assert len(_rank_rows({"steps": {"count": 0}, "ranks": [row("0", 0), row("1", 0)]})) == 2
+    many = _rank_rows({"steps": {"count": 5}, "ranks": [row(str(k), 5) for k in range(40)]})
+    assert len(many) == MAX_RANK_ROWS + 1 and "24 more ranks" in many[-1][1]

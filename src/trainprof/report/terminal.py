@@ -146,10 +146,21 @@ def _worker_rows(workers: dict[str, Any] | None) -> list[tuple[str, str]]:
 _PART_SEP = " · "
 
 
+#: Ranks listed one per line; more are counted (a 64-GPU job needs --json or the HTML).
+MAX_RANK_ROWS = 16
+
+
 def _rank_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     """A line per rank of a merged run (analysis.ranks), then how far apart they are."""
     rows: list[tuple[str, str]] = []
-    for r in summary.get("ranks") or []:
+    ranks = summary.get("ranks") or []
+    # processes that ran no step (helpers the script started) get one line together,
+    # unless no process stepped at all, or one of them did not finish
+    idle = [r for r in ranks if not r.get("steps") and r.get("status") == "finished"]
+    if not (summary.get("steps") or {}).get("count"):
+        idle = []
+    shown = [r for r in ranks if r not in idle]
+    for r in shown[:MAX_RANK_ROWS]:
         parts = [str(r.get("status"))]
         if r.get("exit_code") not in (0, None):
             parts[0] += f" (exit {r['exit_code']})"
@@ -166,6 +177,12 @@ def _rank_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         if r.get("samples_per_s"):
             parts.append(f"{r['samples_per_s']:,.0f} samples/s")
         rows.append((f"Rank {r['label']}", " · ".join(parts)))
+    if len(shown) > MAX_RANK_ROWS:
+        rows.append(("", f"... {len(shown) - MAX_RANK_ROWS} more ranks (every one in --json)"))
+    if idle:
+        labels = ", ".join(r["label"] for r in idle[:8]) + (", ..." if len(idle) > 8 else "")
+        rows.append(("Processes", f"{len(idle)} started by the script ran no step "
+                                  f"(ranks/ {labels}): helpers, not training"))
     spread = summary.get("rank_spread")
     if spread:
         parts = []
