@@ -490,6 +490,8 @@ def test_dataloader_workers_are_not_counted_as_other_processes(tp):
         "the script started 1 process that may train: each is recorded in ranks/<k>/ of this "
         "run (k = 0)"]
     assert [(r["label"], r["steps"]) for r in doc["ranks"]] == [("0", 0)]
+    # a process that never steps starts no system sampler of its own
+    assert not (res.run_dir / "ranks" / "0" / "samples.jsonl").exists()
 
 
 def test_profile_api_inside_trainprof_run_attaches_to_the_run(tp):

@@ -69,7 +69,7 @@ def test_child_samples_this_process_and_the_workers_it_is_told_of(tmp_path: Path
 
 def test_worker_pid_updates_never_block_and_stop_is_idempotent(tmp_path: Path) -> None:
     s = SamplerProcess(tmp_path / "s.jsonl", interval_s=10.0, gpu=False)
-    s.set_worker_pids([1, 2])  # before start: nowhere to send, nothing happens
+    s.set_worker_pids([1, 2])  # before start: kept, sent when the child starts
     s.start()
     t0 = time.perf_counter()
     for i in range(2000):  # far more than a pipe holds if the child did not read
@@ -156,3 +156,20 @@ def test_stop_is_prompt_while_a_forked_child_holds_the_pipe(tmp_path: Path) -> N
     finally:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+
+
+def test_worker_pids_told_before_start_reach_the_child(tmp_path: Path) -> None:
+    """A rank's sampler starts at its first step (capture.ranks): its DataLoader workers
+    may be running by then."""
+    busy = subprocess.Popen([sys.executable, "-c", "while True:\n    pass\n"])
+    try:
+        s = SamplerProcess(tmp_path / "s.jsonl", interval_s=0.05, gpu=False)
+        s.set_worker_pids([busy.pid])
+        s.start()
+        time.sleep(1.0)
+        s.stop()
+    finally:
+        busy.kill()
+        busy.wait(timeout=5)
+    samples = load_samples(tmp_path / "s.jsonl")
+    assert any(str(busy.pid) in x["workers"] for x in samples), samples[-1]

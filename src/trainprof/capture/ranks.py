@@ -139,6 +139,7 @@ def run_recorded(
             max_steps=spec.max_steps,
             sample_interval_s=spec.sample_interval_s,
             knobs=not forked,
+            sampler_at_first_step=True,  # a helper that never trains: no sampler process
             windows=build_windows(run_dir, **spec.tools),
         )
         rec.worker_sampling = spec.tools.get("py") is not None

@@ -77,9 +77,13 @@ class Recorder:
         fingerprint: bool = True,
         windows: list[WindowRunner] | None = None,
         knobs: bool = True,
+        sampler_at_first_step: bool = False,
     ) -> None:
         self.run_dir = run_dir
         self._knobs_enabled = knobs  # off in a forked child: the parent's are in place
+        # a process the script started (capture.ranks) samples the system only once it
+        # trains: a helper process that never steps costs no sampler process
+        self._sampler_pending = sampler_at_first_step
         self.clock = StepClock(max_steps=max_steps)
         #: heavy tools over bounded windows of steps (--deep, --py, --lines)
         self.windows = list(windows or [])
@@ -142,15 +146,19 @@ class Recorder:
             self.instrumentation.install()
         for runner in self.windows:
             self.clock.add_window(runner)
-        try:
-            self.sampler.start()
-        except Exception as exc:  # training goes on without system samples
-            self.writer.meta["missing"].append(f"system sampler: {exc}")
+        if not self._sampler_pending:
+            self._start_sampler()
         self._flusher = threading.Thread(target=self._flush_loop, name="trainprof-flush",
                                          daemon=True)
         self._flusher.start()
         self._started = True
         return self
+
+    def _start_sampler(self) -> None:
+        try:
+            self.sampler.start()
+        except Exception as exc:  # training goes on without system samples
+            self.writer.meta["missing"].append(f"system sampler: {exc}")
 
     def _flush_loop(self) -> None:
         """Five times a second, re-arm the timing of ``num_workers=0`` loading; once a
@@ -160,6 +168,9 @@ class Recorder:
         """
         while not self._flusher_stop.wait(1.0 / MAIN_REARM_HZ):
             try:
+                if self._sampler_pending and self.clock.n_steps > 0:
+                    self._sampler_pending = False
+                    self._start_sampler()
                 self.worker_capture.rearm()
                 self.flush()
             except Exception as exc:  # the next second, or stop(), tries again

@@ -82,6 +82,7 @@ class SamplerProcess:
         self._proc: subprocess.Popen[bytes] | None = None
         self._stdin: IO[bytes] | None = None
         self._sent: tuple[int, ...] = ()
+        self._wanted: tuple[int, ...] = ()  # the latest pids, sent again at start()
         self._lock = threading.Lock()
 
     def start(self) -> None:
@@ -108,6 +109,8 @@ class SamplerProcess:
         # a full pipe (a stuck child) must never block the training thread
         with contextlib.suppress(OSError, AttributeError):  # POSIX pipes: always possible
             os.set_blocking(self._stdin.fileno(), False)
+        if self._wanted:  # workers started before the sampler did
+            self.set_worker_pids(self._wanted)
 
     def set_worker_pids(self, pids: Iterable[int]) -> None:
         """Tell the child the current DataLoader worker pids (sent only when they change).
@@ -118,6 +121,7 @@ class SamplerProcess:
         """
         new = tuple(sorted({int(p) for p in pids}))
         with self._lock:
+            self._wanted = new
             if new == self._sent or self._stdin is None:
                 return
             line = ("w " + " ".join(map(str, new)) + "\n").encode()
