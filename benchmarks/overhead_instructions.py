@@ -10,7 +10,7 @@ instructions in blocks of steps, in rounds of arms:
 * ``plain``: no capture;
 * ``hooks``: the step clock and its hooks;
 * ``capture``: the step clock, its hooks and the DataLoader sample/collate
-  timing (:mod:`trainprof.capture.worker`, in the training process here:
+  timing (:mod:`trainprof.capture.fetch_timing`, in the training process here:
   ``num_workers=0``): everything ``trainprof run`` adds to the training thread
   but the system sampler.
 
@@ -70,7 +70,7 @@ def child(rounds: int, steps: int, settle: int, hidden: int, path: str) -> None:
         sys.exit(f"error: asked for the {path} hot path, but the C extension is "
                  f"{'in use' if FAST else 'not built (or stale): run `pip install -e .`'}")
 
-    from trainprof.capture import recorder, worker
+    from trainprof.capture import fetch_timing, recorder
 
     # The flush thread re-arms the timing of num_workers=0 batches five times a second
     # of wall time: 1 batch in ~200 at 1 ms a step, but 1 in ~4 under callgrind's
@@ -80,7 +80,7 @@ def child(rounds: int, steps: int, settle: int, hidden: int, path: str) -> None:
     # Samples cheaper than PER_SAMPLE_MIN_NS are timed a batch at a time; the decision
     # reads the wall clock, which valgrind slows 50-150x: without this, this loop's ~2 us
     # samples would look slow enough (with --cache-sim) to be timed one by one
-    worker.PER_SAMPLE_MIN_NS *= 500
+    fetch_timing.PER_SAMPLE_MIN_NS *= 500
     torch.set_num_threads(1)
     # glibc's malloc skips its locks until a process first creates a thread, and never
     # goes back: without this, the first plain block would run the single-threaded

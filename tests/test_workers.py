@@ -19,7 +19,7 @@ import pytest
 from conftest import trainprof, write_script
 
 from trainprof.analysis.workers import bin_bounds, hist_quantile, summarize_workers
-from trainprof.capture import worker as W
+from trainprof.capture import fetch_timing as W
 
 COMMON = """
 import os, sys, time, torch
