@@ -163,8 +163,12 @@ def test_callgraph_svg_has_the_hot_function_in_a_hot_colour(profiled):
     dot = (pdir / "callgraph.dot").read_text()
     r, g, b = _node_colour(dot, "slow_augment")
     assert r > 150 and r > b  # red/orange end of the 'color' theme
-    r2, g2, b2 = _node_colour(dot, "forward")  # a few % of the window: the blue end
-    assert b2 > r2
+    # the cheap calls (forward, the loss, the optimizer: a few % of the window at most) sit
+    # at the blue end; which of them stay above gprof2dot's 0.5% cut varies with the load
+    # (forward alone was pruned once on CI), so any of them will do
+    colours = [tuple(int(h[i:i + 2], 16) for i in (0, 2, 4))
+               for h in re.findall(r'^\s*\d+ \[color="#([0-9a-f]{6})"', dot, re.M)]  # nodes
+    assert any(b2 > r2 for r2, _, b2 in colours), colours
 
 
 def test_line_profile_hot_line_and_kernprof_text(profiled):
