@@ -156,8 +156,8 @@ def test_pread_held_reads_like_os_pread_and_the_sampler_uses_it(tmp_path):
         _fastclock.pread_held(0, -1, 0)
     with pytest.raises(TypeError):
         _fastclock.pread_held(0, 1)
-    code = ("from trainprof.capture import sampler, _fastclock; "
-            "print(sampler._pread is _fastclock.pread_held)")
+    code = ("from trainprof.capture import proc_stats, _fastclock; "
+            "print(proc_stats._pread is _fastclock.pread_held)")
     for value, expected in (("0", "True"), ("1", "False")):  # the pure-Python switch: os.pread
         env = {**os.environ, "TRAINPROF_PURE_PYTHON": value}
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -24,6 +24,7 @@ import pytest
 from conftest import burn_cpu
 
 from trainprof.analysis.system import load_samples, summarize_system
+from trainprof.capture import proc_stats
 from trainprof.capture import sampler as sampler_mod
 from trainprof.capture.sampler import SystemSampler
 
@@ -240,7 +241,9 @@ def test_kill_9_loses_at_most_the_last_second(tmp_path: Path) -> None:
 def test_portable_psutil_fallback_measures_the_same(
     tmp_path: Path, busy_child: subprocess.Popen[bytes], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(sampler_mod, "_PROCFS", False)
+    # the switch is read where the probes are made and where the system counters are
+    monkeypatch.setattr(proc_stats, "PROCFS", False)
+    monkeypatch.setattr(sampler_mod, "PROCFS", False)
     s = SystemSampler(tmp_path / "s.jsonl", interval_s=0.05, worker_pids=lambda: [busy_child.pid])
     child = psutil.Process(busy_child.pid)
     s.start()
