@@ -459,3 +459,71 @@ def test_the_terminal_lists_ranks_and_folds_helpers_that_ran_no_step():
     assert len(_rank_rows({"steps": {"count": 0}, "ranks": [row("0", 0), row("1", 0)]})) == 2
     many = _rank_rows({"steps": {"count": 5}, "ranks": [row(str(k), 5) for k in range(40)]})
     assert len(many) == MAX_RANK_ROWS + 1 and "24 more ranks" in many[-1][1]
+
+
+def _host_summary(threads: list[int], cores: int = 8, workers_pct: float = 0.0,
+                  cuda: bool = False) -> dict:
+    rows = [{"label": str(k), "steps": 50, "host": "node1", "torch_num_threads": t,
+             "on_cuda": cuda, "workers_cpu_pct": workers_pct} for k, t in enumerate(threads)]
+    return {"ranks": rows, "environment": {"usable_cores": cores, "torch_num_threads": threads[0]},
+            "breakdown": {"data_wait": 0.0, "forward": 0.3, "backward": 0.5, "optimizer": 0.1,
+                          "gc": 0.0, "other": 0.1},
+            "steps": {"count": 50, "median_s": 0.01}, "command": ["python", "train.py"]}
+
+
+def test_ranks_that_oversubscribe_their_host_are_named():
+    from trainprof.diagnosis.context import Context
+    from trainprof.diagnosis.distributed import ranks_oversubscribe_cores
+
+    # four CPU ranks, each with a pool sized for the 8-core machine: 32 threads on 8 cores
+    f = ranks_oversubscribe_cores(Context(_host_summary([8, 8, 8, 8]), None))
+    assert f is not None and f.cause == "ranks_oversubscribe_cores" and f.severity == "high"
+    assert f.estimated_gain == pytest.approx(0.9 * (1 - 8 / 32))
+    assert f.evidence["core_demand"] == 32 and "torch.set_num_threads(2)" in f.fix.snippet
+    assert "--knob torch_threads=2,4,8" in f.verify
+    # a share each: nothing to report; nor for ranks on CUDA (one launching thread each)
+    assert ranks_oversubscribe_cores(Context(_host_summary([2, 2, 2, 2]), None)) is None
+    assert ranks_oversubscribe_cores(Context(_host_summary([8] * 4, cuda=True), None)) is None
+    # measured DataLoader workers count in the budget: 4 x 1 thread + 4 x 1.5 cores > 8
+    f = ranks_oversubscribe_cores(Context(_host_summary([1] * 4, workers_pct=150.0), None))
+    assert f is not None and f.evidence["core_demand"] == pytest.approx(10.0)
+
+
+def test_spawned_ranks_with_default_thread_pools_oversubscribe_the_host(tp):
+    """Each spawned rank sizes its intra-op pool for the whole machine (spawn, unlike
+    torchrun, leaves OMP_NUM_THREADS alone): two of them ask for twice the cores. On this
+    machine `trainprof tune --knob torch_threads=2,1` measured 4.6x faster steps with 1."""
+    import os
+
+    import torch
+
+    if 2 * torch.get_num_threads() <= len(os.sched_getaffinity(0)):
+        pytest.skip("torch's default pool is half the logical cores here (hyper-threads)")
+    body = """
+    import os, torch, torch.distributed as dist, torch.multiprocessing as mp
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def train(rank, port):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=rank, world_size=2)
+        model = DDP(nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for step in range(40):
+            loss = model(torch.randn(64, 256)).pow(2).mean()
+            opt.zero_grad(); loss.backward(); opt.step()
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        import sys
+        mp.spawn(train, args=(int(sys.argv[1]),), nprocs=2)
+    """
+    res = tp(body, "--json", args=(str(_free_port()),), timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = res.json()
+    threads = [r["torch_num_threads"] for r in doc["ranks"]]
+    assert threads[0] == threads[1] >= 1
+    found = [f for f in doc["findings"] if f["cause"] == "ranks_oversubscribe_cores"]
+    assert found, [(f["cause"], f["estimated_gain"]) for f in doc["findings"]]
+    assert found[0]["evidence"]["intra_op_threads"] == 2 * threads[0]
+    assert found[0]["evidence"]["usable_cores"] < 2 * threads[0]

@@ -72,6 +72,8 @@ def rank_row(label: str, summary: dict[str, Any], meta: dict[str, Any]) -> dict[
     """One rank's line of the merged view."""
     steps = summary.get("steps") or {}
     dist = meta.get("distributed") or {}
+    env = summary.get("environment") or {}
+    workers_pct = (summary.get("system") or {}).get("workers_cpu_pct")
     return {
         "label": label,
         "rank": dist.get("rank"),
@@ -89,6 +91,12 @@ def rank_row(label: str, summary: dict[str, Any], meta: dict[str, Any]) -> dict[
         "data_wait_s": _data_wait_s(summary),
         "samples_per_s": summary.get("samples_per_s"),
         "findings": [f.get("category") for f in summary.get("findings") or []],
+        # what the ranks of one host ask of its cores (diagnosis.distributed)
+        "host": meta.get("hostname"),
+        "torch_num_threads": env.get("torch_num_threads"),
+        "usable_cores": env.get("usable_cores"),
+        "on_cuda": bool(summary.get("device")) or bool(env.get("cuda") and env.get("gpu_count")),
+        "workers_cpu_pct": workers_pct,
     }
 
 

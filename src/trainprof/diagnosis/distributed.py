@@ -15,14 +15,23 @@ communication, step-time spread across the ranks' traces) are in
   others wait in the gradient all-reduce, inside backward) but the time one rank
   waits for data is added to every rank's step: the usual straggler. The estimated
   gain is the difference, per step of the main rank.
+* ``ranks_oversubscribe_cores``: the ranks on one host ask for more cores than it has:
+  each CPU rank's intra-op threads (one for a rank on CUDA: it only launches kernels)
+  plus the cores its DataLoader workers were measured to use. Every rank sizes its
+  thread pool to the whole machine by default; ``torchrun`` sets ``OMP_NUM_THREADS=1``,
+  ``torch.multiprocessing.spawn`` does not. The per-process rule
+  (:mod:`trainprof.diagnosis.contention`) sees one rank and cannot tell. Gain and
+  bands as there: ``compute_share x (1 - cores / demand)``; 20% / 5% / 2%.
 """
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from typing import Any
 
 from trainprof.diagnosis.context import Context
-from trainprof.diagnosis.finding import Finding, Fix, band
+from trainprof.diagnosis.finding import Finding, Fix, band, sweep
 from trainprof.diagnosis.registry import rule
 
 VERIFY = ("trainprof run the same launch again and compare the Ranks lines (`trainprof report "
@@ -104,4 +113,58 @@ def uneven_input_pipeline(ctx: Context) -> Finding | None:
         ),
         verify=f"{VERIFY}: the ranks' data wait per step should agree within 5% of the step "
         f"(now {share * 100:.0f}% apart)",
+    )
+
+
+@rule("distributed.ranks_oversubscribe_cores")
+def ranks_oversubscribe_cores(ctx: Context) -> Finding | None:
+    rows = [r for r in ctx.summary.get("ranks") or [] if r.get("steps")]
+    hosts = Counter(r.get("host") for r in rows)
+    if not hosts:
+        return None
+    host, n = hosts.most_common(1)[0]
+    mine = [r for r in rows if r.get("host") == host]
+    cores = ctx.cores
+    if n < 2 or not cores or any(not isinstance(r.get("torch_num_threads"), int) for r in mine):
+        return None
+    threads = sum(1 if r.get("on_cuda") else int(r["torch_num_threads"]) for r in mine)
+    worker_cores = sum(float(r.get("workers_cpu_pct") or 0.0) for r in mine) / 100.0
+    demand = threads + worker_cores
+    if demand <= cores:
+        return None
+    gain = ctx.compute_share * (1 - cores / demand)
+    severity = band(gain, 0.20, 0.05, 0.02)
+    if severity is None:
+        return None
+    per_rank = max(1, math.floor((cores - worker_cores) / n)) if not ctx.on_cuda else 1
+    current = max(int(r["torch_num_threads"]) for r in mine)
+    return Finding(
+        category="distributed",
+        cause="ranks_oversubscribe_cores",
+        title=(f"{n} ranks on one host ask for {demand:.1f} cores ({threads} intra-op threads"
+               + (f", {worker_cores:.1f} cores of DataLoader workers" if worker_cores else "")
+               + f") of its {cores}: their math waits for a core"),
+        severity=severity,
+        evidence={"ranks_on_host": n, "usable_cores": cores, "intra_op_threads": threads,
+                  "worker_cores_used": worker_cores, "core_demand": demand,
+                  "compute_share": ctx.compute_share},
+        estimated_gain=gain,
+        fix=Fix(
+            text=(
+                f"Each rank sizes its thread pool for the whole machine, so {n} ranks run "
+                f"{threads} op threads on {cores} cores and wait for each other at every "
+                f"op. Give each rank its share: {per_rank} thread"
+                f"{'s' if per_rank > 1 else ''} per rank (torchrun sets OMP_NUM_THREADS=1 "
+                "for this reason; torch.multiprocessing.spawn does not), counting the "
+                "DataLoader workers in the same budget."
+            ),
+            snippet=(
+                "def train(rank, world_size):\n"
+                f"    torch.set_num_threads({per_rank})  # {cores} cores / {n} ranks on this host\n"
+                "    ..."
+            ),
+        ),
+        verify=(f"trainprof tune --knob torch_threads="
+                f"{','.join(str(v) for v in sorted(set(sweep(per_rank, current))))} "
+                f"{ctx.script} (the knob applies in every rank)"),
     )
