@@ -527,3 +527,47 @@ def test_spawned_ranks_with_default_thread_pools_oversubscribe_the_host(tp):
     assert found, [(f["cause"], f["estimated_gain"]) for f in doc["findings"]]
     assert found[0]["evidence"]["intra_op_threads"] == 2 * threads[0]
     assert found[0]["evidence"]["usable_cores"] < 2 * threads[0]
+
+
+def test_child_runs_decide_what_is_recorded_and_where(tmp_path):
+    import importlib
+    from types import SimpleNamespace
+
+    from trainprof.capture.ranks import MAX_RECORDED, ChildRuns, RecordedTarget
+
+    # (the module, not torch.multiprocessing.spawn the function that shadows it)
+    torch_spawn = importlib.import_module("torch.multiprocessing.spawn")
+    runs = ChildRuns(tmp_path, name="t", command=["t.py"], sample_interval_s=0.2,
+                     max_steps=None)
+
+    def proc(target, args=(), name="p"):
+        return SimpleNamespace(_target=target, _args=args, name=name)
+
+    def train(rank):
+        return rank
+
+    # spawn's _wrap(fn, i, args, error_file): fn is wrapped, its index is the label
+    p = proc(torch_spawn._wrap, (train, 3, (), "/tmp/err"))
+    runs.prepare(p)
+    assert p._target is torch_spawn._wrap and isinstance(p._args[0], RecordedTarget)
+    assert p._args[0].spec.run_dir == str(tmp_path / "ranks" / "3")
+    assert p._args[1:] == (3, (), "/tmp/err")
+    # a plain target gets the lowest free number; the same spawn index again, the next one
+    q = proc(train)
+    runs.prepare(q)
+    assert isinstance(q._target, RecordedTarget) and q._target.spec.label == "0"
+    r = proc(torch_spawn._wrap, (train, 3, (), "e"))
+    runs.prepare(r)
+    assert r._args[0].spec.label == "1"
+    # helpers, subclasses with their own run(), and anything beyond the cap: untouched
+    import multiprocessing.pool
+
+    h = proc(multiprocessing.pool.worker)
+    runs.prepare(h)
+    assert h._target is multiprocessing.pool.worker
+    s = proc(None)
+    runs.prepare(s)
+    assert s._target is None
+    for i in range(MAX_RECORDED):
+        runs.prepare(proc(train, name=f"x{i}"))
+    assert len(runs.recorded) == MAX_RECORDED

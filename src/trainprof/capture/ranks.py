@@ -26,8 +26,8 @@ number in start order. Never recorded: DataLoader workers (measured by
 :mod:`trainprof.capture.worker`), ``multiprocessing`` pool and manager processes
 and ``concurrent.futures`` process-pool workers (helpers, not training), and a
 ``Process`` subclass that overrides ``run()`` instead of passing a target (its
-``run`` cannot be swapped without pickling the process into itself) - those are
-named in the run's notes.
+``run`` cannot be swapped without pickling the process into itself), nor any beyond
+the first :data:`MAX_RECORDED` - those are named in the run's notes.
 
 A launcher's ranks
 ------------------
@@ -53,6 +53,10 @@ from pathlib import Path
 from typing import Any
 
 from trainprof.store import RANKS_DIR, RUN_JSON, safe_name
+
+#: Processes recorded per run at most: a node runs one rank per device; a script that
+#: starts hundreds of processes is not starting ranks, and a folder each would bury them.
+MAX_RECORDED = 64
 
 #: (module, qualified name) of process targets that are helpers, never training.
 _HELPER_TARGETS = frozenset({
@@ -191,8 +195,6 @@ class ChildRuns:
         self._lock = threading.Lock()
         #: (label, process name) of the processes recorded, in start order
         self.recorded: list[tuple[str, str]] = []
-        #: names of the processes that could not be recorded (a subclass's own run())
-        self.unrecorded: list[str] = []
 
     def _claim(self, wanted: str | None) -> str:
         with self._lock:
@@ -213,11 +215,11 @@ class ChildRuns:
         """Swap ``process``'s target for a recorded one, unless it is a helper."""
         target = getattr(process, "_target", None)
         name = str(getattr(process, "name", "?"))
-        if target is None:
-            if type(process).run is not _base_run():  # a subclass with its own run()
-                self.unrecorded.append(name)
+        if target is None:  # nothing to swap: a subclass with a run() of its own
             return
         if is_helper_target(target) or isinstance(target, RecordedTarget):
+            return
+        if len(self.recorded) >= MAX_RECORDED:
             return
         args = tuple(getattr(process, "_args", ()))
         if _is_spawn_wrap(target) and len(args) >= 2 and isinstance(args[1], int):
@@ -227,12 +229,6 @@ class ChildRuns:
             label = self._claim(None)
             process._target = RecordedTarget(target, self._spec(label))
         self.recorded.append((label, name))
-
-
-def _base_run() -> Callable[..., Any]:
-    import multiprocessing.process
-
-    return multiprocessing.process.BaseProcess.run
 
 
 # -- a launcher's ranks (torchrun) ------------------------------------------------

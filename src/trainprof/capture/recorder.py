@@ -26,7 +26,7 @@ from trainprof.capture.device_timer import DeviceTimer
 from trainprof.capture.fingerprint import collect_fingerprint
 from trainprof.capture.hooks import Instrumentation, LoaderRegistry
 from trainprof.capture.knobs import install_knobs
-from trainprof.capture.ranks import RANKS_DIR, ChildRuns
+from trainprof.capture.ranks import MAX_RECORDED, RANKS_DIR, ChildRuns
 from trainprof.capture.sampler_process import SamplerProcess
 from trainprof.capture.window import WindowRunner
 from trainprof.capture.worker import MAIN_REARM_HZ, WORKERS_DIR, WorkerCapture
@@ -310,8 +310,8 @@ class Recorder:
             names = sorted(set(others))
             shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
             notes.append(f"{len(others)} other process{'es' if len(others) > 1 else ''} "
-                         f"({shown}) not measured: pool and manager helpers, or a Process "
-                         "subclass with a run() of its own")
+                         f"({shown}) not measured: pool and manager helpers, Process subclasses "
+                         f"with a run() of their own, or beyond the first {MAX_RECORDED}")
         return notes
 
     @staticmethod
