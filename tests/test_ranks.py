@@ -137,6 +137,25 @@ def test_spawned_ranks_are_recorded_one_folder_each_and_merged(tp):
     assert rep.json()["rank_spread"]["most_data_wait_rank"] == "1"
     one = trainprof("report", str(res.run_dir / "ranks" / "1"), "--json", cwd=res.run_dir.parent)
     assert one.json()["breakdown"]["data_wait"] > 0.5 and "ranks" not in one.json()
+    # one Perfetto timeline with both ranks, aligned on the host's monotonic clock: in
+    # lock-step, each step begins at nearly the same moment on both
+    out = res.run_dir.parent / "timeline.json"
+    exp = trainprof("export", str(res.run_dir), "--perfetto", str(out), cwd=res.run_dir.parent)
+    assert exp.returncode == 0, exp.stderr
+    events = json.loads(out.read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e["name"] == "process_name"}
+    starts: dict[str, dict[int, float]] = {}
+    for e in events:
+        if e.get("cat") == "step":
+            starts.setdefault(names[e["pid"]], {})[e["args"]["step"]] = e["ts"]
+    assert set(starts) == {"rank 0 (training process)", "rank 1 (training process)"}
+    a, b = starts.values()
+    assert len(a) == len(b) == 25  # 24 steps and the cut-off end of each
+    assert abs(a[12] - b[12]) < 3000, (a[12], b[12])  # µs; a step is ~20 ms
+    rank1_waits = [e["dur"] for e in events if e.get("name") == "data_wait"
+                   and names[e["pid"]].startswith("rank 1")]
+    assert sum(rank1_waits) / len(rank1_waits) > 10_000  # µs per step: 8 samples x 2 ms
 
 
 def test_torchrun_launch_records_each_rank_and_rank_0_prints_the_merge(tmp_path):

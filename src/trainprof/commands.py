@@ -319,7 +319,11 @@ def export_command(run_dir: Path, *, perfetto: Path) -> int:
     """``trainprof export --perfetto``: one Chrome-trace JSON of the run for Perfetto."""
     from trainprof.report.perfetto import export_perfetto
 
-    stats = export_perfetto(load_main_run(run_dir), perfetto)
+    main = load_main_run(run_dir)
+    # a run of several ranks: every rank on the one timeline
+    ranks = [(label, main if path == main.path else load_run(path))
+             for label, path in rank_dirs(Path(run_dir))]
+    stats = export_perfetto(main, perfetto, ranks=ranks)
     print(f"trainprof: wrote {perfetto} ({stats.get('events', 0)} events); "
           "open it in https://ui.perfetto.dev or chrome://tracing", file=sys.stderr)
     return 0

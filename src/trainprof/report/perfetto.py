@@ -213,7 +213,8 @@ def _add_regions(
 
 
 def _add_samples(
-    b: _Builder, run: Run, pid: int, origin_s: float, window: tuple[float, float] | None
+    b: _Builder, run: Run, pid: int, origin_s: float, window: tuple[float, float] | None,
+    process_only: bool = False,
 ) -> int:
     # one sampling period either side, so the counters cover the first and last step
     pad = float(run.meta.get("sample_interval_s") or 0.2) * 1e6
@@ -234,6 +235,8 @@ def _add_samples(
         rss = s.get("rss_bytes")
         b.counter(pid, "RSS", "MiB", ts, rss / MIB if isinstance(rss, int | float) else None)
         b.counter(pid, "context switches", "/s", ts, s.get("ctx_switches_ps"))
+        if process_only:  # another rank of the run: the machine's counters come once
+            continue
 
         workers = s.get("workers")
         if any_workers and isinstance(workers, dict):
@@ -441,6 +444,54 @@ def _select_steps(
     return steps, (lo / 1000, hi / 1000)
 
 
+def _rank_offset_ns(main: dict[str, Any], other: dict[str, Any]) -> int | None:
+    """Where ``other``'s clock origin falls on ``main``'s timeline, in ns (None: unknown).
+
+    On one host both origins are ``perf_counter`` readings of the same system-wide
+    monotonic clock (CLOCK_MONOTONIC on Linux), so their difference is exact; across
+    hosts only the wall clocks (``wall_origin_s``, NTP-synchronised at best) relate them.
+    """
+    if main.get("hostname") == other.get("hostname"):
+        a, b = main.get("clock_origin_s"), other.get("clock_origin_s")
+    else:
+        a, b = main.get("wall_origin_s"), other.get("wall_origin_s")
+    if not _number(a) or not _number(b):
+        return None
+    return round((float(b) - float(a)) * 1e9)
+
+
+def _add_rank(
+    b: _Builder, rank: tuple[str, Run], main: Run, sort_index: int,
+    first_step: int | None, last_step: int | None, max_steps: int, notes: list[str],
+) -> int:
+    """Another rank's steps and process counters, on the main run's timeline; its steps."""
+    label, run = rank
+    offset = _rank_offset_ns(main.meta, run.meta)
+    if offset is None:
+        notes.append(f"rank {label} left out: its record has no clock origin")
+        return 0
+    pid = run.meta.get("pid") if isinstance(run.meta.get("pid"), int) else None
+    if pid is None or pid == main.meta.get("pid"):
+        pid = PID_FALLBACK_TRAIN + sort_index
+    b.events.append(_meta("process_name", pid, 0, name=f"rank {label} (training process)"))
+    b.events.append(_meta("process_sort_index", pid, 0, sort_index=sort_index))
+    rank_notes: list[str] = []
+    steps, window = _select_steps(run, first_step, last_step, max_steps, rank_notes)
+    notes.extend(f"rank {label}: {n}" for n in rank_notes)
+    shifted = steps.copy()
+    shifted["t_start_ns"] += offset
+    n, _ = _add_steps(b, run, shifted, pid)
+    if window is not None:
+        window = (window[0] + offset / 1000, window[1] + offset / 1000)
+    origin = run.meta.get("clock_origin_s")
+    if _number(origin):
+        # samples carry the sampler's perf_counter: shift them as the steps
+        _add_samples(b, run, pid, float(origin) - offset / 1e9, window, process_only=True)
+    if find_deep_traces(run.path):
+        notes.append(f"rank {label}: its --deep traces are not merged (open them on their own)")
+    return n
+
+
 def export_perfetto(
     run: Run,
     path: Path,
@@ -448,12 +499,17 @@ def export_perfetto(
     first_step: int | None = None,
     last_step: int | None = None,
     max_steps: int = MAX_STEPS,
+    ranks: list[tuple[str, Run]] | None = None,
 ) -> dict[str, Any]:
     """Write the merged timeline of ``run`` to ``path`` (``.gz``: gzipped); return small stats.
 
     ``first_step``/``last_step`` (inclusive) choose a range of steps; regions, samples and
     deep traces are then kept to its time span. At most ``max_steps`` steps are written
     (each costs ~600 bytes of JSON with its phases; Perfetto's UI reads a few hundred MB).
+    ``ranks``: the run's other ranks (``(label, Run)``, :mod:`trainprof.analysis.ranks`),
+    each as a process group of its own with its steps and process counters, aligned on
+    this run's clock (see :func:`_rank_offset_ns`): a straggler's long data wait lines up
+    against the others' long backward.
 
     Stats: ``events`` written, ``steps``, ``regions``, ``samples``, ``counters`` (counter
     events), ``tracks`` (names), ``deep_traces`` (per merged trace: file, events, alignment
@@ -467,8 +523,9 @@ def export_perfetto(
     b = _Builder()
     notes: list[str] = []
     steps, window = _select_steps(run, first_step, last_step, max_steps, notes)
-    b.events.append(_meta("process_name", pid, 0,
-                          name=f"{meta.get('name') or 'run'} (training process)"))
+    main_label = next((lb for lb, r in ranks or [] if r.path == run.path), None)
+    title = f"rank {main_label}" if main_label is not None else meta.get("name") or "run"
+    b.events.append(_meta("process_name", pid, 0, name=f"{title} (training process)"))
     b.events.append(_meta("process_sort_index", pid, 0, sort_index=0))
     n_steps, starts = _add_steps(b, run, steps, pid)
     n_regions = _add_regions(b, run, pid, window)
@@ -479,6 +536,9 @@ def export_perfetto(
     else:
         run_end_us = 0.0
     deep = _add_deep(b, run, pid, starts, run_end_us, window, notes)
+    others = [r for r in ranks or [] if r[1].path != run.path]
+    for i, rank in enumerate(others):
+        n_steps += _add_rank(b, rank, run, 10 + i, first_step, last_step, max_steps, notes)
     if not len(run.steps):
         notes.append("the run recorded no steps")
     if not n_samples and window is None:
