@@ -128,11 +128,10 @@ def run_recorded(
     from trainprof.capture import recorder as recorder_module
     from trainprof.capture.clock import StopTraining
     from trainprof.capture.launcher import exit_code_of
+    from trainprof.capture.tools import build_windows
 
     # A forked child holds a copy of the parent's recorder; its patches were
     # already undone at fork (hooks._uninstall_in_child). This process records anew.
-    from trainprof.capture.tools import build_windows
-
     forked = recorder_module.forget_inherited_recorder()
     try:
         run_dir = Path(spec.run_dir)
