@@ -90,7 +90,9 @@ def rank_row(label: str, summary: dict[str, Any], meta: dict[str, Any]) -> dict[
         "data_wait": (summary.get("breakdown") or {}).get("data_wait"),
         "data_wait_s": _data_wait_s(summary),
         "samples_per_s": summary.get("samples_per_s"),
-        "findings": [f.get("category") for f in summary.get("findings") or []],
+        # this rank's own findings, as category/cause, highest gain first
+        "findings": [f"{f.get('category')}/{f.get('cause')}"
+                     for f in summary.get("findings") or []],
         # what the ranks of one host ask of its cores (diagnosis.distributed)
         "host": meta.get("hostname"),
         "torch_num_threads": env.get("torch_num_threads"),

@@ -160,6 +160,8 @@ def _rank_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     if not (summary.get("steps") or {}).get("count"):
         idle = []
     shown = [r for r in ranks if r not in idle]
+    shown_findings = {f"{f.get('category')}/{f.get('cause')}"
+                      for f in summary.get("findings") or []}
     for r in shown[:MAX_RANK_ROWS]:
         parts = [str(r.get("status"))]
         if r.get("exit_code") not in (0, None):
@@ -176,6 +178,12 @@ def _rank_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
             parts.append(f"data wait {r['data_wait'] * 100:.1f}%")
         if r.get("samples_per_s"):
             parts.append(f"{r['samples_per_s']:,.0f} samples/s")
+        # what another rank's own diagnosis found that the figures above do not show
+        extra = [f for f in r.get("findings") or [] if f not in shown_findings
+                 and not f.startswith("measurement_noise")]
+        if extra and r.get("label") != summary.get("main_rank"):
+            parts.append(f"its own findings: {', '.join(extra[:3])} (trainprof report "
+                         f"{r.get('run_dir')})")
         rows.append((f"Rank {r['label']}", " · ".join(parts)))
     if len(shown) > MAX_RANK_ROWS:
         rows.append(("", f"... {len(shown) - MAX_RANK_ROWS} more ranks (every one in --json)"))
