@@ -596,3 +596,25 @@ def test_child_runs_decide_what_is_recorded_and_where(tmp_path):
     for i in range(MAX_RECORDED):
         runs.prepare(proc(train, name=f"x{i}"))
     assert len(runs.recorded) == MAX_RECORDED
+
+
+def test_trace_of_a_run_folder_merges_the_ranks_deep_windows(tmp_path):
+    """`trainprof trace RUN` on a run of several ranks recorded with --deep: each rank's
+    torch.profiler window, merged like a folder of per-rank traces; the straggler shows
+    there too (rank 0 in gloo's all-reduce, rank 1 in the DataLoader)."""
+    example = Path(__file__).resolve().parent.parent / "examples" / "ddp_straggler.py"
+    res = trainprof("run", "--deep", str(example), "--steps", "24", cwd=tmp_path, timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    tr = trainprof("trace", str(res.run_dir), "--json", cwd=tmp_path)
+    assert tr.returncode == 0, tr.stderr
+    doc = tr.json()
+    assert sorted(doc["ranks"]) == ["0", "1"]
+    pct = {k: r["breakdown_pct"] for k, r in doc["ranks"].items()}
+    assert pct["0"]["Communication"] > 50 and pct["1"]["DataLoader"] > 50, pct
+    # a run folder without a trace: one line saying what to do
+    plain = tmp_path / "plain"
+    write_script(tmp_path, "t.py", "print('no training')\n")
+    assert trainprof("run", "--out", str(plain), "t.py", cwd=tmp_path).returncode == 0
+    err = trainprof("trace", str(plain), cwd=tmp_path)
+    assert err.returncode == 2 and err.stderr.startswith("error: ")
+    assert "no torch.profiler trace" in err.stderr and len(err.stderr.splitlines()) == 1

@@ -40,6 +40,14 @@ def analyse_trace(path: Path) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():
         raise UsageError(f"{path}: no such file or directory")
+    run_warnings: list[str] = []
+    if path.is_dir() and _is_run_folder(path):
+        files, run_warnings = _run_traces(path)
+        docs = [_guarded(analyse_file, f, rank) for rank, f in files]
+        doc = docs[0] if len(docs) == 1 else merge_ranks(path, docs)
+        doc["warnings"] = run_warnings + list(doc["warnings"])
+        doc["findings"] = diagnose_trace(doc)
+        return doc
     if path.is_dir():
         files = trace_files(path)
         if not files:
@@ -60,6 +68,50 @@ def analyse_trace(path: Path) -> dict[str, Any]:
         doc = _guarded(analyse_file, path, 0)
     doc["findings"] = diagnose_trace(doc)
     return doc
+
+
+def _is_run_folder(path: Path) -> bool:
+    from trainprof.store import RANKS_DIR, RUN_JSON
+
+    return (path / RUN_JSON).is_file() or (path / RANKS_DIR).is_dir()
+
+
+def _run_traces(run_dir: Path) -> tuple[list[tuple[int, Path]], list[str]]:
+    """The torch.profiler traces of a trainprof run folder (``--deep``), as ``(rank, file)``.
+
+    A run of several ranks (:mod:`trainprof.analysis.ranks`): each rank's first window,
+    merged as the ranks of one trace folder are. One process: its first window (``trainprof
+    report`` analyses every window of a run). None: a one-line error saying what to do.
+    """
+    from trainprof.analysis.deep import DEEP_DIR
+    from trainprof.analysis.ranks import rank_dirs
+    from trainprof.analysis.trace.analyse import trace_files
+
+    def first_window(folder: Path) -> tuple[Path | None, int]:
+        deep = folder / DEEP_DIR
+        found = trace_files(deep) if deep.is_dir() else []
+        return (found[0] if found else None), len(found)
+
+    warnings: list[str] = []
+    ranks = rank_dirs(run_dir)
+    folders = [(int(label) if label.isdigit() else i, folder)
+               for i, (label, folder) in enumerate(ranks)] or [(0, run_dir)]
+    files = []
+    for rank, folder in folders:
+        first, n = first_window(folder)
+        if first is not None:
+            files.append((rank, first))
+            if n > 1:
+                warnings.append(f"{folder}: {n} --deep windows, the first analysed "
+                                f"(`trainprof report {folder}` shows every window)")
+    if not files:
+        raise UsageError(
+            f"{run_dir} is a trainprof run folder with no torch.profiler trace: `trainprof "
+            f"report {run_dir}` summarises it; `trainprof run --deep ...` records a trace")
+    missing = len(folders) - len(files)
+    if missing:
+        warnings.append(f"{missing} of {len(folders)} ranks have no --deep trace")
+    return files, warnings
 
 
 def _guarded(fn: Any, path: Path, index: int) -> dict[str, Any]:
