@@ -619,3 +619,29 @@ def test_trace_of_a_run_folder_merges_the_ranks_deep_windows(tmp_path):
     err = trainprof("trace", str(plain), cwd=tmp_path)
     assert err.returncode == 2 and err.stderr.startswith("error: ")
     assert "no torch.profiler trace" in err.stderr and len(err.stderr.splitlines()) == 1
+
+
+def test_profile_api_under_torchrun_records_each_rank_in_one_launch_folder(tmp_path):
+    write_script(tmp_path, "train.py", """
+        import torch, torch.distributed as dist, trainprof
+        from torch import nn
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        dist.init_process_group("gloo")
+        model = DDP(nn.Linear(16, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with trainprof.profile(html=False) as prof:
+            for step in range(15):
+                loss = model(torch.randn(8, 16)).sum()
+                opt.zero_grad(); loss.backward(); opt.step()
+        dist.destroy_process_group()
+    """)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "train.py"], cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (launch,) = (tmp_path / "trainprof-runs").iterdir()  # one folder for the launch
+    assert sorted(p.name for p in (launch / "ranks").iterdir()) == ["0", "1"]
+    assert "trainprof: rank 1 recorded to" in proc.stderr
+    assert f"all ranks merged: trainprof report {launch}" in proc.stderr
+    summary, _ = analyse_folder(launch)
+    assert [r["steps"] for r in summary["ranks"]] == [15, 15]

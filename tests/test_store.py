@@ -122,3 +122,25 @@ def test_steps_written_in_another_layout_read_through_run_json(tmp_path):
     assert steps["samples"].tolist() == [16, 16, 16]
     assert steps["gc_gen2_n"].tolist() == [0, 0, 0]
     assert step_statistics(steps)["samples_per_s"] == pytest.approx(3200)
+
+
+def test_default_run_dir_gives_processes_starting_together_a_folder_each(tmp_path):
+    """The ranks of a job, each with trainprof.profile(), start in the same second with the
+    same name: each must get its own folder (checking then creating raced)."""
+    import threading
+
+    from trainprof.store import default_run_dir
+
+    got: list = []
+    start = threading.Barrier(8)
+
+    def claim() -> None:
+        start.wait()
+        got.append(default_run_dir("train", root=tmp_path))
+
+    threads = [threading.Thread(target=claim) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(got)) == 8 and all(p.is_dir() for p in got)

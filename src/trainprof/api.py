@@ -15,7 +15,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from trainprof.store import default_run_dir
+from trainprof.store import RANKS_DIR, default_run_dir
 
 _NULL_CONTEXT = contextlib.nullcontext()
 
@@ -74,13 +74,22 @@ class Profile:
         lines: str | None = None,
         html: bool = True,
     ) -> None:
+        from trainprof.capture.ranks import default_launch_dir, launcher_rank
         from trainprof.capture.recorder import Recorder
         from trainprof.capture.tools import build_windows
 
         main = sys.modules.get("__main__")
         script = getattr(main, "__file__", None)
         self.name = name or (Path(script).stem if script else "profile")
-        self.run_dir = Path(out) if out is not None else default_run_dir(self.name)
+        # under torchrun, every rank runs this: a record each, under ranks/ of one folder
+        # per launch, as with `trainprof run` (trainprof.capture.ranks)
+        self._launch = launcher_rank()
+        if self._launch is not None:
+            base = Path(out) if out is not None else default_launch_dir(
+                self.name, self._launch.rank)
+            self.run_dir = base / RANKS_DIR / str(self._launch.rank)
+        else:
+            self.run_dir = Path(out) if out is not None else default_run_dir(self.name)
         self.report = report
         self.html = html
         self.summary: dict[str, Any] | None = None
@@ -117,10 +126,16 @@ class Profile:
         from trainprof.commands import finalize_run
 
         self.summary = finalize_run(self.run_dir, html=self.html)
-        if self.report:
+        if self.report and self._launch is not None and self._launch.local_rank != 0:
+            print(f"trainprof: rank {self._launch.rank} recorded to {self.run_dir}",
+                  file=sys.stderr)
+        elif self.report:
             from trainprof.report.terminal import render_summary
 
             render_summary(self.summary, file=sys.stderr)
+            if self._launch is not None:
+                print(f"trainprof: this is rank {self._launch.rank}'s summary; all ranks "
+                      f"merged: trainprof report {self.run_dir.parent.parent}", file=sys.stderr)
         return exc_type is not None and issubclass(exc_type, StopTraining)
 
     def step(self) -> None:

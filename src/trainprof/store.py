@@ -64,16 +64,30 @@ def safe_name(name: str) -> str:
 
 
 def default_run_dir(name: str, root: Path | None = None) -> Path:
-    """``./trainprof-runs/<timestamp>-<name>/``, made unique if it already exists."""
+    """``./trainprof-runs/<timestamp>-<name>/``, made unique if it already exists.
+
+    The folder is created here, atomically: processes that start in the same second
+    with the same name (the ranks of a job, each with ``trainprof.profile()``) each
+    get a folder of their own rather than the same one.
+    """
     root = root if root is not None else Path.cwd() / "trainprof-runs"
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     safe = safe_name(name)
-    path = root / f"{stamp}-{safe}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create {root}: {exc.strerror or exc}") from exc
     n = 1
-    while path.exists():
-        n += 1
-        path = root / f"{stamp}-{safe}-{n}"
-    return path
+    path = root / f"{stamp}-{safe}"
+    while True:
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            n += 1
+            path = root / f"{stamp}-{safe}-{n}"
+        except OSError as exc:
+            raise UsageError(f"cannot create run folder {path}: {exc.strerror or exc}") from exc
 
 
 def _write_json_atomic(path: Path, data: Any) -> None:
