@@ -645,3 +645,43 @@ def test_profile_api_under_torchrun_records_each_rank_in_one_launch_folder(tmp_p
     assert f"all ranks merged: trainprof report {launch}" in proc.stderr
     summary, _ = analyse_folder(launch)
     assert [r["steps"] for r in summary["ranks"]] == [15, 15]
+
+
+def test_ctrl_c_closes_every_rank_as_interrupted(tmp_path):
+    """Ctrl-C reaches the whole process group: the spawned ranks close their records as
+    interrupted, and the parent waits for them before it merges (spawn has not joined)."""
+    import os
+    import signal
+    import time
+
+    write_script(tmp_path, "train.py", """
+        import torch, torch.multiprocessing as mp
+        from torch import nn
+
+        def train(rank):
+            model = nn.Linear(64, 1)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            while True:
+                loss = model(torch.randn(32, 64)).sum()
+                opt.zero_grad(); loss.backward(); opt.step()
+
+        if __name__ == "__main__":
+            mp.spawn(train, nprocs=2)
+    """)
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainprof", "run", "--json", "--out", str(out), "train.py"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not all(
+            (out / "ranks" / k / "steps.bin").exists()
+            and (out / "ranks" / k / "steps.bin").stat().st_size > 0 for k in ("0", "1")):
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr[-3000:]
+    doc = json.loads(stdout)
+    assert doc["status"] == "interrupted"
+    assert [r["status"] for r in doc["ranks"]] == ["interrupted", "interrupted"]
+    assert all(r["steps"] > 0 for r in doc["ranks"])

@@ -207,6 +207,12 @@ def run_command(
     def summarize() -> dict[str, Any] | None:
         """The summary to print: this run's, or under torchrun the launch's, ranks merged,
         from its local rank 0 only (None: this rank prints none)."""
+        if recorder.child_runs.recorded:
+            # processes the script started may still be closing their records (Ctrl-C
+            # reaches the whole process group; spawn has not joined them then)
+            from trainprof.capture.ranks import wait_for_ranks
+
+            wait_for_ranks(run_dir, len(recorder.child_runs.recorded), timeout_s=10.0)
         summary = finalize_run(run_dir, html=html and launch is None)
         if launch is None:
             return summary
