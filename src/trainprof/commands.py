@@ -155,7 +155,7 @@ def run_command(
     and cProfile; ``lines``: line_profiler targets. Returns the script's exit code.
     """
     from trainprof.capture.launcher import check_target, run_target
-    from trainprof.capture.ranks import default_launch_dir, launcher_rank
+    from trainprof.capture.ranks import default_launch_dir, launcher_rank, wait_for_ranks
     from trainprof.capture.recorder import Recorder
 
     check_target(target, module)
@@ -210,8 +210,6 @@ def run_command(
         if recorder.child_runs.recorded:
             # processes the script started may still be closing their records (Ctrl-C
             # reaches the whole process group; spawn has not joined them then)
-            from trainprof.capture.ranks import wait_for_ranks
-
             wait_for_ranks(run_dir, len(recorder.child_runs.recorded), timeout_s=10.0)
         summary = finalize_run(run_dir, html=html and launch is None)
         if launch is None:
@@ -219,17 +217,7 @@ def run_command(
         if launch.local_rank != 0:
             print(f"trainprof: rank {launch.rank} recorded to {run_dir}", file=sys.stderr)
             return None
-        from trainprof.capture.ranks import wait_for_ranks
-
-        missing = wait_for_ranks(launch_dir, launch.local_world_size)
-        summary, main_run = analyse_folder(launch_dir)
-        if missing:
-            summary["notes"] = [*summary.get("notes", []), "ranks not closed when this summary "
-                                f"was printed: {', '.join(missing)} (`trainprof report "
-                                f"{launch_dir}` merges them later)"]
-        if html:
-            _write_html_noted(summary, main_run, launch_dir / "report.html")
-        return summary
+        return _merge_launch(launch_dir, launch.local_world_size, html)
 
     if json_out:
         with stdout_to_stderr() as real_stdout:
@@ -249,6 +237,21 @@ def run_command(
     if summary is not None:
         render_summary(summary)
     return outcome.exit_code
+
+
+def _merge_launch(launch_dir: Path, local_ranks: int, html: bool) -> dict[str, Any]:
+    """Local rank 0 of a torchrun launch: wait for this host's ranks, then merge them all."""
+    from trainprof.capture.ranks import wait_for_ranks
+
+    missing = wait_for_ranks(launch_dir, local_ranks)
+    summary, main_run = analyse_folder(launch_dir)
+    if missing:
+        summary["notes"] = [*summary.get("notes", []), "ranks not closed when this summary "
+                            f"was printed: {', '.join(missing)} (`trainprof report "
+                            f"{launch_dir}` merges them later)"]
+    if html:
+        _write_html_noted(summary, main_run, launch_dir / "report.html")
+    return summary
 
 
 def write_html(summary: dict[str, Any], run: Run, path: Path | None = None) -> Path:
