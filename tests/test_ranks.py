@@ -78,6 +78,26 @@ if __name__ == "__main__":
 """
 
 
+#: Two spawned ranks that train until stopped (--max-steps, Ctrl-C).
+ENDLESS_SPAWN = """
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+
+def train(rank):
+    model = nn.Linear(64, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    while True:
+        loss = model(torch.randn(32, 64)).sum()
+        opt.zero_grad(); loss.backward(); opt.step()
+
+
+if __name__ == "__main__":
+    mp.spawn(train, nprocs=2)
+"""
+
+
 def _free_port() -> int:
     import socket
 
@@ -212,22 +232,8 @@ def test_a_forked_process_that_crashes_leaves_a_crashed_rank(tp):
 
 
 def test_max_steps_stops_every_spawned_rank(tp):
-    body = """
-    import torch
-    import torch.multiprocessing as mp
-    from torch import nn
-
-    def train(rank):
-        model = nn.Linear(4, 1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        while True:
-            loss = model(torch.randn(2, 4)).sum()
-            opt.zero_grad(); loss.backward(); opt.step()
-
-    if __name__ == "__main__":
-        mp.spawn(train, nprocs=2)
-    """
-    res = tp(body, "--json", "--max-steps", "15", "--py", "skip_first=2,active=5", timeout=120)
+    res = tp(ENDLESS_SPAWN, "--json", "--max-steps", "15", "--py", "skip_first=2,active=5",
+             timeout=120)
     assert res.returncode == 0, res.stderr
     doc = res.json()
     # profiled steps are counted, not timed: 15 steps each, 5 of them under cProfile
@@ -654,20 +660,7 @@ def test_ctrl_c_closes_every_rank_as_interrupted(tmp_path):
     import signal
     import time
 
-    write_script(tmp_path, "train.py", """
-        import torch, torch.multiprocessing as mp
-        from torch import nn
-
-        def train(rank):
-            model = nn.Linear(64, 1)
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            while True:
-                loss = model(torch.randn(32, 64)).sum()
-                opt.zero_grad(); loss.backward(); opt.step()
-
-        if __name__ == "__main__":
-            mp.spawn(train, nprocs=2)
-    """)
+    write_script(tmp_path, "train.py", ENDLESS_SPAWN)
     out = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "trainprof", "run", "--json", "--out", str(out), "train.py"],
