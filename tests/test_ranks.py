@@ -223,6 +223,7 @@ def test_a_forked_process_that_crashes_leaves_a_crashed_rank(tp):
     res = tp(body, "--json")
     assert res.returncode == 0, res.stderr
     assert "RuntimeError: out of data" in res.stderr  # multiprocessing prints it, as before
+    assert "trainprof/capture" not in res.stderr  # ...with the user's frames only
     assert "child exit 1" in res.stderr  # (--json: the script's stdout goes to stderr)
     doc = res.json()
     assert doc["status"] == "finished" and doc["main_rank"] == "0"

@@ -80,7 +80,7 @@ def _is_ours(filename: str) -> bool:
     return filename.startswith(_OWN_DIR) or filename in (_RUNPY, "<frozen runpy>")
 
 
-def _strip_own_frames(exc: BaseException | None, seen: set[int] | None = None) -> None:
+def strip_own_frames(exc: BaseException | None, seen: set[int] | None = None) -> None:
     """Remove trainprof and runpy frames from a traceback (and its causes), in place."""
     seen = seen if seen is not None else set()
     if exc is None or id(exc) in seen:
@@ -97,13 +97,13 @@ def _strip_own_frames(exc: BaseException | None, seen: set[int] | None = None) -
     if frames:
         frames[-1].tb_next = None
         exc.__traceback__ = frames[0]
-    _strip_own_frames(exc.__cause__, seen)
-    _strip_own_frames(exc.__context__, seen)
+    strip_own_frames(exc.__cause__, seen)
+    strip_own_frames(exc.__context__, seen)
 
 
 def print_exception(exc: BaseException) -> None:
     """Print a script's uncaught exception exactly as the interpreter would."""
-    _strip_own_frames(exc)
+    strip_own_frames(exc)
     sys.stdout.flush()
     sys.excepthook(type(exc), exc, exc.__traceback__)
     sys.stderr.flush()

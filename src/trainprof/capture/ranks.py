@@ -43,6 +43,7 @@ their records and prints the merged summary; the others print one line.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -95,27 +96,28 @@ class ChildSpec:
     tools: dict[str, str | None] = field(default_factory=dict)
 
 
-class RecordedTarget:
+class RecordedTarget(functools.partial):  # type: ignore[type-arg]
     """A process target that records the process while the real target runs.
 
-    Picklable when the target is (``spawn`` pickles it by reference, as it would
-    have pickled the target itself).
+    ``RecordedTarget(run_recorded, target, spec)``: a ``functools.partial``, so that calling
+    it runs no Python frame of its own and a crash's traceback, as multiprocessing or spawn
+    print it, shows the user's frames only (:func:`run_recorded` strips its own). Picklable
+    when the target is (``spawn`` pickles it by reference, as it would have the target).
     """
 
-    def __init__(self, target: Callable[..., Any], spec: ChildSpec) -> None:
-        self.target = target
-        self.spec = spec
+    @property
+    def target(self) -> Callable[..., Any]:
+        return self.args[0]  # type: ignore[no-any-return]
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return run_recorded(self.target, self.spec, args, kwargs)
+    @property
+    def spec(self) -> ChildSpec:
+        return self.args[1]  # type: ignore[no-any-return]
 
     def __repr__(self) -> str:
         return f"<trainprof recorded {self.target!r} -> {self.spec.run_dir}>"
 
 
-def run_recorded(
-    target: Callable[..., Any], spec: ChildSpec, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
+def run_recorded(target: Callable[..., Any], spec: ChildSpec, /, *args: Any, **kwargs: Any) -> Any:
     """In the child: record this process into ``spec.run_dir`` while ``target`` runs.
 
     The record's status follows the launcher's table (:mod:`trainprof.capture.launcher`):
@@ -127,7 +129,7 @@ def run_recorded(
     """
     from trainprof.capture import recorder as recorder_module
     from trainprof.capture.clock import StopTraining
-    from trainprof.capture.launcher import exit_code_of
+    from trainprof.capture.launcher import exit_code_of, strip_own_frames
     from trainprof.capture.tools import build_windows
 
     # A forked child holds a copy of the parent's recorder; its patches were
@@ -163,8 +165,10 @@ def run_recorded(
     except KeyboardInterrupt:
         status, code = "interrupted", 130
         raise
-    except BaseException:
+    except BaseException as exc:
         status, code = "crashed", 1
+        # the traceback multiprocessing (or spawn) prints: the user's frames, not ours
+        strip_own_frames(exc)
         raise
     finally:
         rec.stop(status, code)
@@ -223,10 +227,10 @@ class ChildRuns:
         args = tuple(getattr(process, "_args", ()))
         if _is_spawn_wrap(target) and len(args) >= 2 and isinstance(args[1], int):
             label = self._claim(str(args[1]))
-            process._args = (RecordedTarget(args[0], self._spec(label)), *args[1:])
+            process._args = (RecordedTarget(run_recorded, args[0], self._spec(label)), *args[1:])
         else:
             label = self._claim(None)
-            process._target = RecordedTarget(target, self._spec(label))
+            process._target = RecordedTarget(run_recorded, target, self._spec(label))
         self.recorded.append((label, name))
 
 
