@@ -547,8 +547,11 @@ def test_charts_draw_hover_and_zoom(browser: Browser, injected_report) -> None:
         px = np.asarray(img).reshape(-1, 3).astype(int)
         red = np.all(np.abs(px - [214, 39, 40]) < 12, axis=1).mean()
         print(f"data-wait red covers {red:.1%} of the plot area; the data say {expected:.1%}")
-        # (abs 0.04: on a saturated machine the screenshot came out 0.02-0.03 low once)
-        assert red == pytest.approx(expected, abs=0.04) and red > 0.05
+        # The screenshot reads low: each bar's anti-aliased edges are not pure red, a loss in
+        # proportion to the red area (25.5% drawn as 23.7% here, 59.9% as 55.9% once on CI).
+        # Hence 10% of the value (at least 0.02); a drawing bug - bars of half width, a
+        # missing phase - is off by far more.
+        assert red == pytest.approx(expected, rel=0.10, abs=0.02) and red > 0.05
 
         # hover the middle of the plot: the tooltip names the step under the cursor
         box = page.rect("[data-chart=steps] svg")
