@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from trainprof.analysis.deep import trace_findings
-from trainprof.analysis.ranks import load_main_run, merge_ranks, rank_dirs
+from trainprof.analysis.ranks import load_main_run, load_ranks, merge_ranks, rank_dirs
 from trainprof.analysis.steps import complete_steps
 from trainprof.analysis.summary import summarize_run
 from trainprof.capture.tools import build_windows
@@ -328,10 +328,7 @@ def export_command(run_dir: Path, *, perfetto: Path) -> int:
     """``trainprof export --perfetto``: one Chrome-trace JSON of the run for Perfetto."""
     from trainprof.report.perfetto import export_perfetto
 
-    main = load_main_run(run_dir)
-    # a run of several ranks: every rank on the one timeline
-    ranks = [(label, main if path == main.path else load_run(path))
-             for label, path in rank_dirs(Path(run_dir))]
+    main, ranks = load_ranks(run_dir)  # a run of several ranks: every rank on one timeline
     stats = export_perfetto(main, perfetto, ranks=ranks)
     print(f"trainprof: wrote {perfetto} ({stats.get('events', 0)} events); "
           "open it in https://ui.perfetto.dev or chrome://tracing", file=sys.stderr)

@@ -228,21 +228,26 @@ def merge_ranks(
     return main
 
 
-def load_main_run(run_dir: Path) -> Run:
-    """The Run whose figures stand for a folder: its own, or its main rank's (:func:`pick_main`).
+def load_ranks(run_dir: Path) -> tuple[Run, list[tuple[str, Run]]]:
+    """A folder's main Run (:func:`pick_main`) and every rank's ``(label, Run)``, each read once.
 
     For what reads one record (``compare``, ``export``, ``tune``'s trials): a torchrun
     launch's folder has no record of its own, and a script that spawned its ranks
-    trained in them.
+    trained in them. A folder without ranks is its own main run, with no ranks.
     """
     run_dir = Path(run_dir)
     ranks = rank_dirs(run_dir)
     if not ranks:
-        return load_run(run_dir)
+        return load_run(run_dir), []
     own = load_run(run_dir) if (run_dir / RUN_JSON).exists() else None
-    runs = {label: load_run(path) for label, path in ranks}
+    runs = [(label, load_run(path)) for label, path in ranks]
     label = pick_main(None if own is None else len(complete_steps(own.steps)),
-                      [(k, len(complete_steps(r.steps))) for k, r in runs.items()])
-    main = own if label is None else runs[label]
+                      [(k, len(complete_steps(r.steps))) for k, r in runs])
+    main = own if label is None else dict(runs)[label]
     assert main is not None
-    return main
+    return main, runs
+
+
+def load_main_run(run_dir: Path) -> Run:
+    """The Run whose figures stand for a folder (see :func:`load_ranks`)."""
+    return load_ranks(run_dir)[0]

@@ -277,6 +277,17 @@ class ArmedFetcher:
         self.inner.ended = value
 
 
+def _record_batch(fetcher: Any, st: Stream, n: int, *times: int) -> None:
+    """Count a timed batch into its stream (after the clocks: their reading stays exact),
+    then, in the training process, go back to torch's fetch until ``rearm()``."""
+    try:
+        st.batch(n, *times)
+        if st.rearm and not st.per_sample and type(fetcher) is ArmedFetcher:
+            fetcher.disarm()  # cheap: torch's fetch until rearm()
+    except Exception:  # the capture switches itself off; the batch goes through
+        st.off = True
+
+
 def make_map_fetch(orig: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     """A timed ``_MapDatasetFetcher.fetch``: torch 2.13's logic, with clocks between the calls."""
     from torch.utils.data import Subset
@@ -362,12 +373,7 @@ def make_map_fetch(orig: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]
             st.in_fetch = False
         t2 = perf()
         c2 = tt()
-        try:
-            st.batch(n, t_begin, t0 - t_begin, c0 - c_begin, t2 - t0, c2 - c0, t2, q0)
-            if st.rearm and not st.per_sample and type(self) is ArmedFetcher:
-                self.disarm()  # cheap: torch's fetch until rearm()
-        except Exception:
-            st.off = True
+        _record_batch(self, st, n, t_begin, t0 - t_begin, c0 - c_begin, t2 - t0, c2 - c0, t2, q0)
         return out
 
     fetch.__wrapped__ = orig  # type: ignore[attr-defined]
@@ -455,12 +461,7 @@ def make_iterable_fetch(orig: Callable[[Any, Any], Any]) -> Callable[[Any, Any],
             st.in_fetch = False
         t2 = perf()
         c2 = tt()
-        try:
-            st.batch(n, t_begin, t0 - t_begin, c0 - c_begin, t2 - t0, c2 - c0, t2, q0)
-            if st.rearm and not st.per_sample and type(self) is ArmedFetcher:
-                self.disarm()  # cheap: torch's fetch until rearm()
-        except Exception:
-            st.off = True
+        _record_batch(self, st, n, t_begin, t0 - t_begin, c0 - c_begin, t2 - t0, c2 - c0, t2, q0)
         return out
 
     fetch.__wrapped__ = orig  # type: ignore[attr-defined]
