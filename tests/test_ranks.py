@@ -9,6 +9,7 @@ dataset that sleeps a known time per sample, so the merged view must name that r
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,10 +18,17 @@ import numpy as np
 import pytest
 from conftest import trainprof, write_script
 
-from trainprof.analysis.ranks import common_step_means, merge_ranks, merged_status, rank_spread
+from trainprof.analysis.ranks import (
+    common_step_means,
+    load_ranks,
+    merge_ranks,
+    merged_status,
+    rank_spread,
+)
 from trainprof.capture.ranks import default_launch_dir, launcher_rank
 from trainprof.commands import analyse_folder
 from trainprof.diagnosis.distributed import straggler_rank, uneven_input_pipeline
+from trainprof.report.perfetto import export_perfetto
 from trainprof.store import RUN_JSON, STEP_DTYPE, load_run
 
 #: Two ranks of DDP over gloo (CPU); rank 1's dataset sleeps SLOW_S per sample.
@@ -619,6 +627,30 @@ def test_trace_of_a_run_folder_merges_the_ranks_deep_windows(tmp_path):
     assert sorted(doc["ranks"]) == ["0", "1"]
     pct = {k: r["breakdown_pct"] for k, r in doc["ranks"].items()}
     assert pct["0"]["Communication"] > 50 and pct["1"]["DataLoader"] > 50, pct
+    # the Perfetto export carries every rank's trace, each on its own rank's steps
+    out = tmp_path / "timeline.json"
+    exp = trainprof("export", str(res.run_dir), "--perfetto", str(out), cwd=tmp_path)
+    assert exp.returncode == 0, exp.stderr
+    assert "merged rank 1: deep/" in exp.stderr, exp.stderr
+    main, ranks = load_ranks(res.run_dir)
+    merged = export_perfetto(main, out, ranks=ranks)["deep_traces"]
+    assert sorted(t["file"].split(":")[0] for t in merged) == ["rank 0", "rank 1"], merged
+    for t in merged:  # Kineto's step N begins just after trainprof's step N, on both ranks
+        assert t["alignment"] == "wall_clock" and 0 <= t["residual_ms"] < 5, merged
+    events = json.loads(out.read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e["name"] == "process_name"}
+    starts = {}
+    for e in events:
+        m = re.match(r"ProfilerStep#(\d+)$", str(e.get("name", "")))
+        if m and e.get("ph") == "X":
+            starts.setdefault(names[e["pid"]], {})[int(m.group(1))] = e["ts"]
+    assert set(starts) == {"rank 0 (training process)", "rank 1 (training process)"}, starts
+    (a, b) = starts.values()
+    shared = sorted(set(a) & set(b))
+    assert shared, starts
+    # in lock-step, both ranks' profiled steps begin within a few ms (a step is ~20 ms)
+    assert all(abs(a[n] - b[n]) < 5000 for n in shared), (a, b)
     # a run folder without a trace: one line saying what to do
     plain = tmp_path / "plain"
     write_script(tmp_path, "t.py", "print('no training')\n")

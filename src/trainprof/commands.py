@@ -332,4 +332,13 @@ def export_command(run_dir: Path, *, perfetto: Path) -> int:
     stats = export_perfetto(main, perfetto, ranks=ranks)
     print(f"trainprof: wrote {perfetto} ({stats.get('events', 0)} events); "
           "open it in https://ui.perfetto.dev or chrome://tracing", file=sys.stderr)
+    for trace in stats.get("deep_traces", []):
+        how = {"wall_clock": "by wall clock", "profiler_steps": "by ProfilerStep#N"}.get(
+            trace["alignment"], trace["alignment"])
+        residual = trace.get("residual_ms")
+        after = "" if residual is None else f", ProfilerStep#N {residual:+.2f} ms from step N"
+        print(f"  merged {trace['file']}: {trace['events']} events, aligned {how}{after}",
+              file=sys.stderr)
+    for note in stats.get("notes", []):
+        print(f"  note: {note}", file=sys.stderr)
     return 0

@@ -31,6 +31,9 @@ What goes where (Perfetto shows one group per process, one track per thread or c
     ``Optimizer.step#...`` slice, so on the op thread ProfilerStep#N+1 would begin inside an
     op that began in step N, which is not a nesting a viewer can draw.
 
+* **Every other rank** of a run recorded in several processes (``ranks/<k>/``): its steps,
+  process counters and ``--deep`` traces, aligned as below on its own steps and then moved
+  onto the main rank's timeline (:func:`_rank_offset_ns`).
 * **DataLoader workers**: one CPU % counter per worker pid (from samples.jsonl; a worker that
   is gone drops to 0), the workers' total CPU % and RSS.
 * **system**: mean CPU % over all cores, iowait %, disk read rate.
@@ -359,11 +362,22 @@ def _align(
 
 def _add_deep(
     b: _Builder, run: Run, train_pid: int, starts_ns: dict[int, int], run_end_us: float,
-    window: tuple[float, float] | None, notes: list[str],
+    window: tuple[float, float] | None, notes: list[str], *, offset_us: float = 0.0,
+    flow_base: int = 0, label: str | None = None, pid_map: dict[Any, int] | None = None,
 ) -> list[dict[str, Any]]:
+    """The run's torch.profiler traces, aligned on its steps (see :func:`_align`).
+
+    For another rank: ``starts_ns`` and ``run_end_us`` are on the rank's own clock,
+    ``offset_us`` moves them onto the main run's timeline, ``pid_map`` renames the rank's
+    process when its pid was taken (ranks of other hosts), ``flow_base`` keeps flow ids
+    of different traces apart, and ``label`` names the rank in the track names.
+    """
     out = []
-    for index, path in enumerate(find_deep_traces(run.path)):
+    pid_map = pid_map or {}
+    for index, path in enumerate(find_deep_traces(run.path), start=flow_base):
         rel = str(path.relative_to(run.path))
+        if label is not None:
+            rel = f"rank {label}: {rel}"
         try:
             trace = _load_trace(path)
         except (OSError, ValueError, EOFError, gzip.BadGzipFile, orjson.JSONDecodeError) as exc:
@@ -376,6 +390,7 @@ def _add_deep(
             notes.append(f"{rel}: left out, it cannot be placed on the run's timeline "
                          "(no wall-clock base and no ProfilerStep#N matching the run's steps)")
             continue
+        shift += offset_us
         if window is not None:
             span = [float(e["ts"]) + shift for e in events
                     if e["ph"] != "M" and _number(e.get("ts"))]
@@ -386,7 +401,8 @@ def _add_deep(
             ph = e["ph"]
             if ph == "M":
                 # our own name for the training process wins over Kineto's "python"
-                if e.get("pid") == train_pid and e.get("name", "").startswith("process_"):
+                if (pid_map.get(e.get("pid"), e.get("pid")) == train_pid
+                        and e.get("name", "").startswith("process_")):
                     continue
                 ev = {**e, "ts": 0}
             elif not _number(e.get("ts")):
@@ -396,6 +412,8 @@ def _add_deep(
                 if ph == "X" and (not _number(e.get("dur")) or e["dur"] < 0):
                     ev["dur"] = 0
             ev.setdefault("tid", ev["pid"])
+            if ev["pid"] in pid_map:
+                ev["pid"] = pid_map[ev["pid"]]
             if (ph == "X" and ev["pid"] == train_pid
                     and _PROFILER_STEP.match(str(e.get("name", "")))):
                 ev["tid"] = TID_PROFILER_STEPS
@@ -404,12 +422,14 @@ def _add_deep(
                 ev["id"] = e["id"] + index * 1_000_000_000  # flows of two traces stay apart
             b.events.append(ev)
             kept += 1
-        if moved and "torch.profiler steps" not in b.tracks:
+        steps_track = "torch.profiler steps" if label is None else (
+            f"rank {label}: torch.profiler steps")
+        if moved and steps_track not in b.tracks:
             b.events.append(_meta("thread_name", train_pid, TID_PROFILER_STEPS,
                                   name="torch.profiler steps (ProfilerStep#N)"))
             b.events.append(_meta("thread_sort_index", train_pid, TID_PROFILER_STEPS,
                                   sort_index=-1))
-            b.track("torch.profiler steps")
+            b.track(steps_track)
         b.track(f"torch.profiler: {rel}")
         out.append({"file": rel, "events": kept, "alignment": method,
                     "residual_ms": None if residual is None else round(residual, 4)})
@@ -463,15 +483,17 @@ def _rank_offset_ns(main: dict[str, Any], other: dict[str, Any]) -> int | None:
 def _add_rank(
     b: _Builder, rank: tuple[str, Run], main: Run, sort_index: int,
     first_step: int | None, last_step: int | None, max_steps: int, notes: list[str],
-) -> int:
-    """Another rank's steps and process counters, on the main run's timeline; its steps."""
+) -> tuple[int, list[dict[str, Any]]]:
+    """Another rank's steps, process counters and --deep traces, on the main run's
+    timeline; (its steps, its merged traces)."""
     label, run = rank
     offset = _rank_offset_ns(main.meta, run.meta)
     if offset is None:
         notes.append(f"rank {label} left out: its record has no clock origin")
-        return 0
-    pid = run.meta.get("pid") if isinstance(run.meta.get("pid"), int) else None
-    if pid is None or pid == main.meta.get("pid"):
+        return 0, []
+    own_pid = run.meta.get("pid") if isinstance(run.meta.get("pid"), int) else None
+    pid = own_pid
+    if pid is None or pid == main.meta.get("pid"):  # another host's process of that pid
         pid = PID_FALLBACK_TRAIN + sort_index
     b.events.append(_meta("process_name", pid, 0, name=f"rank {label} (training process)"))
     b.events.append(_meta("process_sort_index", pid, 0, sort_index=sort_index))
@@ -480,16 +502,21 @@ def _add_rank(
     notes.extend(f"rank {label}: {n}" for n in rank_notes)
     shifted = steps.copy()
     shifted["t_start_ns"] += offset
-    n, _ = _add_steps(b, run, shifted, pid)
+    n, starts = _add_steps(b, run, shifted, pid)
     if window is not None:
         window = (window[0] + offset / 1000, window[1] + offset / 1000)
     origin = run.meta.get("clock_origin_s")
     if _number(origin):
         # samples carry the sampler's perf_counter: shift them as the steps
         _add_samples(b, run, pid, float(origin) - offset / 1e9, window, process_only=True)
-    if find_deep_traces(run.path):
-        notes.append(f"rank {label}: its --deep traces are not merged (open them on their own)")
-    return n
+    # its torch.profiler traces: aligned on its own steps, then moved as they were
+    own_starts = {step: t - offset for step, t in starts.items()}
+    end_us = _us(int(run.steps[-1]["t_start_ns"]) + int(run.steps[-1]["dur_ns"])) if len(
+        run.steps) else 0.0
+    deep = _add_deep(b, run, pid, own_starts, end_us, window, notes, offset_us=offset / 1000,
+                     flow_base=100 * sort_index, label=label,
+                     pid_map={own_pid: pid} if own_pid is not None and own_pid != pid else None)
+    return n, deep
 
 
 def export_perfetto(
@@ -535,10 +562,12 @@ def export_perfetto(
         run_end_us = _us(int(last["t_start_ns"]) + int(last["dur_ns"]))
     else:
         run_end_us = 0.0
-    deep = _add_deep(b, run, pid, starts, run_end_us, window, notes)
+    deep = _add_deep(b, run, pid, starts, run_end_us, window, notes, label=main_label)
     others = [r for r in ranks or [] if r[1].path != run.path]
     for i, rank in enumerate(others):
-        n_steps += _add_rank(b, rank, run, 10 + i, first_step, last_step, max_steps, notes)
+        n, rank_deep = _add_rank(b, rank, run, 10 + i, first_step, last_step, max_steps, notes)
+        n_steps += n
+        deep += rank_deep
     if not len(run.steps):
         notes.append("the run recorded no steps")
     if not n_samples and window is None:
