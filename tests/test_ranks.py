@@ -9,9 +9,12 @@ dataset that sleeps a known time per sample, so the merged view must name that r
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
+import time
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +84,9 @@ def train(rank, world_size, port):
 if __name__ == "__main__":
     if sys.argv[1] == "spawn":
         mp.spawn(train, args=(2, int(sys.argv[2])), nprocs=2)
+    elif sys.argv[1] == "slurm":  # a task of `srun --ntasks 2`: SLURM_PROCID of SLURM_NTASKS
+        train(int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"]),
+              int(sys.argv[2]))
     else:
         train(0, 0, 0)
 """
@@ -295,6 +301,47 @@ def test_launcher_rank_reads_the_torch_distributed_environment():
     assert r is not None and (r.local_rank, r.local_world_size) == (1, 2)
 
 
+def test_launcher_rank_reads_srun_tasks_of_a_job_step():
+    from trainprof.capture.ranks import slurm_tasks_on_node
+
+    step = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "3", "SLURM_PROCID": "5",
+            "SLURM_STEP_NUM_TASKS": "7", "SLURM_NTASKS": "7", "SLURM_LOCALID": "1",
+            "SLURM_NODEID": "2", "SLURM_STEP_TASKS_PER_NODE": "2(x3),1",
+            "SLURM_JOB_START_TIME": "1700000000"}
+    r = launcher_rank(step)
+    assert r is not None and (r.rank, r.world_size, r.local_rank, r.local_world_size) == (
+        5, 7, 1, 2)
+    assert (r.launcher, r.started, r.launch_id) == ("slurm", 1700000000.0, "slurm4242.3")
+    # torchrun inside an allocation: its RANK wins over the task's SLURM_PROCID
+    r = launcher_rank({**step, "RANK": "9", "WORLD_SIZE": "16"})
+    assert r is not None and (r.rank, r.launcher) == (9, "torchrun")
+    # an sbatch script itself (no step of srun's): one process, an ordinary run
+    batch = {k: v for k, v in step.items() if not k.startswith("SLURM_STEP")}
+    assert launcher_rank(batch) is None
+    assert launcher_rank({**step, "SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0"}) is None
+    assert slurm_tasks_on_node("2(x3),1", "3") == 1
+    assert slurm_tasks_on_node("4", "0") == 4
+    assert slurm_tasks_on_node("2(x3),1", "4") is None
+    assert slurm_tasks_on_node("", "0") is None
+    r = launcher_rank({**step, "SLURM_STEP_TASKS_PER_NODE": "garbage"})
+    assert r is not None and r.local_world_size == 7  # unknown: the whole step
+
+
+def test_default_launch_dir_of_a_slurm_step_is_the_same_on_every_node(tmp_path):
+    step = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2",
+            "SLURM_JOB_START_TIME": "1700000000"}
+    a = default_launch_dir("train", 0, root=tmp_path,
+                           launch=launcher_rank({**step, "SLURM_PROCID": "0"}))
+    b = default_launch_dir("train", 1, root=tmp_path,
+                           launch=launcher_rank({**step, "SLURM_PROCID": "1"}))
+    stamp = datetime.fromtimestamp(1700000000).strftime("%Y%m%d-%H%M%S")
+    assert a == b == tmp_path / f"{stamp}-train-slurm77.0"
+    # another step of the job (the same job start) gets a folder of its own
+    c = default_launch_dir("train", 0, root=tmp_path, launch=launcher_rank(
+        {**step, "SLURM_STEP_ID": "1", "SLURM_PROCID": "0"}))
+    assert c == tmp_path / f"{stamp}-train-slurm77.1"
+
+
 def test_default_launch_dir_is_shared_and_skips_an_earlier_launch(tmp_path):
     a = default_launch_dir("train", 0, root=tmp_path)
     assert default_launch_dir("train", 1, root=tmp_path) == a  # every rank picks the same
@@ -473,6 +520,10 @@ def test_wait_for_ranks_returns_those_still_open_when_time_runs_out(tmp_path):
     (tmp_path / "ranks" / "1" / RUN_JSON).write_text(json.dumps(
         {"status": "running", "pid": int(dead), "hostname": socket.gethostname()}))
     assert wait_for_ranks(tmp_path, 2, timeout_s=5) == []  # a dead writer's record is closed
+    # once every record is closed, a rank that never started is waited for a grace only
+    t0 = time.monotonic()
+    assert wait_for_ranks(tmp_path, 3, timeout_s=30, start_grace_s=0.5) == ["1 not started"]
+    assert time.monotonic() - t0 < 5
 
 
 def test_the_terminal_lists_ranks_and_folds_helpers_that_ran_no_step():
@@ -658,6 +709,30 @@ def test_trace_of_a_run_folder_merges_the_ranks_deep_windows(tmp_path):
     err = trainprof("trace", str(plain), cwd=tmp_path)
     assert err.returncode == 2 and err.stderr.startswith("error: ")
     assert "no torch.profiler trace" in err.stderr and len(err.stderr.splitlines()) == 1
+
+
+def test_srun_tasks_record_into_one_folder_and_local_rank_0_prints_the_merge(tmp_path):
+    """What `srun --ntasks 2 trainprof run --json train.py` starts: two tasks with
+    SLURM's environment (and no RANK), the script taking its rank from SLURM_PROCID."""
+    write_script(tmp_path, "train.py", DDP)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+           and not k.startswith("SLURM_")}
+    env.update(SLURM_JOB_ID="4242", SLURM_STEP_ID="0", SLURM_STEP_NUM_TASKS="2",
+               SLURM_NTASKS="2", SLURM_NODEID="0", SLURM_STEP_TASKS_PER_NODE="2")
+    port = str(_free_port())
+    tasks = [subprocess.Popen(
+        [sys.executable, "-m", "trainprof", "run", "--json", "train.py", "slurm", port],
+        cwd=tmp_path, env={**env, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    (out0, err0), (out1, err1) = (t.communicate(timeout=180) for t in tasks)
+    assert [t.returncode for t in tasks] == [0, 0], err0[-2000:] + err1[-2000:]
+    assert out1 == "" and "trainprof: rank 1 recorded to" in err1
+    doc = json.loads(out0)  # local rank 0: the merged document, the only one
+    _check_uneven_ranks(doc)
+    (launch,) = (tmp_path / "trainprof-runs").iterdir()
+    assert launch.name.endswith("-train-slurm4242.0") and doc["run_dir"] == str(launch)
+    assert sorted(p.name for p in (launch / "ranks").iterdir()) == ["0", "1"]
 
 
 def test_profile_api_under_torchrun_records_each_rank_in_one_launch_folder(tmp_path):

@@ -81,12 +81,12 @@ class Profile:
         main = sys.modules.get("__main__")
         script = getattr(main, "__file__", None)
         self.name = name or (Path(script).stem if script else "profile")
-        # under torchrun, every rank runs this: a record each, under ranks/ of one folder
+        # under torchrun or srun, every rank runs this: a record each, under ranks/ of one folder
         # per launch, as with `trainprof run` (trainprof.capture.ranks)
         self._launch = launcher_rank()
         if self._launch is not None:
             base = Path(out) if out is not None else default_launch_dir(
-                self.name, self._launch.rank)
+                self.name, self._launch.rank, launch=self._launch)
             self.run_dir = base / RANKS_DIR / str(self._launch.rank)
         else:
             self.run_dir = Path(out) if out is not None else default_run_dir(self.name)

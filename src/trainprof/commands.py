@@ -43,7 +43,7 @@ def analyse(run: Run) -> dict[str, Any]:
 def analyse_folder(run_dir: Path) -> tuple[dict[str, Any], Run]:
     """The summary of a run folder, its ranks merged, and the Run its figures come from.
 
-    A folder with ranks (``ranks/<k>/``: processes the script started, or a torchrun
+    A folder with ranks (``ranks/<k>/``: processes the script started, or a torchrun / srun
     launch, which has no record of its own) is summarised rank by rank and merged
     (:mod:`trainprof.analysis.ranks`); any other folder is one Run.
     """
@@ -161,10 +161,11 @@ def run_command(
     check_target(target, module)
     if name is None:
         name = target.rsplit(".", 1)[-1] if module else Path(target).stem
-    # under torchrun: one record per rank, under ranks/ of one folder for the launch
+    # under torchrun or srun: one record per rank, under ranks/ of one folder for the launch
     launch = launcher_rank()
     if launch is not None:
-        launch_dir = out if out is not None else default_launch_dir(name, launch.rank)
+        launch_dir = out if out is not None else default_launch_dir(
+            name, launch.rank, launch=launch)
         run_dir = launch_dir / RANKS_DIR / str(launch.rank)
     else:
         run_dir = out if out is not None else default_run_dir(name)
@@ -205,7 +206,7 @@ def run_command(
         return outcome
 
     def summarize() -> dict[str, Any] | None:
-        """The summary to print: this run's, or under torchrun the launch's, ranks merged,
+        """The summary to print: this run's, or under a launcher the launch's, ranks merged,
         from its local rank 0 only (None: this rank prints none)."""
         if recorder.child_runs.recorded:
             # processes the script started may still be closing their records (Ctrl-C
@@ -240,7 +241,7 @@ def run_command(
 
 
 def _merge_launch(launch_dir: Path, local_ranks: int, html: bool) -> dict[str, Any]:
-    """Local rank 0 of a torchrun launch: wait for this host's ranks, then merge them all."""
+    """Local rank 0 of a launch (torchrun, srun): wait for its host's ranks, then merge all."""
     from trainprof.capture.ranks import wait_for_ranks
 
     missing = wait_for_ranks(launch_dir, local_ranks)

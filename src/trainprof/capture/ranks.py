@@ -234,31 +234,57 @@ class ChildRuns:
         self.recorded.append((label, name))
 
 
-# -- a launcher's ranks (torchrun) ------------------------------------------------
+# -- a launcher's ranks (torchrun, srun) -------------------------------------------
 
 
 @dataclass(frozen=True)
 class LauncherRank:
-    """This process's place in a launch by torchrun (the torch.distributed env contract)."""
+    """This process's place in a launch: by torchrun (the torch.distributed env contract)
+    or by SLURM's ``srun`` (a task of a job step)."""
 
     rank: int
     world_size: int
     local_rank: int
     local_world_size: int
+    launcher: str = "torchrun"
+    #: When the launch started (Unix time) as every host sees it, where the launcher says
+    #: so (SLURM_JOB_START_TIME); else each host uses its launcher process's start.
+    started: float | None = None
+    #: The launcher's name for the launch, where it has one: ``slurm<job>.<step>``.
+    launch_id: str | None = None
 
 
 def launcher_rank(environ: Mapping[str, str] | None = None) -> LauncherRank | None:
     """The rank this process was launched as, or None outside a multi-process launch.
 
     ``RANK`` and ``WORLD_SIZE`` are what torchrun (and SLURM wrappers following the
-    same contract) set for every process; a world of one is an ordinary run.
+    same contract) set for every process; a world of one is an ordinary run. Without
+    them, a task that ``srun`` started is rank ``SLURM_PROCID`` of
+    ``SLURM_STEP_NUM_TASKS`` (srun's output environment; ``SLURM_LOCALID`` is its rank on
+    the node). Those two are what tell a task of a job step from the batch script of an
+    ``sbatch`` job, which has ``SLURM_PROCID=0`` and ``SLURM_NTASKS`` of the allocation
+    but is one process: a script run there directly is an ordinary run.
     """
     env = os.environ if environ is None else environ
-    try:
-        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    except (KeyError, ValueError):
-        return None
+    if "RANK" in env or "WORLD_SIZE" in env:
+        return _torchrun_rank(env)
+    if "SLURM_STEP_NUM_TASKS" in env:
+        return _srun_rank(env)
+    return None
+
+
+def _rank_in_world(env: Mapping[str, str], rank_var: str, world_var: str) -> tuple[int, int]:
+    """(rank, world size) from two variables; ValueError unless a rank of a world of 2+."""
+    rank, world = int(env.get(rank_var, "")), int(env.get(world_var, ""))
     if world < 2 or not 0 <= rank < world:
+        raise ValueError(f"{rank_var}={rank} of {world_var}={world}: not a rank of a launch")
+    return rank, world
+
+
+def _torchrun_rank(env: Mapping[str, str]) -> LauncherRank | None:
+    try:
+        rank, world = _rank_in_world(env, "RANK", "WORLD_SIZE")
+    except ValueError:
         return None
     try:
         local = int(env.get("LOCAL_RANK", rank))
@@ -268,8 +294,53 @@ def launcher_rank(environ: Mapping[str, str] | None = None) -> LauncherRank | No
     return LauncherRank(rank, world, local, local_world)
 
 
-def _launcher_started() -> datetime:
-    """When the launcher (this process's parent) started: the same for all its ranks."""
+def _srun_rank(env: Mapping[str, str]) -> LauncherRank | None:
+    try:
+        rank, world = _rank_in_world(env, "SLURM_PROCID", "SLURM_STEP_NUM_TASKS")
+    except ValueError:
+        return None
+    try:
+        local = int(env.get("SLURM_LOCALID", rank))
+    except ValueError:
+        local = rank
+    local_world = slurm_tasks_on_node(env.get("SLURM_STEP_TASKS_PER_NODE", ""),
+                                      env.get("SLURM_NODEID", "0")) or world
+    try:
+        started: float | None = float(env["SLURM_JOB_START_TIME"])
+    except (KeyError, ValueError):
+        started = None
+    job, step = env.get("SLURM_JOB_ID", ""), env.get("SLURM_STEP_ID", "")
+    launch_id = f"slurm{job}.{step}" if job and step else None
+    return LauncherRank(rank, world, local, local_world, launcher="slurm", started=started,
+                        launch_id=launch_id)
+
+
+def slurm_tasks_on_node(tasks_per_node: str, node_id: str) -> int | None:
+    """Tasks of this job step on node ``node_id``, from SLURM's compressed per-node list.
+
+    ``SLURM_STEP_TASKS_PER_NODE`` reads like ``2(x3),1``: two tasks on each of the first
+    three nodes of the step, one on the fourth (the node index is ``SLURM_NODEID``).
+    None when either is missing or malformed.
+    """
+    counts: list[int] = []
+    try:
+        for part in tasks_per_node.split(","):
+            n, _, times = part.strip().partition("(x")
+            counts += [int(n)] * (int(times.rstrip(")")) if times else 1)
+        return counts[int(node_id)]
+    except (ValueError, IndexError):
+        return None
+
+
+def _launcher_started(launch: LauncherRank | None = None) -> datetime:
+    """When the launch started: the same for all its ranks.
+
+    The launcher's own record of it where there is one (SLURM's job start, the same on
+    every node); else the start of this process's parent - torchrun's agent, or srun's
+    ``slurmstepd`` - the same for every rank of this host.
+    """
+    if launch is not None and launch.started is not None:
+        return datetime.fromtimestamp(launch.started)
     try:
         import psutil
 
@@ -278,16 +349,22 @@ def _launcher_started() -> datetime:
         return datetime.now()
 
 
-def default_launch_dir(name: str, rank: int, root: Path | None = None) -> Path:
-    """``./trainprof-runs/<launcher start>-<name>/``: one folder for all ranks of a launch.
+def default_launch_dir(
+    name: str, rank: int, root: Path | None = None, launch: LauncherRank | None = None
+) -> Path:
+    """``./trainprof-runs/<launch start>-<name>/``: one folder for all ranks of a launch.
 
-    Named after the launcher's start time, so that every rank picks the same folder
-    without talking to the others; a folder where this rank's record already exists
-    belongs to an earlier launch, and the next free suffix is taken (the same one
-    for every rank of this launch).
+    Named after when the launch started (:func:`_launcher_started`), so that every rank
+    picks the same folder without talking to the others; a folder where this rank's
+    record already exists belongs to an earlier launch (a restart, a requeued job), and
+    the next free suffix is taken (the same one for every rank of this launch). A job
+    step of SLURM adds its ``-slurm<job>.<step>``: the job's start is the same for all
+    its steps, and steps of one script may run side by side (a sweep of ``srun &``).
     """
     root = root if root is not None else Path.cwd() / "trainprof-runs"
-    stem = f"{_launcher_started().strftime('%Y%m%d-%H%M%S')}-{safe_name(name)}"
+    stem = f"{_launcher_started(launch).strftime('%Y%m%d-%H%M%S')}-{safe_name(name)}"
+    if launch is not None and launch.launch_id:
+        stem += f"-{safe_name(launch.launch_id)}"
     path, n = root / stem, 1
     while (path / RANKS_DIR / str(rank) / RUN_JSON).exists():
         n += 1
@@ -295,13 +372,19 @@ def default_launch_dir(name: str, rank: int, root: Path | None = None) -> Path:
     return path
 
 
-def wait_for_ranks(base: Path, expected: int, timeout_s: float = 60.0) -> list[str]:
+def wait_for_ranks(
+    base: Path, expected: int, timeout_s: float = 60.0, start_grace_s: float = 10.0
+) -> list[str]:
     """Wait until ``expected`` ranks have records under ``base/ranks`` and none is open.
 
     Called by a launch's local rank 0 before it prints the merged summary: the ranks of
     a synchronous job end within moments of each other, but each closes its own record.
     Returns the labels still open (or missing) when ``timeout_s`` ran out: the summary
-    then says so, and ``trainprof report`` merges them later.
+    then says so, and ``trainprof report`` merges them later. Ranks with no record at
+    all are waited for only ``start_grace_s`` once every record there is closed: ranks
+    of one launch start together, so one that has not begun by the time this rank has
+    finished never will (it failed before trainprof started, or the environment only
+    looked like a launch: a shell inside an ``srun`` step inherits its task count).
     """
     import time
 
@@ -316,7 +399,7 @@ def wait_for_ranks(base: Path, expected: int, timeout_s: float = 60.0) -> list[s
         if len(labels) >= expected and not still_open:
             return []
         waited = time.monotonic() - start
-        if waited >= timeout_s:
+        if waited >= timeout_s or (not still_open and waited >= start_grace_s):
             if len(labels) < expected:
                 still_open.append(f"{expected - len(labels)} not started")
             return still_open
