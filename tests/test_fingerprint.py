@@ -107,6 +107,20 @@ def test_threads_env_reflects_omp(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "MKL_NUM_THREADS" not in env
 
 
+def test_collective_and_slurm_settings_are_in_the_fingerprint_and_compared(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from trainprof.analysis.compare import _env_category
+
+    monkeypatch.setenv("NCCL_ALGO", "Ring")
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "8")
+    monkeypatch.setenv("SLURM_JOB_ID", "123")  # an id, not a setting: left out
+    env = collect_fingerprint(None, [])["threads"]["env"]
+    assert (env["NCCL_ALGO"], env["SLURM_CPUS_PER_TASK"]) == ("Ring", "8")
+    assert "SLURM_JOB_ID" not in env
+    assert _env_category("SLURM_CPUS_PER_TASK") == "cpu"
+
+
 def test_packages_versions() -> None:
     packages = collect_fingerprint(None, [])["packages"]
     assert packages["torch"] == torch.__version__

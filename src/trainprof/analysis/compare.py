@@ -255,6 +255,8 @@ def _env_category(name: str) -> str:
         return "threads"
     if name == "LD_PRELOAD":
         return "platform"
+    if name == "SLURM_CPUS_PER_TASK":
+        return "cpu"
     return "torch_cuda"
 
 

@@ -68,7 +68,8 @@ TRACKED_PACKAGES: tuple[str, ...] = (
 #: Distribution-name prefixes tracked as a family (e.g. nvidia-dali-cuda120).
 TRACKED_PREFIXES: tuple[str, ...] = ("nvidia-dali-",)
 
-#: Environment variables that change threading, device visibility, allocation or kernel choice.
+#: Environment variables that change threading, device visibility, allocation, kernel choice
+#: or collectives.
 TRACKED_ENV_VARS: tuple[str, ...] = (
     "OMP_NUM_THREADS",
     "MKL_NUM_THREADS",
@@ -95,6 +96,26 @@ TRACKED_ENV_VARS: tuple[str, ...] = (
     "TORCHINDUCTOR_CACHE_DIR",
     "TORCH_LOGS",
     "LD_PRELOAD",
+    # collectives of a run of several ranks: algorithm, transport, interfaces, error handling
+    "NCCL_ALGO",
+    "NCCL_PROTO",
+    "NCCL_IB_DISABLE",
+    "NCCL_P2P_DISABLE",
+    "NCCL_P2P_LEVEL",
+    "NCCL_SHM_DISABLE",
+    "NCCL_NET_GDR_LEVEL",
+    "NCCL_SOCKET_IFNAME",
+    "NCCL_MIN_NCHANNELS",
+    "NCCL_MAX_NCHANNELS",
+    "NCCL_BUFFSIZE",
+    "NCCL_NTHREADS",
+    "NCCL_DEBUG",
+    "GLOO_SOCKET_IFNAME",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "TORCH_NCCL_BLOCKING_WAIT",
+    "TORCH_NCCL_HIGH_PRIORITY",
+    # the cores SLURM gives each task (its cgroup and affinity set the usable cores)
+    "SLURM_CPUS_PER_TASK",
 )
 
 
@@ -308,7 +329,7 @@ def _cpu_info(notes: _Notes) -> dict[str, Any]:
 
 
 def _thread_env() -> dict[str, str]:
-    """Threading / device / allocator env vars that are set (unset ones are omitted)."""
+    """Threading / device / allocator / collective env vars that are set (unset: omitted)."""
     return {name: os.environ[name] for name in TRACKED_ENV_VARS if name in os.environ}
 
 
