@@ -484,12 +484,15 @@ def test_dataloader_workers_are_not_counted_as_other_processes(tp):
     res = tp(body, "--json")
     assert res.returncode == 0, res.stderr
     doc = res.json()
-    assert doc["steps"]["count"] == 8  # 64 samples in batches of 8
+    # (failed once in a full run of this file after test_sampler on a busy machine, not
+    # reproduced in 12 runs, 6 under load: the messages now carry what was seen)
+    seen = (doc["steps"], doc["notes"], doc.get("missing"), doc.get("ranks"))
+    assert doc["steps"]["count"] == 8, seen  # 64 samples in batches of 8
     # the helper may train: it is recorded as a rank of its own (test_ranks); the workers not
     assert [n for n in doc["notes"] if "process" in n] == [
         "the script started 1 process that may train: each is recorded in ranks/<k>/ of this "
-        "run (k = 0)"]
-    assert [(r["label"], r["steps"]) for r in doc["ranks"]] == [("0", 0)]
+        "run (k = 0)"], seen
+    assert [(r["label"], r["steps"]) for r in doc["ranks"]] == [("0", 0)], seen
     # a process that never steps starts no system sampler of its own
     assert not (res.run_dir / "ranks" / "0" / "samples.jsonl").exists()
 

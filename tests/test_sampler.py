@@ -52,7 +52,11 @@ def busy_child() -> Iterator[subprocess.Popen[bytes]]:
 
 
 def _gpu_explained(s: SystemSampler) -> bool:
-    return s.gpu_count > 0 or any(m.startswith("gpu") for m in s.missing)
+    """GPUs sampled, or a note why not - except on a host with no NVIDIA driver at all."""
+    from trainprof.capture.nvml import nvidia_driver_present
+
+    return (s.gpu_count > 0 or any(m.startswith("gpu") for m in s.missing)
+            or not nvidia_driver_present())
 
 
 # -- sampler on real processes ----------------------------------------------------------------
@@ -344,6 +348,21 @@ def test_nvml_init_failure_is_noted_and_gpu_left_out(
     assert s.gpu_count == 0
     assert s.missing == ["gpu: no NVIDIA GPU (NVML init failed: Driver Not Loaded)"]
     assert all("gpu" not in x for x in load_samples(tmp_path / "s.jsonl"))
+
+
+@pytest.mark.parametrize("driver", [False, True])
+def test_no_nvml_package_is_noted_only_where_there_are_gpus(
+    monkeypatch: pytest.MonkeyPatch, driver: bool
+) -> None:
+    from trainprof.capture import nvml
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml -> ImportError
+    monkeypatch.setattr(nvml, "nvidia_driver_present", lambda: driver)
+    notes: list[str] = []
+    assert nvml.NvmlReader(lambda kind, text: notes.append(text)).open() == 0
+    # a CPU-only host has no GPU counters to miss; a GPU host is told how to get them
+    assert notes == (["gpu: nvidia-ml-py not installed, so no GPU counters "
+                      "(pip install nvidia-ml-py)"] if driver else [])
 
 
 def test_gpu_false_skips_nvml(tmp_path: Path) -> None:

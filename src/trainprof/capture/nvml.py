@@ -9,8 +9,17 @@ sampler starts, so CPU-only hosts need neither the package nor a driver.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from typing import Any
+
+#: Files NVIDIA's kernel driver creates when it is loaded (Linux).
+DRIVER_FILES = ("/proc/driver/nvidia/version", "/dev/nvidiactl")
+
+
+def nvidia_driver_present() -> bool:
+    """Whether NVIDIA's kernel driver is loaded here: a host that has NVIDIA GPUs to sample."""
+    return any(os.path.exists(path) for path in DRIVER_FILES)
 
 
 class NvmlReader:
@@ -34,7 +43,11 @@ class NvmlReader:
         try:
             import pynvml
         except ImportError:
-            self._note("gpu", "gpu: nvidia-ml-py not installed")
+            # without the package, a host with NVIDIA's driver has GPUs that go unsampled;
+            # a host without it has none to miss (no note: nothing is missing there)
+            if nvidia_driver_present():
+                self._note("gpu", "gpu: nvidia-ml-py not installed, so no GPU counters "
+                                  "(pip install nvidia-ml-py)")
             return 0
         try:
             pynvml.nvmlInit()
