@@ -159,6 +159,28 @@ def test_module_mode(tmp_path):
     assert res.returncode == 0, res.stderr
     assert "argv ['--epochs', '1'] __main__" in res.stderr
     assert res.json()["steps"]["count"] == 7
+    # the `trainprof` command (the README's), whose own sys.path[0] is its bin folder,
+    # finds the package in the current directory as `python -m` does
+    console = Path(sys.executable).with_name("trainprof")
+    if not console.exists():
+        pytest.skip("no trainprof console script beside this Python")
+    proc = subprocess.run([str(console), "run", "--out", "console", "-m", "pkg.train"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "argv [] __main__" in proc.stdout
+
+
+def test_a_script_that_does_not_compile_fails_as_python_says(tmp_path):
+    """A syntax error is printed exactly as `python x.py` prints it: no trainprof frame,
+    no traceback at all (there is no frame of the script yet); exit 1, a crashed record."""
+    (tmp_path / "bad.py").write_text("import torch\n\ndef f():\n    return (1,\n")
+    python = subprocess.run([sys.executable, "bad.py"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=60)
+    assert python.returncode == 1 and "SyntaxError" in python.stderr
+    res = trainprof("run", "bad.py", cwd=tmp_path)
+    assert res.returncode == 1
+    assert python.stderr in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert json.loads((res.run_dir / "run.json").read_text())["status"] == "crashed"
 
 
 def test_crash_keeps_a_crashed_record_and_prints_python_traceback(tp):

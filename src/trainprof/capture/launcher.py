@@ -61,10 +61,16 @@ class Outcome:
 def check_target(target: str, module: bool) -> str:
     """Fail early, with a one-line error, when the script or module does not exist."""
     if module:
+        # looked up where `python -m` looks: the current directory first (the console
+        # script's own sys.path[0] is its bin directory)
+        saved = sys.path[:]
+        sys.path[0:1] = [os.getcwd()]
         try:
             spec = importlib.util.find_spec(target)
         except (ImportError, ValueError) as exc:
             raise UsageError(f"cannot find module {target!r}: {exc}") from exc
+        finally:
+            sys.path[:] = saved
         if spec is None:
             raise UsageError(f"no module named {target!r}")
         return target
@@ -97,6 +103,11 @@ def strip_own_frames(exc: BaseException | None, seen: set[int] | None = None) ->
     if frames:
         frames[-1].tb_next = None
         exc.__traceback__ = frames[0]
+    elif isinstance(exc, SyntaxError):
+        # the script did not compile: Python prints the error alone, with no traceback
+        # (our frames would be all there is; any other error with none of the script's
+        # frames is trainprof's own, and keeps them)
+        exc.__traceback__ = None
     strip_own_frames(exc.__cause__, seen)
     strip_own_frames(exc.__context__, seen)
 
