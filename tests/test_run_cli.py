@@ -170,6 +170,41 @@ def test_module_mode(tmp_path):
     assert "argv [] __main__" in proc.stdout
 
 
+def test_a_script_that_changes_directory_keeps_its_record_where_out_said(tmp_path):
+    """Hydra (older versions, by default) and many scripts os.chdir() into an output
+    folder: a relative --out (or profile(out=...)) still means where trainprof started."""
+    (tmp_path / "outputs").mkdir()
+    write_script(tmp_path, "train.py", """
+        import os, torch
+        os.chdir("outputs")
+        w = torch.zeros(2, requires_grad=True)
+        opt = torch.optim.SGD([w], lr=0.1)
+        for _ in range(30):
+            w.sum().backward(); opt.step()
+    """)
+    res = trainprof("run", "--json", "--out", "rel", "--deep", "train.py", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    doc = res.json()
+    assert doc["run_dir"] == str(tmp_path / "rel") and doc["steps"]["count"] == 30
+    assert json.loads((tmp_path / "rel" / "run.json").read_text())["status"] == "finished"
+    assert list((tmp_path / "rel" / "deep").glob("*.json*"))  # the window's trace too
+    assert not list((tmp_path / "outputs").iterdir())
+    write_script(tmp_path, "api.py", """
+        import os, torch, trainprof
+        w = torch.zeros(2, requires_grad=True)
+        opt = torch.optim.SGD([w], lr=0.1)
+        with trainprof.profile(out="api-run", html=False):
+            os.chdir("outputs")
+            for _ in range(12):
+                w.sum().backward(); opt.step()
+    """)
+    proc = subprocess.run([sys.executable, "api.py"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert load_run(tmp_path / "api-run").status == "finished"
+    assert not list((tmp_path / "outputs").iterdir())
+
+
 def test_a_script_that_does_not_compile_fails_as_python_says(tmp_path):
     """A syntax error is printed exactly as `python x.py` prints it: no trainprof frame,
     no traceback at all (there is no frame of the script yet); exit 1, a crashed record."""

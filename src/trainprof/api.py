@@ -10,6 +10,7 @@ whose methods do nothing, so the calls can stay in production code.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from pathlib import Path
 from types import TracebackType
@@ -84,6 +85,8 @@ class Profile:
         # under torchrun or srun, every rank runs this: a record each, under ranks/ of one folder
         # per launch, as with `trainprof run` (trainprof.capture.ranks)
         self._launch = launcher_rank()
+        # absolute: the script may change directory before the record is closed
+        out = os.path.abspath(out) if out is not None else None
         if self._launch is not None:
             base = Path(out) if out is not None else default_launch_dir(
                 self.name, self._launch.rank, launch=self._launch)

@@ -159,6 +159,10 @@ def run_command(
     from trainprof.capture.recorder import Recorder
 
     check_target(target, module)
+    if out is not None:
+        # absolute now: the script may change directory (Hydra does, by default in
+        # older versions), and the record is written relative to where trainprof started
+        out = Path(os.path.abspath(out))
     if name is None:
         name = target.rsplit(".", 1)[-1] if module else Path(target).stem
     # under torchrun or srun: one record per rank, under ranks/ of one folder for the launch

@@ -79,7 +79,7 @@ class Recorder:
         knobs: bool = True,
         sampler_at_first_step: bool = False,
     ) -> None:
-        self.run_dir = run_dir
+        self.run_dir = run_dir = Path(os.path.abspath(run_dir))  # the script may chdir
         self._knobs_enabled = knobs  # off in a forked child: the parent's are in place
         # a process the script started (capture.ranks) samples the system only once it
         # trains: a helper process that never steps costs no sampler process
