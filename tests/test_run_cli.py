@@ -269,6 +269,27 @@ def test_max_steps_stops_cleanly(tp):
     assert res.json()["steps"]["count"] == 25
     assert res.json()["status"] == "finished"
     assert "cleanup ran" in res.stderr
+    assert not [n for n in res.json()["notes"] if "max-steps" in n]
+
+
+def test_max_steps_swallowed_by_the_script_is_noted(tp):
+    body = """
+    import torch
+    w = torch.zeros(2, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1)
+    for step in range(60):
+        try:
+            w.sum().backward(); opt.step()
+        except:  # noqa: E722 - swallows everything, trainprof's stop too
+            pass
+    """
+    res = tp(body, "--max-steps", "20", "--json")
+    assert res.returncode == 0, res.stderr
+    doc = res.json()
+    assert doc["steps"]["count"] == 60  # it went on: every step is still recorded
+    assert [n for n in doc["notes"] if "max-steps" in n] == [
+        "the script trained 40 steps past --max-steps 20: it caught trainprof's stop (a bare "
+        "`except:` or `except BaseException:` around the step)"]
 
 
 def test_backward_delimited_steps_without_optimizer(tp):

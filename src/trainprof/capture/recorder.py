@@ -85,6 +85,7 @@ class Recorder:
         # trains: a helper process that never steps costs no sampler process
         self._sampler_pending = sampler_at_first_step
         self.clock = StepClock(max_steps=max_steps)
+        self._max_steps = max_steps
         #: heavy tools over bounded windows of steps (--deep, --py, --lines)
         self.windows = list(windows or [])
         #: sample the Python stacks of DataLoader workers too (set by --py)
@@ -289,6 +290,13 @@ class Recorder:
     def _notes(self) -> list[str]:
         """What a reader of the summary should know about how the run was measured."""
         notes = []
+        past = self.clock.n_steps - (self._max_steps or 0)
+        if self._max_steps is not None and past > 1:
+            # StopTraining is raised once (cleanup may step again): a script that catches
+            # every exception (`except:`, `except BaseException:`) goes on training
+            notes.append(f"the script trained {past} steps past --max-steps "
+                         f"{self._max_steps}: it caught trainprof's stop (a bare `except:` or "
+                         "`except BaseException:` around the step)")
         if self.clock.adopted_thread is not None:
             notes.append(f"steps measured in thread {self.clock.adopted_thread!r}, where the "
                          "first optimizer step ran (not the thread that started trainprof)")
