@@ -122,8 +122,13 @@ def test_collective_and_slurm_settings_are_in_the_fingerprint_and_compared(
 
 
 def test_packages_versions() -> None:
+    import importlib.metadata
+
     packages = collect_fingerprint(None, [])["packages"]
-    assert packages["torch"] == torch.__version__
+    # the installed distribution's version, as pip lists it: PyPI's CUDA wheel is "2.13.0"
+    # where torch.__version__ says "2.13.0+cu130" (the local CPU build has "+cpu" in both)
+    assert packages["torch"] == importlib.metadata.version("torch")
+    assert packages["torch"].split("+")[0] == torch.__version__.split("+")[0]
     assert packages["numpy"] == numpy.__version__
     assert "trainprof" in packages
     assert "not-a-real-package" not in packages

@@ -205,6 +205,14 @@ def test_a_script_that_changes_directory_keeps_its_record_where_out_said(tmp_pat
     assert not list((tmp_path / "outputs").iterdir())
 
 
+def test_the_script_starts_with_no_garbage_collection_pending(tp):
+    """torch and trainprof were imported before the script: no full collection may be left
+    due (it would run in every forked DataLoader worker over the inherited heap)."""
+    res = tp("import gc\nprint('gc counts', gc.get_count()[1:])\n")
+    assert res.returncode == 0, res.stderr
+    assert "gc counts (0, 0)" in res.stdout, res.stdout
+
+
 def test_a_script_that_does_not_compile_fails_as_python_says(tmp_path):
     """A syntax error is printed exactly as `python x.py` prints it: no trainprof frame,
     no traceback at all (there is no frame of the script yet); exit 1, a crashed record."""
