@@ -342,19 +342,23 @@ def test_gc_freeze_freezes_once_after_the_first_optimizer_step() -> None:
 
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = gc.get_freeze_count()  # frozen by a library already (375 on Python 3.12)
     knobs = Knobs({"gc_freeze": True}).install()
     try:
-        assert gc.get_freeze_count() == 0
+        assert gc.get_freeze_count() == before
         for _ in range(3):
             model(torch.ones(2)).sum().backward()
             opt.step()
-        frozen = gc.get_freeze_count()
+        frozen = gc.get_freeze_count() - before
         assert frozen > 1000  # everything alive after set-up: modules, torch, the test run
     finally:
         record = knobs.uninstall()
     # counted at the freeze; frozen objects that died since have left the count
     assert record["process"]["gc_freeze"]["frozen_objects"] >= frozen
-    assert gc.get_freeze_count() == 0
+    if before == 0:
+        assert gc.get_freeze_count() == 0  # undone
+    else:  # left frozen rather than undo the library's own freeze
+        assert gc.get_freeze_count() >= before
 
 
 def test_knobs_env_var_round_trip_and_no_cost_without_it(monkeypatch) -> None:

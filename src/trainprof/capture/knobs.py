@@ -252,6 +252,9 @@ class Knobs:
         process = self.process
         process["gc_freeze"] = "pending: no optimizer step yet"
         pending = [True]
+        # objects a library froze already (one does at import on Python 3.12): unfreezing
+        # at the end would undo its freeze too, so then ours stays (the run is ending)
+        frozen_before = gc.get_freeze_count()
 
         def freeze(optimizer: Any, args: Any, kwargs: Any) -> None:
             # once; the hook stays registered (a no-op) until uninstall: removing it here
@@ -260,13 +263,15 @@ class Knobs:
                 pending[0] = False
                 gc.collect()
                 gc.freeze()
-                process["gc_freeze"] = {"frozen_objects": gc.get_freeze_count()}
+                process["gc_freeze"] = {
+                    "frozen_objects": gc.get_freeze_count() - frozen_before}
 
         handle = register_optimizer_step_post_hook(freeze)
 
         def undo() -> None:
             handle.remove()
-            gc.unfreeze()
+            if not frozen_before:
+                gc.unfreeze()
 
         self._restore.append(undo)
 

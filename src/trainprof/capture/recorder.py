@@ -43,6 +43,31 @@ CUDA_MEMORY_KEYS = ("num_alloc_retries", "num_ooms", "allocated_bytes.all.peak",
 #: The recorder running in this process, if any (one at a time: the patches are global).
 _active: Recorder | None = None
 
+#: Held by the flush thread while it works, and by any fork of this process (taken in
+#: ``os.register_at_fork``'s ``before``): a process forked while the flush thread is in
+#: the middle of an ``import`` (of psutil, say, collecting the fingerprint) inherits that
+#: module's import lock held by a thread that does not exist in the child, and hangs at
+#: its own ``import psutil`` (a recorded helper did, at the end of its run: 1 run in 5 on
+#: Python 3.12). Reentrant: the flush thread may itself start processes.
+_FORK_GUARD = threading.RLock()
+
+
+def _before_fork() -> None:
+    _FORK_GUARD.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    _FORK_GUARD.release()
+
+
+def _after_fork_in_child() -> None:
+    global _FORK_GUARD
+    _FORK_GUARD = threading.RLock()  # the child's threads are gone: a fresh, free lock
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)
+
 
 def active_recorder() -> Recorder | None:
     return _active
@@ -169,11 +194,12 @@ class Recorder:
         """
         while not self._flusher_stop.wait(1.0 / MAIN_REARM_HZ):
             try:
-                if self._sampler_pending and self.clock.n_steps > 0:
-                    self._sampler_pending = False
-                    self._start_sampler()
-                self.worker_capture.rearm()
-                self.flush()
+                with _FORK_GUARD:  # no fork while this thread may hold an import lock
+                    if self._sampler_pending and self.clock.n_steps > 0:
+                        self._sampler_pending = False
+                        self._start_sampler()
+                    self.worker_capture.rearm()
+                    self.flush()
             except Exception as exc:  # the next second, or stop(), tries again
                 note = f"recorder: flush failed ({type(exc).__name__}: {exc})"
                 if note not in self.writer.meta["missing"]:
