@@ -570,8 +570,8 @@ def test_dataloader_workers_are_not_counted_as_other_processes(tp):
     res = tp(body, "--json")
     assert res.returncode == 0, res.stderr
     doc = res.json()
-    # (failed once in a full run of this file after test_sampler on a busy machine, not
-    # reproduced in 12 runs, 6 under load: the messages now carry what was seen)
+    # (this run hung now and then - the helper forked while the flush thread imported
+    # psutil, see test_a_fork_waits_for_the_flush_thread_to_finish_an_import)
     seen = (doc["steps"], doc["notes"], doc.get("missing"), doc.get("ranks"))
     assert doc["steps"]["count"] == 8, seen  # 64 samples in batches of 8
     # the helper may train: it is recorded as a rank of its own (test_ranks); the workers not
