@@ -187,7 +187,9 @@ def test_spawned_ranks_are_recorded_one_folder_each_and_merged(tp):
     assert set(starts) == {"rank 0 (training process)", "rank 1 (training process)"}
     a, b = starts.values()
     assert len(a) == len(b) == 25  # 24 steps and the cut-off end of each
-    assert abs(a[12] - b[12]) < 3000, (a[12], b[12])  # µs; a step is ~20 ms
+    # µs; a step is ~20 ms (the median over the steps: one step of one rank may start a
+    # few ms late on a busy machine, 3.1 ms once)
+    assert float(np.median([abs(a[n] - b[n]) for n in a if n in b])) < 3000, (a, b)
     rank1_waits = [e["dur"] for e in events if e.get("name") == "data_wait"
                    and names[e["pid"]].startswith("rank 1")]
     assert sum(rank1_waits) / len(rank1_waits) > 10_000  # µs per step: 8 samples x 2 ms
