@@ -44,6 +44,25 @@ def test_torn_last_record_and_line_are_dropped(tmp_path):
     assert stats["samples_per_s"] == pytest.approx(3200)
 
 
+def test_a_steps_file_shorter_than_the_closed_record_is_noted(tmp_path):
+    """A closed record says how many steps it wrote: a steps.bin cut short (a full disk,
+    a copy taken mid-run) or left behind reads as a note, not as "no step ran"."""
+    w = RunWriter(tmp_path / "r", {"name": "t"})
+    w.append_step_bytes(np.array(_records(8), dtype=STEP_DTYPE).tobytes())
+    w.close("finished", 0, steps_recorded=8)
+    assert load_run(tmp_path / "r").meta.get("notes", []) == []
+    steps = tmp_path / "r" / "steps.bin"
+    steps.write_bytes(steps.read_bytes()[: 3 * STEP_DTYPE.itemsize])
+    run = load_run(tmp_path / "r")
+    assert len(run.steps) == 3
+    assert run.meta["notes"] == ["the run recorded 8 steps but steps.bin holds only 3 of them "
+                                 "(cut short: a full disk, or copied while the run was "
+                                 "writing it)"]
+    steps.unlink()
+    assert load_run(tmp_path / "r").meta["notes"] == [
+        "the run recorded 8 steps but steps.bin is missing (not copied with the folder?)"]
+
+
 def test_schema_errors_are_usage_errors(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "run.json").write_text("{not json")

@@ -288,10 +288,20 @@ def load_run(run_dir: Path) -> Run:
             "the process ended without closing the record (killed?); "
             "steps up to its last second are kept"
         )
+    steps = _load_steps(run_dir / STEPS_BIN, meta)
+    recorded = meta.get("steps_recorded")
+    if isinstance(recorded, int) and len(steps) < recorded:
+        # closed with more steps than the file holds: say so, rather than "no step seen"
+        held = ("is missing (not copied with the folder?)"
+                if not (run_dir / STEPS_BIN).exists() else
+                f"holds only {len(steps)} of them (cut short: a full disk, or copied while "
+                "the run was writing it)")
+        meta.setdefault("notes", []).append(f"the run recorded {recorded} steps but "
+                                            f"{STEPS_BIN} {held}")
     return Run(
         path=run_dir,
         meta=meta,
-        steps=_load_steps(run_dir / STEPS_BIN, meta),
+        steps=steps,
         device=load_records(run_dir / DEVICE_BIN, DEVICE_DTYPE),
         events=_read_jsonl(run_dir / EVENTS_JSONL),
         samples_path=run_dir / SAMPLES_JSONL,
