@@ -300,6 +300,22 @@ def test_max_steps_swallowed_by_the_script_is_noted(tp):
         "`except:` or `except BaseException:` around the step)"]
 
 
+def test_a_deep_window_the_run_never_reached_is_noted(tp):
+    body = """
+    import torch
+    w = torch.zeros(2, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1)
+    for step in range(6):
+        w.sum().backward(); opt.step()
+    """
+    res = tp(body, "--deep", "--json")
+    assert res.returncode == 0, res.stderr
+    assert [n for n in res.json()["notes"] if "torch.profiler" in n] == [
+        "torch.profiler recorded nothing: the run ended after 6 steps, before the --deep "
+        "window (steps 12-16); lower it, e.g. --deep skip_first=2"]
+    assert not (res.run_dir / "deep").exists()
+
+
 def test_backward_delimited_steps_without_optimizer(tp):
     body = """
     import torch

@@ -323,6 +323,17 @@ class Recorder:
             notes.append(f"the script trained {past} steps past --max-steps "
                          f"{self._max_steps}: it caught trainprof's stop (a bare `except:` or "
                          "`except BaseException:` around the step)")
+        for runner in self.windows:
+            names = [t.name for t in runner.tools]
+            if "torch_profiler" in names and not runner.windows:
+                # (cProfile and line_profiler say so in their own notes)
+                sched = runner.schedule
+                _, active, _ = sched.phase_starts(0)
+                notes.append(
+                    f"torch.profiler recorded nothing: the run ended after "
+                    f"{self.clock.n_steps} steps, before the --deep window (steps {active}-"
+                    f"{active + sched.active - 1}); lower it, e.g. --deep skip_first="
+                    f"{max(0, min(sched.skip_first, self.clock.n_steps - sched.warmup - 2))}")
         if self.clock.adopted_thread is not None:
             notes.append(f"steps measured in thread {self.clock.adopted_thread!r}, where the "
                          "first optimizer step ran (not the thread that started trainprof)")
