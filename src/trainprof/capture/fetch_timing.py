@@ -87,7 +87,7 @@ _tt = time.thread_time_ns
 
 
 def bin_index(v: int) -> int:
-    """Histogram bin of a non-negative duration in ns (what the fetch loop computes inline)."""
+    """Histogram bin of a non-negative duration in ns: exact below 32, then 16 per power of 2."""
     k = v.bit_length()
     return v if k <= 5 else ((k - 5) << 4) + (v >> (k - 5))
 
@@ -147,6 +147,16 @@ class Stream:
         acc[SAMPLES] += n
         acc[LAST_FETCH_END_NS] = _perf()
         self.version += 1
+
+    def sample(self, wall_ns: int, cpu_ns: int) -> None:
+        """Bin one sample timed on its own: its CPU time and the rest of its wall time.
+
+        Only samples of at least :data:`PER_SAMPLE_MIN_NS` on average are timed one by one,
+        so this call (~0.1 µs) stays below 0.1% of what it measures.
+        """
+        c = max(0, cpu_ns)
+        self.h_blocked[bin_index(max(0, wall_ns - c))] += 1
+        self.h_cpu[bin_index(c)] += 1
 
     def batch(self, n: int, t_begin: int, get_ns: int, get_cpu: int, col_ns: int, col_cpu: int,
               t_end: int, q0: int) -> None:
@@ -344,21 +354,12 @@ def make_map_fetch(orig: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]
                 else:
                     data = []
                     append = data.append
-                    hb, hc = st.h_blocked, st.h_cpu
+                    sample = st.sample
                     for idx in possibly_batched_index:
                         append(ds[idx] if inner is None else inner[indices[idx]])
                         t1 = perf()
                         c1 = tt()
-                        c = c1 - c0
-                        b = t1 - t0 - c
-                        if b < 0:
-                            b = 0
-                        if c < 0:
-                            c = 0
-                        k = b.bit_length()
-                        hb[b if k <= 5 else ((k - 5) << 4) + (b >> (k - 5))] += 1
-                        k = c.bit_length()
-                        hc[c if k <= 5 else ((k - 5) << 4) + (c >> (k - 5))] += 1
+                        sample(t1 - t0, c1 - c0)
                         t0 = t1
                         c0 = c1
                 n = _size(possibly_batched_index, data)
@@ -417,8 +418,8 @@ def make_iterable_fetch(orig: Callable[[Any, Any], Any]) -> Callable[[Any, Any],
             it = self.dataset_iter
             if self.auto_collation:
                 data = []
-                hb, hc = st.h_blocked, st.h_cpu
                 per_sample = st.per_sample
+                sample = st.sample
                 for _ in possibly_batched_index:
                     try:
                         data.append(next(it))
@@ -429,16 +430,7 @@ def make_iterable_fetch(orig: Callable[[Any, Any], Any]) -> Callable[[Any, Any],
                         continue
                     t1 = perf()
                     c1 = tt()
-                    c = c1 - c0
-                    b = t1 - t0 - c
-                    if b < 0:
-                        b = 0
-                    if c < 0:
-                        c = 0
-                    k = b.bit_length()
-                    hb[b if k <= 5 else ((k - 5) << 4) + (b >> (k - 5))] += 1
-                    k = c.bit_length()
-                    hc[c if k <= 5 else ((k - 5) << 4) + (c >> (k - 5))] += 1
+                    sample(t1 - t0, c1 - c0)
                     t0 = t1
                     c0 = c1
                 if not per_sample:
