@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -12,6 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+# A shell starts a background job (`pytest ... &`) with SIGINT ignored, and every
+# process it starts inherits that: the tests' Ctrl-C would then reach runs that ignore
+# it (as `python train.py &` would), train on and time out. A handler here is reset to
+# the default in each child at exec, so the runs get Python's KeyboardInterrupt again.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @dataclass

@@ -435,13 +435,26 @@ def _start(tmp_path: Path, body: str) -> tuple[subprocess.Popen, Path]:
         [sys.executable, "-m", "trainprof", "run", "--out", str(run_dir),
          "--sample-interval", "0.05", "train.py"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        # faulthandler: a run that hangs is made to print every thread's stack (SIGABRT)
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"},
     )
     assert proc.stdout is not None
     for line in proc.stdout:
         if "READY" in line:
             break
     return proc, run_dir
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """``proc.communicate``; a run that does not end in time fails the test with the
+    stacks of its threads, and is not left running (a run that ignored a Ctrl-C trained
+    on, for ever here, after the test gave up: see conftest.py)."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        out, err = proc.communicate(timeout=30)
+        pytest.fail(f"the run did not end within {timeout} s; its threads:\n{err[-6000:]}")
 
 
 def _sampler_pids(pid: int) -> set[int]:
@@ -455,7 +468,7 @@ def test_ctrl_c_interrupts_with_summary_and_exit_130(tmp_path):
     assert len(sampler) == 1
     time.sleep(0.3)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    out, err = _finish(proc, timeout=60)
     assert proc.returncode == 130, err
     assert "interrupted" in out and "Step time" in out
     meta = json.loads((run_dir / "run.json").read_text())
@@ -468,7 +481,7 @@ def test_ctrl_c_interrupts_with_summary_and_exit_130(tmp_path):
 def test_sigterm_is_an_interruption(tmp_path):
     proc, run_dir = _start(tmp_path, WORKERS_FOREVER)
     proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=60)
+    _finish(proc, timeout=60)
     assert proc.returncode == 143
     assert json.loads((run_dir / "run.json").read_text())["status"] == "interrupted"
 
