@@ -270,6 +270,21 @@ def test_worker_startup_spikes_at_the_epoch_length():
     assert spikes["excess_per_epoch_s"] == pytest.approx(29.8 * MS, rel=1e-3)
     assert "persistent_workers=false,true" in f["verify"]
     assert not [g for g in out if g["category"] == "periodic_overhead"]  # one finding
+
+
+def test_worker_startup_spikes_with_a_batch_sampler():
+    """A loader given a batch_sampler (Hugging Face's Trainer) has batch_size None: the
+    epoch's length comes from the batches recorded (len(loader))."""
+    data = np.full(60, 0.2 * MS)
+    data[10::10] = 30 * MS
+    steps = make_steps(60, data=data)
+    summary = make_summary(
+        steps, dataloaders=[loader(num_workers=2, batch_size=None, batches=10,
+                                   batch_sampler_batch_size=32)],
+        system={"n_samples": 20, "proc_cpu_pct": 90.0, "workers_cpu_pct": 20.0})
+    f = diagnose(summary, steps)[0]
+    assert (f["category"], f["cause"]) == ("input_pipeline", "worker_startup_per_epoch")
+    assert f["evidence"]["epoch_spikes"]["batches_per_epoch"] == 10
     # with persistent workers the same spikes are not a start-up cost
     summary["dataloaders"] = [loader(num_workers=2, persistent_workers=True)]
     assert only(diagnose(summary, steps), "input_pipeline")["cause"] != (

@@ -96,6 +96,31 @@ def test_data_wait_share_matches_truth(tp):
     assert Path(doc["run_dir"]) == res.run_dir
 
 
+def test_a_loader_given_a_batch_sampler_is_described_by_it(tp, tmp_path):
+    """Hugging Face's Trainer (through accelerate) hands DataLoader a batch_sampler: the
+    loader's batch_size is None and its sampler a default SequentialSampler, while the
+    batches come from the batch_sampler (16 here) and the shuffling from its sampler."""
+    body = """
+    import torch
+    from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
+    data = TensorDataset(torch.randn(100, 4))
+    loader = DataLoader(data, batch_sampler=BatchSampler(RandomSampler(data), 16, False))
+    w = torch.zeros(4, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1)
+    for (x,) in loader:
+        (w * x).sum().backward(); opt.step(); opt.zero_grad()
+    """
+    res = tp(body, "--json")
+    assert res.returncode == 0, res.stderr
+    dl = res.json()["dataloaders"][0]
+    assert dl["batch_size"] is None  # the loader's own attribute, as the script set it
+    assert dl["batch_sampler_batch_size"] == 16 and dl["batches"] == 7  # 100 = 6 x 16 + 4
+    assert dl["batch_sampler_sampler"] == "torch.utils.data.sampler.RandomSampler"
+    assert res.json()["samples_per_s"] > 0
+    text = trainprof("report", str(res.run_dir), cwd=tmp_path).stdout
+    assert "TensorDataset(len=100), batch_size=16 (its batch_sampler BatchSampler)" in text
+
+
 def test_json_stdout_is_only_json_and_script_output_goes_to_stderr(tp):
     body = """
     import os, torch

@@ -144,7 +144,8 @@ def describe_loader(loader: DataLoader) -> dict[str, Any]:
     except Exception:
         length = None
     ctx = loader.multiprocessing_context
-    return {
+    iterable = isinstance(dataset, torch.utils.data.IterableDataset)
+    config: dict[str, Any] = {
         "dataset": _qualname(dataset),
         "len": length,
         "batch_size": loader.batch_size,
@@ -159,8 +160,21 @@ def describe_loader(loader: DataLoader) -> dict[str, Any]:
         "batch_sampler": _qualname(loader.batch_sampler),
         "multiprocessing_context": ctx.get_start_method() if ctx is not None else None,
         "in_order": getattr(loader, "in_order", None),
-        "iterable_dataset": isinstance(dataset, torch.utils.data.IterableDataset),
+        "iterable_dataset": iterable,
     }
+    if not iterable:
+        with contextlib.suppress(Exception):  # batches an epoch, whatever makes them
+            config["batches"] = len(loader)
+    batch_sampler = loader.batch_sampler
+    if loader.batch_size is None and batch_sampler is not None:
+        # a batch_sampler passed in (Hugging Face's Trainer, through accelerate, does): the
+        # loader's own batch_size and sampler are None and a default SequentialSampler;
+        # what batches and shuffles is the batch_sampler and the sampler inside it
+        size = getattr(batch_sampler, "batch_size", None)
+        if isinstance(size, int) and not isinstance(size, bool):
+            config["batch_sampler_batch_size"] = size
+        config["batch_sampler_sampler"] = _qualname(getattr(batch_sampler, "sampler", None))
+    return config
 
 
 class LoaderRegistry:

@@ -302,6 +302,9 @@ class Context:
         """Batches in one epoch of a map-style loader (``len`` of the DataLoader)."""
         if not loader or loader.get("iterable_dataset"):
             return None
+        batches = loader.get("batches")  # len(loader); older records: from len, batch_size
+        if isinstance(batches, int) and batches > 0:
+            return batches
         n, bs = loader.get("len"), loader.get("batch_size")
         if not isinstance(n, int) or not isinstance(bs, int) or bs <= 0 or n <= 0:
             return None

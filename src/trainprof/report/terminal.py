@@ -83,7 +83,7 @@ def _dataloader_line(dl: dict[str, Any]) -> str:
     dataset = (dl.get("dataset") or "?").rsplit(".", 1)[-1]
     parts = [
         f"{dataset}(len={dl.get('len')})",
-        f"batch_size={dl.get('batch_size')}",
+        _batch_size_txt(dl),
         f"num_workers={dl.get('num_workers')}",
         f"pin_memory={dl.get('pin_memory')}",
     ]
@@ -93,6 +93,15 @@ def _dataloader_line(dl: dict[str, Any]) -> str:
             f"persistent_workers={dl.get('persistent_workers')}",
         ]
     return ", ".join(parts)
+
+
+def _batch_size_txt(dl: dict[str, Any]) -> str:
+    """``batch_size=N``; a loader given a batch_sampler has None there: say what batches."""
+    size = dl.get("batch_size")
+    if size is None and dl.get("batch_sampler_batch_size") is not None:
+        sampler = (dl.get("batch_sampler") or "?").rsplit(".", 1)[-1]
+        return f"batch_size={dl['batch_sampler_batch_size']} (its batch_sampler {sampler})"
+    return f"batch_size={size}"
 
 
 def _ms_txt(stats: dict[str, Any] | None) -> str:
