@@ -118,3 +118,60 @@ def test_device_records_reach_the_run_and_summary(tmp_path):
     assert s["median_step_s"] == pytest.approx(0.005)
     assert s["breakdown"]["forward"] == pytest.approx(0.8, abs=1e-6)
     assert s["breakdown"]["gap"] == pytest.approx(0.2, abs=1e-6)
+
+
+def test_an_optimizer_closure_does_not_nest_device_spans(tmp_path):
+    """``opt.step(closure)``: the forward and backward run inside the optimizer step.
+    The optimizer's device span is closed around the closure, so the spans add up to
+    the step and the time outside them (the gap) stays what it is."""
+    dev = FakeDevice()
+
+    class SlowGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # noqa: ANN001, ANN205
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):  # noqa: ANN001, ANN205
+            dev.now_ns += 2_000_000  # the backward "kernels": 2 ms
+            return g
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            dev.now_ns += 4_000_000  # the forward: 4 ms
+            return self.lin(x)
+
+    class Opt(torch.optim.SGD):
+        def step(self, closure=None):  # noqa: ANN001, ANN202
+            dev.now_ns += 300_000  # the optimizer's own work: 0.3 ms before the closure
+            loss = closure()
+            super().step()
+            dev.now_ns += 200_000  # and 0.2 ms after
+            return loss
+
+    with trainprof.profile(tmp_path / "r", report=False) as prof:
+        prof._recorder.clock.device = DeviceTimer(dev.event)
+        model = Net()
+        opt = Opt(model.parameters(), lr=0.1)
+        for _ in range(20):
+            dev.now_ns += 1_000_000  # 1 ms outside the phases
+
+            def closure() -> torch.Tensor:
+                opt.zero_grad()
+                loss = SlowGrad.apply(model(torch.randn(2, 4))).sum()
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+            dev.done_ns = dev.now_ns
+    s = prof.summary["device"]
+    assert s["median_step_s"] == pytest.approx(0.0075)
+    b = s["breakdown"]
+    assert b["forward"] == pytest.approx(4 / 7.5, abs=1e-6)
+    assert b["backward"] == pytest.approx(2 / 7.5, abs=1e-6)
+    assert b["optimizer"] == pytest.approx(0.5 / 7.5, abs=1e-6)
+    assert b["gap"] == pytest.approx(1 / 7.5, abs=1e-6)

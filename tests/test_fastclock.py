@@ -346,3 +346,133 @@ def test_c_core_rejects_partial_records_and_bad_phases():
         _fastclock.Timed(_fastclock.K_PHASE, clk, print, N_ACC)
     view = clk.acc
     assert view.format == "q" and view.shape == (N_ACC,) and not view.readonly
+
+
+CLOSURE_LOOP = r"""
+import sys, time
+import torch
+from torch import nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    def forward(self, x):
+        time.sleep(0.004)
+        return self.body(x)
+
+class SlowGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(0.002)
+        return g
+
+model, loss_fn = Net(), nn.MSELoss()
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x, y = torch.randn(16, 4), torch.randn(16, 1)
+for step in range(30):
+    def closure():  # what Lightning's automatic optimization runs inside optimizer.step
+        opt.zero_grad()
+        loss = loss_fn(SlowGrad.apply(model(x)), y)
+        loss.backward()
+        return loss
+    if sys.argv[1] == "keyword":
+        opt.step(closure=closure)
+    else:
+        opt.step(closure)
+    time.sleep(0.001)  # the loop's own work, at top level
+"""
+
+
+@pytest.mark.parametrize("call", ["positional", "keyword"])
+@pytest.mark.parametrize("path", PATHS)
+def test_an_optimizer_closure_is_timed_as_the_step_it_is(tmp_path, path, call):
+    """``opt.step(closure)`` (LBFGS; every PyTorch Lightning training step) runs the
+    forward and backward inside the optimizer step: they are timed as forward and
+    backward there too, and the rest of the closure as "other", not as the optimizer
+    (forward showed 0% and the optimizer all the rest)."""
+    script = tmp_path / "train.py"
+    script.write_text(CLOSURE_LOOP)
+    env = {**os.environ, "TRAINPROF_PURE_PYTHON": "1" if path == "python" else "0"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainprof", "run", "--json", "--out", str(tmp_path / "run"),
+         str(script), call], capture_output=True, text=True, timeout=120, env=env,
+        cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["steps"]["count"] == 30 and doc["steps"]["delimiter"] == "optimizer"
+    b = doc["breakdown"]
+    # per step: forward 4 ms (sleep) + the loss, backward 2 ms, 1 ms at top level, the
+    # SGD update ~0.05 ms
+    assert b["forward"] == pytest.approx(4 / 7.2, abs=0.06)
+    assert b["backward"] == pytest.approx(2 / 7.2, abs=0.06)
+    assert b["other"] == pytest.approx(1 / 7.2, abs=0.06)
+    assert b["optimizer"] < 0.06  # (was the whole closure: ~85%)
+    # the model, found inside the closure, is what the forward timing moved onto
+    roots = json.loads((tmp_path / "run" / "run.json").read_text())["forward_roots"]
+    assert any(r.endswith("Net") for r in roots), roots
+
+
+NESTED_STEPS = r"""
+import sys, time
+import torch
+from torch import nn
+
+class MySGD(torch.optim.SGD):
+    def step(self, closure=None):
+        return super().step(closure)  # SGD.step is hooked too: one step inside another
+
+class Lookahead(torch.optim.Optimizer):  # a wrapper that is an Optimizer itself
+    def __init__(self, inner):
+        self.inner = inner
+        super().__init__(inner.param_groups, {})
+    def step(self, closure=None):
+        return self.inner.step(closure)
+
+torch.optim.SGD([torch.zeros(1, requires_grad=True)])  # any SGD hooks SGD.step itself
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 1)
+    def forward(self, x):
+        time.sleep(0.002)
+        return self.lin(x)
+
+model = Net()
+opt = MySGD(model.parameters(), lr=0.1)
+if sys.argv[1] == "wrapper":
+    opt = Lookahead(torch.optim.SGD(model.parameters(), lr=0.1))
+for i in range(40):
+    loss = model(torch.randn(4, 8)).sum()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    time.sleep(0.001)
+"""
+
+
+@pytest.mark.parametrize("kind", ["subclass", "wrapper"])
+@pytest.mark.parametrize("path", PATHS)
+def test_an_optimizer_step_inside_another_is_one_step(tmp_path, path, kind):
+    """A subclass's ``step`` calling ``super().step()`` (both hooked by torch), or a
+    wrapper optimizer stepping the one it wraps: one step and one optimizer phase per
+    iteration (it was two steps, and the phase never closed: forward 0%, optimizer 97%)."""
+    script = tmp_path / "train.py"
+    script.write_text(NESTED_STEPS)
+    env = {**os.environ, "TRAINPROF_PURE_PYTHON": "1" if path == "python" else "0"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainprof", "run", "--json", "--out", str(tmp_path / "run"),
+         str(script), kind], capture_output=True, text=True, timeout=120, env=env,
+        cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["steps"]["count"] == 40 and doc["steps"]["delimiter"] == "optimizer"
+    b = doc["breakdown"]
+    # per step: forward 2 ms, 1 ms at top level, backward and the update well under 0.3 ms
+    assert b["forward"] == pytest.approx(2 / 3.2, abs=0.07)
+    assert b["other"] == pytest.approx(1 / 3.2, abs=0.07)
+    assert b["optimizer"] < 0.1

@@ -29,7 +29,7 @@
 
 /* What trainprof.capture.clock expects (_FAST_VERSION): bumped when the interface
    between this file and the Python code changes, so that a stale build is not used. */
-#define FASTCLOCK_VERSION 3
+#define FASTCLOCK_VERSION 4
 
 /* Indices into clock.acc, given by trainprof.schema through configure(). */
 static Py_ssize_t I_OTHER = -1, I_SAMPLES = -1, I_HOST_READS = -1, I_SYNC_N = -1,
@@ -48,7 +48,7 @@ enum {
     K_PHASE = 4,    /* zero_grad: a plain phase */
     K_READ = 5,     /* Tensor.item/...: host reads, syncs when not on the CPU */
     K_SYNC = 6,     /* torch.cuda.synchronize */
-    K_OPT_PRE = 7,  /* global optimizer step pre-hook */
+    K_OPT_PRE = 7,  /* global optimizer step pre-hook; extra(args, kwargs) times a closure */
     K_OPT_POST = 8, /* global optimizer step post-hook: closes the step */
 };
 
@@ -86,6 +86,7 @@ typedef struct {
     unsigned long owner;         /* threading.get_ident() of the training thread */
     int current;                 /* the current phase */
     int opt_prev;                /* phase to restore after the optimizer step */
+    int opt_depth;               /* optimizer steps open inside the open one (see K_OPT_PRE) */
     int gc_prev;                 /* phase to restore after a collection */
     char started;
     char bwd_pending;
@@ -438,6 +439,7 @@ static PyMemberDef core_members[] = {
     {"owner", T_ULONG, offsetof(ClockCore, owner), 0, NULL},
     {"current", T_INT, offsetof(ClockCore, current), 0, NULL},
     {"opt_prev", T_INT, offsetof(ClockCore, opt_prev), 0, NULL},
+    {"opt_depth", T_INT, offsetof(ClockCore, opt_depth), 0, NULL},
     {"gc_prev", T_INT, offsetof(ClockCore, gc_prev), 0, NULL},
     {"started", T_BOOL, offsetof(ClockCore, started), 0, NULL},
     {"bwd_pending", T_BOOL, offsetof(ClockCore, bwd_pending), 0, NULL},
@@ -466,7 +468,8 @@ typedef struct {
     PyObject_HEAD
     ClockCore *clock;
     PyObject *orig;        /* the wrapped callable (NULL for the optimizer hooks) */
-    PyObject *extra;       /* K_NEXT: batch_size_of(batch), for batches off the fast path */
+    PyObject *extra;       /* K_NEXT: batch_size_of(batch), for batches off the fast path;
+                              K_OPT_PRE: with_timed_closure(args, kwargs) */
     PyObject *tensor_type; /* K_NEXT: torch.Tensor */
     PyObject *dev_begin;   /* DeviceTimer.mark() arguments, or NULL */
     PyObject *dev_end;
@@ -675,11 +678,30 @@ timed_vectorcall(Timed *self, PyObject *const *args, size_t nargsf, PyObject *kw
             Py_RETURN_NONE;
         }
         if (self->kind == K_OPT_PRE) {
-            if (core_enter(c, self->phase, &prev) < 0)
-                return NULL;
-            c->opt_prev = prev;
-            if (device_mark(c->device, self->dev_begin) < 0)
-                return NULL;
+            if (c->current == self->phase) {
+                /* a step inside the open one (a subclass's step calling super().step(),
+                   both hooked; a wrapper optimizer stepping the one it wraps): one
+                   optimizer phase, closed by the outermost step's post-hook */
+                c->opt_depth++;
+            }
+            else {
+                if (core_enter(c, self->phase, &prev) < 0)
+                    return NULL;
+                c->opt_prev = prev;
+                if (device_mark(c->device, self->dev_begin) < 0)
+                    return NULL;
+            }
+            /* step(closure) or other arguments: extra(args, kwargs) returns them with the
+               closure timed (hooks.with_timed_closure), or None; a plain step() has
+               args == (optimizer,) and no kwargs, and returns None here */
+            if (self->extra != NULL && nargs >= 3
+                && ((PyTuple_Check(args[1]) && PyTuple_GET_SIZE(args[1]) > 1)
+                    || (PyDict_Check(args[2]) && PyDict_GET_SIZE(args[2]) > 0)))
+                return PyObject_Vectorcall(self->extra, args + 1, 2, NULL);
+            Py_RETURN_NONE;
+        }
+        if (c->opt_depth > 0) { /* the end of a nested step (see above) */
+            c->opt_depth--;
             Py_RETURN_NONE;
         }
         if (device_mark(c->device, self->dev_end) < 0)
@@ -736,6 +758,10 @@ timed_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     }
     if (kind < K_OPT_PRE && !PyCallable_Check(orig)) {
         PyErr_SetString(PyExc_TypeError, "orig must be callable");
+        return NULL;
+    }
+    if (kind == K_OPT_PRE && extra != NULL && extra != Py_None && !PyCallable_Check(extra)) {
+        PyErr_SetString(PyExc_TypeError, "K_OPT_PRE: extra must be callable");
         return NULL;
     }
     if (kind == K_NEXT && (extra == NULL || tensor_type == NULL || !PyCallable_Check(extra))) {

@@ -16,6 +16,13 @@ runs, and restores them afterwards:
 * backward: ``torch.autograd.backward`` (what ``Tensor.backward`` calls) and
   ``torch.autograd.grad``;
 * zero_grad: ``Optimizer.zero_grad`` and ``Module.zero_grad``;
+* a closure given to the optimizer step (``opt.step(closure)``: LBFGS, and every
+  training step of PyTorch Lightning's automatic optimization): the optimizer
+  runs the forward, the backward and whatever else the closure does, inside its
+  step. The pre-hook hands the step a timed closure instead (torch lets a
+  step pre-hook replace the step's arguments), which runs at the step's top
+  level (phase "other"), so its forward and backward are timed as such and only
+  the optimizer's own work counts as "optimizer";
 * GC: ``gc.callbacks``;
 * host reads: ``Tensor.item/.tolist/.numpy/.cpu`` and
   ``torch.cuda.synchronize``. Reads of a tensor that is not on the CPU force
@@ -125,6 +132,13 @@ def batch_size_of(batch: Any) -> int:
         else:
             return 0
     return 0
+
+
+def _is_timed_closure(fn: Any) -> bool:
+    """A closure already timed (an optimizer whose step calls another's with it)."""
+    if FAST and type(fn) is _fastclock.Timed:
+        return True
+    return getattr(fn, "trainprof_closure", False) is True
 
 
 def _qualname(obj: Any) -> str | None:
@@ -416,23 +430,85 @@ class Instrumentation:
         self._patch(torch.autograd, "grad", make_backward)
 
         # -- optimizer step and zero_grad ----------------------------------
-        def pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-            if get_ident() == clock.owner:
+        def timed_closure(closure: Callable[..., Any]) -> Callable[..., Any]:
+            """The step's closure, run at the step's top level (see the module docstring).
+
+            On CUDA, the optimizer's device span is closed around it (``OPT_END`` ...
+            ``OPT_BEGIN``), so that the forward and backward spans inside do not nest
+            in the optimizer's: the device timer adds the spans up.
+            """
+            if FAST:
+                return _fastclock.Timed(_fastclock.K_PHASE, clock, closure, OTHER,
+                                        dev_begin=OPT_END, dev_end=OPT_BEGIN)
+
+            def run(*args: Any, **kwargs: Any) -> Any:
+                if get_ident() != clock.owner:
+                    return closure(*args, **kwargs)
                 now = perf_counter_ns()
-                if not clock.started:
-                    clock.begin(now)
                 prev = clock.current
                 acc[prev] += now - clock.mark
-                clock.current = OPTIMIZER
+                clock.current = OTHER
                 clock.mark = now
-                clock.opt_prev = prev
-                if clock.device is not None:
-                    clock.device.mark(OPT_BEGIN)
+                dev = clock.device
+                if dev is not None:
+                    dev.mark(OPT_END)
+                try:
+                    return closure(*args, **kwargs)
+                finally:
+                    if dev is not None:
+                        dev.mark(OPT_BEGIN)
+                    now = perf_counter_ns()
+                    acc[clock.current] += now - clock.mark
+                    clock.current = prev
+                    clock.mark = now
+
+            run.trainprof_closure = True  # type: ignore[attr-defined]
+            return run
+
+        def with_timed_closure(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            """The step's ``(args, kwargs)`` with its closure timed, or None: no closure.
+
+            ``args`` starts with the optimizer itself (torch passes the step's own
+            arguments); ``closure`` is the one argument of ``Optimizer.step``.
+            """
+            if len(args) > 1:
+                if callable(args[1]) and not _is_timed_closure(args[1]):
+                    return (args[0], timed_closure(args[1]), *args[2:]), kwargs
+            else:
+                closure = kwargs.get("closure")
+                if closure is not None and callable(closure) and not _is_timed_closure(closure):
+                    return args, {**kwargs, "closure": timed_closure(closure)}
+            return None
+
+        def pre_hook(optimizer: Any, args: Any, kwargs: Any) -> Any:
+            if get_ident() == clock.owner:
+                if clock.current == OPTIMIZER:
+                    # a step inside the open one (a subclass's step calling
+                    # super().step(), both hooked; a wrapper optimizer stepping the one
+                    # it wraps): one phase, closed by the outermost step's post-hook
+                    clock.opt_depth += 1
+                else:
+                    now = perf_counter_ns()
+                    if not clock.started:
+                        clock.begin(now)
+                    prev = clock.current
+                    acc[prev] += now - clock.mark
+                    clock.current = OPTIMIZER
+                    clock.mark = now
+                    clock.opt_prev = prev
+                    if clock.device is not None:
+                        clock.device.mark(OPT_BEGIN)
+                if len(args) > 1 or kwargs:
+                    return with_timed_closure(args, kwargs)
+            return None
 
         def post_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
             if get_ident() != clock.owner:
                 if clock.n_steps == 0:  # the first step: this thread may be the training one
                     clock.adopt_thread(get_ident())
+                return
+            if clock.opt_depth > 0:  # the end of a nested step (see pre_hook)
+                clock.opt_depth -= 1
                 return
             if clock.device is not None:
                 clock.device.mark(OPT_END)
@@ -452,6 +528,7 @@ class Instrumentation:
 
         if FAST:
             pre_hook = _fastclock.Timed(_fastclock.K_OPT_PRE, clock, None, OPTIMIZER,
+                                        extra=with_timed_closure,
                                         dev_begin=OPT_BEGIN, dev_end=OPT_END)
             post_hook = _fastclock.Timed(_fastclock.K_OPT_POST, clock, None, OPTIMIZER,
                                          dev_begin=OPT_BEGIN, dev_end=OPT_END)
