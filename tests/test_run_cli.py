@@ -138,6 +138,25 @@ def test_json_stdout_is_only_json_and_script_output_goes_to_stderr(tp):
     assert "from a child process" in res.stderr
 
 
+def test_a_script_that_stops_at_its_arguments_gets_one_line(tp):
+    """``trainprof run train.py --help`` (or a mistyped option): the script's own help or
+    usage error, its exit code, and one line from trainprof instead of a summary."""
+    body = """
+    import argparse, torch
+    parser = argparse.ArgumentParser(description="toy trainer")
+    parser.add_argument("--lr", type=float, default=0.1)
+    args = parser.parse_args()
+    model = torch.nn.Linear(4, 1)
+    """
+    res = tp(body, args=("--help",))
+    assert res.returncode == 0 and res.stdout.startswith("usage: train.py [-h] [--lr LR]")
+    assert "Steps" not in res.stdout and "nothing to measure" in res.stderr
+    res = tp(body, args=("--bogus",))
+    assert res.returncode == 2 and res.stdout == ""
+    assert "train.py: error: unrecognized arguments: --bogus" in res.stderr
+    assert "the script ended (finished, exit 2) before any" in res.stderr
+
+
 def test_script_sees_its_own_argv_main_and_cwd(tmp_path):
     (tmp_path / "sub").mkdir()
     write_script(tmp_path / "sub", "helper_mod.py", "VALUE = 42\n")
@@ -157,7 +176,11 @@ def test_script_sees_its_own_argv_main_and_cwd(tmp_path):
     seen = json.loads(res.stdout.splitlines()[0])
     assert seen == {"argv": ["sub/train.py", "--lr", "0.1", "--json"], "name": "__main__",
                     "cwd": str(tmp_path), "value": 42}
-    assert "Steps" in res.stdout and "none seen" in res.stdout
+    # nothing trainprof times ran: one line on stderr, no summary under the script's output
+    assert len(res.stdout.splitlines()) == 1 and "Steps" not in res.stdout
+    assert "trainprof: nothing to measure: the script ended (finished, exit 0)" in res.stderr
+    assert not (tmp_path / "run" / "report.html").exists()
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "finished"
     # trainprof's own --json: the script's stdout moves to stderr
     res = trainprof("run", "--json", "--out", "run2", "sub/train.py", "x", cwd=tmp_path)
     assert json.loads(res.stderr.splitlines()[1])["argv"] == ["sub/train.py", "x"]

@@ -209,6 +209,13 @@ def run_command(
             recorder.stop(outcome.status, outcome.exit_code)
         return outcome
 
+    def nothing_ran() -> bool:
+        """The script ended before anything trainprof times happened: no DataLoader batch,
+        module call, backward or optimizer step (its --help, a bad argument, a config
+        error). A summary of nothing would only bury what the script printed."""
+        return (launch is None and not recorder.clock.started
+                and not recorder.child_runs.recorded)
+
     def summarize() -> dict[str, Any] | None:
         """The summary to print: this run's, or under a launcher the launch's, ranks merged,
         from its local rank 0 only (None: this rank prints none)."""
@@ -216,7 +223,7 @@ def run_command(
             # processes the script started may still be closing their records (Ctrl-C
             # reaches the whole process group; spawn has not joined them then)
             wait_for_ranks(run_dir, len(recorder.child_runs.recorded), timeout_s=10.0)
-        summary = finalize_run(run_dir, html=html and launch is None)
+        summary = finalize_run(run_dir, html=html and launch is None and not nothing_ran())
         if launch is None:
             return summary
         if launch.local_rank != 0:
@@ -239,7 +246,11 @@ def run_command(
         print(outcome.message, file=sys.stderr)
     summary = summarize()
     sys.stderr.flush()
-    if summary is not None:
+    if summary is not None and nothing_ran():
+        print(f"trainprof: nothing to measure: the script ended ({outcome.status}, exit "
+              f"{outcome.exit_code}) before any DataLoader batch, module call, backward or "
+              f"optimizer step; record in {run_dir}", file=sys.stderr)
+    elif summary is not None:
         render_summary(summary)
     return outcome.exit_code
 
