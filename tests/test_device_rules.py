@@ -421,3 +421,18 @@ def test_real_cpu_run_has_no_device_finding_and_no_cuda_memory(tmp_path: Path):
     assert doc["dataloaders"][0]["pin_memory"] is False
     # ... and none fires on a CPU run
     assert not [f for f in doc["findings"] if f["rule"].startswith("device.")], doc["findings"]
+
+
+def test_a_trainer_built_loader_gets_training_arguments_in_the_memory_fix():
+    """Hugging Face's Trainer builds the loader (batch_size None, its batch_sampler's 32):
+    the fix halves per_device_train_batch_size and accumulates in TrainingArguments."""
+    steps = make_steps(60)
+    trainer_loader = loader(pin_memory=True, batch_size=None, batch_sampler_batch_size=32,
+                            driven_by="transformers.Trainer")
+    summary = cuda_summary(steps, gpus=[gpu(used_gib=77.0)], cuda_memory=counters(),
+                           dataloaders=[trainer_loader])
+    f = next(f for f in device_findings(summary, steps) if f["cause"] == "near_capacity")
+    snippet = f["fix"]["snippet"]
+    assert "per_device_train_batch_size=16,  # was 32" in snippet
+    assert "gradient_accumulation_steps=2," in snippet
+    assert "DataLoader(" not in snippet and "opt.step()" not in snippet

@@ -689,3 +689,22 @@ def test_the_breakdown_bar_is_always_40_cells():
     assert len(_breakdown_bar(amp).plain) == 40
     assert len(_breakdown_bar({"data_wait": 1 / 3, "forward": 1 / 3, "other": 1 / 3}).plain) == 40
     assert len(_breakdown_bar({"data_wait": 0.012, "other": 0.988}).plain) == 40
+
+
+def test_the_workers_fix_follows_who_builds_the_loader():
+    """A loader given a BatchSampler is rewritten with its batch size and shuffling; one
+    Hugging Face's Trainer builds gets its TrainingArguments, not a DataLoader call."""
+    steps = make_steps(60, data=5 * MS)
+    sampled = loader(batch_size=None, sampler="torch.utils.data.sampler.SequentialSampler",
+                     batch_sampler_batch_size=16,
+                     batch_sampler_sampler="torch.utils.data.sampler.RandomSampler")
+    f = only(diagnose(make_summary(steps, dataloaders=[sampled]), steps), "input_pipeline")
+    snippet = f["fix"]["snippet"]
+    assert "    batch_size=16,\n    shuffle=True,\n" in snippet and "None" not in snippet
+    trainer = {**sampled, "driven_by": "transformers.Trainer"}
+    f = only(diagnose(make_summary(steps, dataloaders=[trainer]), steps), "input_pipeline")
+    snippet = f["fix"]["snippet"]
+    assert snippet.startswith("args = TrainingArguments(\n    ...,  # your arguments, unchanged")
+    assert "    dataloader_num_workers=" in snippet and "DataLoader(" not in snippet
+    assert "dataloader_persistent_workers=True" in snippet
+    assert f["verify"].startswith("trainprof tune --knob num_workers=")

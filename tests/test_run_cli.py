@@ -121,6 +121,33 @@ def test_a_loader_given_a_batch_sampler_is_described_by_it(tp, tmp_path):
     assert "TensorDataset(len=100), batch_size=16 (its batch_sampler BatchSampler)" in text
 
 
+def test_a_loader_that_a_trainer_iterates_is_marked_as_its(tp):
+    """Hugging Face's Trainer builds and iterates its loaders itself: the record says so
+    (its fixes then name TrainingArguments). The loop's module is on the stack when the
+    loader's first iterator is made; here a stand-in module of that name runs it."""
+    body = """
+    import types, torch
+    from torch.utils.data import DataLoader, TensorDataset
+    LOOP = '''
+    def train(loader, w, opt):
+        for (x,) in loader:
+            (w * x).sum().backward(); opt.step(); opt.zero_grad()
+    '''
+    trainer = types.ModuleType("transformers.trainer")
+    exec(LOOP, trainer.__dict__)
+    w = torch.zeros(4, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1)
+    trainer.train(DataLoader(TensorDataset(torch.randn(64, 4)), batch_size=8), w, opt)
+    for (x,) in DataLoader(TensorDataset(torch.randn(16, 4)), batch_size=8):  # the script's
+        pass
+    """
+    res = tp(body, "--json")
+    assert res.returncode == 0, res.stderr
+    loaders = res.json()["dataloaders"]
+    assert loaders[0]["driven_by"] == "transformers.Trainer"
+    assert "driven_by" not in loaders[1]
+
+
 def test_json_stdout_is_only_json_and_script_output_goes_to_stderr(tp):
     body = """
     import os, torch

@@ -44,6 +44,7 @@ import contextlib
 import gc
 import multiprocessing.process
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Mapping
@@ -191,6 +192,32 @@ def describe_loader(loader: DataLoader) -> dict[str, Any]:
     return config
 
 
+#: Module-name prefixes of the training loops that build or iterate DataLoaders for the
+#: user, and the name a fix refers to: Hugging Face's Trainer builds its loaders itself
+#: (from TrainingArguments), so a fix names those arguments, not a DataLoader call.
+_FRAMEWORKS = (("transformers.trainer", "transformers.Trainer"),
+               ("pytorch_lightning.", "lightning"), ("lightning.", "lightning"))
+
+
+def _training_framework(max_depth: int = 64) -> str | None:
+    """The framework whose training loop is iterating a DataLoader now, or None.
+
+    Called once per loader, when its first iterator is created: the loop that asked
+    for it is on the stack (``Trainer._inner_training_loop``, Lightning's fit loop).
+    """
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        name = frame.f_globals.get("__name__", "")
+        if isinstance(name, str):
+            for prefix, framework in _FRAMEWORKS:
+                if name.startswith(prefix):
+                    return framework
+        frame = frame.f_back
+    return None
+
+
 class LoaderRegistry:
     """DataLoaders seen in the run: their settings, live iterators and worker pids.
 
@@ -218,6 +245,9 @@ class LoaderRegistry:
             except Exception as exc:  # a loader we cannot describe is still timed
                 config = {"error": f"{type(exc).__name__}: {exc}"}
             config["index"] = self._ids[key]
+            driver = _training_framework()
+            if driver is not None:
+                config["driven_by"] = driver
             self.configs.append(config)
             self._on_new_loader(self._ids[key], config)
         return self._ids[key]

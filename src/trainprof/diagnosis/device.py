@@ -133,8 +133,23 @@ def _run_dir(ctx: Context) -> str:
 
 
 def _batch(ctx: Context) -> int | None:
-    bs = (ctx.train_loader or {}).get("batch_size")
+    loader = ctx.train_loader or {}
+    bs = loader.get("batch_size")
+    if bs is None:  # a batch_sampler passed in (Hugging Face's Trainer): its batch size
+        bs = loader.get("batch_sampler_batch_size")
     return bs if isinstance(bs, int) and not isinstance(bs, bool) and bs > 0 else None
+
+
+def _by_trainer(ctx: Context) -> bool:
+    """The loader is built by Hugging Face's Trainer: fixes go in its TrainingArguments."""
+    return (ctx.train_loader or {}).get("driven_by") == "transformers.Trainer"
+
+
+def _batch_line(ctx: Context, size: str, comment: str) -> str:
+    """The line that sets the batch size: the DataLoader call's, or the Trainer's argument."""
+    if _by_trainer(ctx):
+        return f"args = TrainingArguments(..., per_device_train_batch_size={size})  # {comment}"
+    return f"loader = DataLoader(..., batch_size={size})  # {comment}"
 
 
 # -- the device gap, shared out ---------------------------------------------------------------
@@ -315,8 +330,7 @@ def idle_between_phases(ctx: Context) -> Finding | None:
         "opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)  # one launch",
     ]
     if bs:
-        lines.append(f"loader = DataLoader(..., batch_size={2 * bs})  # was {bs}: more work "
-                     "per launch")
+        lines.append(_batch_line(ctx, str(2 * bs), f"was {bs}: more work per launch"))
     lines += [
         'running = torch.zeros((), device="cuda")',
         "for step, (x, y) in enumerate(loader):",
@@ -408,22 +422,36 @@ def _memory_evidence(ctx: Context, peak: MemoryPeak) -> dict[str, Any]:
     return ev
 
 
-def _memory_snippet(script: str, bs: int | None) -> str:
+def _memory_snippet(script: str, bs: int | None, trainer: bool = False) -> str:
     half = max(1, bs // 2) if bs else None
     lines = [
         "# 1. let the caching allocator grow segments instead of fragmenting fixed ones",
         f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python {script}",
         "",
         "# 2. half the batch per step, the same batch per update by accumulation",
-        f"loader = DataLoader(..., batch_size={half})  # was {bs}" if bs
-        else "loader = DataLoader(..., batch_size=B // 2)",
-        "accum = 2",
-        "for i, (x, y) in enumerate(loader):",
-        "    loss = criterion(model(x), y) / accum",
-        "    loss.backward()",
-        "    if (i + 1) % accum == 0:",
-        "        opt.step()",
-        "        opt.zero_grad(set_to_none=True)",
+    ]
+    if trainer:  # Hugging Face's Trainer accumulates itself
+        lines += [
+            "args = TrainingArguments(",
+            "    ...,  # your arguments, unchanged",
+            f"    per_device_train_batch_size={half if half else 'B // 2'},"
+            + (f"  # was {bs}" if bs else ""),
+            "    gradient_accumulation_steps=2,",
+            ")",
+        ]
+    else:
+        lines += [
+            f"loader = DataLoader(..., batch_size={half})  # was {bs}" if bs
+            else "loader = DataLoader(..., batch_size=B // 2)",
+            "accum = 2",
+            "for i, (x, y) in enumerate(loader):",
+            "    loss = criterion(model(x), y) / accum",
+            "    loss.backward()",
+            "    if (i + 1) % accum == 0:",
+            "        opt.step()",
+            "        opt.zero_grad(set_to_none=True)",
+        ]
+    lines += [
         "",
         "# 3. or recompute a block's activations in backward instead of keeping them",
         "from torch.utils.checkpoint import checkpoint",
@@ -507,7 +535,7 @@ def allocator_retries(ctx: Context) -> Finding | None:
         severity=severity,
         evidence=evidence,
         estimated_gain=gain,
-        fix=Fix(text=text, snippet=_memory_snippet(ctx.script, _batch(ctx))),
+        fix=Fix(text=text, snippet=_memory_snippet(ctx.script, _batch(ctx), _by_trainer(ctx))),
         verify=(
             f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True trainprof run {ctx.script}, "
             f"then `trainprof compare {_run_dir(ctx)} NEW_RUN`: num_alloc_retries in "
@@ -549,7 +577,7 @@ def memory_near_capacity(ctx: Context) -> Finding | None:
         severity=severity,
         evidence=evidence,
         estimated_gain=0.0,
-        fix=Fix(text=text, snippet=_memory_snippet(ctx.script, _batch(ctx))),
+        fix=Fix(text=text, snippet=_memory_snippet(ctx.script, _batch(ctx), _by_trainer(ctx))),
         verify=(
             f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True trainprof run {ctx.script}, "
             f"then `trainprof compare {_run_dir(ctx)} NEW_RUN`: the GPU memory peak (now "
@@ -597,11 +625,17 @@ def memory_underused(ctx: Context) -> Finding | None:
         "It also changes the optimisation: scale the learning rate (linearly, with warm-up) "
         "and check that the loss curve still matches."
     )
-    snippet = (
-        f"loader = DataLoader(..., batch_size={bs * factor})  # was {bs}\n"
-        f"lr = base_lr * {factor}  # linear scaling rule, with a warm-up"
-        if bs else "loader = DataLoader(..., batch_size=2 * B)\nlr = base_lr * 2"
-    )
+    size, times = (str(bs * factor), factor) if bs else ("2 * B", 2)
+    if _by_trainer(ctx):
+        snippet = (
+            "args = TrainingArguments(\n    ...,  # your arguments, unchanged\n"
+            f"    per_device_train_batch_size={size},  # was {bs or 'B'}\n"
+            f"    learning_rate={times} * base_lr,  # linear scaling rule\n"
+            "    warmup_ratio=0.05,  # with a warm-up\n)"
+        )
+    else:
+        snippet = (f"loader = DataLoader(..., batch_size={size})  # was {bs or 'B'}\n"
+                   f"lr = base_lr * {times}  # linear scaling rule, with a warm-up")
     sizes = ",".join(str(bs * k) for k in (1, 2, 4) if k <= factor) if bs else None
     verify = (
         f"trainprof tune --knob batch_size={sizes} {ctx.script}: time per sample should fall"

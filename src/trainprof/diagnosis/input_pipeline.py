@@ -97,14 +97,23 @@ def loader_snippet(
     collate function, ...), so the snippet reads like the line it replaces.
     """
     loader = loader or {}
+    if loader.get("driven_by") == "transformers.Trainer":
+        return _training_arguments_snippet(loader, num_workers=num_workers,
+                                           pin_memory=pin_memory, comment=comment,
+                                           collate_fn=collate_fn)
     dataset = _short(loader.get("dataset"), "dataset")
     lines = ["loader = DataLoader(", f"    {dataset}(...),  # your dataset, unchanged"]
     batch_sampler = str(loader.get("batch_sampler") or "")
     sampler = str(loader.get("sampler") or "")
+    batch_size = loader.get("batch_size")
+    if batch_size is None and loader.get("batch_sampler_batch_size") is not None:
+        # a plain BatchSampler passed in: the same batches as batch_size and its sampler
+        batch_size = loader["batch_sampler_batch_size"]
+        sampler = str(loader.get("batch_sampler_sampler") or "")
     if batch_sampler and not batch_sampler.endswith("sampler.BatchSampler"):
         lines.append(f"    batch_sampler={_short(batch_sampler, 'batch_sampler')}(...),")
     else:
-        lines.append(f"    batch_size={loader.get('batch_size', 32)},")
+        lines.append(f"    batch_size={batch_size if batch_size is not None else 32},")
         if sampler.endswith("RandomSampler"):
             lines.append("    shuffle=True,")
         elif sampler and not sampler.endswith("SequentialSampler"):
@@ -128,6 +137,34 @@ def loader_snippet(
     if pin_memory:
         lines.append("    pin_memory=True,  # page-locked batches: async copies to the GPU")
     lines.append(")")
+    return "\n".join(lines)
+
+
+def _training_arguments_snippet(
+    loader: dict[str, Any], *, num_workers: int, pin_memory: bool, comment: str,
+    collate_fn: str | None,
+) -> str:
+    """The fix for a loader Hugging Face's Trainer builds: its ``TrainingArguments``.
+
+    The Trainer makes its DataLoaders from ``dataloader_num_workers``,
+    ``dataloader_persistent_workers``, ``dataloader_prefetch_factor`` and
+    ``dataloader_pin_memory`` (on by default), and a collate function from
+    ``Trainer(data_collator=...)``: a DataLoader call would be nowhere to put.
+    """
+    lines = ["args = TrainingArguments(", "    ...,  # your arguments, unchanged",
+             f"    dataloader_num_workers={num_workers},  # {comment}"]
+    if num_workers > 0:
+        lines.append("    dataloader_persistent_workers=True,  # start the workers once, "
+                     "not every epoch")
+        pf = loader.get("prefetch_factor")
+        if isinstance(pf, int) and pf != 2:
+            lines.append(f"    dataloader_prefetch_factor={pf},")
+    if pin_memory:
+        lines.append("    dataloader_pin_memory=True,  # page-locked batches: async copies "
+                     "to the GPU")
+    lines.append(")")
+    if collate_fn:
+        lines.append(f"trainer = Trainer(model=model, args=args, ..., data_collator={collate_fn})")
     return "\n".join(lines)
 
 
