@@ -20,11 +20,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import trainprof, write_script
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import BatchSampler, DataLoader, Dataset
 
 from trainprof.analysis.compare import bootstrap_ratio_ci
 from trainprof.capture.knobs import ENV_VAR, Knobs, decode, encode, install_knobs
 from trainprof.errors import UsageError
+from trainprof.experiments import tune as tune_mod
 from trainprof.experiments.stats import ratio_ci
 from trainprof.experiments.tune import (
     Trial,
@@ -298,6 +299,28 @@ def test_dataloader_knobs_override_positional_and_keyword_arguments() -> None:
     assert sampled.batch_size is None and sampled.num_workers == 2
     plain = DataLoader(_Data(), batch_size=4)  # after uninstall: untouched
     assert plain.num_workers == 0 and plain.batch_size == 4
+
+
+def test_a_loader_rebuilt_from_a_knobbed_one_keeps_its_batch_size() -> None:
+    """accelerate rebuilds the Trainer's DataLoader from the first one's batch_sampler:
+    the knob set the first, and the second batches by the same size (not a drop)."""
+    knobs = Knobs({"batch_size": 16}).install()
+    try:
+        first = DataLoader(_Data(), batch_size=4, shuffle=True)
+        rebuilt = DataLoader(_Data(), batch_sampler=first.batch_sampler)
+        other = DataLoader(_Data(), batch_sampler=BatchSampler(range(64), 8, False))
+    finally:
+        record = knobs.uninstall()
+    assert first.batch_size == 16 and len(next(iter(rebuilt))) == 16
+    assert other.batch_sampler.batch_size == 8
+    one, two, three = record["dataloaders"]
+    assert one["set"] == {"batch_size": 16}
+    assert two["dropped"] == {} and two["kept"] == {
+        "batch_size": "its batch_sampler already batches so"}
+    assert three["dropped"] == {"batch_size": "the script passes a batch_sampler"}
+    # what the arm ran with, read back: the batch_sampler's size where batch_size is None
+    meta = {"dataloaders": [{"batch_size": None, "batch_sampler_batch_size": 16}]}
+    assert tune_mod._actual("batch_size", meta) == "16"
 
 
 def test_no_workers_drops_what_torch_would_refuse() -> None:

@@ -310,8 +310,14 @@ class Knobs:
         workers = want.get("num_workers", script["num_workers"])
         applied: dict[str, Any] = {}
         dropped: dict[str, str] = {}
+        kept: dict[str, str] = {}
         for name, value in want.items():
-            if name == "batch_size" and current("batch_sampler") is not None:
+            if (name == "batch_size" and current("batch_sampler") is not None
+                    and getattr(current("batch_sampler"), "batch_size", None) == value):
+                # a loader rebuilt from one the knob already set, by its batch_sampler
+                # (accelerate does so with the Trainer's): it batches by the value asked
+                kept[name] = "its batch_sampler already batches so"
+            elif name == "batch_size" and current("batch_sampler") is not None:
                 dropped[name] = "the script passes a batch_sampler"
             elif name == "batch_size" and script["batch_size"] is None:
                 dropped[name] = "the script turned automatic batching off (batch_size=None)"
@@ -328,8 +334,11 @@ class Knobs:
                 arguments["prefetch_factor"] = reset["prefetch_factor"] = None
             if current("persistent_workers"):
                 arguments["persistent_workers"] = reset["persistent_workers"] = False
-        return {"set": applied, "dropped": dropped, "reset": reset,
-                "script": {k: script[k] for k in (*want, *reset)}}
+        entry = {"set": applied, "dropped": dropped, "reset": reset,
+                 "script": {k: script[k] for k in (*want, *reset)}}
+        if kept:
+            entry["kept"] = kept
+        return entry
 
 
 def _qualname(obj: Any) -> str | None:

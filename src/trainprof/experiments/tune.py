@@ -380,7 +380,7 @@ def _actual(knob: str, meta: dict[str, Any]) -> str:
     if not meta:
         return "—"
     if knob in DATALOADER_KNOBS:
-        values = [_text(dl.get(knob)) for dl in meta.get("dataloaders") or []
+        values = [_text(_loader_setting(dl, knob)) for dl in meta.get("dataloaders") or []
                   if isinstance(dl, dict) and knob in dl]
         return "/".join(dict.fromkeys(values)) or "no DataLoader"
     thread = meta.get("training_thread") or {}
@@ -398,6 +398,13 @@ def _actual(knob: str, meta: dict[str, Any]) -> str:
             return f"true ({value.get('frozen_objects')} objects)"
         return "false" if value in (None, False) else str(value)
     return "—"
+
+
+def _loader_setting(loader: dict[str, Any], knob: str) -> Any:
+    """A recorded DataLoader setting; a loader given a batch_sampler batches by its size."""
+    if knob == "batch_size" and loader.get("batch_size") is None:
+        return loader.get("batch_sampler_batch_size")
+    return loader.get(knob)
 
 
 def _knob_notes(arm: Arm, meta: dict[str, Any]) -> list[str]:
