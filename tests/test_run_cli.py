@@ -148,6 +148,35 @@ def test_a_loader_that_a_trainer_iterates_is_marked_as_its(tp):
     assert "driven_by" not in loaders[1]
 
 
+def test_a_script_that_runs_itself_again_is_noted_with_the_torchrun_command(tp):
+    """PyTorch Lightning's DDP launcher starts ranks 1.. as `python <script> <args>` with
+    LOCAL_RANK set: those processes run without trainprof. The record says so, and how
+    to record every rank; other subprocesses (here a plain `python -c`) are no rerun."""
+    body = """
+    import os, subprocess, sys
+    import torch
+    if "LOCAL_RANK" not in os.environ:
+        env = {**os.environ, "LOCAL_RANK": "1"}
+        child = subprocess.Popen([sys.executable, os.path.abspath(sys.argv[0])] + sys.argv[1:],
+                                 env=env)
+        subprocess.run([sys.executable, "-c", "pass"], check=True)
+    w = torch.zeros(4, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1)
+    for _ in range(10):
+        (w * 2).sum().backward(); opt.step(); opt.zero_grad()
+    if "LOCAL_RANK" not in os.environ:
+        assert child.wait() == 0
+    """
+    res = tp(body, "--json", args=("--lr", "0.1"))
+    assert res.returncode == 0, res.stderr
+    notes = [n for n in res.json()["notes"] if "ran itself again" in n]
+    assert notes == [
+        "the script ran itself again in 1 process (LOCAL_RANK 1), as PyTorch Lightning's DDP "
+        "launcher does: not recorded, this record is one process's. To record every rank, "
+        "launch it with torchrun, which Lightning uses as it is: torchrun --nproc_per_node 2 "
+        "-m trainprof run train.py --lr 0.1"]
+
+
 def test_json_stdout_is_only_json_and_script_output_goes_to_stderr(tp):
     body = """
     import os, torch

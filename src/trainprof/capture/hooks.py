@@ -44,6 +44,7 @@ import contextlib
 import gc
 import multiprocessing.process
 import os
+import subprocess
 import sys
 import threading
 import weakref
@@ -140,6 +141,23 @@ def _is_timed_closure(fn: Any) -> bool:
     if FAST and type(fn) is _fastclock.Timed:
         return True
     return getattr(fn, "trainprof_closure", False) is True
+
+
+def _runs_this_script(args: Any) -> bool:
+    """A command line that runs the script being recorded again, with this Python.
+
+    What PyTorch Lightning's launcher runs: ``[sys.executable, abspath(sys.argv[0]),
+    *argv]``, or ``[sys.executable, "-m", __main__.__spec__.name, *argv]``.
+    """
+    if isinstance(args, (str, bytes, os.PathLike)) or len(args) < 2:
+        return False
+    if os.path.realpath(str(args[0])) != os.path.realpath(sys.executable):
+        return False
+    if str(args[1]) == "-m":
+        spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        return len(args) > 2 and spec is not None and str(args[2]) == spec.name
+    return bool(sys.argv and sys.argv[0]) and (
+        os.path.realpath(str(args[1])) == os.path.realpath(sys.argv[0]))
 
 
 def _qualname(obj: Any) -> str | None:
@@ -297,6 +315,9 @@ class Instrumentation:
         self.started_processes: list[tuple[int, str]] = []
         #: records the processes that may train, one run folder each (None: none recorded)
         self.child_runs: ChildRuns | None = None
+        #: LOCAL_RANK (or None) of each subprocess that runs the script itself again
+        #: (PyTorch Lightning's DDP launcher): not recorded, named in the notes
+        self.script_reruns: list[str | None] = []
 
     def _patch(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
         # An inherited attribute (Tensor.item lives on TensorBase) is restored
@@ -646,6 +667,24 @@ class Instrumentation:
             return start
 
         self._patch(multiprocessing.process.BaseProcess, "start", make_start)
+
+        # A subprocess that runs this same script again: PyTorch Lightning's DDP
+        # launcher starts ranks 1.. so, `[python, script, *argv]` with LOCAL_RANK set.
+        # It runs without trainprof; only noted (the script's command is not rewritten).
+        reruns = self.script_reruns
+
+        def make_popen(orig: Callable[..., None]) -> Callable[..., None]:
+            def __init__(popen: Any, args: Any, *rest: Any, **kwargs: Any) -> None:  # noqa: N807
+                with contextlib.suppress(Exception):
+                    if _runs_this_script(args):
+                        env = kwargs.get("env")
+                        env = env if isinstance(env, Mapping) else os.environ
+                        reruns.append(env.get("LOCAL_RANK"))
+                orig(popen, args, *rest, **kwargs)
+
+            return __init__
+
+        self._patch(subprocess.Popen, "__init__", make_popen)
 
         # -- garbage collection --------------------------------------------
         def on_gc(phase: str, info: dict[str, Any]) -> None:

@@ -357,7 +357,25 @@ class Recorder:
             notes.append(f"{len(others)} other process{'es' if len(others) > 1 else ''} "
                          f"({shown}) not measured: pool and manager helpers, Process subclasses "
                          f"with a run() of their own, or beyond the first {MAX_RECORDED}")
+        reruns = [] if inst is None else inst.script_reruns
+        if reruns:
+            ranks = [r for r in reruns if r is not None]
+            which = f" (LOCAL_RANK {', '.join(ranks)})" if ranks else ""
+            n = len(reruns)
+            notes.append(
+                f"the script ran itself again in {n} process{'es' if n > 1 else ''}{which}, "
+                "as PyTorch Lightning's DDP launcher does: not recorded, this record is one "
+                "process's. To record every rank, launch it with torchrun, which Lightning "
+                f"uses as it is: torchrun --nproc_per_node {n + 1} -m trainprof run "
+                f"{self._script_cmd()}")
         return notes
+
+    def _script_cmd(self) -> str:
+        """The script (or ``-m module``) and its arguments, for a command to copy."""
+        import shlex
+
+        cmd = [str(a) for a in (self._command or [])[1:]]
+        return shlex.join(cmd) if cmd else "SCRIPT ..."
 
     @staticmethod
     def _training_thread_settings() -> dict[str, int]:
