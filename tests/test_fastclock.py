@@ -472,7 +472,60 @@ def test_an_optimizer_step_inside_another_is_one_step(tmp_path, path, kind):
     doc = json.loads(proc.stdout)
     assert doc["steps"]["count"] == 40 and doc["steps"]["delimiter"] == "optimizer"
     b = doc["breakdown"]
-    # per step: forward 2 ms, 1 ms at top level, backward and the update well under 0.3 ms
-    assert b["forward"] == pytest.approx(2 / 3.2, abs=0.07)
-    assert b["other"] == pytest.approx(1 / 3.2, abs=0.07)
-    assert b["optimizer"] < 0.1
+    # per step: forward 2 ms, 1 ms at top level, backward and the update a few 0.1 ms
+    assert b["forward"] / b["other"] == pytest.approx(2, abs=0.5) and b["forward"] > 0.45
+    assert b["optimizer"] < 0.12
+
+
+STEP_RAISES = r"""
+import time
+import torch
+from torch import nn
+
+class Flaky(torch.optim.SGD):
+    calls = 0
+    def step(self, closure=None):
+        Flaky.calls += 1
+        if Flaky.calls == 5:  # an OOM the script catches and skips, say
+            raise RuntimeError("out of memory")
+        return super().step(closure)
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 1)
+    def forward(self, x):
+        time.sleep(0.002)
+        return self.lin(x)
+
+model = Net()
+opt = Flaky(model.parameters(), lr=0.1)
+for i in range(40):
+    loss = model(torch.randn(4, 8)).sum()
+    opt.zero_grad()
+    loss.backward()
+    try:
+        opt.step()
+    except RuntimeError:
+        continue
+    time.sleep(0.001)
+"""
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_step_that_raises_does_not_leave_the_optimizer_phase_open(tmp_path, path):
+    """An optimizer step that raises (an out-of-memory error the script catches and skips)
+    gets no post-hook: the next step must still be a step of its own, not one nested in
+    the failed one (which would never close), and the forward timed again."""
+    script = tmp_path / "train.py"
+    script.write_text(STEP_RAISES)
+    env = {**os.environ, "TRAINPROF_PURE_PYTHON": "1" if path == "python" else "0"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainprof", "run", "--json", "--out", str(tmp_path / "run"),
+         str(script)], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["steps"]["count"] == 39  # one iteration's step failed: it joins the next
+    b = doc["breakdown"]
+    assert b["forward"] / b["other"] == pytest.approx(2, abs=0.5) and b["forward"] > 0.45
+    assert b["optimizer"] < 0.12

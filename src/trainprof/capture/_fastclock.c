@@ -29,7 +29,7 @@
 
 /* What trainprof.capture.clock expects (_FAST_VERSION): bumped when the interface
    between this file and the Python code changes, so that a stale build is not used. */
-#define FASTCLOCK_VERSION 4
+#define FASTCLOCK_VERSION 5
 
 /* Indices into clock.acc, given by trainprof.schema through configure(). */
 static Py_ssize_t I_OTHER = -1, I_SAMPLES = -1, I_HOST_READS = -1, I_SYNC_N = -1,
@@ -78,6 +78,7 @@ typedef struct {
     PyObject_HEAD
     long long acc[MAX_ACC]; /* per-phase ns and counters of the open step (N_ACC used) */
     PyObject *device;       /* None, or a DeviceTimer (CUDA events at phase boundaries) */
+    PyObject *opt_args;     /* the open optimizer step's arguments (see K_OPT_PRE), or NULL */
     char *rbuf;             /* finished steps: native int64 records, drained by the Recorder */
     Py_ssize_t rlen, rcap;  /* bytes used / allocated in rbuf */
     long long mark;         /* perf_counter_ns of the last phase transition */
@@ -112,6 +113,7 @@ static int
 core_traverse(ClockCore *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->device);
+    Py_VISIT(self->opt_args);
     return 0;
 }
 
@@ -119,6 +121,7 @@ static int
 core_clear(ClockCore *self)
 {
     Py_CLEAR(self->device);
+    Py_CLEAR(self->opt_args);
     return 0;
 }
 
@@ -440,6 +443,7 @@ static PyMemberDef core_members[] = {
     {"current", T_INT, offsetof(ClockCore, current), 0, NULL},
     {"opt_prev", T_INT, offsetof(ClockCore, opt_prev), 0, NULL},
     {"opt_depth", T_INT, offsetof(ClockCore, opt_depth), 0, NULL},
+    {"opt_args", T_OBJECT, offsetof(ClockCore, opt_args), 0, NULL},
     {"gc_prev", T_INT, offsetof(ClockCore, gc_prev), 0, NULL},
     {"started", T_BOOL, offsetof(ClockCore, started), 0, NULL},
     {"bwd_pending", T_BOOL, offsetof(ClockCore, bwd_pending), 0, NULL},
@@ -678,16 +682,29 @@ timed_vectorcall(Timed *self, PyObject *const *args, size_t nargsf, PyObject *kw
             Py_RETURN_NONE;
         }
         if (self->kind == K_OPT_PRE) {
+            int outermost = 1;
             if (c->current == self->phase) {
-                /* a step inside the open one (a subclass's step calling super().step(),
-                   both hooked; a wrapper optimizer stepping the one it wraps): one
-                   optimizer phase, closed by the outermost step's post-hook */
-                c->opt_depth++;
+                if (c->opt_args != NULL && Py_REFCNT(c->opt_args) > 1) {
+                    /* a step inside the open one (a subclass's step calling super().step(),
+                       both hooked; a wrapper optimizer stepping the one it wraps): one
+                       optimizer phase, closed by the outermost step's post-hook. The open
+                       step is still running: torch's step wrapper holds its arguments */
+                    c->opt_depth++;
+                    outermost = 0;
+                }
+                else {
+                    /* nobody but us holds the open step's arguments: it ended by an
+                       exception (no post-hook), which the script caught; close it */
+                    c->opt_depth = 0;
+                    if (core_exit(c, c->opt_prev, NULL) < 0)
+                        return NULL;
+                }
             }
-            else {
+            if (outermost) {
                 if (core_enter(c, self->phase, &prev) < 0)
                     return NULL;
                 c->opt_prev = prev;
+                Py_XSETREF(c->opt_args, nargs >= 2 ? Py_NewRef(args[1]) : NULL);
                 if (device_mark(c->device, self->dev_begin) < 0)
                     return NULL;
             }
@@ -696,14 +713,20 @@ timed_vectorcall(Timed *self, PyObject *const *args, size_t nargsf, PyObject *kw
                args == (optimizer,) and no kwargs, and returns None here */
             if (self->extra != NULL && nargs >= 3
                 && ((PyTuple_Check(args[1]) && PyTuple_GET_SIZE(args[1]) > 1)
-                    || (PyDict_Check(args[2]) && PyDict_GET_SIZE(args[2]) > 0)))
-                return PyObject_Vectorcall(self->extra, args + 1, 2, NULL);
+                    || (PyDict_Check(args[2]) && PyDict_GET_SIZE(args[2]) > 0))) {
+                PyObject *r = PyObject_Vectorcall(self->extra, args + 1, 2, NULL);
+                if (outermost && r != NULL && PyTuple_Check(r) && PyTuple_GET_SIZE(r) == 2)
+                    /* the step now runs with these: they are what torch holds */
+                    Py_XSETREF(c->opt_args, Py_NewRef(PyTuple_GET_ITEM(r, 0)));
+                return r;
+            }
             Py_RETURN_NONE;
         }
         if (c->opt_depth > 0) { /* the end of a nested step (see above) */
             c->opt_depth--;
             Py_RETURN_NONE;
         }
+        Py_CLEAR(c->opt_args);
         if (device_mark(c->device, self->dev_end) < 0)
             return NULL;
         if (core_exit(c, c->opt_prev, &now) < 0)

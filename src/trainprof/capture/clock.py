@@ -186,7 +186,7 @@ class _PyCore:
 
 
 #: The ``_fastclock.VERSION`` this module is written for (a stale build is not used).
-_FAST_VERSION = 4
+_FAST_VERSION = 5
 
 
 def _core_class() -> type:
@@ -235,6 +235,7 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
         # phases to restore after hook pairs (optimizer pre/post, GC start/stop)
         self.opt_prev = OTHER
         self.opt_depth = 0  # optimizer steps open inside the open one (hooks.pre_hook)
+        self.opt_args: Any = None  # the open optimizer step's arguments (hooks.pre_hook)
         self.gc_prev = OTHER
         self.mark = 0
         self.step_start = 0
@@ -288,6 +289,7 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
         self.started = False
         self.current = OTHER
         self.opt_depth = 0
+        self.opt_args = None
         self.bwd_pending = False
         self._subs.clear()
         acc = self.acc

@@ -533,12 +533,25 @@ class Instrumentation:
 
         def pre_hook(optimizer: Any, args: Any, kwargs: Any) -> Any:
             if get_ident() == clock.owner:
+                outermost = True
                 if clock.current == OPTIMIZER:
-                    # a step inside the open one (a subclass's step calling
-                    # super().step(), both hooked; a wrapper optimizer stepping the one
-                    # it wraps): one phase, closed by the outermost step's post-hook
-                    clock.opt_depth += 1
-                else:
+                    # (getrefcount counts its own argument and clock.opt_args)
+                    if clock.opt_args is not None and sys.getrefcount(clock.opt_args) > 2:
+                        # a step inside the open one (a subclass's step calling
+                        # super().step(), both hooked; a wrapper optimizer stepping the
+                        # one it wraps): one phase, closed by the outermost post-hook.
+                        # The open step still runs: torch's wrapper holds its arguments
+                        clock.opt_depth += 1
+                        outermost = False
+                    else:
+                        # only the clock holds them: the open step raised (no post-hook)
+                        # and the script caught it; close it
+                        clock.opt_depth = 0
+                        now = perf_counter_ns()
+                        acc[OPTIMIZER] += now - clock.mark
+                        clock.current = clock.opt_prev
+                        clock.mark = now
+                if outermost:
                     now = perf_counter_ns()
                     if not clock.started:
                         clock.begin(now)
@@ -547,10 +560,14 @@ class Instrumentation:
                     clock.current = OPTIMIZER
                     clock.mark = now
                     clock.opt_prev = prev
+                    clock.opt_args = args
                     if clock.device is not None:
                         clock.device.mark(OPT_BEGIN)
                 if len(args) > 1 or kwargs:
-                    return with_timed_closure(args, kwargs)
+                    result = with_timed_closure(args, kwargs)
+                    if outermost and result is not None:
+                        clock.opt_args = result[0]  # what the step now runs with
+                    return result
             return None
 
         def post_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -561,6 +578,7 @@ class Instrumentation:
             if clock.opt_depth > 0:  # the end of a nested step (see pre_hook)
                 clock.opt_depth -= 1
                 return
+            clock.opt_args = None
             if clock.device is not None:
                 clock.device.mark(OPT_END)
             now = perf_counter_ns()
