@@ -348,6 +348,19 @@ def test_c_core_rejects_partial_records_and_bad_phases():
     assert view.format == "q" and view.shape == (N_ACC,) and not view.readonly
 
 
+def _run_json(tmp_path, path: str, body: str, *args: str) -> dict:
+    """``trainprof run --json`` of ``body`` on one hot path; its JSON document."""
+    script = tmp_path / "train.py"
+    script.write_text(body)
+    env = {**os.environ, "TRAINPROF_PURE_PYTHON": "1" if path == "python" else "0"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainprof", "run", "--json", "--out", str(tmp_path / "run"),
+         str(script), *args], capture_output=True, text=True, timeout=120, env=env,
+        cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
 CLOSURE_LOOP = r"""
 import sys, time
 import torch
@@ -394,15 +407,7 @@ def test_an_optimizer_closure_is_timed_as_the_step_it_is(tmp_path, path, call):
     forward and backward inside the optimizer step: they are timed as forward and
     backward there too, and the rest of the closure as "other", not as the optimizer
     (forward showed 0% and the optimizer all the rest)."""
-    script = tmp_path / "train.py"
-    script.write_text(CLOSURE_LOOP)
-    env = {**os.environ, "TRAINPROF_PURE_PYTHON": "1" if path == "python" else "0"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainprof", "run", "--json", "--out", str(tmp_path / "run"),
-         str(script), call], capture_output=True, text=True, timeout=120, env=env,
-        cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    doc = json.loads(proc.stdout)
+    doc = _run_json(tmp_path, path, CLOSURE_LOOP, call)
     assert doc["steps"]["count"] == 30 and doc["steps"]["delimiter"] == "optimizer"
     b = doc["breakdown"]
     # per step: forward 4 ms (sleep) + the loss, backward 2 ms, 1 ms at top level, the
@@ -461,15 +466,7 @@ def test_an_optimizer_step_inside_another_is_one_step(tmp_path, path, kind):
     """A subclass's ``step`` calling ``super().step()`` (both hooked by torch), or a
     wrapper optimizer stepping the one it wraps: one step and one optimizer phase per
     iteration (it was two steps, and the phase never closed: forward 0%, optimizer 97%)."""
-    script = tmp_path / "train.py"
-    script.write_text(NESTED_STEPS)
-    env = {**os.environ, "TRAINPROF_PURE_PYTHON": "1" if path == "python" else "0"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainprof", "run", "--json", "--out", str(tmp_path / "run"),
-         str(script), kind], capture_output=True, text=True, timeout=120, env=env,
-        cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    doc = json.loads(proc.stdout)
+    doc = _run_json(tmp_path, path, NESTED_STEPS, kind)
     assert doc["steps"]["count"] == 40 and doc["steps"]["delimiter"] == "optimizer"
     b = doc["breakdown"]
     # per step: forward 2 ms, 1 ms at top level, backward and the update a few 0.1 ms
@@ -517,14 +514,7 @@ def test_a_step_that_raises_does_not_leave_the_optimizer_phase_open(tmp_path, pa
     """An optimizer step that raises (an out-of-memory error the script catches and skips)
     gets no post-hook: the next step must still be a step of its own, not one nested in
     the failed one (which would never close), and the forward timed again."""
-    script = tmp_path / "train.py"
-    script.write_text(STEP_RAISES)
-    env = {**os.environ, "TRAINPROF_PURE_PYTHON": "1" if path == "python" else "0"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainprof", "run", "--json", "--out", str(tmp_path / "run"),
-         str(script)], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    doc = json.loads(proc.stdout)
+    doc = _run_json(tmp_path, path, STEP_RAISES)
     assert doc["steps"]["count"] == 39  # one iteration's step failed: it joins the next
     b = doc["breakdown"]
     assert b["forward"] / b["other"] == pytest.approx(2, abs=0.5) and b["forward"] > 0.45
