@@ -421,6 +421,17 @@ def test_an_optimizer_closure_is_timed_as_the_step_it_is(tmp_path, path, call):
     assert any(r.endswith("Net") for r in roots), roots
 
 
+#: A model whose forward takes 2 ms (a sleep), for the scripts below.
+SLEEPY_NET = r"""
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 1)
+    def forward(self, x):
+        time.sleep(0.002)
+        return self.lin(x)
+"""
+
 NESTED_STEPS = r"""
 import sys, time
 import torch
@@ -438,15 +449,7 @@ class Lookahead(torch.optim.Optimizer):  # a wrapper that is an Optimizer itself
         return self.inner.step(closure)
 
 torch.optim.SGD([torch.zeros(1, requires_grad=True)])  # any SGD hooks SGD.step itself
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(8, 1)
-    def forward(self, x):
-        time.sleep(0.002)
-        return self.lin(x)
-
+""" + SLEEPY_NET + r"""
 model = Net()
 opt = MySGD(model.parameters(), lr=0.1)
 if sys.argv[1] == "wrapper":
@@ -486,15 +489,7 @@ class Flaky(torch.optim.SGD):
         if Flaky.calls == 5:  # an OOM the script catches and skips, say
             raise RuntimeError("out of memory")
         return super().step(closure)
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(8, 1)
-    def forward(self, x):
-        time.sleep(0.002)
-        return self.lin(x)
-
+""" + SLEEPY_NET + r"""
 model = Net()
 opt = Flaky(model.parameters(), lr=0.1)
 for i in range(40):

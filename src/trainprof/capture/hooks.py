@@ -492,14 +492,10 @@ class Instrumentation:
                 return _fastclock.Timed(_fastclock.K_PHASE, clock, closure, OTHER,
                                         dev_begin=OPT_END, dev_end=OPT_BEGIN)
 
-            def run(*args: Any, **kwargs: Any) -> Any:
+            def run(*args: Any, **kwargs: Any) -> Any:  # once a step: clock methods do
                 if get_ident() != clock.owner:
                     return closure(*args, **kwargs)
-                now = perf_counter_ns()
-                prev = clock.current
-                acc[prev] += now - clock.mark
-                clock.current = OTHER
-                clock.mark = now
+                prev = enter(OTHER)
                 dev = clock.device
                 if dev is not None:
                     dev.mark(OPT_END)
@@ -508,10 +504,7 @@ class Instrumentation:
                 finally:
                     if dev is not None:
                         dev.mark(OPT_BEGIN)
-                    now = perf_counter_ns()
-                    acc[clock.current] += now - clock.mark
-                    clock.current = prev
-                    clock.mark = now
+                    exit_(prev)
 
             run.trainprof_closure = True  # type: ignore[attr-defined]
             return run
