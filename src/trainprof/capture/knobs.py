@@ -311,14 +311,15 @@ class Knobs:
         applied: dict[str, Any] = {}
         dropped: dict[str, str] = {}
         kept: dict[str, str] = {}
+        batch_sampler = current("batch_sampler")
         for name, value in want.items():
-            if (name == "batch_size" and current("batch_sampler") is not None
-                    and getattr(current("batch_sampler"), "batch_size", None) == value):
-                # a loader rebuilt from one the knob already set, by its batch_sampler
-                # (accelerate does so with the Trainer's): it batches by the value asked
-                kept[name] = "its batch_sampler already batches so"
-            elif name == "batch_size" and current("batch_sampler") is not None:
-                dropped[name] = "the script passes a batch_sampler"
+            if name == "batch_size" and batch_sampler is not None:
+                if getattr(batch_sampler, "batch_size", None) == value:
+                    # a loader rebuilt from one the knob already set, by its batch_sampler
+                    # (accelerate does so with the Trainer's): it batches by the value asked
+                    kept[name] = "its batch_sampler already batches so"
+                else:
+                    dropped[name] = "the script passes a batch_sampler"
             elif name == "batch_size" and script["batch_size"] is None:
                 dropped[name] = "the script turned automatic batching off (batch_size=None)"
             elif name in ("prefetch_factor", "persistent_workers") and not workers and value:
