@@ -472,8 +472,10 @@ def test_an_optimizer_step_inside_another_is_one_step(tmp_path, path, kind):
     doc = _run_json(tmp_path, path, NESTED_STEPS, kind)
     assert doc["steps"]["count"] == 40 and doc["steps"]["delimiter"] == "optimizer"
     b = doc["breakdown"]
-    # per step: forward 2 ms, 1 ms at top level, backward and the update a few 0.1 ms
-    assert b["forward"] / b["other"] == pytest.approx(2, abs=0.5) and b["forward"] > 0.45
+    # per step: forward 2 ms, 1 ms at top level, backward and the update a few 0.1 ms. How
+    # much a sleep oversleeps depends on the machine's load (a CI run saw forward/other 1.5),
+    # so this asserts what the bug did: the forward lost to a phase that never closed.
+    assert b["forward"] > 0.4 and b["other"] > 0.15
     assert b["optimizer"] < 0.12
 
 
@@ -512,5 +514,5 @@ def test_a_step_that_raises_does_not_leave_the_optimizer_phase_open(tmp_path, pa
     doc = _run_json(tmp_path, path, STEP_RAISES)
     assert doc["steps"]["count"] == 39  # one iteration's step failed: it joins the next
     b = doc["breakdown"]
-    assert b["forward"] / b["other"] == pytest.approx(2, abs=0.5) and b["forward"] > 0.45
+    assert b["forward"] > 0.4 and b["other"] > 0.15  # as in the nested-step test above
     assert b["optimizer"] < 0.12
