@@ -30,7 +30,8 @@ and times every batch, sample by sample, as in a worker.
 Cost: per sample, two clock reads (``thread_time_ns`` is a system call: 0.6 µs on
 an idle machine here, 1.3 µs under load) and two histogram increments, about 1-2 µs.
 That is kept near 1% of the loading time or less by timing samples one by one only while
-they take at least :data:`PER_SAMPLE_MIN_NS` (200 µs) on average; cheaper samples
+they take at least :data:`PER_SAMPLE_MIN_NS` (200 µs) on average, less any wait for a
+core where it is measured (a worker); cheaper samples
 (in-memory tensors) are timed per batch, each getting the batch's mean, and only one
 batch in :data:`TIME_EVERY` is timed at all (in the training process: about
 :data:`~trainprof.capture.worker.MAIN_REARM_HZ` a second, see above), while an
@@ -177,12 +178,16 @@ class Stream:
         acc[LAST_FETCH_END_NS] = t_end
         if self.per_sample:
             acc[SAMPLES_TIMED] += n
-        self.per_sample = n > 0 and get_ns >= PER_SAMPLE_MIN_NS * n
-        self.skip = 0 if self.per_sample else self.time_every - 1
+        waited = 0
         if q0 >= 0:
             q1 = self.runq_ns()
             if q1 >= q0:
-                acc[RUNQ_NS] += q1 - q0
+                waited = q1 - q0
+                acc[RUNQ_NS] += waited
+        # What the samples cost, not how long another process held the core: a cheap
+        # batch preempted on a loaded machine must not switch on per-sample clocks.
+        self.per_sample = n > 0 and get_ns - waited >= PER_SAMPLE_MIN_NS * n
+        self.skip = 0 if self.per_sample else self.time_every - 1
         self.h_collate[bin_index(max(0, col_ns))] += 1
         self.version += 1
 
