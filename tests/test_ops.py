@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import trainprof
+from conftest import trainprof, write_script
 
 from trainprof.analysis.ops import _match_dim, load_ops
 
@@ -72,3 +72,48 @@ def test_no_sample_in_a_run_shorter_than_the_window(tmp_path: Path) -> None:
     summary = _run_example(tmp_path, "--steps", "5")
     assert summary["ops"] is None
     assert load_ops(tmp_path / "run") is None
+
+
+GRAD_ACCUMULATION = r"""
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+class Net(nn.Module):  # nanoGPT's shape: a transformer block, logits reshaped for the loss
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 16)
+        self.block = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+        self.head = nn.Linear(16, 64)
+    def forward(self, idx, y):
+        logits = self.head(self.block(self.emb(idx)))
+        return F.cross_entropy(logits.view(-1, 64), y.view(-1))
+
+model = Net()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for step in range(14):
+    for micro in range(8):  # gradient accumulation: 8 micro-batches of 8 sequences
+        idx = torch.randint(0, 64, (8, 8))
+        loss = model(idx, idx) / 8
+        loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_a_line_run_once_per_micro_batch_is_not_a_loop(tmp_path: Path) -> None:
+    """Gradient accumulation runs the model's lines 8 times a step: a line whose tensor has
+    a dimension of 8 (``logits.view``, and the transformer block's internals, which count
+    as the line that called the block) is called 8 times a step, but on a new tensor each
+    time. That is no loop over the dimension (it was reported as one, at 17% of calls)."""
+    write_script(tmp_path, "train.py", GRAD_ACCUMULATION)
+    res = trainprof("run", "--json", "train.py", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    summary = res.json()
+    ops = summary["ops"]
+    assert ops["steps_sampled"] == 2
+    view = [s for s in ops["top_sites"] if s["function"] == "Tensor.view"]
+    assert view and view[0]["calls_per_step"] == 16 and view[0]["arg_shape"][0] == 8
+    assert view[0]["calls_per_arg_tensor"] == 1  # a new logits (and y) per micro-batch
+    assert ops["loops"] == []
+    assert not [f for f in summary["findings"] if f["category"] == "python_loop"]

@@ -2,7 +2,8 @@
 
 A call site that runs ``k`` times per step, where ``k`` is a small multiple
 (1-4: one iteration may index two tensors) of a dimension ``d`` of the tensor
-it operates on, is taken for a Python loop over that dimension: the classic
+it operates on (counted per tensor it was called on, so that a line run once per
+micro-batch is not taken for one), is taken for a Python loop over that dimension: the classic
 case is ``for t in range(T): loss += F.cross_entropy(logits[:, t], y[:, t])``,
 where ``logits[:, t]`` runs ``T`` times on a ``(B, T, V)`` tensor. All calls of
 the loop's source line then count as the loop's work. Without a shape match a
@@ -62,7 +63,11 @@ def load_ops(run_dir: Path) -> dict[str, Any] | None:
         key = (str(s.get("file")), int(s.get("line") or 0))
         if key in seen:
             continue
-        match = _match_dim(float(s.get("calls_per_step") or 0.0), s.get("arg_shape"))
+        # calls per tensor: a line run once per micro-batch, or an nn.Module's internals
+        # under it, sees a new tensor at each call; a loop indexes one tensor again and
+        # again (older records lack the count: calls per step, as before)
+        per_tensor = s.get("calls_per_arg_tensor", s.get("calls_per_step"))
+        match = _match_dim(float(per_tensor or 0.0), s.get("arg_shape"))
         if match is None or lines[key] < MIN_LINE_CALLS:
             continue
         seen.add(key)

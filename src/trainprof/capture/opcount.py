@@ -16,7 +16,13 @@ the default windows of the other tools; the steps are flagged as profiled). Ever
 torch function or tensor method called from Python passes through
 ``__torch_function__``; the call site is the first frame outside torch. For
 each call site it keeps the count, the function name and the shape of the
-first tensor argument of its first call. Calls made inside ``torch.optim``
+first tensor argument of its first call, and how many distinct tensors it was
+called on: a loop over a dimension calls its line on the *same* tensor again and
+again (``logits[:, t]``), while a line that merely runs once per micro-batch of a
+gradient-accumulation loop (or whose calls come from inside an ``nn.Module`` it
+calls, each on a new activation) sees a new tensor at each call. Tensors are told
+apart by weak reference (an ``id`` alone could be reused once a tensor is freed);
+none is kept alive. Calls made inside ``torch.optim``
 (the optimizer's per-parameter loop) and in data loading (``torch.utils.data``,
 a dataset's per-sample indexing) are counted apart: they are the library's
 loops. Backward ops run in C++ and are not counted: the loop lives in the
@@ -30,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -83,13 +90,18 @@ def _func_name(func: Any) -> str:
     return name
 
 
-def _first_shape(args: tuple[Any, ...]) -> list[int] | None:
+def _first_tensor(args: tuple[Any, ...]) -> Any:
     import torch
 
     for a in args[:3]:
         if isinstance(a, torch.Tensor):
-            return list(a.shape)
+            return a
     return None
+
+
+def _first_shape(args: tuple[Any, ...]) -> list[int] | None:
+    a = _first_tensor(args)
+    return None if a is None else list(a.shape)
 
 
 def torch_compile_in_use() -> bool:
@@ -113,7 +125,8 @@ class OpCountTool:
         self.steps = 0
         self.total = 0
         self.library: dict[str, int] = {"optimizer": 0, "data_loading": 0}
-        # (filename, lineno, function name) -> [count, shape of the first tensor arg]
+        # (filename, lineno, function name) -> [count, shape of the first tensor arg,
+        # distinct first tensor args, {id: weak reference} of those]
         self.sites: dict[tuple[str, int, str], list[Any]] = {}
         self._mode: Any = None
         self._started_at: int | None = None
@@ -164,9 +177,15 @@ class OpCountTool:
                     key = (f.f_code.co_filename, f.f_lineno, _func_name(func))
                     entry = sites.get(key)
                     if entry is None:
-                        sites[key] = [1, _first_shape(args)]
-                    else:
-                        entry[0] += 1
+                        entry = sites[key] = [0, _first_shape(args), 0, {}]
+                    entry[0] += 1
+                    arg = _first_tensor(args)
+                    if arg is not None:  # a tensor not seen here before: one more
+                        seen = entry[3]
+                        ref = seen.get(id(arg))
+                        if ref is None or ref() is not arg:
+                            entry[2] += 1
+                            seen[id(arg)] = weakref.ref(arg)
                 return func(*args, **(kwargs or {}))
 
         return _Count()
@@ -213,8 +232,11 @@ class OpCountTool:
                     "function": func,
                     "calls_per_step": count / self.steps,
                     "arg_shape": shape,
+                    # calls per tensor it was called on, per step (see the module's docs)
+                    "calls_per_arg_tensor": (
+                        count / max(tensors, self.steps) if tensors else None),
                 }
-                for (filename, lineno, func), (count, shape) in sites
+                for (filename, lineno, func), (count, shape, tensors, _) in sites
             ],
         }
         tmp = self.path.with_suffix(".tmp")
