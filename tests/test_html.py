@@ -545,8 +545,14 @@ def test_charts_draw_hover_and_zoom(browser: Browser, injected_report) -> None:
         img = page.screenshot({"x": box["pageX"] + 70, "y": box["pageY"] + 10,
                                "width": box["width"] - 84, "height": box["height"] - 40})
         px = np.asarray(img).reshape(-1, 3).astype(int)
-        red = np.all(np.abs(px - [214, 39, 40]) < 12, axis=1).mean()
-        print(f"data-wait red covers {red:.1%} of the plot area; the data say {expected:.1%}")
+        # red, and red under the warm-up band's 14% grey (#8c96a6): a busy machine settles
+        # later, and a warm-up band over 8 of 40 steps hid a fifth of the red from a count
+        # of pure red alone
+        shaded = 0.86 * np.array([214, 39, 40]) + 0.14 * np.array([0x8C, 0x96, 0xA6])
+        red = (np.all(np.abs(px - [214, 39, 40]) < 12, axis=1)
+               | np.all(np.abs(px - shaded) < 12, axis=1)).mean()
+        print(f"data-wait red covers {red:.1%} of the plot area; the data say {expected:.1%}"
+              f" (warm-up {summary['steps'].get('warmup')} steps)")
         # The screenshot reads low: each bar's anti-aliased edges are not pure red, a loss in
         # proportion to the red area (25.5% drawn as 23.7% here, 59.9% as 55.9% once on CI).
         # Hence 10% of the value (at least 0.02); a drawing bug - bars of half width, a
