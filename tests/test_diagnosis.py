@@ -715,3 +715,15 @@ def test_the_workers_fix_follows_who_builds_the_loader():
     assert "    dataloader_num_workers=" in snippet and "DataLoader(" not in snippet
     assert "dataloader_persistent_workers=True" in snippet
     assert f["verify"].startswith("trainprof tune --knob num_workers=")
+    # PyTorch Lightning rebuilt the loader with a DistributedSampler (shuffling in training
+    # whatever the user's loader said): the user's own call has no sampler
+    dist = "torch.utils.data.distributed.DistributedSampler"
+    pl = loader(sampler=dist, sampler_shuffle=True, driven_by="lightning")
+    f = only(diagnose(make_summary(steps, dataloaders=[pl]), steps), "input_pipeline")
+    snippet = f["fix"]["snippet"]
+    assert "sampler=" not in snippet and "shuffle=" not in snippet
+    assert "    # shuffle as before; Lightning adds the DistributedSampler\n" in snippet
+    # the script's own DistributedSampler (torchrun) stays in its call
+    f = only(diagnose(make_summary(steps, dataloaders=[loader(sampler=dist)]), steps),
+             "input_pipeline")
+    assert "    sampler=DistributedSampler(...),\n" in f["fix"]["snippet"]

@@ -84,6 +84,16 @@ def train(rank, world_size, port):
 if __name__ == "__main__":
     if sys.argv[1] == "spawn":
         mp.spawn(train, args=(2, int(sys.argv[2])), nprocs=2)
+    elif sys.argv[1] == "relaunch":  # PyTorch Lightning's DDP launcher: rank 0 starts the
+        import subprocess            # others as `python <script> <args>`, LOCAL_RANK set
+        child = None
+        if "LOCAL_RANK" not in os.environ:
+            os.environ["LOCAL_RANK"] = "0"
+            child = subprocess.Popen([sys.executable, os.path.abspath(sys.argv[0])]
+                                     + sys.argv[1:], env={**os.environ, "LOCAL_RANK": "1"})
+        train(int(os.environ["LOCAL_RANK"]), 2, int(sys.argv[2]))
+        if child is not None:
+            sys.exit(child.wait())
     elif sys.argv[1] == "slurm":  # a task of `srun --ntasks 2`: SLURM_PROCID of SLURM_NTASKS
         train(int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"]),
               int(sys.argv[2]))
@@ -214,6 +224,32 @@ def test_torchrun_launch_records_each_rank_and_rank_0_prints_the_merge(tmp_path)
     for label in ("0", "1"):
         assert (out / "ranks" / label / RUN_JSON).exists()
         assert (out / "ranks" / label / "findings.json").exists()
+
+
+def test_a_script_that_runs_itself_again_records_each_run_as_a_rank(tp):
+    """PyTorch Lightning's DDP launcher trains as rank 0 and starts ranks 1.. as
+    ``python <script> <args>`` with LOCAL_RANK set: those run under ``trainprof run``
+    into ranks/<LOCAL_RANK> of the run (they ran unrecorded, with a note), and the
+    summary merges them with the run's own record as rank 0."""
+    res = tp(DDP, "--json", args=("relaunch", str(_free_port())), timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = res.json()
+    _check_uneven_ranks(doc)
+    assert [r["label"] for r in doc["ranks"]] == ["0", "1"]
+    assert doc["ranks"][0]["run_dir"] == str(res.run_dir)  # rank 0 is the run's own record
+    assert doc["status"] == "finished" and doc["exit_code"] == 0
+    rank1 = json.loads((res.run_dir / "ranks" / "1" / RUN_JSON).read_text())
+    assert rank1["status"] == "finished" and rank1["rank_label"] == "1"
+    assert rank1["command"][1:] == [str(res.run_dir.parent / "train.py"), "relaunch",
+                                    rank1["command"][-1]]  # the same script and arguments
+    assert "trainprof: rank 1 of " in res.stderr and res.stderr.count("Steps ") == 0
+    assert [n for n in doc["notes"] if "ran itself again" in n] == [
+        "the script ran itself again in 1 process (LOCAL_RANK 1), as PyTorch Lightning's DDP "
+        "launcher does: each recorded in ranks/<k>/ of this run (k = 1); this process is "
+        "rank 0, the figures above are its own"]
+    # `report` merges the folder the same way
+    rep = trainprof("report", "--json", str(res.run_dir), cwd=res.run_dir.parent)
+    assert rep.returncode == 0 and [r["label"] for r in rep.json()["ranks"]] == ["0", "1"]
 
 
 def test_a_forked_process_that_crashes_leaves_a_crashed_rank(tp):

@@ -148,33 +148,42 @@ def test_a_loader_that_a_trainer_iterates_is_marked_as_its(tp):
     assert "driven_by" not in loaders[1]
 
 
-def test_a_script_that_runs_itself_again_is_noted_with_the_torchrun_command(tp):
-    """PyTorch Lightning's DDP launcher starts ranks 1.. as `python <script> <args>` with
-    LOCAL_RANK set: those processes run without trainprof. The record says so, and how
-    to record every rank; other subprocesses (here a plain `python -c`) are no rerun."""
-    body = """
+def test_a_module_that_runs_itself_again_is_recorded_as_a_rank(tmp_path):
+    """PyTorch Lightning's DDP launcher starts ranks 1.. as `python -m <module> <args>`
+    (or `python <script> <args>`) with LOCAL_RANK set. They run under `trainprof run` with
+    this run's options, into ranks/<LOCAL_RANK>; other subprocesses (a plain `python -c`)
+    are no rerun. (The DDP case, merged: tests/test_ranks.py.)"""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    write_script(pkg, "train.py", """
     import os, subprocess, sys
     import torch
     if "LOCAL_RANK" not in os.environ:
         env = {**os.environ, "LOCAL_RANK": "1"}
-        child = subprocess.Popen([sys.executable, os.path.abspath(sys.argv[0])] + sys.argv[1:],
-                                 env=env)
+        child = subprocess.Popen([sys.executable, "-m", __spec__.name] + sys.argv[1:], env=env)
         subprocess.run([sys.executable, "-c", "pass"], check=True)
     w = torch.zeros(4, requires_grad=True)
-    opt = torch.optim.SGD([w], lr=0.1)
-    for _ in range(10):
+    opt = torch.optim.SGD([w], lr=float(sys.argv[2]))
+    for _ in range(1000):
         (w * 2).sum().backward(); opt.step(); opt.zero_grad()
     if "LOCAL_RANK" not in os.environ:
         assert child.wait() == 0
-    """
-    res = tp(body, "--json", args=("--lr", "0.1"))
+    """)
+    res = trainprof("run", "--json", "--max-steps", "12", "-m", "pkg.train", "--lr", "0.1",
+                    cwd=tmp_path)
     assert res.returncode == 0, res.stderr
-    notes = [n for n in res.json()["notes"] if "ran itself again" in n]
+    doc = res.json()
+    assert [(r["label"], r["steps"]) for r in doc["ranks"]] == [("0", 12), ("1", 12)]
+    notes = [n for n in doc["notes"] if "ran itself again" in n]
     assert notes == [
         "the script ran itself again in 1 process (LOCAL_RANK 1), as PyTorch Lightning's DDP "
-        "launcher does: not recorded, this record is one process's. To record every rank, "
-        "launch it with torchrun, which Lightning uses as it is: torchrun --nproc_per_node 2 "
-        "-m trainprof run train.py --lr 0.1"]
+        "launcher does: each recorded in ranks/<k>/ of this run (k = 1); this process is "
+        "rank 0, the figures above are its own"]
+    rank1 = json.loads((res.run_dir / "ranks" / "1" / "run.json").read_text())
+    assert rank1["command"][1:] == ["-m", "pkg.train", "--lr", "0.1"]
+    assert rank1["steps_recorded"] == 12  # --max-steps reached the rank too
+    assert sorted(p.name for p in (res.run_dir / "ranks").iterdir()) == ["1"]
 
 
 def test_json_stdout_is_only_json_and_script_output_goes_to_stderr(tp):

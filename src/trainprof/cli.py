@@ -113,6 +113,9 @@ def build_parser() -> _Parser:
                             "pkg.mod:Class.method or path/to/file.py:func (window as --py)")
     run.add_argument("--no-html", action="store_true",
                      help="do not write RUN_DIR/report.html at the end")
+    # set by trainprof itself for a script's run of itself (PyTorch Lightning's DDP
+    # launcher): this run is a rank of that one, which prints the summary
+    run.add_argument("--rank-of", type=Path, metavar="RUN_DIR", help=argparse.SUPPRESS)
 
     report = sub.add_parser("report", help="summarise an existing run folder, in any status")
     report.add_argument("run_dir", type=Path, metavar="RUN_DIR",
@@ -187,7 +190,7 @@ def _split_run_args(argv: list[str]) -> tuple[list[str], list[str]]:
     (so ``trainprof run train.py --json`` passes ``--json`` to train.py).
     """
     takes_value = {"--out", "--name", "--max-steps", "--sample-interval", "--lines",
-                   "--knob", "--steps", "--trials", "--baseline"}
+                   "--knob", "--steps", "--trials", "--baseline", "--rank-of"}
     optional_value = {"--deep", "--py"}
     i = 0
     while i < len(argv):
@@ -235,6 +238,7 @@ def _dispatch(argv: list[str]) -> int:
             py=ns.py,
             lines=ns.lines,
             html=not ns.no_html,
+            rank_of=ns.rank_of,
         )
     if argv and argv[0] == "tune":
         own, script_args = _split_run_args(argv[1:])

@@ -57,14 +57,24 @@ def analyse_folder(run_dir: Path) -> tuple[dict[str, Any], Run]:
         own_run = None
     rank_runs = {label: load_run(path) for label, path in ranks}
     summaries = {label: analyse(run) for label, run in rank_runs.items()}
+    steps = {label: (complete_steps(run.steps), int(summaries[label]["steps"]["warmup"]))
+             for label, run in rank_runs.items()}
+    own = analyse(own_run) if own_run is not None else None
+    # a process that trained as a rank itself (it ran the script again for the others)
+    own_label = None if own_run is None else own_run.meta.get("rank_label")
+    if own_label is not None and str(own_label) in rank_runs:
+        own_label = None  # (a label is claimed once: not from this trainprof)
+    if own_run is not None and own is not None and own_label is not None:
+        own_label = str(own_label)
+        steps[own_label] = (complete_steps(own_run.steps), int(own["steps"]["warmup"]))
     merged = merge_ranks(
-        run_dir,
-        analyse(own_run) if own_run is not None else None,
+        run_dir, own,
         [(label, summaries[label], run.meta) for label, run in rank_runs.items()],
-        {label: (complete_steps(run.steps), int(summaries[label]["steps"]["warmup"]))
-         for label, run in rank_runs.items()},
+        steps,
+        own_label=own_label,
+        own_meta=None if own_run is None else own_run.meta,
     )
-    main_run = own_run if merged["main_rank"] is None else rank_runs[merged["main_rank"]]
+    main_run = rank_runs.get(merged["main_rank"] or "", own_run)
     assert main_run is not None
     return _diagnosed(merged, main_run), main_run
 
@@ -148,11 +158,15 @@ def run_command(
     py: str | None = None,
     lines: str | None = None,
     html: bool = True,
+    rank_of: Path | None = None,
 ) -> int:
     """``trainprof run``: run the script under always-on capture, then summarise it.
 
     ``deep``/``py``: window specs (``""`` for the defaults) of torch.profiler
-    and cProfile; ``lines``: line_profiler targets. Returns the script's exit code.
+    and cProfile; ``lines``: line_profiler targets. ``rank_of``: the run folder of
+    the process that started this one as a further rank (a script that runs itself
+    again, :meth:`~trainprof.capture.ranks.ChildRuns.rerun`): that process prints
+    the summary, this one a line. Returns the script's exit code.
     """
     from trainprof.capture.launcher import check_target, run_target
     from trainprof.capture.ranks import default_launch_dir, launcher_rank, wait_for_ranks
@@ -184,6 +198,8 @@ def run_command(
         windows=build_windows(run_dir, deep=deep, py=py, lines=lines),
     )
     recorder.worker_sampling = py is not None
+    if rank_of is not None:  # as a process the script started records itself
+        recorder.writer.update_meta(rank_label=run_dir.name, parent_pid=os.getppid())
     recorder.child_runs.tools = {"deep": deep, "py": py, "lines": lines}  # ranks run them too
     print(f"trainprof: recording to {run_dir}", file=sys.stderr, flush=True)
     for runner in recorder.windows[1:]:  # the first is the op-count sample, always on
@@ -219,11 +235,17 @@ def run_command(
     def summarize() -> dict[str, Any] | None:
         """The summary to print: this run's, or under a launcher the launch's, ranks merged,
         from its local rank 0 only (None: this rank prints none)."""
-        if recorder.child_runs.recorded:
+        children = len(recorder.child_runs.recorded) + len(recorder.child_runs.reruns)
+        if children:
             # processes the script started may still be closing their records (Ctrl-C
             # reaches the whole process group; spawn has not joined them then)
-            wait_for_ranks(run_dir, len(recorder.child_runs.recorded), timeout_s=10.0)
-        summary = finalize_run(run_dir, html=html and launch is None and not nothing_ran())
+            wait_for_ranks(run_dir, children, timeout_s=10.0)
+        alone = launch is None and rank_of is None
+        summary = finalize_run(run_dir, html=html and alone and not nothing_ran())
+        if rank_of is not None:
+            print(f"trainprof: rank {run_dir.name} of {rank_of} recorded to {run_dir}",
+                  file=sys.stderr)
+            return None
         if launch is None:
             return summary
         if launch.local_rank != 0:

@@ -10,7 +10,9 @@ data-parallel run: every rank runs the same loop) - with, added:
 ``ranks``
     a row per rank: its status, steps, median / p10 / p90 step time, data-wait
     share and seconds per step, samples/s, and its torch.distributed rank when the
-    process group was up;
+    process group was up; the run's own process first where it trained as a rank
+    itself (it ran the script again for the others, as PyTorch Lightning's DDP
+    launcher does: its record's ``rank_label``);
 ``rank_spread``
     the spread of mean step times across the ranks, defined as for merged
     torch.profiler traces (:func:`trainprof.analysis.trace.analyse.merge_ranks`):
@@ -186,14 +188,21 @@ def merge_ranks(
     own: dict[str, Any] | None,
     ranks: list[tuple[str, dict[str, Any], dict[str, Any]]],
     steps: dict[str, tuple[np.ndarray, int]] | None = None,
+    *,
+    own_label: str | None = None,
+    own_meta: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The merged summary of a run with ranks (see the module docstring).
 
     ``own``: the run's own summary (None for a launch with no record of its own);
     ``ranks``: ``(label, summary, meta)`` per rank, each summary complete with its
     findings; ``steps``: per label, the complete step records and warm-up count (for
-    the step-time spread). The caller diagnoses the merged document again (the
-    distributed rules read ``ranks`` and ``rank_spread``).
+    the step-time spread). ``own_label``: the rank the run's own process is, where it
+    trained as one (a script that ran itself again for the other ranks, as PyTorch
+    Lightning's DDP launcher does; its record's ``rank_label``), with ``own_meta`` its
+    record's metadata: it leads the merged view and has the first row. The caller
+    diagnoses the merged document again (the distributed rules read ``ranks`` and
+    ``rank_spread``).
     """
     main_label = pick_main(None if own is None else _count(own),
                            [(label, _count(s)) for label, s, _ in ranks])
@@ -209,8 +218,12 @@ def merge_ranks(
     else:
         main["status"], main["exit_code"] = merged_status([(lb, s) for lb, s, _ in ranks])
     main["run_dir"] = str(run_dir)
-    main["main_rank"] = main_label
     rows = [rank_row(label, s, meta) for label, s, meta in ranks]
+    if own is not None and own_label is not None and main_label is None:
+        rows.insert(0, rank_row(own_label, own, own_meta or {}))
+        main["main_rank"] = own_label
+    else:
+        main["main_rank"] = main_label
     main["ranks"] = rows
     main["rank_spread"] = rank_spread(rows, *common_step_means(steps or {}))
     rates = [r["samples_per_s"] for r in rows if r.get("samples_per_s")]

@@ -207,6 +207,9 @@ def describe_loader(loader: DataLoader) -> dict[str, Any]:
         if isinstance(size, int) and not isinstance(size, bool):
             config["batch_sampler_batch_size"] = size
         config["batch_sampler_sampler"] = _qualname(getattr(batch_sampler, "sampler", None))
+    shuffle = getattr(loader.sampler, "shuffle", None)
+    if isinstance(shuffle, bool):  # a DistributedSampler's: whether it shuffles
+        config["sampler_shuffle"] = shuffle
     return config
 
 
@@ -316,7 +319,8 @@ class Instrumentation:
         #: records the processes that may train, one run folder each (None: none recorded)
         self.child_runs: ChildRuns | None = None
         #: LOCAL_RANK (or None) of each subprocess that runs the script itself again
-        #: (PyTorch Lightning's DDP launcher): not recorded, named in the notes
+        #: (PyTorch Lightning's DDP launcher) and could not be recorded (no child_runs,
+        #: or beyond their limit): named in the notes
         self.script_reruns: list[str | None] = []
 
     def _patch(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
@@ -681,7 +685,8 @@ class Instrumentation:
 
         # A subprocess that runs this same script again: PyTorch Lightning's DDP
         # launcher starts ranks 1.. so, `[python, script, *argv]` with LOCAL_RANK set.
-        # It runs without trainprof; only noted (the script's command is not rewritten).
+        # It runs under `trainprof run` into ranks/<LOCAL_RANK> (ChildRuns.rerun); one
+        # that cannot be recorded is noted.
         reruns = self.script_reruns
 
         def make_popen(orig: Callable[..., None]) -> Callable[..., None]:
@@ -690,7 +695,12 @@ class Instrumentation:
                     if _runs_this_script(args):
                         env = kwargs.get("env")
                         env = env if isinstance(env, Mapping) else os.environ
-                        reruns.append(env.get("LOCAL_RANK"))
+                        local = env.get("LOCAL_RANK")
+                        command = None if child_runs is None else child_runs.rerun(args, local)
+                        if command is None:
+                            reruns.append(local)
+                        else:
+                            args = command
                 orig(popen, args, *rest, **kwargs)
 
             return __init__

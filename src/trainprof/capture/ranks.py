@@ -29,6 +29,18 @@ and ``concurrent.futures`` process-pool workers (helpers, not training), and a
 ``run`` cannot be swapped without pickling the process into itself), nor any beyond
 the first :data:`MAX_RECORDED` - those are named in the run's notes.
 
+A script that runs itself again
+-------------------------------
+PyTorch Lightning's DDP launcher trains in the process the user started, as rank 0,
+and starts ranks 1.. as ``[python, script, *argv]`` (or ``[python, -m, module,
+*argv]``) subprocesses with ``LOCAL_RANK`` set. The instrumentation sees every
+``subprocess.Popen``; for one that runs this same script with this Python,
+:meth:`ChildRuns.rerun` gives the command that runs it under ``trainprof run`` into
+``ranks/<LOCAL_RANK>`` of this run (same script, arguments, environment and working
+directory; this run's options). That process prints one line; this one records its
+own label (``rank_label``, its ``LOCAL_RANK``), and its record, rank 0, leads the
+merged view (:func:`trainprof.analysis.ranks.merge_ranks`).
+
 A launcher's ranks
 ------------------
 Under ``torchrun`` every rank runs ``trainprof run`` with ``RANK``,
@@ -47,7 +59,7 @@ import functools
 import os
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
@@ -198,6 +210,10 @@ class ChildRuns:
         self._lock = threading.Lock()
         #: (label, process name) of the processes recorded, in start order
         self.recorded: list[tuple[str, str]] = []
+        #: (label, LOCAL_RANK or None) of the script's runs of itself that are recorded
+        self.reruns: list[tuple[str, str | None]] = []
+        #: this process's label among those runs, once the script ran itself again
+        self.own_label: str | None = None
 
     def _claim(self, wanted: str | None) -> str:
         with self._lock:
@@ -232,6 +248,35 @@ class ChildRuns:
             label = self._claim(None)
             process._target = RecordedTarget(run_recorded, target, self._spec(label))
         self.recorded.append((label, name))
+
+
+    def rerun(self, args: Sequence[Any], local_rank: str | None) -> list[str] | None:
+        """The command that records a process running this same script again, or None.
+
+        ``args``: the ``[python, script, *argv]`` (or ``[python, -m, module, *argv]``) the
+        script is starting - PyTorch Lightning's DDP launcher starts ranks 1.. so, with
+        ``LOCAL_RANK`` set in their environment, and trains as rank 0 itself. The command
+        is ``trainprof run`` of the same script and arguments into ``ranks/<LOCAL_RANK>``
+        of this run, with this run's options; the process sees the same ``sys.argv``,
+        environment and working directory. This process becomes the rank named by its own
+        ``LOCAL_RANK`` (Lightning sets 0): its record is that rank's (see
+        :func:`trainprof.analysis.ranks.merge_ranks`).
+        """
+        if len(self.recorded) + len(self.reruns) >= MAX_RECORDED:
+            return None
+        if self.own_label is None:
+            self.own_label = self._claim(os.environ.get("LOCAL_RANK", "0"))
+        label = self._claim(local_rank)
+        spec = self._spec(label)
+        command = [sys.executable, "-m", "trainprof", "run", f"--rank-of={self.root.parent}",
+                   f"--out={spec.run_dir}", f"--name={spec.name}",
+                   f"--sample-interval={spec.sample_interval_s}"]
+        if spec.max_steps is not None:
+            command.append(f"--max-steps={spec.max_steps}")
+        command += [f"--{tool}={value}" for tool, value in spec.tools.items() if value is not None]
+        command += [os.fsdecode(a) for a in args[1:]]  # the script (or -m module) and argv
+        self.reruns.append((label, local_rank))
+        return command
 
 
 # -- a launcher's ranks (torchrun, srun) -------------------------------------------

@@ -235,6 +235,9 @@ class Recorder:
             self.writer.meta["cuda_memory"] = cuda_memory
         if getattr(self, "knobs", None) is not None:
             self.writer.meta["knobs"] = self.knobs.uninstall()
+        if self.child_runs.own_label is not None:
+            # the script ran itself again as further ranks: this record is a rank's too
+            self.writer.meta["rank_label"] = self.child_runs.own_label
         self.writer.close(
             status,
             exit_code,
@@ -357,6 +360,17 @@ class Recorder:
             notes.append(f"{len(others)} other process{'es' if len(others) > 1 else ''} "
                          f"({shown}) not measured: pool and manager helpers, Process subclasses "
                          f"with a run() of their own, or beyond the first {MAX_RECORDED}")
+        recorded_reruns = self.child_runs.reruns
+        if recorded_reruns:
+            n = len(recorded_reruns)
+            ranks = [r for _, r in recorded_reruns if r is not None]
+            which = f" (LOCAL_RANK {', '.join(ranks)})" if ranks else ""
+            labels = ", ".join(label for label, _ in recorded_reruns)
+            notes.append(
+                f"the script ran itself again in {n} process{'es' if n > 1 else ''}{which}, "
+                "as PyTorch Lightning's DDP launcher does: each recorded in "
+                f"{RANKS_DIR}/<k>/ of this run (k = {labels}); this process is rank "
+                f"{self.child_runs.own_label}, the figures above are its own")
         reruns = [] if inst is None else inst.script_reruns
         if reruns:
             ranks = [r for r in reruns if r is not None]

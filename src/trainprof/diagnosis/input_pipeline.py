@@ -116,6 +116,10 @@ def loader_snippet(
         lines.append(f"    batch_size={batch_size if batch_size is not None else 32},")
         if sampler.endswith("RandomSampler"):
             lines.append("    shuffle=True,")
+        elif loader.get("driven_by") == "lightning" and sampler.endswith("DistributedSampler"):
+            # PyTorch Lightning rebuilt the user's loader with a DistributedSampler of its
+            # own (shuffling in training whatever the user's loader said): not in their call
+            lines.append("    # shuffle as before; Lightning adds the DistributedSampler")
         elif sampler and not sampler.endswith("SequentialSampler"):
             lines.append(f"    sampler={_short(sampler, 'sampler')}(...),")
         if loader.get("drop_last"):
