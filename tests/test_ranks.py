@@ -252,6 +252,33 @@ def test_a_script_that_runs_itself_again_records_each_run_as_a_rank(tp):
     assert rep.returncode == 0 and [r["label"] for r in rep.json()["ranks"]] == ["0", "1"]
 
 
+def test_profile_api_records_a_script_that_runs_itself_again_as_ranks(tmp_path):
+    """The same under ``with trainprof.profile()`` and plain ``python train.py``: the run
+    of itself records under ``trainprof run`` (where the script's profile() attaches to
+    it), and the profile's summary waits for it and merges it."""
+    write_script(tmp_path, "train.py", """
+    import json, os, subprocess, sys
+    import torch
+    import trainprof
+    with trainprof.profile("prof", report=False) as prof:
+        if "LOCAL_RANK" not in os.environ:
+            child = subprocess.Popen([sys.executable, os.path.abspath(sys.argv[0])]
+                                     + sys.argv[1:], env={**os.environ, "LOCAL_RANK": "1"})
+        w = torch.zeros(4, requires_grad=True)
+        opt = torch.optim.SGD([w], lr=0.1)
+        for _ in range(int(sys.argv[1])):
+            (w * 2).sum().backward(); opt.step(); opt.zero_grad()
+    if "LOCAL_RANK" not in os.environ:
+        print(json.dumps([(r["label"], r["steps"], r["status"]) for r in prof.summary["ranks"]]))
+        sys.exit(child.wait())
+    """)
+    proc = subprocess.run([sys.executable, "train.py", "20"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout) == [["0", 20, "finished"], ["1", 20, "finished"]]
+    assert (tmp_path / "prof" / "ranks" / "1" / RUN_JSON).exists()
+
+
 def test_a_forked_process_that_crashes_leaves_a_crashed_rank(tp):
     body = """
     import multiprocessing as mp

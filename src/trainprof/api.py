@@ -128,6 +128,13 @@ class Profile:
         self._recorder.stop(status, code)
         from trainprof.commands import finalize_run
 
+        children = self._recorder.child_runs
+        if children.recorded or children.reruns:
+            # ranks the script started (spawn, Lightning's launcher) close their own records
+            from trainprof.capture.ranks import wait_for_ranks
+
+            wait_for_ranks(self.run_dir, len(children.recorded) + len(children.reruns),
+                           timeout_s=10.0)
         self.summary = finalize_run(self.run_dir, html=self.html)
         if self.report and self._launch is not None and self._launch.local_rank != 0:
             print(f"trainprof: rank {self._launch.rank} recorded to {self.run_dir}",
