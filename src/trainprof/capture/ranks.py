@@ -249,7 +249,6 @@ class ChildRuns:
             process._target = RecordedTarget(run_recorded, target, self._spec(label))
         self.recorded.append((label, name))
 
-
     def rerun(self, args: Sequence[Any], local_rank: str | None) -> list[str] | None:
         """The command that records a process running this same script again, or None.
 
