@@ -209,6 +209,8 @@ class OpCountTool:
         if self._started_at is not None:
             self.steps += max(0, step - self._started_at)
         self._started_at = None
+        for entry in self.sites.values():
+            entry[3] = {}  # the weak references: only needed while counting
 
     def close(self) -> None:
         if self._mode is not None:  # the run ended inside the window: its steps are partial
