@@ -309,8 +309,10 @@ from trainprof.capture.lineprof import LineProfileTool
 
 def slow_augment(x):
     s = 0.0
-    for i in range(5000):
-        s += (i * 1.0001 + 0.5) * (i - 0.25) / (i + 1.0)  # HOT LINE
+    # a loaded machine's preemptions land on any line: the hot line does several times the
+    # loop's own work, over enough iterations that a stray preemption cannot outweigh it
+    for i in range(20000):
+        s += (i * 1.5 + 0.5) * (i - 0.25) / (i + 1.0) * (i + 2.5) / (i + 3.0)  # HOT LINE
     return x + s * 0.0
 
 
@@ -346,7 +348,7 @@ def test_main_script_path_target_in_a_real_process(tmp_path):
     funcs = {f["label"]: f for f in doc["functions"]}
     aug = funcs["__main__:slow_augment"]
     hot = max(aug["lines"], key=lambda r: r["time_s"])
-    assert "# HOT LINE" in hot["source"] and hot["hits"] == 4 * 5000
+    assert "# HOT LINE" in hot["source"] and hot["hits"] == 4 * 20000
     assert funcs["__main__:main"]["hits"] == 0
     assert any("__main__:main (--lines script_pp.py:main) was already running" in m
                for m in doc["messages"])
