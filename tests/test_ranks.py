@@ -170,7 +170,11 @@ def test_spawned_ranks_are_recorded_one_folder_each_and_merged(tp):
         assert run.status == "finished"
         assert run.meta["distributed"] == {"rank": int(label), "world_size": 2,
                                            "backend": "gloo"}
-        assert (res.run_dir / "ranks" / label / "samples.jsonl").stat().st_size > 0
+        # system samples, unless the rank (0.4 s of training) ended before its sampler's
+        # first one - a busy machine slows the sampler's start - which the record says
+        if (res.run_dir / "ranks" / label / "samples.jsonl").stat().st_size == 0:
+            assert "system samples: none, the run ended before the sampler's first one" in (
+                run.meta["missing"])
     # the HTML report and the stored summary are the merged ones, in the run's folder
     assert ">Ranks</h2>" in (res.run_dir / "report.html").read_text()
     assert not (res.run_dir / "ranks" / "0" / "report.html").exists()

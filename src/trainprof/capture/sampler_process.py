@@ -162,6 +162,10 @@ class SamplerProcess:
         self.self_cpu_s = float(status.get("self_cpu_s", 0.0))
         for message in status.get("missing", []):
             self._note(str(message))
+        if self.ticks == 0 and not status.get("missing"):
+            # the sampler's start (a Python process, its imports: ~0.1 s, longer on a busy
+            # machine) outlasted the training, and a last window under 50 ms has no reading
+            self._note("system samples: none, the run ended before the sampler's first one")
 
     def _note(self, message: str) -> None:
         if message not in self.missing:
