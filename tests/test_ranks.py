@@ -460,6 +460,7 @@ class _Ctx:
     def __init__(self, summary: dict) -> None:
         self.summary = summary
         self.step_info = summary["steps"]
+        self.train_loader = (summary.get("dataloaders") or [None])[0]
 
 
 def _merged(waits: tuple[float, float], medians: tuple[float, float] = (0.02, 0.02)) -> dict:
@@ -483,6 +484,14 @@ def test_distributed_rules_fire_on_uneven_ranks_only():
     assert uneven is not None and uneven.severity == "high"  # 8 ms of a 20 ms step: 40%
     assert uneven.estimated_gain == pytest.approx(0.4)
     assert uneven_input_pipeline(_Ctx(_merged((0.0, 0.0012)))).severity == "low"  # 6%
+    assert "sampler = DistributedSampler(dataset" in uneven.fix.snippet
+    # where a framework adds the sampler itself, the fix is the loader's settings alone
+    for by, says in (("lightning", "Lightning adds a DistributedSampler itself"),
+                     ("transformers.Trainer", "dataloader_num_workers=workers_per_rank")):
+        merged = _merged((0.001, 0.009))
+        merged["dataloaders"] = [{"driven_by": by}]
+        fix = uneven_input_pipeline(_Ctx(merged)).fix.snippet
+        assert says in fix and "DistributedSampler(" not in fix
     slow = straggler_rank(_Ctx(_merged((0.0, 0.0), medians=(0.02, 0.026))))
     assert slow is not None and slow.severity == "medium" and "Rank 1" in slow.title
 

@@ -73,6 +73,30 @@ def straggler_rank(ctx: Context) -> Finding | None:
     )
 
 
+def _even_loading_snippet(loader: dict[str, Any] | None) -> str:
+    """The same loading on every rank, written where the script sets it up.
+
+    A script of its own builds the DistributedSampler and the DataLoader; Hugging Face's
+    Trainer and PyTorch Lightning add the sampler themselves (``driven_by``, recorded with
+    the loader), so the fix there is the loader's settings alone.
+    """
+    by = (loader or {}).get("driven_by")
+    if by == "transformers.Trainer":
+        return ("args = TrainingArguments(\n"
+                "    ...,  # your arguments, unchanged; the Trainer shards the data itself\n"
+                "    dataloader_num_workers=workers_per_rank,\n"
+                "    dataloader_persistent_workers=True,\n"
+                ")")
+    if by == "lightning":
+        return ("# Lightning adds a DistributedSampler itself (Trainer(use_distributed_sampler="
+                "True), the default)\n"
+                "loader = DataLoader(dataset, batch_size=per_rank_batch,\n"
+                "                    num_workers=workers_per_rank, persistent_workers=True)")
+    return ("sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank)\n"
+            "loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler,\n"
+            "                    num_workers=workers_per_rank, persistent_workers=True)")
+
+
 @rule("distributed.uneven_input_pipeline")
 def uneven_input_pipeline(ctx: Context) -> Finding | None:
     spread: dict[str, Any] = ctx.summary.get("rank_spread") or {}
@@ -105,11 +129,7 @@ def uneven_input_pipeline(ctx: Context) -> Finding | None:
                 f"on one host do not share too few cores (`trainprof report "
                 f"RUN_DIR/ranks/{most}` shows that rank's loading and CPU)."
             ),
-            snippet=(
-                "sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank)\n"
-                "loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler,\n"
-                "                    num_workers=workers_per_rank, persistent_workers=True)"
-            ),
+            snippet=_even_loading_snippet(ctx.train_loader),
         ),
         verify=f"{VERIFY}: the ranks' data wait per step should agree within 5% of the step "
         f"(now {share * 100:.0f}% apart)",
