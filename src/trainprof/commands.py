@@ -60,12 +60,11 @@ def analyse_folder(run_dir: Path) -> tuple[dict[str, Any], Run]:
     steps = {label: (complete_steps(run.steps), int(summaries[label]["steps"]["warmup"]))
              for label, run in rank_runs.items()}
     own = analyse(own_run) if own_run is not None else None
-    # a process that trained as a rank itself (it ran the script again for the others)
-    own_label = None if own_run is None else own_run.meta.get("rank_label")
-    if own_label is not None and str(own_label) in rank_runs:
-        own_label = None  # (a label is claimed once: not from this trainprof)
+    # a process that trained as a rank itself (it ran the script again for the others);
+    # its label is claimed apart from the ranks' folders, so a clash is none of ours
+    label = own_run.meta.get("rank_label") if own_run is not None else None
+    own_label = str(label) if label is not None and str(label) not in rank_runs else None
     if own_run is not None and own is not None and own_label is not None:
-        own_label = str(own_label)
         steps[own_label] = (complete_steps(own_run.steps), int(own["steps"]["warmup"]))
     merged = merge_ranks(
         run_dir, own,
