@@ -16,6 +16,7 @@ import sysconfig
 import textwrap
 import threading
 from array import array
+from statistics import median
 
 import pytest
 
@@ -477,6 +478,54 @@ def test_an_optimizer_step_inside_another_is_one_step(tmp_path, path, kind):
     # so this asserts what the bug did: the forward lost to a phase that never closed.
     assert b["forward"] > 0.4 and b["other"] > 0.15
     assert b["optimizer"] < 0.12
+
+
+AMP_SKIPS = r"""
+import time
+import torch
+from torch import nn
+""" + SLEEPY_NET + r"""
+model = Net()
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+OVERFLOW_AT = {0, 1, 17, 30}  # iterations whose gradients overflow: GradScaler skips them
+for i in range(40):
+    opt.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(torch.randn(4, 8)).float().sum()
+    if i in OVERFLOW_AT:
+        loss = loss * float("inf")
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    time.sleep(0.001)
+assert scaler.get_scale() == 1024.0 / 2 ** len(OVERFLOW_AT)  # the skips did happen
+"""
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_an_optimizer_step_a_grad_scaler_skipped_is_a_step_of_its_own(tmp_path, path):
+    """Mixed precision's GradScaler skips ``optimizer.step`` when the gradients overflow
+    (the first steps while the scale settles, then now and then): no optimizer hook
+    fires, and the iteration joined the next one as one step twice as long (37 steps
+    here, not 40). Each is now a step of its own, flagged skipped, counted in the
+    summary, and one iteration long."""
+    from trainprof.schema import FLAG_SKIPPED
+    from trainprof.store import load_records
+
+    doc = _run_json(tmp_path, path, AMP_SKIPS)
+    assert doc["steps"]["count"] == 40 and doc["steps"]["delimiter"] == "optimizer"
+    assert doc["steps"]["skipped"] == 4
+    steps = load_records(tmp_path / "run" / "steps.bin")
+    skipped = (steps["flags"] & FLAG_SKIPPED) != 0
+    assert list(steps["step"][skipped]) == [0, 1, 17, 30]
+    assert (steps["optimizer_ns"][skipped] == 0).all()
+    assert (steps["optimizer_ns"][~skipped][:40] > 0).all()
+    # one iteration each (a forward of 2 ms, 1 ms after the step), not two joined
+    dur = steps["dur_ns"][:40] / 1e6
+    typical = float(median(dur[~skipped[:40]][2:]))
+    assert dur[17] < 1.5 * typical and dur[30] < 1.5 * typical, (dur[17], dur[30], typical)
+    assert doc["breakdown"]["forward"] > 0.4
 
 
 STEP_RAISES = r"""

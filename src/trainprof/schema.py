@@ -29,6 +29,7 @@ FLAG_PARTIAL = 1  # the step was cut short by the end of the run
 FLAG_BACKWARD = 2  # delimited by backward() calls, not an optimizer step
 FLAG_MANUAL = 4  # delimited by an explicit prof.step()
 FLAG_PROFILED = 8  # recorded while a heavy tool (torch.profiler, cProfile...) was on
+FLAG_SKIPPED = 16  # a GradScaler skipped its optimizer step (inf/NaN gradients)
 
 # Column order of one step record: (step, t_start_ns, dur_ns, *phases, *counters, flags).
 STEP_FIELDS = (

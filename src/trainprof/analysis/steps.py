@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from trainprof.schema import FLAG_BACKWARD, FLAG_MANUAL, FLAG_PARTIAL, FLAG_PROFILED
+from trainprof.schema import FLAG_BACKWARD, FLAG_MANUAL, FLAG_PARTIAL, FLAG_PROFILED, FLAG_SKIPPED
 
 BREAKDOWN_KEYS = ("data_wait", "forward", "backward", "optimizer", "gc", "other")
 
@@ -138,6 +138,9 @@ def step_statistics(steps: np.ndarray) -> dict[str, Any]:
             "delimiter": delimiter_of(done),
             # steps left out because a heavy tool (--deep, --py) was on during them
             "profiled": profiled,
+            # iterations whose optimizer step a GradScaler skipped (inf/NaN gradients):
+            # steps like the others, without the optimizer's work
+            "skipped": int(((done["flags"] & FLAG_SKIPPED) != 0).sum()) if n else 0,
         },
         "breakdown": None,
         "breakdown_detail": None,

@@ -317,7 +317,7 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
         if mode != "optimizer":
             self.fast_opt = 0
 
-    def optimizer_stepped(self, optimizer: object, now: int) -> None:
+    def optimizer_stepped(self, optimizer: object, now: int, flags: int = 0) -> None:
         """Global optimizer post-hook: close the step if this is the primary optimizer.
 
         ``now`` is when the optimizer step ended (the hook has already charged
@@ -325,11 +325,13 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
         decided by the hook itself: when ``id(optimizer) == fast_opt`` it calls
         :meth:`_close` directly; ``fast_opt`` is set here once the primary
         optimizer is known and no other one stepped since its last step.
+        ``flags``: FLAG_SKIPPED when a GradScaler skipped the step (the hooks did not
+        fire; see :mod:`trainprof.capture.hooks`).
         """
         key = id(optimizer)
         if key == self._primary and self.mode == "optimizer" and not self._others_since_primary:
             self.fast_opt = key
-            self._close(0, now)
+            self._close(flags, now)
             return
         if self.mode == "manual" or not self.started:
             return
@@ -347,7 +349,7 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
         self.fast_opt = key
         self.bwd_pending = False
         self._subs.clear()
-        self._close(0, now)
+        self._close(flags, now)
 
     def manual_step(self) -> None:
         """Explicit boundary from ``prof.step()``; turns automatic boundaries off.

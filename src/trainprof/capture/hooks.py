@@ -71,6 +71,7 @@ from trainprof.capture.worker import WorkerCapture
 from trainprof.schema import (
     BACKWARD,
     DATA,
+    FLAG_SKIPPED,
     FORWARD,
     GC,
     GC_GEN2_N,
@@ -600,6 +601,34 @@ class Instrumentation:
                                          dev_begin=OPT_BEGIN, dev_end=OPT_END)
         self._handles.append(register_optimizer_step_pre_hook(pre_hook))
         self._handles.append(register_optimizer_step_post_hook(post_hook))
+
+        # -- optimizer steps a GradScaler skipped ------------------------------
+        # Mixed precision's GradScaler.step skips optimizer.step when the scaled
+        # gradients hold inf/NaN (often the first few steps, while the scale settles,
+        # and then about once per growth_interval): no optimizer hook fires, so the
+        # iteration would join the next one as one step of twice the length. Once a
+        # step per iteration, so plain Python: AMP steps are milliseconds long.
+        def make_scaler_step(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+                if get_ident() != clock.owner:
+                    return orig(scaler, optimizer, *args, **kwargs)
+                n_before, opt_before = clock.n_steps, acc[OPTIMIZER]
+                out = orig(scaler, optimizer, *args, **kwargs)
+                # an optimizer step either closed a step or (a secondary optimizer)
+                # added optimizer time; neither means this one was skipped
+                if (clock.n_steps == n_before and acc[OPTIMIZER] == opt_before
+                        and clock.current == OTHER and clock.started):
+                    now = perf_counter_ns()
+                    acc[OTHER] += now - clock.mark
+                    clock.mark = now
+                    clock.optimizer_stepped(optimizer, now, FLAG_SKIPPED)
+                return out
+
+            return step
+
+        scaler_cls = getattr(getattr(torch, "amp", None), "GradScaler", None)
+        if isinstance(scaler_cls, type) and callable(getattr(scaler_cls, "step", None)):
+            self._patch(scaler_cls, "step", make_scaler_step)
 
         def make_zero_grad(orig: Callable[..., Any]) -> Callable[..., Any]:
             if FAST:

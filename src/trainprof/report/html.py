@@ -401,6 +401,8 @@ def _verdict(s: dict[str, Any]) -> str:
             warm += f" (warm-up median {fmt_time(steps['warmup_median_s'])})"
         if steps.get("profiled"):
             warm += f", {steps['profiled']} profiled (left out)"
+        if steps.get("skipped"):
+            warm += f", {steps['skipped']} skipped by GradScaler (inf/NaN gradients)"
         tiles.append(_tile("steps", f"{steps['count']:,}", warm))
     system = s.get("system") or {}
     if system.get("n_samples"):

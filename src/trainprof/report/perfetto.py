@@ -68,7 +68,7 @@ import orjson
 from trainprof.analysis.steps import complete_steps, detect_warmup
 from trainprof.analysis.system import load_samples
 from trainprof.errors import UsageError
-from trainprof.schema import FLAG_BACKWARD, FLAG_MANUAL, FLAG_PARTIAL, FLAG_PROFILED
+from trainprof.schema import FLAG_BACKWARD, FLAG_MANUAL, FLAG_PARTIAL, FLAG_PROFILED, FLAG_SKIPPED
 from trainprof.store import Run
 
 #: Order in which a step's phase totals are laid out (a typical loop's order; see above).
@@ -133,7 +133,8 @@ def _flags_text(flags: int) -> list[str]:
     for bit, name in ((FLAG_PARTIAL, "cut off by the end of the run"),
                       (FLAG_BACKWARD, "delimited by backward()"),
                       (FLAG_MANUAL, "delimited by prof.step()"),
-                      (FLAG_PROFILED, "recorded under a heavy tool (times include its cost)")):
+                      (FLAG_PROFILED, "recorded under a heavy tool (times include its cost)"),
+                      (FLAG_SKIPPED, "optimizer step skipped by GradScaler (inf/NaN gradients)")):
         if flags & bit:
             out.append(name)
     return out

@@ -280,7 +280,9 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
             "Steps",
             f"{steps['count']} (warm-up {steps['warmup']}, steady {steps['steady_count']}"
             + (f", profiled {steps['profiled']}" if steps.get("profiled") else "")
-            + f"; delimited by {delim})",
+            + f"; delimited by {delim}"
+            + (f", {steps['skipped']} skipped by GradScaler" if steps.get("skipped") else "")
+            + ")",
         )
         warm = (
             f"  (warm-up median {fmt_time(steps['warmup_median_s'])})"
