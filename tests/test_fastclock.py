@@ -214,6 +214,27 @@ def test_c_core_matches_python_core_record_for_record():
 
 
 @needs_c
+def test_the_c_path_reads_the_clock_perf_counter_ns_reads():
+    """The C path reads CLOCK_MONOTONIC itself (not through CPython's pytime); its
+    timestamps are compared with ``perf_counter_ns()`` ones (origin, Python hooks),
+    so they must be the same clock: each read falls between two of Python's."""
+    import time
+
+    for _ in range(1000):
+        a = time.perf_counter_ns()
+        b = _fastclock.now_ns()
+        c = time.perf_counter_ns()
+        assert a <= b <= c
+    clk = clock_mod.StepClock()
+    t0 = time.perf_counter_ns()
+    prev = clk.enter(FORWARD)
+    time.sleep(0.02)
+    clk.exit(prev)
+    t1 = time.perf_counter_ns()
+    assert 0.02e9 <= clk.acc[FORWARD] <= t1 - t0
+
+
+@needs_c
 def test_timed_wrapper_binds_passes_through_and_restores_the_phase():
     clk = clock_mod.StepClock()
 
@@ -526,6 +547,34 @@ def test_an_optimizer_step_a_grad_scaler_skipped_is_a_step_of_its_own(tmp_path, 
     typical = float(median(dur[~skipped[:40]][2:]))
     assert dur[17] < 1.5 * typical and dur[30] < 1.5 * typical, (dur[17], dur[30], typical)
     assert doc["breakdown"]["forward"] > 0.4
+
+
+ADAM_READS = r"""
+import torch
+from torch import nn
+
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                      nn.Linear(16, 1))  # 6 parameter tensors
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+for i in range(40):
+    loss = model(torch.randn(4, 8)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    running = loss.item()  # the script's one read per step
+"""
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_host_reads_are_the_scripts_not_adams_step_counters(tmp_path, path):
+    """Adam reads each parameter's step counter (a CPU tensor) with ``.item()`` inside
+    its step: counted, the summary said "Host reads 7/step" for this loop's one read,
+    and the sync rule, which tells read-driven syncs from explicit
+    ``torch.cuda.synchronize()`` calls by comparing the two counts, would blame reads
+    for a script's explicit syncs."""
+    doc = _run_json(tmp_path, path, ADAM_READS)
+    assert doc["steps"]["count"] == 40
+    assert doc["syncs"]["host_reads_per_step"] == 1.0
 
 
 STEP_RAISES = r"""
