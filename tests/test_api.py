@@ -61,6 +61,36 @@ def test_crash_inside_profile_is_recorded_and_reraised(tmp_path):
     assert step_statistics(run.steps)["steps"]["count"] == 5
 
 
+def test_os_exit_inside_profile_closes_the_record_first(tmp_path):
+    """``os._exit`` inside the block skips ``__exit__``: the record is closed and the
+    summary printed before the process exits with the code asked for."""
+    import json
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(f"""
+        import os
+        import torch
+        import trainprof
+        w = torch.zeros(3, requires_grad=True)
+        opt = torch.optim.SGD([w], lr=0.1)
+        with trainprof.profile({str(tmp_path / "r")!r}):
+            for _ in range(12):
+                (w - 1).pow(2).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            os._exit(4)
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 4, proc.stderr
+    assert "Steps        12 " in proc.stderr
+    meta = json.loads((tmp_path / "r" / "run.json").read_text())
+    assert meta["status"] == "finished" and meta["exit_code"] == 4
+
+
 def test_max_steps_ends_the_block_quietly(tmp_path):
     with trainprof.profile(tmp_path / "r", max_steps=7, report=False) as prof:
         model = nn.Linear(2, 1)

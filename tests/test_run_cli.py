@@ -374,6 +374,49 @@ def test_sys_exit_code_is_passed_through(tp):
     assert res.returncode == 1 and "bad config" in res.stderr
 
 
+OS_EXIT = """
+import os, sys
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+w = torch.zeros(4, requires_grad=True)
+opt = torch.optim.SGD([w], lr=0.1)
+# two epochs of two forked workers each: they end through os._exit as well, with
+# the training process's os._exit inherited, and must not touch its record
+loader = DataLoader(TensorDataset(torch.randn(48, 4)), batch_size=4, num_workers=2)
+for epoch in range(2):
+    for (x,) in loader:
+        (w * x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+try:
+    sys.stdout.flush()
+    os._exit(int(sys.argv[1]))  # skip a shutdown that hangs (workers, NCCL, ...)
+finally:
+    print("finally ran")  # it does not: os._exit runs no cleanup, under trainprof neither
+"""
+
+
+@pytest.mark.parametrize("json_out", [False, True])
+def test_os_exit_closes_the_record_and_prints_the_summary_first(tp, json_out):
+    """``os._exit(n)`` ends the process at once: no ``finally``, no atexit. The record was
+    left "running" with no summary printed; now it is closed and summarised first, and
+    the process exits with n, running no more of the script than Python would."""
+    res = tp(OS_EXIT, *(["--json"] if json_out else []), args=("3",))
+    assert res.returncode == 3, res.stderr
+    assert "finally ran" not in res.stdout + res.stderr
+    assert "the script called os._exit(3)" in res.stderr
+    meta = json.loads((res.run_dir / "run.json").read_text())
+    assert meta["status"] == "finished" and meta["exit_code"] == 3
+    assert meta["summary"]["steps"]["count"] == 24
+    if json_out:
+        doc = res.json()
+        assert doc["exit_code"] == 3 and doc["steps"]["count"] == 24
+    else:
+        assert "Steps        24 " in res.stdout
+        assert (res.run_dir / "report.html").exists()
+
+
 def test_max_steps_stops_cleanly(tp):
     body = """
     import torch

@@ -106,9 +106,15 @@ class Profile:
             windows=build_windows(self.run_dir, deep=deep, py=py, lines=lines),
         )
         self._recorder.worker_sampling = py is not None
+        self._os_exit: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
 
     def __enter__(self) -> Profile:
+        from trainprof.capture.launcher import finish_before_os_exit
+
         self._recorder.start()
+        # os._exit(n) inside the block skips __exit__: close the record before it exits
+        self._os_exit = finish_before_os_exit(lambda code: self._finish("finished", code))
+        self._os_exit.__enter__()
         return self
 
     def __exit__(
@@ -119,12 +125,18 @@ class Profile:
     ) -> bool:
         from trainprof.capture.clock import StopTraining
 
+        self._os_exit.__exit__(None, None, None)
         if exc_type is None or issubclass(exc_type, StopTraining):
             status, code = "finished", 0
         elif issubclass(exc_type, KeyboardInterrupt):
             status, code = "interrupted", 130
         else:
             status, code = "crashed", 1
+        self._finish(status, code)
+        return exc_type is not None and issubclass(exc_type, StopTraining)
+
+    def _finish(self, status: str, code: int) -> None:
+        """Close the record, wait for the ranks it started, summarise and report."""
         self._recorder.stop(status, code)
         from trainprof.commands import finalize_run
 
@@ -146,7 +158,6 @@ class Profile:
             if self._launch is not None:
                 print(f"trainprof: this is rank {self._launch.rank}'s summary; all ranks "
                       f"merged: trainprof report {self.run_dir.parent.parent}", file=sys.stderr)
-        return exc_type is not None and issubclass(exc_type, StopTraining)
 
     def step(self) -> None:
         """Mark the end of a training step."""

@@ -167,7 +167,12 @@ def run_command(
     again, :meth:`~trainprof.capture.ranks.ChildRuns.rerun`): that process prints
     the summary, this one a line. Returns the script's exit code.
     """
-    from trainprof.capture.launcher import check_target, run_target
+    from trainprof.capture.launcher import (
+        Outcome,
+        check_target,
+        finish_before_os_exit,
+        run_target,
+    )
     from trainprof.capture.ranks import default_launch_dir, launcher_rank, wait_for_ranks
     from trainprof.capture.recorder import Recorder
 
@@ -205,9 +210,17 @@ def run_command(
         names = ", ".join(t.name for t in runner.tools)
         print(f"trainprof: {names}: {runner.schedule.describe()}", file=sys.stderr, flush=True)
 
-    def execute() -> Any:
-        from trainprof.capture.launcher import Outcome
+    real_stdout: int | None = None  # with --json: where the document goes
 
+    def finish_at_os_exit(code: int) -> None:
+        """The script called ``os._exit(code)``: close the record and report, then it exits."""
+        with deferred_sigint():
+            recorder.stop("finished", code)
+        conclude(Outcome("finished", code, f"trainprof: the script called os._exit({code})"))
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+    def execute() -> Outcome:
         try:
             recorder.start()
         except KeyboardInterrupt:  # Ctrl-C before the script ran: still a closed record
@@ -215,7 +228,8 @@ def run_command(
                 recorder.stop("interrupted", 130)
             return Outcome("interrupted", 130, "trainprof: interrupted before the script started")
         try:
-            outcome = run_target(target, args, module)
+            with finish_before_os_exit(finish_at_os_exit):
+                outcome = run_target(target, args, module)
         except BaseException:
             with deferred_sigint():
                 recorder.stop("crashed", 1)
@@ -252,27 +266,31 @@ def run_command(
             return None
         return _merge_launch(launch_dir, launch.local_world_size, html)
 
-    if json_out:
-        with stdout_to_stderr() as real_stdout:
-            outcome = execute()
-            if outcome.message:
-                print(outcome.message, file=sys.stderr)
-            summary = summarize()
+    def conclude(outcome: Outcome) -> None:
+        """How the script ended, then the summary (or the --json document)."""
+        if outcome.message:
+            print(outcome.message, file=sys.stderr)
+        summary = summarize()
+        if real_stdout is not None:
             if summary is not None:
                 with os.fdopen(os.dup(real_stdout), "w") as f:
                     render_json(summary, f)
+            return
+        sys.stderr.flush()
+        if summary is not None and nothing_ran():
+            print(f"trainprof: nothing to measure: the script ended ({outcome.status}, exit "
+                  f"{outcome.exit_code}) before any DataLoader batch, module call, backward or "
+                  f"optimizer step; record in {run_dir}", file=sys.stderr)
+        elif summary is not None:
+            render_summary(summary)
+
+    if json_out:
+        with stdout_to_stderr() as real_stdout:
+            outcome = execute()
+            conclude(outcome)
         return outcome.exit_code
     outcome = execute()
-    if outcome.message:
-        print(outcome.message, file=sys.stderr)
-    summary = summarize()
-    sys.stderr.flush()
-    if summary is not None and nothing_ran():
-        print(f"trainprof: nothing to measure: the script ended ({outcome.status}, exit "
-              f"{outcome.exit_code}) before any DataLoader batch, module call, backward or "
-              f"optimizer step; record in {run_dir}", file=sys.stderr)
-    elif summary is not None:
-        render_summary(summary)
+    conclude(outcome)
     return outcome.exit_code
 
 

@@ -9,11 +9,17 @@ how the script ended           status       exit code
 =============================  ===========  =========
 returned                       finished     0
 ``sys.exit(n)``                finished     n
+``os._exit(n)``                finished     n
 ``--max-steps`` reached        finished     0
 raised                         crashed      1
 Ctrl-C                         interrupted  130
 SIGTERM                        interrupted  143
 =============================  ===========  =========
+
+``os._exit(n)`` ends the process at once, without ``finally`` blocks or
+``atexit`` (scripts call it to skip a hanging shutdown: worker processes, NCCL):
+:func:`finish_before_os_exit` closes the record and prints the summary first,
+then exits as asked (coverage.py's ``patch = _exit`` does the same for its data).
 
 A crash's traceback is printed as Python prints it: frames of trainprof and
 ``runpy`` are removed, so the user sees only their code and the libraries
@@ -32,8 +38,8 @@ import signal
 import sys
 import threading
 import types
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -227,6 +233,36 @@ def _start_gc_afresh() -> None:
 
     if gc.isenabled():
         gc.collect()
+
+
+@contextmanager
+def finish_before_os_exit(finish: Callable[[int], None]) -> Iterator[None]:
+    """While the script runs, ``os._exit(n)`` in this process runs ``finish(n)`` first.
+
+    ``finish`` closes the record and prints the summary; then the process exits
+    exactly as the script asked. Only once, and only in this process: a forked
+    child (a DataLoader worker, a forked ``Process``) ends through ``os._exit`` too,
+    and must not touch its parent's record. Whatever ``finish`` raises is dropped:
+    nothing keeps the script from exiting.
+    """
+    real_exit = os._exit
+    pid = os.getpid()
+    done = False
+
+    def _exit(code: int) -> None:  # os._exit's signature: one int, no keywords
+        nonlocal done
+        if os.getpid() == pid and not done and isinstance(code, int):
+            done = True
+            with suppress(BaseException):  # exit as asked, whatever happened
+                finish(code)
+        real_exit(code)
+
+    os._exit = _exit
+    try:
+        yield
+    finally:
+        if os._exit is _exit:
+            os._exit = real_exit
 
 
 def run_target(target: str, args: list[str], module: bool) -> Outcome:
