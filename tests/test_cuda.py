@@ -147,3 +147,45 @@ def test_fingerprint_memory_counters_and_nvml_see_the_gpu(synced):
     assert gpus and gpus[0]["mem_total_bytes"] > 0 and gpus[0]["mem_used_bytes"] > 0
     # the device is busy most of each step (the sleeps): NVML sees it
     assert gpus[0]["util_pct"] is not None and gpus[0]["util_pct"] > 30, gpus
+
+
+#: Mixed precision with a GradScaler and AdamW on the device; the gradients overflow at
+#: two known iterations (GradScaler then skips the optimizer step), and an explicit
+#: torch.cuda.synchronize() each step, as timing code leaves them.
+AMP = """
+import torch
+from torch import nn
+
+model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)).cuda()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # 4 parameter tensors
+scaler = torch.amp.GradScaler("cuda")
+x = torch.randn(64, 256, device="cuda")
+y = torch.randint(0, 10, (64,), device="cuda")
+for i in range(60):
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = nn.functional.cross_entropy(model(x), y)
+    if i in (20, 41):
+        loss = loss * float("inf")
+    opt.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    torch.cuda.synchronize()
+"""
+
+
+def test_grad_scaler_skips_and_syncs_on_cuda(tp):
+    """A skipped step is a step of its own; GradScaler's one read of ``found_inf`` a step
+    is a device sync (a host read the script's library makes), AdamW's reads of its CPU
+    step counters are not host reads, and the explicit synchronize() makes the sync
+    finding name explicit calls, not reads."""
+    res = tp(AMP, "--json", timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = json.loads(res.stdout)
+    assert doc["steps"]["count"] == 60 and doc["steps"]["skipped"] == 2
+    syncs = doc["syncs"]
+    assert syncs["host_reads_per_step"] == pytest.approx(1.0, abs=0.05), syncs
+    assert syncs["per_step"] == pytest.approx(2.0, abs=0.05), syncs
+    causes = {f["rule"]: f.get("cause") for f in doc["findings"]}
+    if "sync.device_syncs" in causes:
+        assert causes["sync.device_syncs"] == "explicit_synchronize", doc["findings"]
