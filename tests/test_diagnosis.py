@@ -727,3 +727,91 @@ def test_the_workers_fix_follows_who_builds_the_loader():
     f = only(diagnose(make_summary(steps, dataloaders=[loader(sampler=dist)]), steps),
              "input_pipeline")
     assert "    sampler=DistributedSampler(...),\n" in f["fix"]["snippet"]
+
+
+LOADER_IN_THREAD = """
+import queue, sys, threading, time
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+class Slow(Dataset):
+    def __len__(self):
+        return 768
+    def __getitem__(self, i):
+        time.sleep(0.001)   # 1 ms per sample: 16 ms a batch
+        return torch.randn(16), i % 2
+
+class BackgroundGenerator(threading.Thread):  # prefetch_generator's, in short
+    def __init__(self, it):
+        super().__init__(daemon=True, name="prefetcher")
+        self.queue, self.it = queue.Queue(2), it
+        self.start()
+    def run(self):
+        for item in self.it:
+            self.queue.put(item)
+        self.queue.put(None)
+    def __iter__(self):
+        while (item := self.queue.get()) is not None:
+            yield item
+
+model = nn.Linear(16, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+loader = DataLoader(Slow(), batch_size=16)
+batches = BackgroundGenerator(loader) if sys.argv[1] == "thread" else loader
+for x, y in batches:
+    time.sleep(0.004)  # 4 ms of compute
+    loss = nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad(); loss.backward(); opt.step()
+"""
+
+
+def test_a_loader_iterated_in_a_thread_of_its_own_is_found_end_to_end(tmp_path):
+    """A prefetching thread iterates the DataLoader and hands batches over a queue: the
+    training thread's wait for them was "other" (about 75% here) and no rule fired. The
+    loader's thread is recorded, the loading cost measured there (16 ms a batch) bounds
+    the gain, and the fix loads in workers in the training loop. The same loop iterating
+    the loader itself gets the usual data-wait finding, and not this one."""
+    write_script(tmp_path, "train.py", LOADER_IN_THREAD)
+    res = trainprof("run", "--json", "train.py", "thread", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = res.json()
+    assert doc["dataloaders"][0]["iterated_in_thread"] == "prefetcher"
+    assert doc["breakdown"]["data_wait"] < 0.02 and doc["breakdown"]["other"] > 0.5
+    top = doc["findings"][0]
+    assert (top["category"], top["cause"], top["severity"]) == (
+        "input_pipeline", "loader_in_thread", "high")
+    ev = top["evidence"]
+    assert ev["iterated_in_thread"] == "prefetcher"
+    # 16 samples of ~1 ms (sleeps overshoot on a busy machine) and a collate
+    assert 0.015 < ev["batch_load_s"] < 0.03, ev
+    assert top["estimated_gain"] == pytest.approx(
+        min(ev["other_share"], ev["batch_load_s"] / ev["step_median_s"]), abs=1e-4)
+    assert "num_workers=4,  # was 0; iterate it in the training loop" in top["fix"]["snippet"]
+    assert top["verify"] == "trainprof tune --knob num_workers=0,1,2,4 train.py thread"
+
+    res = trainprof("run", "--json", "train.py", "main", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = res.json()
+    assert "iterated_in_thread" not in doc["dataloaders"][0]
+    causes = [(f["category"], f["cause"]) for f in doc["findings"]]
+    assert causes[0] == ("input_pipeline", "too_few_workers"), causes
+    assert ("input_pipeline", "loader_in_thread") not in causes
+
+
+def test_a_loader_in_a_thread_with_little_other_time_is_no_finding():
+    """The thread keeps up (other 3% of the step): nothing is hidden worth reporting; and an
+    evaluation loader some thread iterates is not the training loader's problem."""
+    steps = make_steps(60, other=0.3 * MS)
+    summary = make_summary(steps, dataloaders=[loader(iterated_in_thread="prefetcher")])
+    assert not [f for f in diagnose(summary, steps) if f["cause"] == "loader_in_thread"]
+    steps = make_steps(60, other=8 * MS)
+    summary = make_summary(steps, dataloaders=[
+        loader(), loader(index=1, sampler="torch.utils.data.sampler.SequentialSampler",
+                         iterated_in_thread="eval")])
+    assert not [f for f in diagnose(summary, steps) if f["cause"] == "loader_in_thread"]
+    # the training loader in a thread, unmeasured: the bound is the other share
+    summary = make_summary(steps, dataloaders=[loader(iterated_in_thread="prefetcher")])
+    f = next(f for f in diagnose(summary, steps) if f["cause"] == "loader_in_thread")
+    assert f["estimated_gain"] == pytest.approx(summary["breakdown"]["other"], abs=1e-4)
+    assert "batch_load_s" not in f["evidence"]

@@ -256,6 +256,8 @@ class LoaderRegistry:
         self.all_worker_pids: set[int] = set()
         #: told the worker pids whenever an iterator starts workers (the system sampler)
         self.on_workers: Callable[[tuple[int, ...]], None] | None = None
+        #: per loader index, the threads (ident: name) that started iterating it
+        self._threads: dict[int, dict[int, str]] = {}
 
     def index_of(self, loader: DataLoader) -> int:
         """The loader's index in the run (registered the first time it is seen)."""
@@ -275,9 +277,29 @@ class LoaderRegistry:
         return self._ids[key]
 
     def iterator_created(self, loader: DataLoader, it: Any) -> None:
-        self.index_of(loader)
+        index = self.index_of(loader)
+        threads = self._threads.setdefault(index, {})
+        ident = threading.get_ident()
+        if ident not in threads:  # once per thread: a name lookup per epoch at most
+            threads[ident] = threading.current_thread().name
         self._iterators.add(it)
         self._refresh_pids()
+
+    def note_threads(self, training_thread: int) -> None:
+        """At the end: name, in each loader's configuration, a thread other than the
+        training one that iterated it (``iterated_in_thread``).
+
+        A loader iterated in a thread of its own (a prefetching thread feeding a queue,
+        like prefetch_generator's BackgroundGenerator) delivers its batches to the
+        training thread through something trainprof does not time: the training thread's
+        wait for them is not data wait, but "other". The thread that called ``iter()`` is
+        the one recorded (a thread that only calls ``next()`` on an iterator made
+        elsewhere is not seen).
+        """
+        for index, threads in self._threads.items():
+            others = [name for ident, name in threads.items() if ident != training_thread]
+            if others and index < len(self.configs):
+                self.configs[index]["iterated_in_thread"] = others[0]
 
     def _refresh_pids(self) -> None:
         pids = []

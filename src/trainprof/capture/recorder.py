@@ -220,6 +220,7 @@ class Recorder:
         if self.instrumentation is not None:
             self.instrumentation.uninstall()
         self.loaders.shutdown_workers()
+        self.loaders.note_threads(self.clock.owner)
         self._kill_leftover_workers()
         self._flusher_stop.set()
         if self._flusher is not None:

@@ -31,6 +31,7 @@ RuleFn = Callable[[Context], RuleResult]
 #: Rule-family modules under ``trainprof.diagnosis`` (one small module per family).
 FAMILIES: tuple[str, ...] = (
     "input_pipeline",
+    "loader_thread",
     "periodic",
     "gc",
     "contention",

@@ -113,14 +113,18 @@ def _ms_txt(stats: dict[str, Any] | None) -> str:
         fmt_time(med / 1e3))
 
 
-def _worker_rows(workers: dict[str, Any] | None) -> list[tuple[str, str]]:
+def _worker_rows(workers: dict[str, Any] | None,
+                 loaders: list[dict[str, Any]] | None = None) -> list[tuple[str, str]]:
     """What the DataLoader workers (or the training process, num_workers=0) spent time on."""
     rows: list[tuple[str, str]] = []
+    threads = {d.get("index"): d.get("iterated_in_thread") for d in loaders or []}
     for w in (workers or {}).get("loaders") or []:
         if not w.get("samples"):
             continue
         idx = w.get("loader_index")
-        if w.get("mode") == "main":
+        if w.get("mode") == "main" and threads.get(idx):
+            who = f"in thread {threads[idx]!r} of the training process (num_workers=0)"
+        elif w.get("mode") == "main":
             who = "in the training process (num_workers=0)"
         else:
             who = (f"{w.get('num_workers')} workers ({w.get('start_method')}) × "
@@ -359,7 +363,7 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
             )
     for dl in summary.get("dataloaders") or []:
         table.add_row("DataLoader", _dataloader_line(dl))
-    for label, line in _worker_rows(summary.get("workers")):
+    for label, line in _worker_rows(summary.get("workers"), summary.get("dataloaders")):
         table.add_row(label, line)
     env = summary.get("environment") or {}
     if env:
