@@ -417,6 +417,73 @@ def test_os_exit_closes_the_record_and_prints_the_summary_first(tp, json_out):
         assert (res.run_dir / "report.html").exists()
 
 
+PREFETCH_THREAD = """
+import queue, threading, time
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+class Slow(Dataset):
+    def __len__(self):
+        return 4096
+    def __getitem__(self, i):
+        time.sleep(0.0005)
+        return torch.randn(32)
+
+def prefetch(it, q):  # a daemon thread feeding the loop, prefetch_generator's pattern
+    for item in it:
+        q.put(item)
+
+q = queue.Queue(2)
+threading.Thread(target=prefetch, args=(DataLoader(Slow(), batch_size=16), q),
+                 daemon=True).start()
+w = torch.zeros(32, requires_grad=True)
+opt = torch.optim.SGD([w], lr=0.1)
+while True:  # stopped by --max-steps; the thread is still loading then
+    (w * q.get()).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_a_daemon_thread_loading_batches_does_not_abort_the_exit(tp):
+    """A daemon thread still loading when the script ends spent trainprof's summary (the
+    GIL busy for a second) waiting for the GIL inside torch ops; finalization then ended
+    it there and the process aborted ("terminate called without an active exception",
+    exit 134) in 5 runs of 6. The exit now waits (at most a second) for such threads to
+    reach a wait, as a plain script's would be."""
+    for _ in range(3):
+        res = tp(PREFETCH_THREAD, "--max-steps", "40")
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert "terminate called" not in res.stderr
+
+
+def test_settling_daemon_threads_waits_for_busy_ones_only():
+    import threading
+    import time
+
+    from trainprof.capture.launcher import settle_daemon_threads
+
+    stop = threading.Event()
+    sleeper = threading.Thread(target=stop.wait, daemon=True)
+    sleeper.start()
+    t0 = time.monotonic()
+    assert settle_daemon_threads(timeout_s=2.0)  # asleep on an event: settled at once
+    assert time.monotonic() - t0 < 0.5
+
+    def spin() -> None:
+        while not stop.is_set():
+            sum(range(1000))
+
+    spinner = threading.Thread(target=spin, daemon=True)
+    spinner.start()
+    t0 = time.monotonic()
+    assert not settle_daemon_threads(timeout_s=0.3)  # never waits: given up after 0.3 s
+    assert 0.25 < time.monotonic() - t0 < 1.5
+    stop.set()
+    sleeper.join()
+    spinner.join()
+
+
 def test_max_steps_stops_cleanly(tp):
     body = """
     import torch

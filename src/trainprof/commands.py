@@ -172,6 +172,7 @@ def run_command(
         check_target,
         finish_before_os_exit,
         run_target,
+        settle_daemon_threads,
     )
     from trainprof.capture.ranks import default_launch_dir, launcher_rank, wait_for_ranks
     from trainprof.capture.recorder import Recorder
@@ -288,9 +289,10 @@ def run_command(
         with stdout_to_stderr() as real_stdout:
             outcome = execute()
             conclude(outcome)
-        return outcome.exit_code
-    outcome = execute()
-    conclude(outcome)
+    else:
+        outcome = execute()
+        conclude(outcome)
+    settle_daemon_threads()  # the interpreter finalizes next (see there)
     return outcome.exit_code
 
 

@@ -37,6 +37,7 @@ import runpy
 import signal
 import sys
 import threading
+import time
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -263,6 +264,56 @@ def finish_before_os_exit(finish: Callable[[int], None]) -> Iterator[None]:
     finally:
         if os._exit is _exit:
             os._exit = real_exit
+
+
+def _thread_state(native_id: int) -> str | None:
+    """The kernel's scheduling state of a thread of this process (``R``, ``S``, ...)."""
+    try:
+        with open(f"/proc/self/task/{native_id}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # "tid (comm) S ...": comm may hold spaces or parentheses; the state follows the last ")"
+    return stat[stat.rfind(b")") + 2:][:1].decode() or None
+
+
+def settle_daemon_threads(timeout_s: float = 1.0, poll_s: float = 0.01) -> bool:
+    """Before the interpreter finalizes: let the script's daemon threads reach a wait.
+
+    At finalization CPython (before 3.14) ends a daemon thread that asks for the GIL
+    with ``pthread_exit``; if it asks from inside a C++ call (a torch op's
+    ``gil_scoped_release`` ending), the forced unwind meets a ``noexcept`` frame and the
+    process aborts ("terminate called without an active exception", exit 134). A
+    prefetching thread (a DataLoader iterated in a thread feeding a queue) is usually
+    blocked on its full queue when a plain script ends; after the script, trainprof's
+    summary holds the GIL for about a second, and such a thread spends it waiting for the
+    GIL mid-op: the abort came in 5 runs of 6. So here, with the GIL released, wait until
+    every live daemon thread has been asleep (``S``/``D``, not waiting for the GIL: that
+    is free meanwhile) at two polls in a row, at most ``timeout_s``. Returns whether they
+    settled (also when there are none). Linux only (``/proc``); elsewhere a no-op.
+    """
+    me = threading.current_thread()
+    deadline = time.monotonic() + timeout_s
+    asleep_before: set[int] = set()
+    while True:
+        asleep: set[int] = set()
+        busy = False
+        for t in threading.enumerate():
+            if t is me or not t.daemon or not t.is_alive() or t.native_id is None:
+                continue
+            state = _thread_state(t.native_id)
+            if state is None and not os.path.isdir("/proc/self/task"):
+                return True  # no /proc: nothing to go by
+            if state in ("S", "D"):
+                asleep.add(t.native_id)
+            elif state is not None:
+                busy = True
+        if not busy and asleep <= asleep_before:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        asleep_before = asleep
+        time.sleep(poll_s)
 
 
 def run_target(target: str, args: list[str], module: bool) -> Outcome:
