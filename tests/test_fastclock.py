@@ -579,6 +579,63 @@ def test_host_reads_are_the_scripts_not_adams_step_counters(tmp_path, path):
     assert doc["syncs"]["host_reads_per_step"] == 1.0
 
 
+OPTIMIZER_CHANGES = r"""
+import sys, time
+import torch
+from torch import nn
+
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2))
+x, y = torch.randn(64, 16), torch.randint(0, 2, (64,))
+
+def iteration(*opts):
+    time.sleep(0.002)
+    loss = nn.functional.cross_entropy(model(x), y)
+    for opt in opts:
+        opt.zero_grad()
+    loss.backward()
+    for opt in opts:
+        opt.step()
+
+if sys.argv[1] == "phases":
+    # the head first, then everything with another optimizer; then one made anew each epoch
+    for opt in (torch.optim.SGD(model[2].parameters(), lr=0.1),
+                torch.optim.Adam(model.parameters(), lr=1e-3)):
+        for _ in range(20):
+            iteration(opt)
+    for epoch in range(4):
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for _ in range(10):
+            iteration(opt)
+else:  # two optimizers every iteration (a GAN's discriminator and generator)
+    d = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    g = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    for _ in range(80):
+        iteration(d, g)
+"""
+
+
+@pytest.mark.parametrize("kind", ["phases", "gan"])
+@pytest.mark.parametrize("path", PATHS)
+def test_a_new_optimizer_takes_over_without_merging_iterations(tmp_path, path, kind):
+    """When another optimizer replaces the one that delimits steps (a new training phase,
+    an optimizer made anew each epoch), its second step tells; the first one's iteration
+    was merged into the next step (75 steps for 80 iterations here, one step twice as
+    long per change). Now the step is split where that first step ended. Two optimizers
+    stepping every iteration stay one step per iteration."""
+    doc = _run_json(tmp_path, path, OPTIMIZER_CHANGES, kind)
+    assert doc["steps"]["count"] == 80
+    if kind == "gan":
+        return
+    from trainprof.store import load_records
+
+    dur = load_records(tmp_path / "run" / "steps.bin")["dur_ns"][:80] / 1e6
+    typical = float(median(dur[5:]))
+    # the steps where an optimizer took over are one iteration long, not two (a
+    # preemption may lengthen one of them on a busy machine, not all five)
+    at_changes = dur[[20, 40, 50, 60, 70]]
+    assert sum(at_changes > 1.7 * typical) <= 1, (at_changes, typical)
+
+
 STEP_RAISES = r"""
 import time
 import torch

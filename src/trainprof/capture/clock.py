@@ -245,6 +245,9 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
         self._subs: list[tuple[int, list[int]]] = []
         self._primary: int | None = None
         self._others_since_primary: dict[int, int] = {}
+        #: per other optimizer, where its first step since the primary's ended (time,
+        #: accumulators then): a step boundary if it turns out to be the new primary
+        self._other_first_end: dict[int, tuple[int, list[int]]] = {}
         #: a DeviceTimer once CUDA is in use (set by the Recorder), else None
         self.device: Any = None
         #: WindowRunners of heavy tools (see trainprof.capture.window), driven at step counts
@@ -342,14 +345,31 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
             self._others_since_primary[key] = seen
             self.fast_opt = 0  # the primary's next step must come through here
             if seen < 2:
+                # a second optimizer of the same iteration (a GAN's), or the first step of
+                # one that replaces the primary (a new phase, an optimizer made anew each
+                # epoch): its next step tells; keep this end as the step boundary it may be
+                self._other_first_end[key] = (now, list(self.acc))
                 return
             self._primary = key  # the old primary stopped stepping
+            first = self._other_first_end.get(key)
+            if first is not None:
+                self._split_at(*first, flags)
         self._others_since_primary.clear()
+        self._other_first_end.clear()
         self._set_mode("optimizer")
         self.fast_opt = key
         self.bwd_pending = False
         self._subs.clear()
         self._close(flags, now)
+
+    def _split_at(self, t: int, snap: list[int], flags: int) -> None:
+        """Close the step at an earlier instant ``t`` (accumulators ``snap`` then): the
+        open step spans two iterations whose boundary is known only now."""
+        if not self.step_start < t <= self.mark:
+            return
+        self._append(self.step_start, t - self.step_start, snap, flags)
+        self.acc[:] = array("q", [a - b for a, b in zip(self.acc, snap, strict=True)])
+        self.step_start = t
 
     def manual_step(self) -> None:
         """Explicit boundary from ``prof.step()``; turns automatic boundaries off.
