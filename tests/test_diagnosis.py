@@ -783,8 +783,8 @@ def test_a_loader_iterated_in_a_thread_of_its_own_is_found_end_to_end(tmp_path):
         "input_pipeline", "loader_in_thread", "high")
     ev = top["evidence"]
     assert ev["iterated_in_thread"] == "prefetcher"
-    # 16 samples of ~1 ms (sleeps overshoot on a busy machine) and a collate
-    assert 0.015 < ev["batch_load_s"] < 0.03, ev
+    # 16 samples of ~1 ms (sleeps overshoot, more on a busy machine) and a collate
+    assert 0.015 < ev["batch_load_s"] < 0.06, ev
     assert top["estimated_gain"] == pytest.approx(
         min(ev["other_share"], ev["batch_load_s"] / ev["step_median_s"]), abs=1e-4)
     assert "num_workers=4,  # was 0; iterate it in the training loop" in top["fix"]["snippet"]
