@@ -11,6 +11,7 @@ for contrast.
     python benchmarks/overhead.py            # ~4 minutes
     python benchmarks/overhead.py --quick    # a few seconds, a rough figure
     python benchmarks/overhead.py --parts    # also the capture's parts on their own
+    python benchmarks/overhead.py --processes 3   # three processes, one after the other
     TRAINPROF_PURE_PYTHON=1 python benchmarks/overhead.py   # the pure-Python hot path
 
 The figure goes into the README. Noise floor: the spread of plain-vs-plain
@@ -19,6 +20,13 @@ Wall-clock figures on a shared machine are noisy; ``--cpu-time`` times blocks
 by the training thread's CPU time instead, and
 ``benchmarks/overhead_instructions.py`` counts instructions (callgrind), which
 repeat to a fraction of a percent.
+
+One process's interval covers the noise between its rounds, not what differs
+between processes (where the heap and the code land, which cache sets they share)
+or between quarters of an hour on a shared host (what the neighbours do to the
+shared caches, which sets the price of the capture's cache misses): two runs can
+disagree by more than their intervals. ``--processes N`` runs the whole measurement
+in N fresh processes, one after the other, and reports each and their median.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -212,7 +221,13 @@ def main() -> None:
     parser.add_argument("--parts", action="store_true",
                         help="also measure the step clock and hooks alone, and everything "
                         "but the system sampler")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="run the measurement in this many fresh processes, one after "
+                        "the other, and report each and their median")
     args = parser.parse_args()
+    if args.processes > 1:
+        _across_processes(args)
+        return
     torch.set_num_threads(args.threads)
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
@@ -240,6 +255,38 @@ def main() -> None:
     print(f"torch.profiler (CPU):  {res['torch_profiler_overhead_pct']:+.1f}% step time")
     print(f"one-off start-up cost: {res['startup_ms']:.1f} ms over the first "
           f"{res['settle_steps']} steps of a run")
+
+
+def _across_processes(args: argparse.Namespace) -> None:
+    """``--processes N``: the same measurement in N fresh processes (see the docstring)."""
+    cmd = [sys.executable, __file__, "--json", "--threads", str(args.threads),
+           "--rounds", str(args.rounds), "--hidden", str(args.hidden),
+           "--settle", str(args.settle)]
+    cmd += [flag for flag, on in (("--quick", args.quick), ("--cpu-time", args.cpu_time),
+                                  ("--parts", args.parts)) if on]
+    if args.cpu is not None:
+        cmd += ["--cpu", str(args.cpu)]
+    results = []
+    for i in range(args.processes):
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.exit(f"error: process {i + 1} failed:\n{proc.stderr[-2000:]}")
+        res = json.loads(proc.stdout.strip().splitlines()[-1])
+        results.append(res)
+        lo, hi = res["overhead_ci95_pct"]
+        if not args.json:
+            print(f"process {i + 1}: plain {res['step_ms_plain']:.3f} ms/step · trainprof "
+                  f"{res['overhead_pct']:+.2f}% (95% CI {lo:+.2f}% .. {hi:+.2f}%) · noise "
+                  f"{res['noise_pct']:+.2f}%", flush=True)
+    per = [r["overhead_pct"] for r in results]
+    summary = {"processes": results, "overhead_pct_median": statistics.median(per),
+               "overhead_pct_range": (min(per), max(per))}
+    if args.json:
+        print(json.dumps(summary))
+        return
+    print(f"trainprof always-on, {args.processes} processes: median "
+          f"{summary['overhead_pct_median']:+.2f}% step time (processes {min(per):+.2f}% "
+          f".. {max(per):+.2f}%)")
 
 
 if __name__ == "__main__":
