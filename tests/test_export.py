@@ -181,9 +181,10 @@ def test_export_merges_steps_phases_regions_counters_and_deep_trace(
     ends = {e["args"]["step"]: e["ts"] + e["dur"] for e in steps}
     for n, e in prof_steps.items():
         # torch.profiler's step() runs just after trainprof's boundary, and the one that
-        # starts recording starts the tracer too (a few ms; more on a loaded machine): in
-        # step n, near its start, never before it (beyond the alignment's residual)
-        assert -5000 < e["ts"] - starts[n] < 15000, (n, e["ts"], starts[n])
+        # starts recording starts the tracer too (a few ms; 16 ms seen beside two busy
+        # loops): in step n, near its start, never before it (beyond the alignment's
+        # residual)
+        assert -5000 < e["ts"] - starts[n] < 50000, (n, e["ts"], starts[n])
         assert e["ts"] < ends[n], (n, e["ts"], ends[n])
     ops = [e for e in events if e["ph"] == "X" and e.get("cat") == "cpu_op"]
     assert ops and all(e["pid"] == pid for e in ops)
