@@ -128,8 +128,15 @@ def test_sync_and_host_read_counts(tmp_path):
             loss.item()
             w.detach().tolist()
     s = prof.summary
-    assert s["syncs"]["host_reads_per_step"] == pytest.approx(2.0, abs=0.01)
     assert s["syncs"]["per_step"] == 0  # CPU tensors: reads, but no device sync
+    # each iteration's two reads come after its optimizer step: they land in the next step
+    # (the summary's mean depends on whether the first step, with none, counts as warm-up;
+    # the op-count sample's steps, left out of the statistics, see the calls twice)
+    from trainprof.schema import FLAG_PROFILED
+
+    steps = load_run(tmp_path / "r").steps
+    reads = steps["host_reads"][(steps["flags"] & FLAG_PROFILED) == 0]
+    assert reads[0] == 0 and len(reads) >= 8 and set(reads[1:]) == {2}, steps
 
 
 def test_gc_time_is_its_own_phase(tmp_path):
