@@ -34,6 +34,7 @@ from trainprof.diagnosis.input_pipeline import (
     HIGH,
     MEDIUM,
     MIN_SAMPLES,
+    _ms,
     loader_snippet,
     suggest_workers,
 )
@@ -47,14 +48,8 @@ def _batch_cost_s(loader: dict[str, Any], w: dict[str, Any] | None) -> float | N
     batch = loader.get("batch_size") or loader.get("batch_sampler_batch_size")
     if not isinstance(batch, int) or batch <= 0:
         return None
-
-    def mean_ms(key: str) -> float:
-        stats = w.get(key)
-        v = stats.get("mean") if isinstance(stats, dict) else None
-        return float(v) if isinstance(v, int | float) else 0.0
-
-    per_sample = mean_ms("sample_blocked_ms") + mean_ms("sample_cpu_ms")
-    return (batch * per_sample + mean_ms("collate_ms")) / 1e3
+    per_sample = _ms(w.get("sample_blocked_ms")) + _ms(w.get("sample_cpu_ms"))
+    return (batch * per_sample + _ms(w.get("collate_ms"))) / 1e3
 
 
 @rule("input_pipeline.loader_in_thread")
