@@ -75,7 +75,7 @@ def load_ops(run_dir: Path) -> dict[str, Any] | None:
         loops.append({
             "file": key[0],
             "line": key[1],
-            "source": _source_line(*key),
+            "source": source_line(*key),
             "function": s.get("function"),
             "trips_per_step": size,
             "axis": axis,
@@ -95,7 +95,7 @@ def load_ops(run_dir: Path) -> dict[str, Any] | None:
     }
 
 
-def _source_line(filename: str, lineno: int) -> str | None:
+def source_line(filename: str, lineno: int) -> str | None:
     """The text of a source line (linecache would cache whole files for the process)."""
     if not os.path.isfile(filename):
         return None

@@ -12,6 +12,7 @@ from typing import Any
 
 from trainprof.analysis.deep import analyse_deep_windows
 from trainprof.analysis.device import device_statistics
+from trainprof.analysis.loop_stacks import summarize_loop_stacks
 from trainprof.analysis.ops import load_ops
 from trainprof.analysis.python_profile import summarize_python_profile
 from trainprof.analysis.steps import complete_steps, step_statistics
@@ -106,6 +107,8 @@ def summarize_run(run: Run) -> dict[str, Any]:
         # root module classes timed as forward (the model, the loss; DataParallel shows here)
         "forward_roots": meta.get("forward_roots") or [],
         "ops": load_ops(run.path),
+        # which lines of the loop the "other" time goes to (sampled stacks)
+        "loop_stacks": summarize_loop_stacks(run.path, run.steps, warm),
         "python_profile": summarize_python_profile(run.path),
         # torch.profiler windows (--deep): breakdown, GPU summary, top operators per window
         "deep": analyse_deep_windows(run.path),

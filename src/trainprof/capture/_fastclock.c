@@ -28,6 +28,7 @@
 #include <unistd.h>
 #if defined(__linux__)
 #include <pthread.h>
+#include <signal.h>
 #include <time.h>
 #endif
 
@@ -47,7 +48,7 @@
 
 /* What trainprof.capture.clock expects (_FAST_VERSION): bumped when the interface
    between this file and the Python code changes, so that a stale build is not used. */
-#define FASTCLOCK_VERSION 5
+#define FASTCLOCK_VERSION 6
 
 /* Indices into clock.acc, given by trainprof.schema through configure(). */
 static Py_ssize_t I_OTHER = -1, I_SAMPLES = -1, I_HOST_READS = -1, I_SYNC_N = -1,
@@ -986,6 +987,138 @@ configure(PyObject *mod, PyObject *args, PyObject *kwds)
     Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------------------ stack timer
+ *
+ * trainprof.capture.loop_stacks samples where the training thread is, a few times a
+ * second. A Python thread that reads another thread's stack needs the GIL, so it only
+ * ever sees the thread where it lets go of the GIL: in a sleep or a read at once, in
+ * pure-Python code up to 5 ms later (a busy line of the loop got no sample and a
+ * sleeping one all of them). A native timer thread fared better but woke late
+ * whenever both cores were busy (torch's OpenMP threads spinning after the model's
+ * ops), which moved ticks out of the compute phases. So the kernel keeps the time: a
+ * POSIX timer (CLOCK_MONOTONIC) sends a signal to the training thread itself
+ * (SIGEV_THREAD_ID). This handler runs at once, whatever the thread is doing (C++
+ * code of torch included), notes the clock's step and phase at that instant, and asks
+ * the interpreter to run the Python handler (PyErr_SetInterruptEx: async-signal-safe),
+ * which it does in that thread at the next bytecode boundary: at once in pure Python;
+ * interrupting a sleep; after a C call returns, on the line that made it. Ticks that
+ * arrive before the Python handler ran (one long C call) are counted, so the sample
+ * carries their number as its weight. The handler is installed with SA_RESTART, so
+ * interrupted system calls resume.
+ */
+#if defined(__linux__) && defined(SIGEV_THREAD_ID)
+#include <sys/syscall.h>
+#ifndef sigev_notify_thread_id
+#define sigev_notify_thread_id _sigev_un._tid
+#endif
+#define HAVE_STACK_TIMER 1
+static timer_t st_timer;
+static int st_running, st_signum;
+static ClockCore *st_core;         /* a strong reference while the timer runs */
+static struct sigaction st_python; /* the action Python installed, put back at stop */
+static long long st_seq, st_step;  /* written by the signal handler, read under the GIL */
+static int st_phase;
+
+static void
+stack_timer_tick(int sig, siginfo_t *info, void *context)
+{
+    (void)context;
+    ClockCore *core = st_core;
+    if (core == NULL || !__atomic_load_n(&core->started, __ATOMIC_RELAXED))
+        return;
+    int overrun = (info != NULL && info->si_code == SI_TIMER) ? info->si_overrun : 0;
+    __atomic_store_n(&st_phase, core->current, __ATOMIC_RELAXED);
+    __atomic_store_n(&st_step, core->n_steps, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&st_seq, 1 + (overrun > 0 ? overrun : 0), __ATOMIC_RELEASE);
+    PyErr_SetInterruptEx(sig);
+}
+
+/* start_stack_timer(core, interval_s, signum): called in the thread to sample, after
+   signal.signal(signum, python_handler). */
+static PyObject *
+py_start_stack_timer(PyObject *mod, PyObject *args)
+{
+    PyObject *core;
+    double interval_s;
+    int signum;
+    if (!PyArg_ParseTuple(args, "O!di", &ClockCoreType, &core, &interval_s, &signum))
+        return NULL;
+    if (st_running) {
+        PyErr_SetString(PyExc_RuntimeError, "the stack timer is already running");
+        return NULL;
+    }
+    if (!(interval_s > 0)) {
+        PyErr_SetString(PyExc_ValueError, "interval_s must be positive");
+        return NULL;
+    }
+    struct sigaction act;
+    memset(&act, 0, sizeof(act));
+    act.sa_sigaction = stack_timer_tick;
+    act.sa_flags = SA_SIGINFO | SA_RESTART | SA_ONSTACK;
+    sigemptyset(&act.sa_mask);
+    Py_INCREF(core);
+    st_core = (ClockCore *)core;
+    st_signum = signum;
+    if (sigaction(signum, &act, &st_python) != 0) {
+        Py_CLEAR(st_core);
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    struct sigevent ev;
+    memset(&ev, 0, sizeof(ev));
+    ev.sigev_notify = SIGEV_THREAD_ID;
+    ev.sigev_signo = signum;
+    ev.sigev_notify_thread_id = (pid_t)syscall(SYS_gettid);
+    if (timer_create(CLOCK_MONOTONIC, &ev, &st_timer) != 0) {
+        int err = errno;
+        sigaction(signum, &st_python, NULL);
+        Py_CLEAR(st_core);
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    long long ns = (long long)(interval_s * 1e9);
+    struct itimerspec spec;
+    spec.it_interval.tv_sec = spec.it_value.tv_sec = (time_t)(ns / 1000000000LL);
+    spec.it_interval.tv_nsec = spec.it_value.tv_nsec = (long)(ns % 1000000000LL);
+    if (timer_settime(st_timer, 0, &spec, NULL) != 0) {
+        int err = errno;
+        timer_delete(st_timer);
+        sigaction(signum, &st_python, NULL);
+        Py_CLEAR(st_core);
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    st_running = 1;
+    Py_RETURN_NONE;
+}
+
+/* stop_stack_timer(): delete the timer, put Python's action for the signal back. */
+static PyObject *
+py_stop_stack_timer(PyObject *mod, PyObject *unused)
+{
+    if (!st_running)
+        Py_RETURN_NONE;
+    st_running = 0;
+    timer_delete(st_timer);
+    /* only if the action is still ours: the script may have installed its own since */
+    struct sigaction now;
+    if (sigaction(st_signum, NULL, &now) == 0 && (now.sa_flags & SA_SIGINFO)
+        && now.sa_sigaction == stack_timer_tick)
+        sigaction(st_signum, &st_python, NULL);
+    Py_CLEAR(st_core);
+    Py_RETURN_NONE;
+}
+
+/* stack_stash() -> (ticks, step, phase): the timer's ticks so far, and the step and
+   phase the clock was in at the last one. */
+static PyObject *
+py_stack_stash(PyObject *mod, PyObject *unused)
+{
+    long long seq = __atomic_load_n(&st_seq, __ATOMIC_ACQUIRE);
+    return Py_BuildValue("(LLi)", seq, __atomic_load_n(&st_step, __ATOMIC_RELAXED),
+                         __atomic_load_n(&st_phase, __ATOMIC_RELAXED));
+}
+#endif
+
 static PyObject *
 py_now_ns(PyObject *mod, PyObject *unused)
 {
@@ -1036,6 +1169,15 @@ static PyMethodDef module_methods[] = {
     {"configure", (PyCFunction)(void (*)(void))configure, METH_VARARGS | METH_KEYWORDS,
      "Set the accumulator layout (indices from trainprof.schema)."},
     {"now_ns", py_now_ns, METH_NOARGS, "The clock the C path reads: time.perf_counter_ns()."},
+#if defined(HAVE_STACK_TIMER)
+    {"start_stack_timer", py_start_stack_timer, METH_VARARGS,
+     "start_stack_timer(core, interval_s, signum): signal the calling thread at the "
+     "interval (see trainprof.capture.loop_stacks)."},
+    {"stop_stack_timer", py_stop_stack_timer, METH_NOARGS,
+     "Stop the stack timer and put Python's handling of the signal back."},
+    {"stack_stash", py_stack_stash, METH_NOARGS,
+     "(ticks, step, phase) of the stack timer's last tick."},
+#endif
     {"pread_held", (PyCFunction)(void (*)(void))py_pread_held, METH_FASTCALL,
      "os.pread(fd, length, offset) without releasing the GIL (for /proc files)."},
     {NULL}};

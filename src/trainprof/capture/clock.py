@@ -186,7 +186,7 @@ class _PyCore:
 
 
 #: The ``_fastclock.VERSION`` this module is written for (a stale build is not used).
-_FAST_VERSION = 5
+_FAST_VERSION = 6
 
 
 def _core_class() -> type:

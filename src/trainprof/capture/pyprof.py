@@ -59,13 +59,14 @@ GPROF2DOT_MISSING = "gprof2dot is not installed (pip install gprof2dot): no call
 
 
 def library_paths() -> list[str]:
-    """Folders whose code is not the user's: the stdlib, site-packages, and trainprof itself.
+    """Folders whose code is not the user's: the stdlib, site-packages, the environment's
+    console scripts (the ``trainprof`` command itself) and trainprof.
 
     Stored in ``top.json`` so that the analysis can tell user functions from
     library ones with the recording machine's own paths.
     """
     paths: set[str] = set()
-    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+    for key in ("stdlib", "platstdlib", "purelib", "platlib", "scripts"):
         p = sysconfig.get_paths().get(key)
         if p:
             paths.add(os.path.realpath(p))

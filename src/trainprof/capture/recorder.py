@@ -26,12 +26,13 @@ from trainprof.capture.device_timer import DeviceTimer
 from trainprof.capture.fingerprint import collect_fingerprint
 from trainprof.capture.hooks import Instrumentation, LoaderRegistry
 from trainprof.capture.knobs import install_knobs
+from trainprof.capture.loop_stacks import LoopStackSampler
 from trainprof.capture.ranks import MAX_RECORDED, RANKS_DIR, ChildRuns
 from trainprof.capture.sampler_process import SamplerProcess
 from trainprof.capture.window import WindowRunner
 from trainprof.capture.worker import MAIN_REARM_HZ, WORKERS_DIR, WorkerCapture
 from trainprof.schema import REGION
-from trainprof.store import SAMPLES_JSONL, RunWriter
+from trainprof.store import SAMPLES_JSONL, STACKS_JSONL, RunWriter
 
 #: ``torch.cuda.memory_stats`` keys recorded in run.json's ``cuda_memory`` (see ``stop``).
 #: Longest time finished steps wait in memory before they are written (what kill -9 can lose).
@@ -152,6 +153,8 @@ class Recorder:
         self.sampler = SamplerProcess(run_dir / SAMPLES_JSONL, interval_s=sample_interval_s,
                                       pid=os.getpid())
         self.loaders.on_workers = self.sampler.set_worker_pids
+        # where the training thread is, 20 times a second: what "other" is made of
+        self.loop_stacks = LoopStackSampler(self.clock, run_dir / STACKS_JSONL)
         self._flusher: threading.Thread | None = None
         self._flusher_stop = threading.Event()
         self._started = False
@@ -172,6 +175,7 @@ class Recorder:
             self.instrumentation.install()
         for runner in self.windows:
             self.clock.add_window(runner)
+        self.loop_stacks.start()
         if not self._sampler_pending:
             self._start_sampler()
         self._flusher = threading.Thread(target=self._flush_loop, name="trainprof-flush",
@@ -188,7 +192,7 @@ class Recorder:
 
     def _flush_loop(self) -> None:
         """Five times a second, re-arm the timing of ``num_workers=0`` loading; once a
-        second, finished steps and loading timings to disk, CUDA detection.
+        second, finished steps, stack samples and loading timings to disk, CUDA detection.
 
         Each wake-up takes the GIL from the training thread for a few microseconds.
         """
@@ -214,6 +218,7 @@ class Recorder:
         if _active is self:
             _active = None
         n_done = self.clock.n_steps
+        self.loop_stacks.stop()
         self.clock.finish()
         for runner in self.windows:
             runner.finish(n_done)  # tools write their results (traces, profiles) here
@@ -228,8 +233,9 @@ class Recorder:
         with contextlib.suppress(Exception):
             self.sampler.stop()
         self.flush()
+        self.loop_stacks.close()
         missing = list(dict.fromkeys(self.writer.meta["missing"] + list(self.sampler.missing)
-                                     + self.worker_capture.missing))
+                                     + self.worker_capture.missing + self.loop_stacks.missing))
         self.writer.meta["training_thread"] = self._training_thread_settings()
         cuda_memory = self._cuda_memory()  # once, at the end; None unless CUDA was used
         if cuda_memory is not None:
@@ -293,6 +299,7 @@ class Recorder:
             # CUDA came up in the script: time phases on the device from now on
             self.clock.device = DeviceTimer.for_cuda()
         self.worker_capture.flush()  # num_workers=0 loading timed in this process
+        self.loop_stacks.flush()
         self._note_distributed()
         if not self._fingerprinted and (self.clock.n_steps > 0 or self._stopped):
             self._fingerprinted = True

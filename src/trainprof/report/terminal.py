@@ -381,6 +381,9 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
             f"{ops['calls_per_step']:,.0f} per step from Python (sampled over "
             f"{ops['steps_sampled']} steps)",
         )
+    other_line = _other_row(summary)
+    if other_line:
+        table.add_row("Other", other_line)
     for label, line in _deep_rows(summary.get("deep")):
         table.add_row(label, line)
     for label, line in _rank_rows(summary):
@@ -407,6 +410,23 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
 _TB_LABELS = {"Kernel": "kernel", "Memcpy": "memcpy", "Memset": "memset",
               "Communication": "communication", "Runtime": "runtime",
               "DataLoader": "DataLoader", "CpuOp": "CPU ops", "Other": "other"}
+
+
+def _other_row(summary: dict[str, Any]) -> str | None:
+    """Where "other" goes, from the sampled stacks: the loop's top lines (5% of step or more)."""
+    stacks = summary.get("loop_stacks") or {}
+    rows = (stacks.get("other") or {}).get("lines") or []
+    other = float((summary.get("breakdown") or {}).get("other") or 0.0)
+    n = int((stacks.get("other") or {}).get("samples") or 0)
+    parts = []
+    for r in rows[:3]:
+        if r.get("file") is None or r["share"] * other < 0.05:
+            continue
+        parts.append(f"{os.path.basename(r['file'])}:{r['line']} {r.get('source') or ''} "
+                     f"{r['share'] * 100:.0f}%")
+    if not parts:
+        return None
+    return " · ".join(parts) + f"  (of {n} stack samples in 'other')"
 
 
 def _deep_rows(deep: list[dict[str, Any]] | None) -> list[tuple[str, str]]:

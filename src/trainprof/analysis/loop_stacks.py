@@ -1,0 +1,238 @@
+"""Which lines of the training loop its "other" time goes to, from the sampled stacks.
+
+Reads ``RUN_DIR/stacks.jsonl`` (:mod:`trainprof.capture.loop_stacks`: the training
+thread's stack a few times a second, with the step and phase of the moment) and
+answers what the step breakdown cannot: of the time outside the DataLoader, the
+model, backward and the optimizer, which line of the loop is it spent on, and
+inside it, which line of the user's code and which library function.
+
+Definitions:
+
+* Samples count when they fall in a *steady* step (the summary's: complete steps
+  after the warm-up) whose "other" time is not an outlier - above its median by
+  more than 5 robust standard deviations (1.4826 x MAD), half a median step and
+  0.5 ms, the same bounds the diagnosis uses for spikes (Composer's median/MAD
+  pruning). Work that happens every N steps (evaluation, checkpoints) belongs to
+  the periodic-overhead finding, which measures it from the step records; here it
+  would only blur what every step does.
+* The *loop function* is the deepest of the user's functions on the stack of at
+  least :data:`LOOP_PRESENCE` of the counted samples in "other" and as many of
+  those in the other phases: the function whose loop calls the model and the
+  optimizer (a script's ``<module>``, ``train()``, a Trainer's ``fit`` when it is
+  the user's code).
+* A sample's *loop line* is the line the loop function was on; its *inner line*
+  is the innermost user frame below it; its *library call* is the innermost frame
+  when that frame is not the user's (``numpy``'s, ``torch.save``'s).
+* A loop line's ``phase_samples`` are the ticks in the phases (the model, backward,
+  the optimizer, the data) on that same line: ``loss = F.cross_entropy(model(x), y)``
+  has both, its "other" part being the functional loss; a line that makes batches or
+  logs has none.
+* Counts are timer ticks (a sample taken after several ticks, at the end of one
+  long C call, weighs that many), so shares are shares of time. ``share`` is a
+  fraction of the "other" ticks; with ``n`` of them, its standard error is
+  ``sqrt(share (1 - share) / n)`` (a binomial proportion).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from trainprof.analysis.ops import source_line
+from trainprof.analysis.steps import complete_steps
+from trainprof.schema import OTHER, PHASE_NAMES
+from trainprof.store import STACKS_JSONL
+
+#: A user function on the stack of this share of the samples encloses the training loop.
+LOOP_PRESENCE = 0.9
+#: Outlier bounds of a step's "other" time (see the module docstring).
+SPIKE_SIGMAS, SPIKE_REL, SPIKE_ABS_S = 5.0, 0.5, 0.5e-3
+#: Loop lines reported.
+TOP_LINES = 8
+
+Frame = tuple[str, int, str, bool]  # file, line, function, the user's own code
+
+
+Sample = tuple[int, int, int, int]  # step, phase, stack, weight (timer ticks)
+
+
+def _read(path: Path) -> tuple[dict[int, list[Frame]], list[Sample], int] | None:
+    """(stacks by id, samples as (step, phase, stack, weight), ticks not kept), or None."""
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed below
+    except OSError:
+        return None
+    stacks: dict[int, list[Frame]] = {}
+    samples: list[Sample] = []
+    dropped = 0
+    with f:
+        for raw in f:
+            try:
+                doc = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                break  # a torn last line from a crash
+            if not isinstance(doc, dict):
+                continue
+            if "samples" in doc:
+                samples.extend((int(x[0]), int(x[1]), int(x[2]), int(x[3]) if len(x) > 3 else 1)
+                               for x in doc["samples"])
+            elif "stack" in doc:
+                stacks[int(doc["stack"])] = [
+                    (str(fr[0]), int(fr[1]), str(fr[2]), bool(fr[3])) for fr in doc["frames"]
+                ]
+            elif "dropped" in doc:
+                dropped += int(doc["dropped"])
+    return stacks, samples, dropped
+
+
+def _typical_steps(steps: np.ndarray, warmup: int) -> tuple[set[int], int]:
+    """Step numbers of steady steps whose "other" time is ordinary, and how many are not."""
+    done = complete_steps(steps)
+    steady = done[min(warmup, len(done)):]
+    if len(steady) == 0:
+        return set(), 0
+    other = steady["other_ns"].astype(np.float64) / 1e9
+    med = float(np.median(other))
+    sigma = 1.4826 * float(np.median(np.abs(other - med)))
+    step_med = float(np.median(steady["dur_ns"])) / 1e9
+    bound = med + max(SPIKE_SIGMAS * sigma, SPIKE_REL * step_med, SPIKE_ABS_S)
+    ok = other <= bound
+    return {int(s) for s in steady["step"][ok]}, int((~ok).sum())
+
+
+Kept = list[tuple[int, list[Frame], int]]  # phase, frames, weight
+
+
+def _loop_function(kept: Kept) -> tuple[str, str] | None:
+    """(file, function) of the deepest user function on LOOP_PRESENCE of the samples of
+    each kind: "other" and the phases (the model, backward, the optimizer, the data).
+
+    Both kinds: when one line takes nearly all of a step, nearly every sample is
+    inside it, and only the samples in the phases show that the loop is further out.
+    """
+    totals = [0, 0]
+    seen: list[Counter[tuple[str, str]]] = [Counter(), Counter()]
+    depth: dict[tuple[str, str], int] = {}
+    for phase, frames, weight in kept:
+        g = int(phase == OTHER)
+        totals[g] += weight
+        here = set()
+        for i, (file, _line, func, _u) in enumerate(fr for fr in frames if fr[3]):
+            key = (file, func)
+            if key not in here:
+                here.add(key)
+                depth[key] = max(depth.get(key, 0), i)
+        for key in here:
+            seen[g][key] += weight
+    candidates = [k for k in depth
+                  if all(seen[g][k] >= LOOP_PRESENCE * totals[g] for g in (0, 1))]
+    if not candidates:
+        return None
+    return max(candidates, key=lambda k: depth[k])
+
+
+def summarize_loop_stacks(run_dir: Path, steps: np.ndarray, warmup: int) -> dict[str, Any] | None:
+    """The ``loop_stacks`` section of a run summary, or None when the run has no samples.
+
+    Counts are in timer ticks (a sample's weight), so a share is a share of time.
+    """
+    read = _read(Path(run_dir) / STACKS_JSONL)
+    if read is None:
+        return None
+    stacks, samples, dropped = read
+    typical, spike_steps = _typical_steps(steps, warmup)
+    kept: Kept = [(phase, stacks[sid], w) for step, phase, sid, w in samples
+                  if step in typical and sid in stacks]
+    phases: Counter[str] = Counter()
+    for phase, _frames, w in kept:
+        phases[PHASE_NAMES[phase] if 0 <= phase < len(PHASE_NAMES) else "?"] += w
+    out: dict[str, Any] = {
+        "samples": sum(w for *_x, w in samples),
+        "counted": sum(phases.values()),
+        "not_kept": dropped,
+        "outlier_steps": spike_steps,
+        "by_phase": dict(phases),
+        "loop": None,
+        "other": {"samples": phases.get("other", 0), "lines": []},
+    }
+    if not kept:
+        return out
+    loop = _loop_function(kept)
+    if loop is not None:
+        out["loop"] = {"file": loop[0], "function": loop[1]}
+    lines: Counter[tuple[str, int] | None] = Counter()
+    inner: dict[tuple[str, int] | None, Counter[tuple[str, int, str]]] = {}
+    calls: dict[tuple[str, int] | None, Counter[str]] = {}
+    in_phases: Counter[tuple[str, int] | None] = Counter()
+    for phase, frames, w in kept:
+        mine = [fr for fr in frames if fr[3]]
+        if phase != OTHER:
+            if loop is not None:
+                for fr in mine:
+                    if (fr[0], fr[2]) == loop:
+                        in_phases[(fr[0], fr[1])] += w
+                        break
+            continue
+        at, below = None, mine
+        if loop is None:
+            if mine:
+                at, below = (mine[0][0], mine[0][1]), mine[1:]
+        else:
+            for i, fr in enumerate(mine):
+                if (fr[0], fr[2]) == loop:
+                    at, below = (fr[0], fr[1]), mine[i + 1:]  # the outermost loop frame
+                    break
+        lines[at] += w
+        if below:
+            inner.setdefault(at, Counter())[below[-1][:3]] += w
+        leaf = frames[-1] if frames else None
+        if leaf is not None and not leaf[3]:
+            calls.setdefault(at, Counter())[_call_name(leaf)] += w
+    n_other = sum(lines.values())
+    rows = []
+    for at, count in lines.most_common(TOP_LINES):
+        row: dict[str, Any] = {
+            "file": at[0] if at else None,
+            "line": at[1] if at else None,
+            "source": source_line(*at) if at else None,
+            "samples": count,
+            "share": count / n_other,
+            # ticks in the model's phases on this line (model(x) and a functional loss
+            # on one line): the line is part of the step's own work
+            "phase_samples": in_phases.get(at, 0),
+            "inner": None,
+            "library_call": None,
+        }
+        if at in inner:
+            (file, line, func), n_in = inner[at].most_common(1)[0]
+            row["inner"] = {"file": file, "line": line, "function": func,
+                            "source": source_line(file, line), "samples": n_in,
+                            "share": n_in / n_other}
+        if at in calls:
+            name, n_call = calls[at].most_common(1)[0]
+            row["library_call"] = {"name": name, "samples": n_call, "share": n_call / n_other}
+        rows.append(row)
+    out["other"]["lines"] = rows
+    return out
+
+
+def _call_name(frame: Frame) -> str:
+    """``package.module.function`` of a library frame, from its file path."""
+    file, _line, func, _u = frame
+    parts = Path(file).with_suffix("").parts
+    for i in range(len(parts) - 1, -1, -1):
+        if parts[i] in ("site-packages", "dist-packages") or re.fullmatch(
+            r"python\d+(\.\d+)?", parts[i]
+        ):
+            parts = parts[i + 1:]  # the import path below site-packages or the stdlib
+            break
+    else:
+        parts = parts[-1:]
+    if parts and parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join([*parts, func])

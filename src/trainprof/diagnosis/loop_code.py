@@ -1,0 +1,208 @@
+"""The training loop's own code: "other" time that one line of the script accounts for.
+
+"Other" is what a step spends outside the DataLoader, the model, backward,
+zero_grad, the optimizer and GC: the script's own code between them - batches
+made by hand (nanoGPT's ``get_batch``, no DataLoader), logging, metrics, checks,
+file writes every step. The step clock measures its share exactly; the sampled
+stacks (:mod:`trainprof.analysis.loop_stacks`) say which line of the loop it is
+spent on. This is TF's "All Others" rule (expert-rules.md H5: host time outside
+the input pipeline and the device work, >= 15% high, >= 3% moderate) and its
+"per-step host extras" rule (H6: callbacks, metrics, logging every step -> run
+them every N steps), made specific: the finding names the line.
+
+Gain: the line's share of the "other" samples times the "other" share of steady
+step time, less the time spent in host-device syncs (reads such as ``.item()``
+wait for the device inside whatever line makes them: the synchronization rule owns
+that part). Bands: :data:`HIGH` is TF's; the medium band is raised from TF's 3% to
+:data:`MEDIUM` because the split of "other" between lines is sampled (20 samples
+a second), and a line needs :data:`MIN_LINE_SAMPLES` samples to be named at all.
+
+Not reported here: a line that also runs the model or the optimizer (sampled in those
+phases too: ``loss = F.cross_entropy(model(x), y)``, whose "other" part is the loss);
+"other" that is the wait for a DataLoader iterated in another
+thread (:mod:`.loader_thread` owns it), a Python loop the op count already found
+on the same line (:mod:`.python_loop`), and work done every N steps (left out of
+the samples by the analysis; :mod:`.periodic` reports it).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from typing import Any
+
+from trainprof.diagnosis.context import Context
+from trainprof.diagnosis.finding import Finding, Fix, band
+from trainprof.diagnosis.registry import rule
+
+HIGH, MEDIUM = 0.15, 0.05
+#: Samples in "other" needed before its split between lines is trusted, and per line named.
+MIN_OTHER_SAMPLES = 10
+MIN_LINE_SAMPLES = 5
+#: A loop line with this many ticks in the model's phases per tick in "other" is a line of
+#: the step's own work (the model's call and a functional loss on one line), not reported.
+OWN_WORK = 0.25
+
+
+def _where(file: str | None, line: int | None) -> str:
+    return f"{os.path.basename(file or '?')}:{line}"
+
+
+def _call_expr(source: str | None) -> str | None:
+    """The expression a line evaluates (an assignment's right-hand side), if it parses."""
+    if not source:
+        return None
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    if len(tree.body) != 1:
+        return None
+    node = tree.body[0]
+    if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+        return ast.unparse(node.value)
+    if isinstance(node, ast.Expr):
+        return ast.unparse(node.value)
+    return None
+
+
+def _is_assignment(source: str | None) -> bool:
+    try:
+        node = ast.parse(source or "").body[0]
+    except (SyntaxError, IndexError):
+        return False
+    return isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign)
+
+
+def _loop_python_lines(ctx: Context) -> set[tuple[str, int]]:
+    loops = (ctx.summary.get("ops") or {}).get("loops") or []
+    return {(str(lp.get("file")), int(lp.get("line") or 0)) for lp in loops}
+
+
+@rule("host_launch.loop_code")
+def loop_code(ctx: Context) -> Finding | None:
+    stacks = ctx.summary.get("loop_stacks") or {}
+    other_info = stacks.get("other") or {}
+    rows: list[dict[str, Any]] = other_info.get("lines") or []
+    n_other = int(other_info.get("samples") or 0)
+    other = float(ctx.breakdown.get("other") or 0.0)
+    if not rows or n_other < MIN_OTHER_SAMPLES or other < MEDIUM:
+        return None
+    if any(ld.get("iterated_in_thread") for ld in ctx.loaders):
+        return None  # the wait for that thread's batches: loader_thread's finding
+    # a line that also runs the model or the optimizer (``loss = F.cross_entropy(model(x),
+    # y)``) is the step's own work: its "other" part is a functional loss, not extra code
+    rows = [r for r in rows if r.get("file") is not None
+            and float(r.get("phase_samples") or 0) < OWN_WORK * float(r.get("samples") or 0)]
+    if not rows or int(rows[0].get("samples") or 0) < MIN_LINE_SAMPLES:
+        return None
+    top = rows[0]
+    inner = top.get("inner") or None
+    python_loops = _loop_python_lines(ctx)
+    if (top["file"], top["line"]) in python_loops or (
+        inner and (inner["file"], inner["line"]) in python_loops
+    ):
+        return None  # the op count found a Python loop there: python_loop's finding
+    sync_share = float((ctx.summary.get("syncs") or {}).get("share") or 0.0)
+    attributable = max(0.0, other - sync_share)
+    gain = float(top["share"]) * attributable
+    severity = band(gain, HIGH, MEDIUM)
+    if severity is None:
+        return None
+
+    where = _where(top["file"], top["line"])
+    source = top.get("source") or ""
+    loop = stacks.get("loop") or {}
+    evidence: dict[str, Any] = {
+        "other_share": other,
+        "sync_share": sync_share,
+        "step_median_s": ctx.step_info.get("median_s"),
+        "line": f"{top['file']}:{top['line']}",
+        "line_source": source,
+        "line_share_of_other_samples": top["share"],
+        "line_samples": top["samples"],
+        "other_samples": n_other,
+        "loop_function": loop.get("function"),
+    }
+    detail = (f"{top['share'] * 100:.0f}% of {n_other} stack samples taken there were on "
+              f"{where} `{source}`")
+    if loop.get("function"):
+        detail += f" (in {loop['function']})"
+    if inner:
+        evidence["inner_line"] = f"{inner['file']}:{inner['line']}"
+        evidence["inner_function"] = inner["function"]
+        evidence["inner_share_of_other_samples"] = inner["share"]
+        detail += (f", {inner['share'] * 100:.0f}% inside {inner['function']} at "
+                   f"{_where(inner['file'], inner['line'])} `{inner.get('source') or ''}`")
+    call = top.get("library_call") or None
+    if call and call["share"] >= 0.5 * float(top["share"]):
+        evidence["library_call"] = call["name"]
+        detail += f", in {call['name']}"
+    others = [r for r in rows[1:3] if r.get("file") is not None and r.get("share", 0) >= 0.1]
+    if others:
+        evidence["next_lines"] = [
+            {"line": f"{r['file']}:{r['line']}", "share_of_other_samples": r["share"]}
+            for r in others
+        ]
+
+    no_loader = not ctx.loaders
+    text = (
+        f"{other * 100:.0f}% of each step is spent in the training loop's own code, outside "
+        "the DataLoader, the model, backward, zero_grad and the optimizer (phase 'other'); "
+        f"{detail}. "
+    )
+    expr = _call_expr(source)
+    snippet = ""
+    if no_loader:
+        evidence["dataloader"] = None
+        text += (
+            "The run uses no DataLoader, so batches are made in the loop while the model "
+            "waits. If this line makes the batch, let DataLoader worker processes make the "
+            "next batches while the model computes (each worker reseeds torch, numpy and "
+            "random, so random batches stay independent)."
+        )
+        if expr:
+            snippet = (
+                "from torch.utils.data import DataLoader, IterableDataset\n\n"
+                "class Batches(IterableDataset):\n"
+                "    def __iter__(self):\n"
+                "        while True:\n"
+                f"            yield {expr}  # was: {where}\n\n"
+                "batches = iter(DataLoader(Batches(), batch_size=None, num_workers=2,\n"
+                "                          persistent_workers=True, prefetch_factor=4))\n"
+                "# in the loop, instead of the line above:\n"
+                f"{source.split('=')[0].strip() if _is_assignment(source) else 'batch'}"
+                " = next(batches)"
+            )
+    else:
+        text += (
+            "If it is logging, a metric or a check, do it every N steps instead of every step; "
+            "if it is data work, move it into the Dataset, where the DataLoader's workers do "
+            "it in parallel; if it is per-element Python work on tensors, vectorise it."
+        )
+        if expr and not _is_assignment(source):
+            snippet = f"if step % 100 == 0:  # was: every step\n    {source}"
+    text += " `trainprof run --py` profiles its functions."
+    lines_target = None
+    if inner and inner.get("function") and not str(inner["function"]).startswith("<"):
+        lines_target = f"{os.path.basename(inner['file'])}:{inner['function']}"
+    measure = (f"trainprof run --lines {lines_target} {ctx.script}  (its time line by line); "
+               if lines_target else "")
+    run_dir = ctx.summary.get("run_dir") or "RUN"
+    verify = (
+        f"{measure}after the change: trainprof compare {run_dir} <the new run>  "
+        f"('other', now {other * 100:.0f}% of the step, should fall by up to "
+        f"{gain * 100:.0f} points)"
+    )
+    title = (f"{gain * 100:.0f}% of step time goes to {where} `{source}` in the training loop, "
+             "outside the model and the optimizer")
+    return Finding(
+        category="host_launch",
+        cause="loop_code",
+        title=title,
+        severity=severity,
+        evidence=evidence,
+        estimated_gain=gain,
+        fix=Fix(text=text, snippet=snippet),
+        verify=verify,
+    )

@@ -1,0 +1,281 @@
+"""Sampled stacks of the training thread: what the loop's "other" time is made of.
+
+Real runs under ``trainprof run`` (a faster sampling rate, ``TRAINPROF_STACK_HZ``, keeps
+them short), the analysis on hand-made records, and the signal's hygiene: the script's
+sleeps keep their length, its own SIGURG handler is left alone, the default comes back.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+from conftest import trainprof
+
+from trainprof.analysis.loop_stacks import summarize_loop_stacks
+from trainprof.capture.clock import FAST
+from trainprof.schema import BACKWARD, FORWARD, OTHER
+from trainprof.store import STACKS_JSONL, STEP_DTYPE
+
+needs_c = pytest.mark.skipif(not FAST, reason="the stack timer is part of the C fast path")
+
+FAST_SAMPLING = {"TRAINPROF_STACK_HZ": "100"}
+
+# 2 ms of pure-Python work and a 2 ms sleep on two lines of the loop, around a tiny model
+MIXED = """
+    import time, torch
+    from torch import nn
+    torch.set_num_threads(1)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(32, 64); y = torch.randint(0, 10, (32,))
+
+    def busy(ms):
+        t = time.perf_counter() + ms / 1e3
+        while time.perf_counter() < t:
+            pass
+
+    def log_metrics():
+        busy(2.0)
+
+    def wait_for_storage():
+        time.sleep(0.002)
+
+    for it in range(900):
+        log_metrics()
+        wait_for_storage()
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+"""
+
+
+@needs_c
+def test_busy_and_sleeping_lines_are_sampled_without_bias(tp):
+    res = tp(MIXED, "--json", env=FAST_SAMPLING)
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = res.json()
+    stacks = doc["loop_stacks"]
+    assert stacks["loop"]["function"] == "<module>"
+    counted, other = stacks["counted"], stacks["other"]["samples"]
+    assert counted > 150, stacks
+    # the phase at each tick comes from the clock: the sampled share matches the measured one
+    assert abs(other / counted - doc["breakdown"]["other"]) < 0.1, (stacks, doc["breakdown"])
+    rows = {r["source"]: r for r in stacks["other"]["lines"]}
+    busy, sleep = rows["log_metrics()"], rows["wait_for_storage()"]
+    # equal time, equal samples: a sampler that needs the GIL gave the sleep 98% of them
+    assert 0.3 < busy["share"] < 0.7 and 0.3 < sleep["share"] < 0.7, rows
+    assert busy["inner"]["function"] == "busy" and sleep["inner"]["function"] == "wait_for_storage"
+    assert sleep["inner"]["source"] == "time.sleep(0.002)"
+    found = [f for f in doc["findings"] if (f["category"], f["cause"]) == ("host_launch",
+                                                                           "loop_code")]
+    assert len(found) == 1, doc["findings"]
+    f = found[0]
+    # each line is half of "other" (~85% of the step): the gain is one line's part
+    assert 0.25 < f["estimated_gain"] < 0.6, f
+    assert f["severity"] == "high"
+    named = {f["evidence"]["line_source"], f["evidence"]["next_lines"][0]["line"]}
+    assert "log_metrics()" in named or "wait_for_storage()" in named
+    assert len(f["evidence"]["next_lines"]) == 1  # the other line, named as the next one
+
+
+NANO = """
+    import numpy as np, time, torch
+    from torch import nn
+    data = np.random.randint(0, 100, size=200_000).astype(np.uint16)
+
+    def get_batch(B=8, T=32):
+        ix = np.random.randint(0, len(data) - T - 1, size=B)
+        x = torch.stack([torch.from_numpy(data[i:i + T].astype(np.int64)) for i in ix])
+        y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + T].astype(np.int64)) for i in ix])
+        time.sleep(0.003)  # storage latency
+        return x, y
+
+    model = nn.Sequential(nn.Embedding(100, 32), nn.Linear(32, 100))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for it in range(400):
+        xb, yb = get_batch()
+        loss = nn.functional.cross_entropy(model(xb).view(-1, 100), yb.view(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+"""
+
+
+@needs_c
+def test_batches_made_in_the_loop_are_found_and_the_fix_moves_them_to_workers(tp):
+    res = tp(NANO, "--json", env=FAST_SAMPLING)
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = res.json()
+    assert doc["breakdown"]["other"] > 0.5, doc["breakdown"]
+    top = doc["findings"][0]
+    assert (top["category"], top["cause"]) == ("host_launch", "loop_code"), doc["findings"]
+    ev = top["evidence"]
+    assert ev["line"].endswith("train.py:16") and ev["line_source"] == "xb, yb = get_batch()"
+    assert ev["loop_function"] == "<module>"  # not get_batch, though nearly every sample is in it
+    assert ev["inner_function"] == "get_batch" and ev["inner_line"].endswith("train.py:10")
+    assert ev["dataloader"] is None
+    # the gain is the line's part of "other", which is nearly all of it
+    assert top["estimated_gain"] == pytest.approx(doc["breakdown"]["other"], abs=0.15)
+    assert "yield get_batch()" in top["fix"]["snippet"]
+    assert "xb, yb = next(batches)" in top["fix"]["snippet"]
+    assert "--lines train.py:get_batch" in top["verify"]
+
+
+@needs_c
+def test_a_run_with_little_other_time_gets_no_loop_finding(tp):
+    body = MIXED.replace("log_metrics()\n", "pass\n").replace("wait_for_storage()\n", "pass\n")
+    body = body.replace("range(900)", "range(2000)")
+    res = tp(body, "--json", env=FAST_SAMPLING)
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = res.json()
+    assert doc["loop_stacks"]["counted"] > 20
+    assert not [f for f in doc["findings"] if f["cause"] == "loop_code"], doc["findings"]
+
+
+@needs_c
+def test_the_scripts_sleeps_keep_their_length_and_its_signal_handler_is_left_alone(tp):
+    body = """
+        import signal, time, torch
+        from torch import nn
+        got = []
+        if __import__("sys").argv[1:] == ["own"]:
+            signal.signal(signal.SIGURG, lambda s, f: got.append(s))
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        t0 = time.perf_counter()
+        for it in range(40):
+            time.sleep(0.025)
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+        print("slept", time.perf_counter() - t0, "handled", len(got))
+    """
+
+    def printed(res):
+        return next(line for line in res.stdout.splitlines() if line.startswith("slept")).split()
+
+    res = tp(body, env=FAST_SAMPLING)
+    assert res.returncode == 0, res.stderr[-3000:]
+    slept = float(printed(res)[1])
+    # ~40 interruptions of the sleeps (100 a second): each resumed for what was left
+    assert 1.0 <= slept < 1.6, res.stdout
+    lines = (res.run_dir / STACKS_JSONL).read_bytes().splitlines()
+    assert sum(len(orjson.loads(x).get("samples", [])) for x in lines) > 30
+    res = tp(body, args=("own",), env=FAST_SAMPLING)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert printed(res)[-1] == "0"  # no tick reached the script's handler
+    meta = json.loads((res.run_dir / "run.json").read_text())
+    assert any("installed its own SIGURG handler" in m for m in meta["missing"]), meta["missing"]
+
+
+@needs_c
+def test_profile_api_samples_and_puts_the_default_back(tmp_path, monkeypatch):
+    import torch
+    from torch import nn
+
+    import trainprof
+
+    monkeypatch.setenv("TRAINPROF_STACK_HZ", "200")
+    model = nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with trainprof.profile(out=tmp_path / "run"):
+        for _ in range(30):
+            time.sleep(0.01)
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+    assert signal.getsignal(signal.SIGURG) == signal.SIG_DFL
+    lines = (tmp_path / "run" / STACKS_JSONL).read_bytes().splitlines()
+    header = orjson.loads(lines[0])
+    assert header["format"] == 2 and header["library_paths"]
+    samples = [s for x in lines[1:] for s in orjson.loads(x).get("samples", [])]
+    assert len(samples) > 20
+    stacks = [orjson.loads(x) for x in lines[1:] if b'"stack"' in x]
+    this_file = [fr for st in stacks for fr in st["frames"] if fr[0] == __file__]
+    assert this_file and all(fr[3] for fr in this_file)  # the test's own frames are user code
+
+
+# -- the analysis on hand-made records ----------------------------------------------------
+
+
+def _steps(n: int, other_ms: float, spikes: dict[int, float] | None = None) -> np.ndarray:
+    steps = np.zeros(n, dtype=STEP_DTYPE)
+    steps["step"] = np.arange(n)
+    for i in range(n):
+        o = (spikes or {}).get(i, other_ms) * 1e6
+        steps["other_ns"][i] = int(o)
+        steps["forward_ns"][i] = int(1e6)
+        steps["dur_ns"][i] = int(o + 1e6)
+        steps["t_start_ns"][i] = int(i * 1e7)
+    return steps
+
+
+def _write(run_dir, stacks: dict[int, list], samples: list[list[int]]) -> None:
+    lines = [{"format": 2, "pid": 1, "library_paths": ["/lib"]}]
+    lines += [{"stack": k, "frames": v} for k, v in stacks.items()]
+    lines.append({"samples": samples})
+    (run_dir / STACKS_JSONL).write_bytes(b"\n".join(orjson.dumps(x) for x in lines) + b"\n{torn")
+
+
+def test_analysis_weights_ticks_leaves_out_spike_steps_and_finds_the_loop(tmp_path):
+    loop = ["/u/train.py", 20, "<module>", True]
+    stacks = {
+        0: [["/u/train.py", 21, "<module>", True], ["/u/train.py", 5, "get_batch", True],
+            ["/lib/site-packages/numpy/core/numeric.py", 300, "stack", False]],
+        1: [["/u/train.py", 22, "<module>", True],
+            ["/lib/site-packages/torch/nn/modules/module.py", 1, "x", False]],
+        2: [["/u/train.py", 30, "<module>", True], ["/u/train.py", 40, "evaluate", True]],
+        3: [loop, ["/usr/lib/python3.11/logging/__init__.py", 1, "info", False]],
+    }
+    samples = [[s, OTHER, 0, 1] for s in range(2, 40)]  # get_batch, every step
+    samples += [[s, FORWARD, 1, 1] for s in range(2, 12)]
+    samples += [[s, BACKWARD, 1, 1] for s in range(2, 4)]
+    samples += [[25, OTHER, 2, 30]]  # evaluation, in the one spike step: left out
+    samples += [[10, OTHER, 3, 6]]  # one sample of a long C call: weighs 6 ticks
+    samples += [[0, OTHER, 3, 1]]  # warm-up: left out
+    _write(tmp_path, stacks, samples)
+    out = summarize_loop_stacks(tmp_path, _steps(40, 4.0, {25: 80.0}), warmup=1)
+    assert out["outlier_steps"] == 1
+    assert out["samples"] == 38 + 10 + 2 + 30 + 6 + 1
+    assert out["counted"] == 37 + 12 + 6  # get_batch's sample in step 25 is left out too
+    assert out["by_phase"] == {"other": 43, "forward": 10, "backward": 2}
+    assert out["loop"] == {"file": "/u/train.py", "function": "<module>"}
+    first, second = out["other"]["lines"]
+    assert (first["line"], first["samples"], first["phase_samples"]) == (21, 37, 0)
+    assert first["share"] == pytest.approx(37 / 43)
+    assert first["inner"]["function"] == "get_batch" and first["inner"]["line"] == 5
+    assert first["library_call"]["name"] == "numpy.core.numeric.stack"
+    assert (second["line"], second["samples"], second["inner"]) == (20, 6, None)
+    assert second["library_call"]["name"] == "logging.info"
+
+
+def test_analysis_of_a_run_without_samples(tmp_path):
+    assert summarize_loop_stacks(tmp_path, _steps(5, 1.0), warmup=0) is None
+
+
+def test_example_batches_in_loop_and_its_fix(tmp_path):
+    example = Path(__file__).resolve().parents[1] / "examples" / "batches_in_loop.py"
+    res = trainprof("run", "--json", str(example), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    before = res.json()
+    top = before["findings"][0] if before["findings"] else None
+    if not FAST:
+        assert before["loop_stacks"] is None and not [
+            f for f in before["findings"] if f["cause"] == "loop_code"]
+    else:
+        assert top and (top["category"], top["cause"]) == ("host_launch", "loop_code"), top
+        assert top["evidence"]["line_source"] == "x, y = get_batch(latency_s)"
+        assert top["evidence"]["loop_function"] == "train"
+        assert top["evidence"]["inner_function"] == "get_batch"
+        assert "yield get_batch(latency_s)" in top["fix"]["snippet"]
+    res = trainprof("run", "--json", str(example), "--workers", "2", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    after = res.json()
+    assert not [f for f in after["findings"] if f["cause"] == "loop_code"], after["findings"]
+    # the batches' latency now overlaps the model's work in the workers
+    assert after["steps"]["median_s"] < 0.75 * before["steps"]["median_s"]
