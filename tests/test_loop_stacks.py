@@ -279,3 +279,33 @@ def test_example_batches_in_loop_and_its_fix(tmp_path):
     assert not [f for f in after["findings"] if f["cause"] == "loop_code"], after["findings"]
     # the batches' latency now overlaps the model's work in the workers
     assert after["steps"]["median_s"] < 0.75 * before["steps"]["median_s"]
+
+
+@needs_c
+def test_a_forked_rank_samples_its_own_stacks(tp):
+    body = """
+        import multiprocessing as mp, time
+        import torch
+        from torch import nn
+
+        def train():
+            model = nn.Linear(4, 1)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for step in range(60):
+                time.sleep(0.01)
+                model(torch.randn(2, 4)).sum().backward()
+                opt.step()
+
+        if __name__ == "__main__":
+            p = mp.get_context("fork").Process(target=train)
+            p.start(); p.join()
+    """
+    res = tp(body, env=FAST_SAMPLING)
+    assert res.returncode == 0, res.stderr[-3000:]
+    # the parent's handler and signal.signal wrapper did not make SIGURG look taken
+    rank = res.run_dir / "ranks" / "0"
+    meta = json.loads((rank / "run.json").read_text())
+    assert not [m for m in meta["missing"] if m.startswith("loop stacks")], meta["missing"]
+    lines = (rank / STACKS_JSONL).read_bytes().splitlines()
+    samples = [s for x in lines[1:] for s in orjson.loads(x).get("samples", [])]
+    assert len(samples) > 20

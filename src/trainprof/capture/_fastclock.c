@@ -1108,6 +1108,15 @@ py_stop_stack_timer(PyObject *mod, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+/* In a forked child: the timer was not inherited (POSIX timers are per process), nor is
+   the parent's clock the child's. The child may record a run of its own (a forked rank). */
+static void
+stack_timer_after_fork_child(void)
+{
+    st_running = 0;
+    st_core = NULL; /* the parent's reference: the child's copy of it is left as it is */
+}
+
 /* stack_stash() -> (ticks, step, phase): the timer's ticks so far, and the step and
    phase the clock was in at the last one. */
 static PyObject *
@@ -1208,6 +1217,9 @@ PyInit__fastclock(void)
     PyObject *m = PyModule_Create(&moduledef);
     if (m == NULL)
         return NULL;
+#if defined(HAVE_STACK_TIMER)
+    pthread_atfork(NULL, NULL, stack_timer_after_fork_child);
+#endif
     if (PyModule_AddObjectRef(m, "ClockCore", (PyObject *)&ClockCoreType) < 0
         || PyModule_AddObjectRef(m, "Timed", (PyObject *)&TimedType) < 0
         || PyModule_AddIntConstant(m, "K_NEXT", K_NEXT) < 0

@@ -68,6 +68,17 @@ FORMAT = 2
 HZ = 20.0
 
 
+#: The signal sent to the training thread (see the module docstring).
+SIGNAL = getattr(signal, "SIGURG", None)
+#: Frames walked per sample, innermost first (a deeper stack keeps its innermost ones).
+MAX_DEPTH = 128
+#: Distinct reduced stacks interned; samples of further ones are counted, not kept.
+MAX_STACKS = 20_000
+
+#: The sampler whose handler is installed in this process, for the fork hook below.
+_ACTIVE: LoopStackSampler | None = None
+
+
 def _rate() -> float:
     try:
         hz = float(os.environ.get("TRAINPROF_STACK_HZ", HZ))
@@ -75,12 +86,22 @@ def _rate() -> float:
         return HZ
     return min(max(hz, 0.1), 1000.0)
 
-#: The signal sent to the training thread (see the module docstring).
-SIGNAL = getattr(signal, "SIGURG", None)
-#: Frames walked per sample, innermost first (a deeper stack keeps its innermost ones).
-MAX_DEPTH = 128
-#: Distinct reduced stacks interned; samples of further ones are counted, not kept.
-MAX_STACKS = 20_000
+
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker, a forked rank) gets the default SIGURG back.
+
+    The timer is not inherited, and the child may record a run of its own: the parent's
+    handler and ``signal.signal`` wrapper must not make it look taken.
+    """
+    sampler = _ACTIVE
+    if sampler is not None:
+        with contextlib.suppress(Exception):
+            sampler._running = False
+            sampler._restore()
+            sampler._unwrap()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class LoopStackSampler:
@@ -124,6 +145,8 @@ class LoopStackSampler:
             self.missing.append(f"loop stacks: not sampled ({type(exc).__name__}: {exc})")
             return
         self._running = True
+        global _ACTIVE
+        _ACTIVE = self
         # a script that installs its own SIGURG handler later gets the signal to itself:
         # sampling stops first, so that no tick of ours reaches that handler
         self._orig_signal = orig = signal.signal
@@ -161,9 +184,15 @@ class LoopStackSampler:
             _fastclock.stop_stack_timer()
         finally:
             self._restore()
-            if self._wrapper is not None and signal.signal is self._wrapper:
-                signal.signal = self._orig_signal
-            self._wrapper = None
+            self._unwrap()
+            global _ACTIVE
+            if _ACTIVE is self:
+                _ACTIVE = None
+
+    def _unwrap(self) -> None:
+        if self._wrapper is not None and signal.signal is self._wrapper:
+            signal.signal = self._orig_signal
+        self._wrapper = None
 
     def _restore(self) -> None:
         if self._previous is None:
