@@ -129,13 +129,21 @@ def test_batches_made_in_the_loop_are_found_and_the_fix_moves_them_to_workers(tp
 
 
 @needs_c
-def test_a_run_with_little_other_time_gets_no_loop_finding(tp):
+@pytest.mark.parametrize("line", ["pass", "far = torch.cdist(x, x).sum()"])
+def test_the_steps_own_work_gets_no_loop_finding(tp, line):
+    """A loop with little else than the model (the functional loss on the model's line), or
+    with tensor work the step needs on a line of its own (here a big cdist, ~30% of it)."""
     body = MIXED.replace("log_metrics()\n", "pass\n").replace("wait_for_storage()\n", "pass\n")
-    body = body.replace("range(900)", "range(2000)")
+    body = body.replace("range(900)", "range(1500)").replace(
+        "        opt.step()\n", f"        opt.step()\n        {line}\n")
+    body = body.replace("torch.randn(32, 64)", "torch.randn(256, 64)").replace("(32,))", "(256,))")
     res = tp(body, "--json", env=FAST_SAMPLING)
     assert res.returncode == 0, res.stderr[-3000:]
     doc = res.json()
     assert doc["loop_stacks"]["counted"] > 20
+    if line != "pass":
+        row = next(r for r in doc["loop_stacks"]["other"]["lines"] if r["source"] == line)
+        assert row["library_call"]["name"].startswith("torch.") and row["share"] > 0.3
     assert not [f for f in doc["findings"] if f["cause"] == "loop_code"], doc["findings"]
 
 

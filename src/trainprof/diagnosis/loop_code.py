@@ -19,6 +19,8 @@ a second), and a line needs :data:`MIN_LINE_SAMPLES` samples to be named at all.
 
 Not reported here: a line that also runs the model or the optimizer (sampled in those
 phases too: ``loss = F.cross_entropy(model(x), y)``, whose "other" part is the loss);
+a line that calls torch itself and spends most of its time inside (a functional loss
+on a line of its own, gradient clipping: the step's compute, where the user put it);
 "other" that is the wait for a DataLoader iterated in another
 thread (:mod:`.loader_thread` owns it), a Python loop the op count already found
 on the same line (:mod:`.python_loop`), and work done every N steps (left out of
@@ -74,6 +76,19 @@ def _is_assignment(source: str | None) -> bool:
     return isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign)
 
 
+def _torch_math(row: dict[str, Any]) -> bool:
+    """The loop line calls torch itself and most of its time is inside that call.
+
+    ``loss = F.cross_entropy(out, y)`` on a line of its own, ``clip_grad_norm_(...)``:
+    tensor work the step needs, written where it is on purpose (the compute of the
+    step, outside a module), not code to move or to run less often. A line that calls a
+    function of the user's (``compute_metrics(out, y)``) is still reported.
+    """
+    call = row.get("library_call") or {}
+    return (row.get("inner") is None and str(call.get("name") or "").startswith("torch.")
+            and float(call.get("samples") or 0) >= 0.5 * float(row.get("samples") or 0))
+
+
 def _loop_python_lines(ctx: Context) -> set[tuple[str, int]]:
     loops = (ctx.summary.get("ops") or {}).get("loops") or []
     return {(str(lp.get("file")), int(lp.get("line") or 0)) for lp in loops}
@@ -93,7 +108,8 @@ def loop_code(ctx: Context) -> Finding | None:
     # a line that also runs the model or the optimizer (``loss = F.cross_entropy(model(x),
     # y)``) is the step's own work: its "other" part is a functional loss, not extra code
     rows = [r for r in rows if r.get("file") is not None
-            and float(r.get("phase_samples") or 0) < OWN_WORK * float(r.get("samples") or 0)]
+            and float(r.get("phase_samples") or 0) < OWN_WORK * float(r.get("samples") or 0)
+            and not _torch_math(r)]
     if not rows or int(rows[0].get("samples") or 0) < MIN_LINE_SAMPLES:
         return None
     top = rows[0]
