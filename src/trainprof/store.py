@@ -7,7 +7,7 @@ Layout (schema version :data:`SCHEMA_VERSION`; a **contract**, see DESIGN.md)::
     device.bin      on CUDA: device time per step and phase, from CUDA events
     samples.jsonl   system samples, one JSON object per line
     events.jsonl    things that happen once or rarely: DataLoaders seen, regions, notes
-    stacks.jsonl    the training thread's stack 20 times a second (trainprof.capture.loop_stacks)
+    stacks.jsonl    the training thread's stack 4-20 times a second (trainprof.capture.loop_stacks)
     findings.json   the diagnosis at the end of the run
 
 Why this shape: a 1,000,000-step run must stay small and load in seconds, so

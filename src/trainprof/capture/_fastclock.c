@@ -1017,6 +1017,7 @@ static int st_running, st_signum;
 static ClockCore *st_core;         /* a strong reference while the timer runs */
 static struct sigaction st_python; /* the action Python installed, put back at stop */
 static long long st_seq, st_step;  /* written by the signal handler, read under the GIL */
+static long long st_weight = 1;    /* what one tick adds to st_seq: its interval, in units */
 static int st_phase;
 
 static void
@@ -1029,28 +1030,63 @@ stack_timer_tick(int sig, siginfo_t *info, void *context)
     int overrun = (info != NULL && info->si_code == SI_TIMER) ? info->si_overrun : 0;
     __atomic_store_n(&st_phase, core->current, __ATOMIC_RELAXED);
     __atomic_store_n(&st_step, core->n_steps, __ATOMIC_RELAXED);
-    __atomic_add_fetch(&st_seq, 1 + (overrun > 0 ? overrun : 0), __ATOMIC_RELEASE);
+    __atomic_add_fetch(&st_seq,
+                       __atomic_load_n(&st_weight, __ATOMIC_RELAXED) * (1 + (overrun > 0 ? overrun : 0)),
+                       __ATOMIC_RELEASE);
     PyErr_SetInterruptEx(sig);
 }
 
-/* start_stack_timer(core, interval_s, signum): called in the thread to sample, after
-   signal.signal(signum, python_handler). */
+static int
+stack_timer_arm(double interval_s)
+{
+    long long ns = (long long)(interval_s * 1e9);
+    struct itimerspec spec;
+    spec.it_interval.tv_sec = spec.it_value.tv_sec = (time_t)(ns / 1000000000LL);
+    spec.it_interval.tv_nsec = spec.it_value.tv_nsec = (long)(ns % 1000000000LL);
+    return timer_settime(st_timer, 0, &spec, NULL);
+}
+
+/* set_stack_interval(interval_s, weight): tick at another interval from now on, each
+   tick counting `weight` units (its interval over the finest one). */
+static PyObject *
+py_set_stack_interval(PyObject *mod, PyObject *args)
+{
+    double interval_s;
+    long long weight;
+    if (!PyArg_ParseTuple(args, "dL", &interval_s, &weight))
+        return NULL;
+    if (!(interval_s > 0) || weight < 1) {
+        PyErr_SetString(PyExc_ValueError, "interval_s and weight must be positive");
+        return NULL;
+    }
+    if (!st_running)
+        Py_RETURN_NONE;
+    __atomic_store_n(&st_weight, weight, __ATOMIC_RELAXED);
+    if (stack_timer_arm(interval_s) != 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
+/* start_stack_timer(core, interval_s, signum, weight): called in the thread to sample,
+   after signal.signal(signum, python_handler). */
 static PyObject *
 py_start_stack_timer(PyObject *mod, PyObject *args)
 {
     PyObject *core;
     double interval_s;
     int signum;
-    if (!PyArg_ParseTuple(args, "O!di", &ClockCoreType, &core, &interval_s, &signum))
+    long long weight = 1;
+    if (!PyArg_ParseTuple(args, "O!di|L", &ClockCoreType, &core, &interval_s, &signum, &weight))
         return NULL;
     if (st_running) {
         PyErr_SetString(PyExc_RuntimeError, "the stack timer is already running");
         return NULL;
     }
-    if (!(interval_s > 0)) {
-        PyErr_SetString(PyExc_ValueError, "interval_s must be positive");
+    if (!(interval_s > 0) || weight < 1) {
+        PyErr_SetString(PyExc_ValueError, "interval_s and weight must be positive");
         return NULL;
     }
+    st_weight = weight;
     struct sigaction act;
     memset(&act, 0, sizeof(act));
     act.sa_sigaction = stack_timer_tick;
@@ -1075,11 +1111,7 @@ py_start_stack_timer(PyObject *mod, PyObject *args)
         errno = err;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
-    long long ns = (long long)(interval_s * 1e9);
-    struct itimerspec spec;
-    spec.it_interval.tv_sec = spec.it_value.tv_sec = (time_t)(ns / 1000000000LL);
-    spec.it_interval.tv_nsec = spec.it_value.tv_nsec = (long)(ns % 1000000000LL);
-    if (timer_settime(st_timer, 0, &spec, NULL) != 0) {
+    if (stack_timer_arm(interval_s) != 0) {
         int err = errno;
         timer_delete(st_timer);
         sigaction(signum, &st_python, NULL);
@@ -1180,8 +1212,10 @@ static PyMethodDef module_methods[] = {
     {"now_ns", py_now_ns, METH_NOARGS, "The clock the C path reads: time.perf_counter_ns()."},
 #if defined(HAVE_STACK_TIMER)
     {"start_stack_timer", py_start_stack_timer, METH_VARARGS,
-     "start_stack_timer(core, interval_s, signum): signal the calling thread at the "
-     "interval (see trainprof.capture.loop_stacks)."},
+     "start_stack_timer(core, interval_s, signum, weight=1): signal the calling thread at "
+     "the interval (see trainprof.capture.loop_stacks)."},
+    {"set_stack_interval", py_set_stack_interval, METH_VARARGS,
+     "set_stack_interval(interval_s, weight): another interval, each tick weighing `weight`."},
     {"stop_stack_timer", py_stop_stack_timer, METH_NOARGS,
      "Stop the stack timer and put Python's handling of the signal back."},
     {"stack_stash", py_stack_stash, METH_NOARGS,

@@ -5,7 +5,8 @@ DataLoader, the model, backward, zero_grad, the optimizer or GC ("other"), but
 not *where* in the script that time goes: a script that makes its batches itself
 (nanoGPT's ``get_batch``), logs, computes metrics or writes files every step
 shows a large "other" share and nothing to act on. A careful engineer would look
-at the stacks; so does this, always on, :data:`HZ` times a second.
+at the stacks; so does this, always on: :data:`HZ` times a second while "other" is
+5% of the step or more, :data:`SPARSE_HZ` times otherwise.
 
 How: a POSIX timer of the C fast path (``_fastclock.start_stack_timer``) sends a
 signal to the training thread itself at the interval; its C handler notes the
@@ -38,7 +39,7 @@ the user's code was in). Reduced stacks are interned: each is written once, as
 ``{"stack": id, "frames": [[file, line, function, user], ...]}``, and samples refer
 to it, ``{"samples": [[step, phase, stack, weight], ...]}``, both appended to
 ``RUN_DIR/stacks.jsonl`` at the Recorder's once-a-second drain (a crash loses at
-most the last second, like the step records): about 100 bytes a second of training.
+most the last second, like the step records): at most about 100 bytes a second.
 ``TRAINPROF_STACK_HZ=0`` switches the sampling off.
 """
 
@@ -62,10 +63,14 @@ if FAST:
 
 #: Format of the file's lines.
 FORMAT = 2
-#: Samples a second (``TRAINPROF_STACK_HZ`` sets another rate). Each costs the training
-#: thread a signal and a Python call, ~10-30 us: at 20 a second well under 0.1% of its
-#: time, and a 3-second run still gets 60 samples.
-HZ = 20.0
+#: Samples a second while "other" is at least :data:`DENSE_OTHER` of the last second's
+#: steps (something to attribute), and otherwise. A sample costs the training thread
+#: ~70 us on this project's 2-vCPU VM, nearly all of it the signal's delivery (a handler
+#: that does nothing cost 59 us; ``benchmarks/stack_sampling.py``): 0.14% of its time at
+#: 20 a second, 0.03% at 4. The record starts sparse; the Recorder's drain calls
+#: :meth:`adapt` once a second. Each tick weighs its interval in units of the dense one.
+HZ, SPARSE_HZ = 20.0, 4.0
+DENSE_OTHER = 0.05
 
 
 #: The signal sent to the training thread (see the module docstring).
@@ -79,11 +84,12 @@ MAX_STACKS = 20_000
 _ACTIVE: LoopStackSampler | None = None
 
 
-def _rate() -> float:
+def _fixed_rate() -> float | None:
+    """The rate ``TRAINPROF_STACK_HZ`` sets (no adapting to "other"), or None."""
     try:
-        hz = float(os.environ.get("TRAINPROF_STACK_HZ", HZ))
-    except ValueError:
-        return HZ
+        hz = float(os.environ["TRAINPROF_STACK_HZ"])
+    except (KeyError, ValueError):
+        return None
     return min(max(hz, 0.1), 1000.0)
 
 
@@ -115,9 +121,12 @@ class LoopStackSampler:
         self.clock = clock
         self.path = path
         self.missing: list[str] = []
-        self._user: dict[CodeType, bool] = {}
+        # by id(): hashing a code object hashes its constants and names again every time
+        # (~1-3 us for torch's larger functions, 30 frames a sample); the code objects are
+        # kept here, so their ids are not reused while the run lasts
+        self._user: dict[int, tuple[CodeType, bool]] = {}
         self._prefixes: tuple[str, ...] = ()
-        self._stacks: dict[tuple[tuple[CodeType, int], ...], int] = {}
+        self._stacks: dict[tuple[int, ...], int] = {}
         self._new_stacks: list[dict[str, Any]] = []
         self._samples: list[list[int]] = []
         self._dropped = 0
@@ -127,6 +136,8 @@ class LoopStackSampler:
         self._running = False
         self._orig_signal: Any = None
         self._wrapper: Any = None
+        self._fixed = False
+        self._dense = False
 
     # -- the timer --------------------------------------------------------------------------
     def start(self) -> None:
@@ -139,7 +150,11 @@ class LoopStackSampler:
         try:
             self._previous = signal.signal(SIGNAL, self._on_signal)
             self._seq = _fastclock.stack_stash()[0]
-            _fastclock.start_stack_timer(self.clock, 1.0 / _rate(), SIGNAL)
+            self._fixed = _fixed_rate() is not None
+            hz = _fixed_rate() or SPARSE_HZ
+            self._dense = False
+            _fastclock.start_stack_timer(self.clock, 1.0 / hz, SIGNAL,
+                                         1 if self._fixed else round(HZ / SPARSE_HZ))
         except Exception as exc:
             self._restore()
             self.missing.append(f"loop stacks: not sampled ({type(exc).__name__}: {exc})")
@@ -161,6 +176,22 @@ class LoopStackSampler:
         _signal.__doc__, _signal.__wrapped__ = orig.__doc__, orig  # type: ignore[attr-defined]
         self._wrapper = _signal
         signal.signal = _signal
+
+    def adapt(self, other_share: float | None) -> None:
+        """Dense sampling while the last second's steps spent :data:`DENSE_OTHER` or more
+        in "other", sparse otherwise (called by the Recorder's drain, once a second)."""
+        if not self._running or self._fixed or other_share is None:
+            return
+        dense = other_share >= DENSE_OTHER
+        if dense != self._dense:
+            self._dense = dense
+            try:
+                if dense:
+                    _fastclock.set_stack_interval(1.0 / HZ, 1)
+                else:
+                    _fastclock.set_stack_interval(1.0 / SPARSE_HZ, round(HZ / SPARSE_HZ))
+            except Exception as exc:
+                self.missing.append(f"loop stacks: cannot change the rate ({exc})")
 
     @staticmethod
     def _unavailable() -> str | None:
@@ -219,26 +250,31 @@ class LoopStackSampler:
                     self._dropped += weight
                     return
                 sid = self._stacks[key] = len(self._stacks)
-                self._new_stacks.append({"stack": sid, "frames": [
-                    [code.co_filename, line, _name(code), self._user[code]]
-                    for code, line in key]})
+                frames = []
+                for i in range(0, len(key), 2):
+                    code, mine = self._user[key[i]]
+                    frames.append([code.co_filename, key[i + 1], _name(code), mine])
+                self._new_stacks.append({"stack": sid, "frames": frames})
             self._samples.append([step, phase, sid, weight])
         except Exception:  # the script must not see the profiler's failure
             self._dropped += 1
 
-    def _reduce(self, frame: FrameType | None) -> tuple[tuple[CodeType, int], ...]:
-        """The user's frames (outermost first) and the innermost frame, as (code, line)."""
+    def _reduce(self, frame: FrameType | None) -> tuple[int, ...]:
+        """The user's frames (outermost first) and the innermost frame, flat as
+        ``(id(code), line, id(code), line, ...)``."""
         user = self._user
-        kept: list[tuple[CodeType, int]] = []
+        kept: list[int] = []
         leaf = True
         depth = 0
         while frame is not None and depth < MAX_DEPTH:
             code = frame.f_code
-            mine = user.get(code)
-            if mine is None:
-                mine = user[code] = self._is_user(code.co_filename)
-            if mine or leaf:
-                kept.append((code, frame.f_lineno or code.co_firstlineno))
+            key = id(code)
+            known = user.get(key)
+            if known is None:
+                known = user[key] = (code, self._is_user(code.co_filename))
+            if known[1] or leaf:
+                kept.append(frame.f_lineno or code.co_firstlineno)
+                kept.append(key)
             leaf = False
             depth += 1
             frame = frame.f_back

@@ -31,7 +31,7 @@ from trainprof.capture.ranks import MAX_RECORDED, RANKS_DIR, ChildRuns
 from trainprof.capture.sampler_process import SamplerProcess
 from trainprof.capture.window import WindowRunner
 from trainprof.capture.worker import MAIN_REARM_HZ, WORKERS_DIR, WorkerCapture
-from trainprof.schema import REGION
+from trainprof.schema import OTHER, RECORD_WIDTH, REGION
 from trainprof.store import SAMPLES_JSONL, STACKS_JSONL, RunWriter
 
 #: ``torch.cuda.memory_stats`` keys recorded in run.json's ``cuda_memory`` (see ``stop``).
@@ -85,6 +85,15 @@ def forget_inherited_recorder() -> bool:
         _active = None
         return True
     return False
+
+
+def _other_share(records: bytes) -> float | None:
+    """Share of "other" in a batch of native step records (None when there are none)."""
+    if not records:
+        return None
+    values = memoryview(records).cast("q")
+    dur = sum(values[2::RECORD_WIDTH])
+    return sum(values[3 + OTHER::RECORD_WIDTH]) / dur if dur > 0 else None
 
 
 class Recorder:
@@ -153,7 +162,7 @@ class Recorder:
         self.sampler = SamplerProcess(run_dir / SAMPLES_JSONL, interval_s=sample_interval_s,
                                       pid=os.getpid())
         self.loaders.on_workers = self.sampler.set_worker_pids
-        # where the training thread is, 20 times a second: what "other" is made of
+        # where the training thread is, 4 to 20 times a second: what "other" is made of
         self.loop_stacks = LoopStackSampler(self.clock, run_dir / STACKS_JSONL)
         self._flusher: threading.Thread | None = None
         self._flusher_stop = threading.Event()
@@ -283,6 +292,7 @@ class Recorder:
             return
         self._last_drain = now
         data = self.clock.drain_records()  # whole records, native int64s
+        self.loop_stacks.adapt(_other_share(data))
         if data:
             if sys.byteorder == "big":  # the file is little-endian (STEP_DTYPE)
                 chunk = array("q", data)

@@ -14,8 +14,9 @@ Gain: the line's share of the "other" samples times the "other" share of steady
 step time, less the time spent in host-device syncs (reads such as ``.item()``
 wait for the device inside whatever line makes them: the synchronization rule owns
 that part). Bands: :data:`HIGH` is TF's; the medium band is raised from TF's 3% to
-:data:`MEDIUM` because the split of "other" between lines is sampled (20 samples
-a second), and a line needs :data:`MIN_LINE_SAMPLES` samples to be named at all.
+:data:`MEDIUM` because the split of "other" between lines is sampled (20 samples a
+second while "other" is 5% of the step or more), and a line needs
+:data:`MIN_LINE_SAMPLES` samples to be named at all.
 
 Not reported here: a line that also runs the model or the optimizer (sampled in those
 phases too: ``loss = F.cross_entropy(model(x), y)``, whose "other" part is the loss);
