@@ -281,6 +281,11 @@ def test_example_batches_in_loop_and_its_fix(tmp_path):
         assert top["evidence"]["loop_function"] == "train"
         assert top["evidence"]["inner_function"] == "get_batch"
         assert "yield get_batch(latency_s)" in top["fix"]["snippet"]
+    if FAST:
+        # sparse at first (4 a second, each tick weighing 5), dense once "other" showed up
+        lines = (res.run_dir / STACKS_JSONL).read_bytes().splitlines()
+        weights = [s[3] for x in lines[1:] for s in orjson.loads(x).get("samples", [])]
+        assert weights[0] == 5 and set(weights) <= {1, 5} and weights.count(1) > 20, weights
     res = trainprof("run", "--json", str(example), "--workers", "2", cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     after = res.json()
@@ -317,3 +322,19 @@ def test_a_forked_rank_samples_its_own_stacks(tp):
     lines = (rank / STACKS_JSONL).read_bytes().splitlines()
     samples = [s for x in lines[1:] for s in orjson.loads(x).get("samples", [])]
     assert len(samples) > 20
+
+
+def test_other_share_of_drained_records():
+    from array import array
+
+    from trainprof.capture.recorder import _other_share
+    from trainprof.schema import RECORD_WIDTH
+
+    def record(dur: int, other: int) -> list[int]:
+        r = [0] * RECORD_WIDTH
+        r[2], r[3 + OTHER] = dur, other
+        return r
+
+    assert _other_share(b"") is None
+    data = array("q", record(100, 30) + record(300, 10)).tobytes()
+    assert _other_share(data) == pytest.approx(40 / 400)
