@@ -282,10 +282,11 @@ def test_example_batches_in_loop_and_its_fix(tmp_path):
         assert top["evidence"]["inner_function"] == "get_batch"
         assert "yield get_batch(latency_s)" in top["fix"]["snippet"]
     if FAST:
-        # sparse at first (4 a second, each tick weighing 5), dense once "other" showed up
+        # dense (each tick weighing 1) once "other" showed in a second's steps; sparse
+        # ticks before that weigh 5 (none when the steps began after the first drain)
         lines = (res.run_dir / STACKS_JSONL).read_bytes().splitlines()
         weights = [s[3] for x in lines[1:] for s in orjson.loads(x).get("samples", [])]
-        assert weights[0] == 5 and set(weights) <= {1, 5} and weights.count(1) > 20, weights
+        assert set(weights) <= {1, 5} and weights.count(1) > 20, weights
     res = trainprof("run", "--json", str(example), "--workers", "2", cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     after = res.json()
@@ -338,3 +339,26 @@ def test_other_share_of_drained_records():
     assert _other_share(b"") is None
     data = array("q", record(100, 30) + record(300, 10)).tobytes()
     assert _other_share(data) == pytest.approx(40 / 400)
+
+
+@needs_c
+def test_a_loop_with_little_other_time_is_sampled_sparsely(tp):
+    body = """
+        import torch
+        from torch import nn
+        torch.set_num_threads(1)
+        model = nn.Sequential(nn.Linear(256, 2048), nn.ReLU(), nn.Linear(2048, 10))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        x = torch.randn(256, 256); y = torch.randint(0, 10, (256,))
+        for it in range(500):
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    """
+    res = tp(body)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = (res.run_dir / STACKS_JSONL).read_bytes().splitlines()
+    weights = [s[3] for x in lines[1:] for s in orjson.loads(x).get("samples", [])]
+    # 4 a second, each weighing 5 of the dense interval: a fifth of the signals
+    assert weights and weights.count(5) >= 0.8 * len(weights), weights
