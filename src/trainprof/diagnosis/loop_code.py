@@ -51,17 +51,17 @@ def _where(file: str | None, line: int | None) -> str:
     return f"{os.path.basename(file or '?')}:{line}"
 
 
-def _call_expr(source: str | None) -> str | None:
-    """The expression a line evaluates (an assignment's right-hand side), if it parses."""
-    if not source:
-        return None
+def _statement(source: str | None) -> ast.stmt | None:
+    """The one statement a source line holds, if it parses on its own."""
     try:
-        tree = ast.parse(source)
+        body = ast.parse(source or "").body
     except SyntaxError:
         return None
-    if len(tree.body) != 1:
-        return None
-    node = tree.body[0]
+    return body[0] if len(body) == 1 else None
+
+
+def _call_expr(node: ast.stmt | None) -> str | None:
+    """The expression a line evaluates (an assignment's right-hand side)."""
     if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
         return ast.unparse(node.value)
     if isinstance(node, ast.Expr):
@@ -69,12 +69,25 @@ def _call_expr(source: str | None) -> str | None:
     return None
 
 
-def _is_assignment(source: str | None) -> bool:
-    try:
-        node = ast.parse(source or "").body[0]
-    except (SyntaxError, IndexError):
-        return False
-    return isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign)
+def _target(node: ast.stmt | None) -> str | None:
+    """What a plain assignment assigns to (``x, y``), or None."""
+    if isinstance(node, ast.Assign) and len(node.targets) == 1:
+        target = node.targets[0]
+        if isinstance(target, ast.Tuple):  # unparse would add parentheses
+            return ", ".join(ast.unparse(e) for e in target.elts)
+        return ast.unparse(target)
+    if isinstance(node, ast.AnnAssign):
+        return ast.unparse(node.target)
+    return None
+
+
+def _script_path(ctx: Context, file: str) -> str:
+    """``file`` as ``--lines`` resolves it: the script as the user typed it, else absolute."""
+    cmd = ctx.summary.get("command")
+    typed = str(cmd[1]) if isinstance(cmd, list) and len(cmd) >= 2 else ""
+    if typed and not typed.startswith("-") and os.path.basename(typed) == os.path.basename(file):
+        return typed
+    return file
 
 
 def _torch_math(row: dict[str, Any]) -> bool:
@@ -168,7 +181,8 @@ def loop_code(ctx: Context) -> Finding | None:
         "the DataLoader, the model, backward, zero_grad and the optimizer (phase 'other'); "
         f"{detail}. "
     )
-    expr = _call_expr(source)
+    node = _statement(source)
+    expr, target = _call_expr(node), _target(node)
     snippet = ""
     if no_loader:
         evidence["dataloader"] = None
@@ -188,8 +202,7 @@ def loop_code(ctx: Context) -> Finding | None:
                 "batches = iter(DataLoader(Batches(), batch_size=None, num_workers=2,\n"
                 "                          persistent_workers=True, prefetch_factor=4))\n"
                 "# in the loop, instead of the line above:\n"
-                f"{source.split('=')[0].strip() if _is_assignment(source) else 'batch'}"
-                " = next(batches)"
+                f"{target or 'batch'} = next(batches)"
             )
     else:
         text += (
@@ -197,12 +210,12 @@ def loop_code(ctx: Context) -> Finding | None:
             "if it is data work, move it into the Dataset, where the DataLoader's workers do "
             "it in parallel; if it is per-element Python work on tensors, vectorise it."
         )
-        if expr and not _is_assignment(source):
+        if isinstance(node, ast.Expr):  # a call for its effect: log, check, write
             snippet = f"if step % 100 == 0:  # was: every step\n    {source}"
     text += " `trainprof run --py` profiles its functions."
     lines_target = None
     if inner and inner.get("function") and not str(inner["function"]).startswith("<"):
-        lines_target = f"{os.path.basename(inner['file'])}:{inner['function']}"
+        lines_target = f"{_script_path(ctx, inner['file'])}:{inner['function']}"
     measure = (f"trainprof run --lines {lines_target} {ctx.script}  (its time line by line); "
                if lines_target else "")
     run_dir = ctx.summary.get("run_dir") or "RUN"
