@@ -123,6 +123,8 @@ def test_batches_made_in_the_loop_are_found_and_the_fix_moves_them_to_workers(tp
     assert ev["dataloader"] is None
     # the gain is the line's part of "other", which is nearly all of it
     assert top["estimated_gain"] == pytest.approx(doc["breakdown"]["other"], abs=0.15)
+    assert "`time.sleep(0.008)`" in top["fix"]["text"]  # the line, without its comment
+    assert "# storage latency" not in top["fix"]["text"]
     assert "yield get_batch()" in top["fix"]["snippet"]
     assert "xb, yb = next(batches)" in top["fix"]["snippet"]
     assert "--lines train.py:get_batch" in top["verify"]

@@ -35,7 +35,9 @@ Definitions:
 
 from __future__ import annotations
 
+import io
 import re
+import tokenize
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -199,7 +201,7 @@ def summarize_loop_stacks(run_dir: Path, steps: np.ndarray, warmup: int) -> dict
         row: dict[str, Any] = {
             "file": at[0] if at else None,
             "line": at[1] if at else None,
-            "source": source_line(*at) if at else None,
+            "source": _code_line(*at) if at else None,
             "samples": count,
             "share": count / n_other,
             # ticks in the model's phases on this line (model(x) and a functional loss
@@ -211,7 +213,7 @@ def summarize_loop_stacks(run_dir: Path, steps: np.ndarray, warmup: int) -> dict
         if at in inner:
             (file, line, func), n_in = inner[at].most_common(1)[0]
             row["inner"] = {"file": file, "line": line, "function": func,
-                            "source": source_line(file, line), "samples": n_in,
+                            "source": _code_line(file, line), "samples": n_in,
                             "share": n_in / n_other}
         if at in calls:
             name, n_call = calls[at].most_common(1)[0]
@@ -219,6 +221,20 @@ def summarize_loop_stacks(run_dir: Path, steps: np.ndarray, warmup: int) -> dict
         rows.append(row)
     out["other"]["lines"] = rows
     return out
+
+
+def _code_line(file: str, line: int) -> str | None:
+    """The source line without its trailing comment (it is quoted in titles and texts)."""
+    text = source_line(file, line)
+    if not text or "#" not in text:
+        return text
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            if tok.type == tokenize.COMMENT:
+                return text[: tok.start[1]].rstrip() or text
+    except (tokenize.TokenError, SyntaxError):  # part of a longer statement: as it is
+        pass
+    return text
 
 
 def _call_name(frame: Frame) -> str:
