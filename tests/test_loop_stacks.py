@@ -202,7 +202,7 @@ def test_profile_api_samples_and_puts_the_default_back(tmp_path, monkeypatch):
     assert signal.getsignal(signal.SIGURG) == signal.SIG_DFL
     lines = (tmp_path / "run" / STACKS_JSONL).read_bytes().splitlines()
     header = orjson.loads(lines[0])
-    assert header["format"] == 2 and header["library_paths"]
+    assert header["format"] == 1 and header["library_paths"]
     samples = [s for x in lines[1:] for s in orjson.loads(x).get("samples", [])]
     assert len(samples) > 20
     stacks = [orjson.loads(x) for x in lines[1:] if b'"stack"' in x]
@@ -226,7 +226,7 @@ def _steps(n: int, other_ms: float, spikes: dict[int, float] | None = None) -> n
 
 
 def _write(run_dir, stacks: dict[int, list], samples: list[list[int]]) -> None:
-    lines = [{"format": 2, "pid": 1, "library_paths": ["/lib"]}]
+    lines = [{"format": 1, "pid": 1, "library_paths": ["/lib"]}]
     lines += [{"stack": k, "frames": v} for k, v in stacks.items()]
     lines.append({"samples": samples})
     (run_dir / STACKS_JSONL).write_bytes(b"\n".join(orjson.dumps(x) for x in lines) + b"\n{torn")

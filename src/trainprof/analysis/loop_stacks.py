@@ -11,10 +11,10 @@ Definitions:
 * Samples count when they fall in a *steady* step (the summary's: complete steps
   after the warm-up) whose "other" time is not an outlier - above its median by
   more than 5 robust standard deviations (1.4826 x MAD), half a median step and
-  0.5 ms, the same bounds the diagnosis uses for spikes (Composer's median/MAD
-  pruning). Work that happens every N steps (evaluation, checkpoints) belongs to
-  the periodic-overhead finding, which measures it from the step records; here it
-  would only blur what every step does.
+  0.5 ms (:func:`trainprof.analysis.steps.outliers`, the diagnosis' spikes:
+  Composer's median/MAD pruning). Work that happens every N steps (evaluation,
+  checkpoints) belongs to the periodic-overhead finding, which measures it from the
+  step records; here it would only blur what every step does.
 * The *loop function* is the deepest of the user's functions on the stack of at
   least :data:`LOOP_PRESENCE` of the counted samples in "other" and as many of
   those in the other phases: the function whose loop calls the model and the
@@ -46,14 +46,12 @@ import numpy as np
 import orjson
 
 from trainprof.analysis.ops import source_line
-from trainprof.analysis.steps import complete_steps
+from trainprof.analysis.steps import SPIKE_ABS_S, SPIKE_REL, complete_steps, outliers
 from trainprof.schema import OTHER, PHASE_NAMES
 from trainprof.store import STACKS_JSONL
 
 #: A user function on the stack of this share of the samples encloses the training loop.
 LOOP_PRESENCE = 0.9
-#: Outlier bounds of a step's "other" time (see the module docstring).
-SPIKE_SIGMAS, SPIKE_REL, SPIKE_ABS_S = 5.0, 0.5, 0.5e-3
 #: Loop lines reported.
 TOP_LINES = 8
 
@@ -93,18 +91,17 @@ def _read(path: Path) -> tuple[dict[int, list[Frame]], list[Sample], int] | None
 
 
 def _typical_steps(steps: np.ndarray, warmup: int) -> tuple[set[int], int]:
-    """Step numbers of steady steps whose "other" time is ordinary, and how many are not."""
+    """Step numbers of steady steps whose "other" time is not an outlier, and how many are."""
     done = complete_steps(steps)
     steady = done[min(warmup, len(done)):]
     if len(steady) == 0:
         return set(), 0
-    other = steady["other_ns"].astype(np.float64) / 1e9
-    med = float(np.median(other))
-    sigma = 1.4826 * float(np.median(np.abs(other - med)))
     step_med = float(np.median(steady["dur_ns"])) / 1e9
-    bound = med + max(SPIKE_SIGMAS * sigma, SPIKE_REL * step_med, SPIKE_ABS_S)
-    ok = other <= bound
-    return {int(s) for s in steady["step"][ok]}, int((~ok).sum())
+    out = outliers(steady["other_ns"].astype(np.float64) / 1e9,
+                   max(SPIKE_REL * step_med, SPIKE_ABS_S))
+    keep = np.ones(len(steady), dtype=bool)
+    keep[out] = False
+    return {int(s) for s in steady["step"][keep]}, len(out)
 
 
 Kept = list[tuple[int, list[Frame], int]]  # phase, frames, weight
@@ -138,10 +135,14 @@ def _loop_function(kept: Kept) -> tuple[str, str] | None:
     return max(candidates, key=lambda k: depth[k])
 
 
-def summarize_loop_stacks(run_dir: Path, steps: np.ndarray, warmup: int) -> dict[str, Any] | None:
+def summarize_loop_stacks(
+    run_dir: Path, steps: np.ndarray, warmup: int, other_share: float | None = None
+) -> dict[str, Any] | None:
     """The ``loop_stacks`` section of a run summary, or None when the run has no samples.
 
     Counts are in timer ticks (a sample's weight), so a share is a share of time.
+    ``other_share`` is the measured share of "other" in steady step time (the summary's
+    ``breakdown_detail``): a line's ``step_share`` is its share of "other" times that.
     """
     read = _read(Path(run_dir) / STACKS_JSONL)
     if read is None:
@@ -204,6 +205,7 @@ def summarize_loop_stacks(run_dir: Path, steps: np.ndarray, warmup: int) -> dict
             "source": _code_line(*at) if at else None,
             "samples": count,
             "share": count / n_other,
+            "step_share": None if other_share is None else count / n_other * other_share,
             # ticks in the model's phases on this line (model(x) and a functional loss
             # on one line): the line is part of the step's own work
             "phase_samples": in_phases.get(at, 0),

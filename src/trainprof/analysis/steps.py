@@ -47,6 +47,32 @@ PHASE_COLUMNS: dict[str, tuple[str, ...]] = {
 }
 
 
+#: A step is an outlier (the diagnosis' spikes, the loop stacks' unusual steps) when it
+#: exceeds the median by all of: SPIKE_SIGMAS robust standard deviations (1.4826 x MAD,
+#: Composer's median/MAD pruning, expert-rules N4), SPIKE_REL of the median step, and
+#: SPIKE_ABS_S. The relative floor keeps ordinary jitter on a shared machine from being
+#: called a spike; the absolute floor does the same for microsecond steps.
+SPIKE_SIGMAS = 5.0
+SPIKE_REL = 0.5
+SPIKE_ABS_S = 0.5e-3
+
+
+def robust_scale(x: np.ndarray) -> tuple[float, float]:
+    """(median, 1.4826 x MAD) of ``x``: a standard deviation that outliers cannot inflate."""
+    if len(x) == 0:
+        return 0.0, 0.0
+    med = float(np.median(x))
+    return med, 1.4826 * float(np.median(np.abs(x - med)))
+
+
+def outliers(x: np.ndarray, floor: float) -> np.ndarray:
+    """Indices where ``x`` exceeds its median by more than ``max(SPIKE_SIGMAS * sigma, floor)``."""
+    if len(x) < 5:
+        return np.zeros(0, dtype=np.int64)
+    med, sigma = robust_scale(x)
+    return np.flatnonzero(x > med + max(SPIKE_SIGMAS * sigma, floor))
+
+
 def complete_steps(steps: np.ndarray) -> np.ndarray:
     """The steps to analyse: complete ones, with a manual run's automatic prefix merged.
 

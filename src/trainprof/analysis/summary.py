@@ -108,7 +108,9 @@ def summarize_run(run: Run) -> dict[str, Any]:
         "forward_roots": meta.get("forward_roots") or [],
         "ops": load_ops(run.path),
         # which lines of the loop the "other" time goes to (sampled stacks)
-        "loop_stacks": summarize_loop_stacks(run.path, run.steps, warm),
+        "loop_stacks": summarize_loop_stacks(
+            run.path, run.steps, warm, (stats.get("breakdown_detail") or {}).get("other")
+        ),
         "python_profile": summarize_python_profile(run.path),
         # torch.profiler windows (--deep): breakdown, GPU summary, top operators per window
         "deep": analyse_deep_windows(run.path),

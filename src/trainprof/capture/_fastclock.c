@@ -993,18 +993,20 @@ configure(PyObject *mod, PyObject *args, PyObject *kwds)
  * second. A Python thread that reads another thread's stack needs the GIL, so it only
  * ever sees the thread where it lets go of the GIL: in a sleep or a read at once, in
  * pure-Python code up to 5 ms later (a busy line of the loop got no sample and a
- * sleeping one all of them). A native timer thread fared better but woke late
- * whenever both cores were busy (torch's OpenMP threads spinning after the model's
- * ops), which moved ticks out of the compute phases. So the kernel keeps the time: a
+ * sleeping one all of them). A native timer thread sending the signal fared better
+ * (65% / 35% for an even split) but still under-sampled the model's phases - it seems
+ * to have woken late while torch's threads kept both cores busy. So the kernel keeps
+ * the time: a
  * POSIX timer (CLOCK_MONOTONIC) sends a signal to the training thread itself
  * (SIGEV_THREAD_ID). This handler runs at once, whatever the thread is doing (C++
  * code of torch included), notes the clock's step and phase at that instant, and asks
  * the interpreter to run the Python handler (PyErr_SetInterruptEx: async-signal-safe),
  * which it does in that thread at the next bytecode boundary: at once in pure Python;
  * interrupting a sleep; after a C call returns, on the line that made it. Ticks that
- * arrive before the Python handler ran (one long C call) are counted, so the sample
- * carries their number as its weight. The handler is installed with SA_RESTART, so
- * interrupted system calls resume.
+ * arrive before the Python handler ran (one long C call, or a tick the kernel had to
+ * merge: si_overrun) are counted, so the sample carries their number as its weight,
+ * in units of the finest interval (st_weight: a sparse tick weighs more). The handler
+ * is installed with SA_RESTART, so interrupted system calls resume.
  */
 #if defined(__linux__) && defined(SIGEV_THREAD_ID)
 #include <sys/syscall.h>
@@ -1030,8 +1032,8 @@ stack_timer_tick(int sig, siginfo_t *info, void *context)
     int overrun = (info != NULL && info->si_code == SI_TIMER) ? info->si_overrun : 0;
     __atomic_store_n(&st_phase, core->current, __ATOMIC_RELAXED);
     __atomic_store_n(&st_step, core->n_steps, __ATOMIC_RELAXED);
-    __atomic_add_fetch(&st_seq,
-                       __atomic_load_n(&st_weight, __ATOMIC_RELAXED) * (1 + (overrun > 0 ? overrun : 0)),
+    long long ticks = 1 + (overrun > 0 ? overrun : 0);
+    __atomic_add_fetch(&st_seq, __atomic_load_n(&st_weight, __ATOMIC_RELAXED) * ticks,
                        __ATOMIC_RELEASE);
     PyErr_SetInterruptEx(sig);
 }

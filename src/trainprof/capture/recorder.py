@@ -31,7 +31,7 @@ from trainprof.capture.ranks import MAX_RECORDED, RANKS_DIR, ChildRuns
 from trainprof.capture.sampler_process import SamplerProcess
 from trainprof.capture.window import WindowRunner
 from trainprof.capture.worker import MAIN_REARM_HZ, WORKERS_DIR, WorkerCapture
-from trainprof.schema import OTHER, RECORD_WIDTH, REGION
+from trainprof.schema import RECORD_WIDTH, REGION, STEP_FIELDS
 from trainprof.store import SAMPLES_JSONL, STACKS_JSONL, RunWriter
 
 #: ``torch.cuda.memory_stats`` keys recorded in run.json's ``cuda_memory`` (see ``stop``).
@@ -87,13 +87,16 @@ def forget_inherited_recorder() -> bool:
     return False
 
 
+_DUR, _OTHER = STEP_FIELDS.index("dur_ns"), STEP_FIELDS.index("other_ns")
+
+
 def _other_share(records: bytes) -> float | None:
     """Share of "other" in a batch of native step records (None when there are none)."""
     if not records:
         return None
     values = memoryview(records).cast("q")
-    dur = sum(values[2::RECORD_WIDTH])
-    return sum(values[3 + OTHER::RECORD_WIDTH]) / dur if dur > 0 else None
+    dur = sum(values[_DUR::RECORD_WIDTH])
+    return sum(values[_OTHER::RECORD_WIDTH]) / dur if dur > 0 else None
 
 
 class Recorder:

@@ -23,34 +23,17 @@ from typing import Any
 
 import numpy as np
 
-from trainprof.analysis.steps import PHASE_COLUMNS, complete_steps
+from trainprof.analysis.steps import (  # noqa: F401 - the spike definition, re-exported
+    PHASE_COLUMNS,
+    SPIKE_ABS_S,
+    SPIKE_REL,
+    SPIKE_SIGMAS,
+    complete_steps,
+    outliers,
+    robust_scale,
+)
 
 #: Exclusive phase columns of a step record, in the order of the summary's breakdown.
-
-#: A step is an outlier when it exceeds the median by all of: SPIKE_SIGMAS robust standard
-#: deviations (1.4826 x MAD, Composer's median/MAD pruning, expert-rules N4), SPIKE_REL of the
-#: median step, and SPIKE_ABS_S. The relative floor keeps ordinary jitter on a shared machine
-#: from being called a spike; the absolute floor does the same for microsecond steps.
-SPIKE_SIGMAS = 5.0
-SPIKE_REL = 0.5
-SPIKE_ABS_S = 0.5e-3
-
-
-def robust_scale(x: np.ndarray) -> tuple[float, float]:
-    """(median, 1.4826 x MAD) of ``x``: a standard deviation that outliers cannot inflate."""
-    if len(x) == 0:
-        return 0.0, 0.0
-    med = float(np.median(x))
-    return med, 1.4826 * float(np.median(np.abs(x - med)))
-
-
-def outliers(x: np.ndarray, floor: float) -> np.ndarray:
-    """Indices where ``x`` exceeds its median by more than ``max(SPIKE_SIGMAS * sigma, floor)``."""
-    if len(x) < 5:
-        return np.zeros(0, dtype=np.int64)
-    med, sigma = robust_scale(x)
-    return np.flatnonzero(x > med + max(SPIKE_SIGMAS * sigma, floor))
-
 
 @dataclass
 class PeriodFit:

@@ -114,7 +114,10 @@ def loop_code(ctx: Context) -> Finding | None:
     other_info = stacks.get("other") or {}
     rows: list[dict[str, Any]] = other_info.get("lines") or []
     n_other = int(other_info.get("samples") or 0)
-    other = float(ctx.breakdown.get("other") or 0.0)
+    # "other" alone: the breakdown's "other" also holds named regions (prof.region), which
+    # the samples keep apart
+    detail = ctx.summary.get("breakdown_detail") or {}
+    other = float(detail.get("other", ctx.breakdown.get("other")) or 0.0)
     if not rows or n_other < MIN_OTHER_SAMPLES or other < MEDIUM:
         return None
     if any(ld.get("iterated_in_thread") for ld in ctx.loaders):

@@ -416,11 +416,10 @@ def _other_row(summary: dict[str, Any]) -> str | None:
     """Where "other" goes, from the sampled stacks: the loop's top lines (5% of step or more)."""
     stacks = summary.get("loop_stacks") or {}
     rows = (stacks.get("other") or {}).get("lines") or []
-    other = float((summary.get("breakdown") or {}).get("other") or 0.0)
     n = int((stacks.get("other") or {}).get("samples") or 0)
     parts = []
     for r in rows[:3]:
-        if r.get("file") is None or r["share"] * other < 0.05:
+        if r.get("file") is None or (r.get("step_share") or 0.0) < 0.05:
             continue
         parts.append(f"{os.path.basename(r['file'])}:{r['line']} {r.get('source') or ''} "
                      f"{r['share'] * 100:.0f}%")
