@@ -1,11 +1,18 @@
 """A small image classifier whose input pipeline is the bottleneck.
 
-Each sample is one .npy file on disk, read as if from remote storage (a few
-milliseconds of latency per file), then normalised in Python, one sample at a
-time, in the training process (num_workers=0). The model itself is cheap. This
-is what `trainprof run examples/slow_input.py` is meant to catch.
+Each sample is one .npy file on disk (class sub-folders, like ImageFolder), read
+as if from remote storage (a few milliseconds of latency per file opened), then
+normalised in Python, one sample at a time, in the training process
+(num_workers=0). The model itself is cheap. This is what
+`trainprof run examples/slow_input.py` is meant to catch.
 
     python examples/slow_input.py --steps 60
+    python examples/slow_input.py --num-workers 4          # the first fix
+    trainprof pack examples/data/slow_input examples/data/slow_input.pack
+    python examples/slow_input.py --packed examples/data/slow_input.pack   # the reads removed
+
+A pack holds the samples in one large file, opened once per process: the
+simulated per-file latency is gone with the per-file opens.
 """
 
 import argparse
@@ -23,22 +30,30 @@ parser.add_argument("--batch-size", type=int, default=32)
 parser.add_argument("--num-workers", type=int, default=0)
 parser.add_argument("--latency-ms", type=float, default=1.5, help="simulated storage latency")
 parser.add_argument("--data", default=str(Path(__file__).parent / "data" / "slow_input"))
+parser.add_argument("--packed", metavar="PACK", help="read the samples from this pack")
 args = parser.parse_args()
 
 
 def make_dataset(root: Path, n: int = 2048) -> None:
-    """Write n random 3x32x32 uint8 images, one file each (only once)."""
-    if (root / f"{n - 1}.npy").exists():
+    """Write n random 3x32x32 uint8 images, one file each, in 10 class folders (only once)."""
+    if (root / "done").exists():
         return
-    root.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     for i in range(n):
-        np.save(root / f"{i}.npy", rng.integers(0, 256, (3, 32, 32), dtype=np.uint8))
+        folder = root / f"class{i % 10}"
+        folder.mkdir(parents=True, exist_ok=True)
+        np.save(folder / f"{i}.npy", rng.integers(0, 256, (3, 32, 32), dtype=np.uint8))
+    (root / "done").touch()
+
+
+def normalise(image: np.ndarray) -> torch.Tensor:
+    image = torch.from_numpy(image).float() / 255
+    return (image - 0.5) / 0.25  # per-sample normalisation on the CPU
 
 
 class RemoteImages(Dataset):
     def __init__(self, root: Path, latency_s: float):
-        self.files = sorted(root.glob("*.npy"), key=lambda p: int(p.stem))
+        self.files = sorted(root.glob("class*/*.npy"))
         self.latency_s = latency_s
 
     def __len__(self):
@@ -46,16 +61,21 @@ class RemoteImages(Dataset):
 
     def __getitem__(self, i):
         time.sleep(self.latency_s)  # the round trip to remote storage
-        image = torch.from_numpy(np.load(self.files[i])).float() / 255
-        image = (image - 0.5) / 0.25  # per-sample normalisation on the CPU
-        return image, i % 10
+        path = self.files[i]
+        return normalise(np.load(path)), int(path.parent.name[len("class"):])
 
 
 root = Path(args.data)
 make_dataset(root)
 torch.manual_seed(0)
+if args.packed:
+    from trainprof.fixes import PackedDataset
+
+    dataset = PackedDataset(args.packed, transform=normalise)
+else:
+    dataset = RemoteImages(root, args.latency_ms / 1000)
 loader = DataLoader(
-    RemoteImages(root, args.latency_ms / 1000),
+    dataset,
     batch_size=args.batch_size,
     shuffle=True,
     num_workers=args.num_workers,

@@ -300,6 +300,8 @@ if __name__ == "__main__":
     assert "sample_cpu_ms" in f["evidence"] and "collate_ms_per_batch" in f["evidence"]
     assert "ms on reads or latency" in f["title"]
     assert "num_workers=4,  # was 2: blocked workers can exceed" in f["fix"]["snippet"]
+    assert "from trainprof.fixes import PackedDataset" in f["fix"]["snippet"]
+    assert "removing it is better: pack the sample files once" in f["fix"]["text"]
     # the files behind it: one per worker, closed at exit
     files = sorted((tmp_path / "run" / "workers").glob("*.json"))
     assert len(files) == 2

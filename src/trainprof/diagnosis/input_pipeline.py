@@ -55,6 +55,17 @@ HIGH, MEDIUM = 0.20, 0.05  # TF input-pipeline analyzer bands (I1)
 #: Per-worker CPU above which a worker counts as saturated (CPU-bound), below which as
 #: mostly blocked (waiting on reads, sleeps, the network).
 SATURATED, BLOCKED = 0.80, 0.50
+#: What removes per-file reads (data-loading.md §4): the pack tool, in a finding's words.
+PACK_HINT = (
+    "pack the sample files once into a few large files (`trainprof pack DATA_DIR OUT`, read "
+    "by `trainprof.fixes.PackedDataset`) or copy the data to local disk."
+)
+#: The pack in a snippet, after the loader: samples and order as ImageFolder's.
+PACK_SNIPPET = (
+    "# when each sample is a file: pack them once (`trainprof pack DATA_DIR DATA.pack`), then\n"
+    "from trainprof.fixes import PackedDataset\n"
+    "dataset = PackedDataset(\"DATA.pack\", transform=...)  # (sample, label) as ImageFolder"
+)
 #: Samples the workers must have measured before their stage split names the cause.
 MIN_SAMPLES = 16
 #: Busy share (time in fetch since the first batch) below which workers are not the bottleneck.
@@ -435,7 +446,7 @@ def data_wait(ctx: Context) -> Finding | None:
                 )
                 text += (
                     f" {most}, so workers overlap it even beyond the core count; if it stays "
-                    "slow, pack the samples into one file or copy them to local disk."
+                    f"slow, {PACK_HINT}"
                 )
         elif decisive:
             title = (
@@ -480,9 +491,12 @@ def data_wait(ctx: Context) -> Finding | None:
                 "is free, so more workers cannot help: make each sample cheaper."
             )
         text = (
-            f"{why}{fn_txt} Cache deterministic work (decoded images, tokenised text) once; "
-            "collate uint8 and normalise on the device instead of per sample in float32; "
-            "move augmentations to the GPU; pre-process offline."
+            f"{why}{fn_txt} Do deterministic work (decoding images, tokenising text) once, "
+            "not every epoch: `trainprof pack --decode DATA_DIR OUT` stores decoded images, "
+            "`trainprof.fixes.pack_dataset(dataset, OUT)` a dataset's own items, and "
+            "`PackedDataset(OUT, transform=...)` keeps only the random augmentations per "
+            "sample; collate uint8 and normalise on the device instead of per sample in "
+            "float32; move augmentations to the GPU."
         )
         if decisive and not functions:
             text += f" `trainprof run --py {ctx.script}` shows which functions take the time."
@@ -534,8 +548,7 @@ def data_wait(ctx: Context) -> Finding | None:
                 f"The {nw} workers spend most of their time blocked ({reads_ms:.2f} ms per "
                 f"sample, against {cpu_ms:.2f} ms of CPU): they wait on storage or the network."
                 f"{fn_txt} More workers overlap more of that wait (beyond the core count); "
-                "packing samples into large files, copying the data to local disk or caching "
-                "it removes it."
+                f"removing it is better: {PACK_HINT}"
             )
         else:
             title = (
@@ -545,8 +558,7 @@ def data_wait(ctx: Context) -> Finding | None:
             text = (
                 f"The {nw} workers use only {(per_worker or 0) * 100:.0f}% CPU each while the "
                 "loop waits: they wait on storage or the network. More workers overlap more of "
-                "that wait (beyond the core count); packing samples into large files, copying "
-                "the data to local disk or caching it removes it."
+                f"that wait (beyond the core count); removing it is better: {PACK_HINT}"
             )
         comment = f"was {nw}: blocked workers can exceed the {core_txt}"
     else:
@@ -567,6 +579,8 @@ def data_wait(ctx: Context) -> Finding | None:
     if pin:
         text += " Pin host memory (pin_memory=True) so copies to the GPU run asynchronously."
     snippet = loader_snippet(loader, num_workers=suggested, pin_memory=pin, comment=comment)
+    if cause == "slow_reads" or (cause == "too_few_workers" and nw == 0 and blocked):
+        snippet += "\n\n" + PACK_SNIPPET
     return Finding(
         category="input_pipeline",
         cause=cause,

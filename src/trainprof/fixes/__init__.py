@@ -1,0 +1,33 @@
+"""Fixes users import: what a finding's snippet tells them to use.
+
+* :class:`PackedDataset`, :func:`pack_folder`, :func:`pack_dataset` — one-file-per-sample
+  data (or a dataset's deterministic per-item work: decoding, tokenising) written once
+  into a few large files and read back by ``mmap``; ``trainprof pack`` on the command line.
+
+Format and measurements: :mod:`trainprof.fixes.pack_format`. Names are imported on first
+use (PEP 562), so ``trainprof pack`` reports bad input before torch is imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {
+    "PackError": "trainprof.fixes.pack_format",
+    "PackedDataset": "trainprof.fixes.packed_dataset",
+    "pack_dataset": "trainprof.fixes.pack_writer",
+    "pack_folder": "trainprof.fixes.folder",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'trainprof.fixes' has no attribute {name!r}")
+    return getattr(importlib.import_module(_WHERE[name]), name)
+
+
+def __dir__() -> list[str]:
+    return __all__
