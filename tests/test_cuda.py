@@ -189,3 +189,23 @@ def test_grad_scaler_skips_and_syncs_on_cuda(tp):
     causes = {f["rule"]: f.get("cause") for f in doc["findings"]}
     if "sync.device_syncs" in causes:
         assert causes["sync.device_syncs"] == "explicit_synchronize", doc["findings"]
+
+
+def test_device_prefetcher_on_a_side_stream_gives_the_cpu_paths_batches():
+    """trainprof.fixes.DevicePrefetcher on CUDA: copies on a side stream, pinned memory."""
+    from torch.utils.data import DataLoader
+
+    from trainprof.fixes import DevicePrefetcher
+
+    images = torch.randint(0, 256, (64, 3, 8, 8), dtype=torch.uint8)
+    labels = torch.arange(64)
+    loader = DataLoader(list(zip(images, labels, strict=True)), batch_size=16, pin_memory=True)
+    mean, std = [0.5, 0.4, 0.3], [0.2, 0.25, 0.3]
+    on_cpu = list(DevicePrefetcher(loader, "cpu", mean=mean, std=std))
+    on_gpu = []
+    for x, y in DevicePrefetcher(loader, "cuda", mean=mean, std=std):
+        assert x.is_cuda and y.is_cuda and x.dtype == torch.float32
+        on_gpu.append((x * 2).cpu())  # work on the compute stream, after the wait
+    assert len(on_gpu) == 4
+    for (x_cpu, _), x_gpu in zip(on_cpu, on_gpu, strict=True):
+        torch.testing.assert_close(x_gpu, x_cpu * 2)

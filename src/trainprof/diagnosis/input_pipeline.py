@@ -66,6 +66,26 @@ PACK_SNIPPET = (
     "from trainprof.fixes import PackedDataset\n"
     "dataset = PackedDataset(\"DATA.pack\", transform=...)  # (sample, label) as ImageFolder"
 )
+
+
+def cache_snippet(dataset: str, loader_call: str, *, on_cuda: bool) -> str:
+    """The cpu_transforms fix: the deterministic part cached, the float work batched."""
+    device = "cuda" if on_cuda else "cpu"
+    return (
+        "from trainprof.fixes import CachedDataset, DevicePrefetcher\n\n"
+        "# the deterministic part (decode, resize) once, kept on disk; the random part\n"
+        "# per sample, in uint8 (crop, flip)\n"
+        f"dataset = CachedDataset({dataset}(...), \"cache/train\", transform=crop_flip_uint8)\n"
+        + loader_call.replace(f"    {dataset}(...),  # your dataset, unchanged",
+                              "    dataset,  # the cached dataset above")
+        + "\n# float conversion, colour jitter and Normalize once per batch, where the model "
+        "runs\n"
+        f"for x, y in DevicePrefetcher(loader, \"{device}\", mean=MEAN, std=STD, "
+        "batch_transform=color_jitter):\n"
+        "    ..."
+    )
+
+
 #: Samples the workers must have measured before their stage split names the cause.
 MIN_SAMPLES = 16
 #: Busy share (time in fetch since the first batch) below which workers are not the bottleneck.
@@ -491,19 +511,22 @@ def data_wait(ctx: Context) -> Finding | None:
                 "is free, so more workers cannot help: make each sample cheaper."
             )
         text = (
-            f"{why}{fn_txt} Do deterministic work (decoding images, tokenising text) once, "
-            "not every epoch: `trainprof pack --decode DATA_DIR OUT` stores decoded images, "
-            "`trainprof.fixes.pack_dataset(dataset, OUT)` a dataset's own items, and "
-            "`PackedDataset(OUT, transform=...)` keeps only the random augmentations per "
-            "sample; collate uint8 and normalise on the device instead of per sample in "
-            "float32; move augmentations to the GPU."
+            f"{why}{fn_txt} Do the deterministic work (decoding, resizing, tokenising) once, "
+            "not every epoch: `trainprof.fixes.CachedDataset` keeps each item on disk the "
+            "first time it is computed (or `trainprof pack --decode` stores decoded images "
+            "ahead of time), and only the random augmentations stay per sample. Keep "
+            "those in uint8 (crop, flip), collate uint8, and do the float work (colour "
+            "jitter, Normalize) once per batch where the model runs: "
+            "`trainprof.fixes.DevicePrefetcher`."
         )
         if decisive and not functions:
             text += f" `trainprof run --py {ctx.script}` shows which functions take the time."
         comment = f"unchanged: the {core_txt} are busy"
+        run_dir = ctx.summary.get("run_dir") or "RUN"
         verify = (
-            f"time `for batch in loader: pass` alone before and after the change; then "
-            f"`trainprof run {ctx.script}`: the data wait share (now {pct}) should fall"
+            f"`trainprof run {ctx.script}` after the change (twice: the first run fills the "
+            f"cache), then trainprof compare {run_dir} <the new run>: the data wait share "
+            f"(now {pct}) should fall"
         )
     elif cause == "collate":
         col_share = float((split or {}).get("collate") or 0)
@@ -581,6 +604,9 @@ def data_wait(ctx: Context) -> Finding | None:
     snippet = loader_snippet(loader, num_workers=suggested, pin_memory=pin, comment=comment)
     if cause == "slow_reads" or (cause == "too_few_workers" and nw == 0 and blocked):
         snippet += "\n\n" + PACK_SNIPPET
+    if cause == "cpu_transforms":
+        snippet = cache_snippet(_short((loader or {}).get("dataset"), "Dataset"), snippet,
+                                on_cuda=ctx.on_cuda)
     return Finding(
         category="input_pipeline",
         cause=cause,

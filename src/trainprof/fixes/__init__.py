@@ -3,6 +3,10 @@
 * :class:`PackedDataset`, :func:`pack_folder`, :func:`pack_dataset` — one-file-per-sample
   data (or a dataset's deterministic per-item work: decoding, tokenising) written once
   into a few large files and read back by ``mmap``; ``trainprof pack`` on the command line.
+* :class:`CachedDataset` — a dataset's deterministic per-item work (decode, resize) done
+  the first time an item is read and kept on disk; random augmentations after it.
+* :class:`DevicePrefetcher` — batches copied to the device ahead of use (a side stream
+  on CUDA), uint8 images turned into floats, augmented and normalised there, batched.
 
 Format and measurements: :mod:`trainprof.fixes.pack_format`. Names are imported on first
 use (PEP 562), so ``trainprof pack`` reports bad input before torch is imported.
@@ -14,6 +18,8 @@ import importlib
 from typing import Any
 
 _WHERE = {
+    "CachedDataset": "trainprof.fixes.cached_dataset",
+    "DevicePrefetcher": "trainprof.fixes.device_prefetcher",
     "PackError": "trainprof.fixes.pack_format",
     "PackedDataset": "trainprof.fixes.packed_dataset",
     "pack_dataset": "trainprof.fixes.pack_writer",

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from trainprof.fixes.pack_format import PackError, read_manifest
+from trainprof.fixes.sample_layout import apply_transforms
 
 try:  # a torch Dataset when torch is there (it always is for training), else a plain class
     from torch.utils.data import Dataset as _Base
@@ -223,17 +224,8 @@ class PackedDataset(_Base):  # type: ignore[misc,valid-type]
         return image.convert(self.image_mode) if self.image_mode else image
 
     def _sample(self, values: list[Any]) -> Any:
-        if self._returns == "dict":
-            sample: Any = dict(zip(self.fields, values, strict=True))
-            return self.transform(sample) if self.transform else sample
-        if self._returns == "single":
-            return self.transform(values[0]) if self.transform else values[0]
-        if self.transform is not None and values:
-            values[0] = self.transform(values[0])
-        if self.target_transform is not None and len(values) > 1:
-            values[1] = self.target_transform(values[1])
-        return tuple(values)
-
+        return apply_transforms(self._returns, self.fields, values, self.transform,
+                                self.target_transform)
 
 def _map(path: Path) -> Any:
     """A read-only map of ``path`` (an empty file maps to empty bytes: mmap refuses it)."""
