@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -241,3 +242,41 @@ def test_cli_bad_input_is_one_error_line(tmp_path, args, message):
     assert (tmp_path / "notes.txt").read_text() == "mine"
     assert not (tmp_path / "out").exists()
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]
+
+
+def test_flat_folder_of_npy_files_packs_to_arrays_in_path_order(tmp_path):
+    rng = np.random.default_rng(2)
+    arrays = {f"{name}.npy": rng.standard_normal((2, 3)).astype(np.float32)
+              for name in ("b", "a", "c/d")}
+    (tmp_path / "src" / "c").mkdir(parents=True)
+    for name, array in arrays.items():
+        np.save(tmp_path / "src" / name, array)
+    manifest = pack_folder(tmp_path / "src", tmp_path / "pack", decode=True)
+    assert "classes" not in manifest  # files at the top: no class folders
+    ds = PackedDataset(tmp_path / "pack")
+    assert len(ds) == 3
+    for i, name in enumerate(["a.npy", "b.npy", "c/d.npy"]):
+        assert isinstance(ds[i], np.ndarray) and np.array_equal(ds[i], arrays[name])
+        assert ds.path_of(i) == name
+    with pytest.raises(AttributeError, match="no label field"):
+        _ = ds.targets
+
+
+def test_ctrl_c_while_packing_leaves_no_partial_pack(tmp_path):
+    src = tmp_path / "src"
+    for c in range(4):
+        (src / f"c{c}").mkdir(parents=True)
+        for i in range(5000):
+            (src / f"c{c}" / f"{i}.bin").write_bytes(os.urandom(256))
+    proc = subprocess.Popen([sys.executable, "-m", "trainprof", "pack", "src", "out"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if "packing: " in line:  # the first progress line: rows are being written
+            break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "trainprof: interrupted" in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no out, no partial folder

@@ -3,8 +3,10 @@
 The layout is torchvision's ``ImageFolder``'s when the folder has class sub-folders
 (``root/<class>/<file>``): classes sorted by name give the labels, files sorted within
 a class give the order, so index *i* of the pack is index *i* of
-``ImageFolder(root)`` (files found by extension aside: give ``extensions`` for that).
-A folder without class sub-folders packs every file under it, sorted by path.
+``ImageFolder(root)`` (files found by extension aside: give ``extensions`` for that);
+files beside the class folders (a marker, a README) are skipped and counted, as
+ImageFolder ignores them. A folder without class sub-folders, or with more files at
+its top than in its sub-folders, packs every file under it, sorted by path.
 
 Files are read by a pool of threads (reads release the GIL, and on network storage
 many in flight is what hides the latency); rows are written in order.
@@ -77,6 +79,8 @@ def list_folder(root: Path | str, extensions: tuple[str, ...] | None = None) -> 
         per_class = [(name, found) for name, found in per_class if found]
     else:
         per_class = []
+    if per_class and len(top_files) >= sum(len(found) for _, found in per_class):
+        per_class = []  # mostly files at the top: a flat folder with a few sub-folders
     if per_class:
         classes = [name for name, _ in per_class]
         labels = []
