@@ -632,3 +632,94 @@ def test_no_worker_files_no_section(tmp_path):
     assert summarize_workers(tmp_path) is None
     (tmp_path / "workers").mkdir()
     assert summarize_workers(tmp_path) is None
+
+
+# -- samples that cost microseconds: workers do not pay --------------------------------------
+
+
+def test_cheap_samples_in_idle_workers_are_a_handoff_and_in_process_an_overhead():
+    # 2 µs a sample, workers idle 80%: the loop waits for the batches' hand-over
+    f, _, _ = diagnose_with(entry(0.0005, 0.0, 0.0015, 1.5, busy=0.2), data_ms=3.0)
+    assert f["cause"] == "worker_handoff", f["cause"]
+    assert "idle 80% of the time" in f["title"]
+    assert f["evidence"]["sample_cost_ms"] == pytest.approx(0.002)
+    assert "num_workers=0,  # was 2: samples cost 2 µs" in f["fix"]["snippet"]
+    assert "BatchSampler(" in f["fix"]["snippet"] and f["verify"].startswith(
+        "trainprof tune --knob num_workers=0,2 ")
+    # the loop could keep what the samples cost itself: 32 x 2 µs of the 3 ms wait
+    share = f["evidence"]["data_wait_share"]
+    assert f["estimated_gain"] == pytest.approx(share * (1 - 0.064 / 3.0), rel=0.02)
+    # the same samples dearer (1 ms each) in idle workers: not a hand-over
+    f, _, _ = diagnose_with(entry(0.1, 0.0, 0.9, 0.5, busy=0.3))
+    assert f["cause"] == "undetermined"
+    # cheap samples loaded in the training process: workers would not pay either
+    w = entry(0.0005, 0.0, 0.0015, 0.4)
+    w.update(mode="main", num_workers=0)
+    f, _, _ = diagnose_with(w, loader_kw={"num_workers": 0, "persistent_workers": False},
+                            data_ms=1.0)
+    assert f["cause"] == "per_sample_overhead", f["cause"]
+    assert "samples that cost 2 µs each, loaded one sample at a time" in f["title"]
+    assert "def __getitem__(self, indices)" in f["fix"]["snippet"]
+    assert "num_workers=4" not in f["fix"]["snippet"]
+    # dearer samples in the training process: workers, as before
+    w = entry(0.0, 0.0, 0.5, 0.4)
+    w.update(mode="main", num_workers=0)
+    f, _, _ = diagnose_with(w, loader_kw={"num_workers": 0, "persistent_workers": False})
+    assert f["cause"] == "too_few_workers"
+
+
+CHEAP = """
+import numpy as np
+from torch.utils.data import BatchSampler, RandomSampler
+
+class Decoded(Dataset):          # pre-decoded images in memory: microseconds a sample
+    def __init__(self, n=12000):
+        g = np.random.default_rng(0)
+        self.images = torch.from_numpy(g.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8))
+        self.labels = torch.arange(n) % 2
+    def __len__(self):
+        return len(self.images)
+    def __getitem__(self, i):     # one index, or a list of them (a whole batch)
+        return self.images[i], self.labels[i]
+
+def fit(loader, epochs=2):
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(epochs):
+        for x, y in loader:
+            loss = nn.functional.cross_entropy(model(x.float() / 255), y)
+            opt.zero_grad(); loss.backward(); opt.step()
+
+if __name__ == "__main__":
+    data = Decoded()
+    mode = sys.argv[1]
+    if mode == "workers":
+        fit(DataLoader(data, batch_size=256, shuffle=True, num_workers=2, persistent_workers=True))
+    elif mode == "main":
+        fit(DataLoader(data, batch_size=256, shuffle=True))
+    else:
+        batches = BatchSampler(RandomSampler(data), 256, False)
+        fit(DataLoader(data, batch_size=None, sampler=batches))
+"""
+
+
+@pytest.mark.parametrize(("mode", "cause"), [
+    ("workers", "worker_handoff"), ("main", "per_sample_overhead"), ("batched", "batched_read"),
+])
+def test_pre_decoded_samples_get_no_advice_to_add_workers(tmp_path, mode, cause):
+    write_script(tmp_path, "train.py", COMMON + CHEAP)
+    res = trainprof("run", "--json", "train.py", mode, cwd=tmp_path, timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = res.json()
+    w = loader_entry(doc)
+    per_sample = w["sample_cpu_ms"]["mean"] + w["sample_blocked_ms"]["mean"]
+    if mode == "batched":
+        per_sample /= 256
+    assert per_sample < 0.02, w  # microseconds: indexing a tensor
+    hits = [f for f in doc["findings"] if f["category"] == "input_pipeline"]
+    if not hits:  # the wait fell under the 5% band (a fast step on a quiet machine)
+        assert doc["breakdown"]["data_wait"] < 0.05
+        return
+    (f,) = hits
+    assert f["cause"] == cause, (f["cause"], f["title"])
+    assert "num_workers=4" not in f["fix"]["snippet"] and "num_workers=3" not in f["fix"]["snippet"]

@@ -23,7 +23,10 @@ are not counted here. The ladder:
 1. ``worker_startup_per_epoch``: no ``persistent_workers``, and restarting the workers
    (data-wait spikes at the epoch length, or the start-ups the workers measured after
    the first one) is at least half of the wait.
-2. ``too_few_workers`` with ``num_workers=0``: loading in the training process.
+2. ``too_few_workers`` with ``num_workers=0``: loading in the training process, unless
+   the samples were measured to cost less than :data:`CHEAP_SAMPLE_MS` each:
+   ``per_sample_overhead`` then (a worker would cost more than it saves; the wait is
+   the sample-by-sample path, and reading a batch at once removes it).
 3. With the worker-side measurements (:mod:`trainprof.analysis.workers`: per-sample
    blocked and CPU time in ``__getitem__``, ``collate_fn`` per batch, run-queue
    waits), the stage that takes most of the workers' time names the cause, as TF's
@@ -33,9 +36,11 @@ are not counted here. The ladder:
    Workers that wait for a core count as CPU-bound, not blocked: that wait is a CPU
    shortage. Only when the workers are busy (at least :data:`BUSY` of their time
    since their first batch) and measured :data:`MIN_SAMPLES` samples. Measured
-   workers that are mostly idle are not what the loop waits for: ``undetermined``,
-   and the fix points at how batches reach the training process (their low CPU use
-   is idleness, not blocked reads).
+   workers that are mostly idle are not what the loop waits for: ``worker_handoff``
+   when their samples cost less than :data:`CHEAP_SAMPLE_MS` (the batches' trip
+   through shared memory is what the loop waits for; data-loading.md §2: 925k samples/s
+   with no worker, 113k with 2), else ``undetermined``, and the fix points at how
+   batches reach the training process (their low CPU use is idleness, not blocked reads).
 4. Without them (fewer samples, a run recorded by an older trainprof, a trace),
    "blocked vs CPU" is estimated from the workers' CPU use sampled from outside.
 """
@@ -55,6 +60,13 @@ HIGH, MEDIUM = 0.20, 0.05  # TF input-pipeline analyzer bands (I1)
 #: Per-worker CPU above which a worker counts as saturated (CPU-bound), below which as
 #: mostly blocked (waiting on reads, sleeps, the network).
 SATURATED, BLOCKED = 0.80, 0.50
+#: Per-sample loading cost (CPU + blocked, means, ms) below which a worker process costs
+#: more than it saves: handing a batch over (shared memory, unpickling in the training
+#: process) outweighs the loading. data-loading.md §2: pre-decoded samples at 8 µs (npy
+#: memmap) and 17 µs (h5py) loaded no faster with 2 workers than with none (99k vs 89k,
+#: 56k vs 57k samples/s); PNG decoding at 70-100 µs gained 1.5-1.7× from 2 workers.
+CHEAP_SAMPLE_MS = 0.02
+
 #: What removes per-file reads (data-loading.md §4): the pack tool, in a finding's words.
 PACK_HINT = (
     "pack the sample files once into a few large files (`trainprof pack DATA_DIR OUT`, read "
@@ -224,6 +236,122 @@ def _ms(stats: Any, key: str = "mean") -> float:
     return float(v) if isinstance(v, int | float) else 0.0
 
 
+def _samples_per_step(ctx: Context) -> float | None:
+    """The median batch of the steady steps (the records count samples per step)."""
+    if ctx.has_steps():
+        samples = ctx.steady["samples"]
+        if len(samples) and float(np.median(samples)) > 0:
+            return float(np.median(samples))
+    rate, steps = ctx.summary.get("samples_per_s"), ctx.summary.get("steps_per_s")
+    return float(rate) / float(steps) if rate and steps else None
+
+
+def _mean_ms(stats: Any) -> float:
+    return float((stats or {}).get("mean") or 0.0) if isinstance(stats, dict) else 0.0
+
+
+def _cheap_samples_finding(ctx: Context, cause: str, loader: dict[str, Any] | None,
+                           evidence: dict[str, Any], share: float, severity: str, nw: int,
+                           sample_ms: float, collate_ms: float, worker_busy: float | None,
+                           pct: str) -> Finding:
+    """Samples that cost microseconds: workers do not pay; batches read at once do."""
+    batch = int((loader or {}).get("batch_size") or 0) or None
+    dataset = _short((loader or {}).get("dataset"), "Dataset")
+    us = sample_ms * 1000
+    wait_s = evidence.get("data_wait_median_s")
+    evidence["sample_cost_ms"] = sample_ms
+    batch_txt = f"{batch} " if batch else ""
+    read_at_once = (
+        f"Read a batch at once instead: give the dataset the whole list of indices "
+        f"(batch_size=None and a BatchSampler) and index its arrays with it, one vectorised "
+        f"read instead of {batch_txt}`__getitem__` calls and a collate."
+    )
+    sampler = ("RandomSampler(dataset)" if str((loader or {}).get("sampler") or "")
+               .endswith("RandomSampler") else "SequentialSampler(dataset)")
+    batched = (
+        "from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler\n\n"
+        f"class {dataset}(...):  # your dataset, plus a batched read:\n"
+        "    def __getitem__(self, indices):  # a list of indices: the whole batch\n"
+        "        return self.images[indices], self.labels[indices]  # e.g. numpy or tensors\n\n"
+        "loader = DataLoader(\n"
+        "    dataset,\n"
+        "    batch_size=None,  # the sampler below makes the batches\n"
+        f"    sampler=BatchSampler({sampler}, batch_size={batch or 32}, drop_last=False),\n"
+        "    num_workers=0,  # samples this cheap do not pay for a worker\n"
+        ")"
+    )
+    run_dir = ctx.summary.get("run_dir") or "RUN"
+    if cause == "batched_read":
+        per_step = _samples_per_step(ctx) or 1
+        batch_ms = sample_ms * per_step
+        title = (f"Training waits for data {pct} of step time: reading each batch "
+                 f"({per_step:.0f} samples, {us:.1f} µs each) in the training process")
+        text = (
+            f"The batches are read at once already and a sample costs {us:.1f} µs, so worker "
+            "processes would cost more than they save: handing a batch over through shared "
+            f"memory costs more than reading it. What remains is the read, {batch_ms:.2f} ms "
+            "a batch: keep the stored data as small as it can be (uint8 images, not float32) "
+            "and in one array (not a list of arrays), so that a batch is one gather."
+        )
+        snippet = (
+            "images = torch.from_numpy(np.stack(images_list))  # one uint8 array: one gather\n"
+            "loader = DataLoader(dataset, batch_size=None, sampler=BatchSampler(...), "
+            "num_workers=0)  # keep: no workers\n"
+            "for x, y in loader:\n"
+            "    x = x.to(device).float().div_(255)  # convert after the read, on the device"
+        )
+        return Finding(  # low: no change is known to remove it, but workers are ruled out
+            category="input_pipeline", cause=cause, title=title, severity="low",
+            evidence=evidence, estimated_gain=share, fix=Fix(text=text, snippet=snippet),
+            verify=(f"trainprof tune --knob num_workers=0,2 {ctx.script} (workers should not "
+                    f"help); after a change, trainprof compare {run_dir} <the new run>"),
+        )
+    if cause == "per_sample_overhead":
+        title = (f"Training waits for data {pct} of step time: batches of samples that cost "
+                 f"{us:.0f} µs each, loaded one sample at a time (collate {collate_ms:.2f} ms "
+                 "a batch)")
+        text = (
+            f"Each sample costs only {us:.0f} µs to load, so worker processes would not pay "
+            "for themselves: handing a batch over from a worker (shared memory, unpickling "
+            "in the training process) costs more than loading it (data-loading.md: "
+            "pre-decoded samples loaded no faster with 2 workers than with none). The wait "
+            f"is the per-sample path itself: {batch_txt}`__getitem__` calls and a collate of "
+            f"{collate_ms:.2f} ms per batch. {read_at_once}"
+        )
+        verify = (f"after the change, trainprof compare {run_dir} <the new run> (data wait now "
+                  f"{pct}); `trainprof tune --knob num_workers=0,2 {ctx.script}` shows whether "
+                  "workers help")
+        gain = share
+    else:
+        batch_s = sample_ms / 1000 * (batch or 1)
+        # in the training process the samples still cost their time, the hand-over none
+        gain = share * max(0.0, 1.0 - batch_s / float(wait_s)) if wait_s else share
+        wait_txt = f"{float(wait_s) * 1000:.2f} ms" if wait_s else "a share of each step"
+        title = (f"Training waits for data {pct} of step time while the {nw} DataLoader "
+                 f"workers are idle {(1 - (worker_busy or 0)) * 100:.0f}% of the time: "
+                 "handing batches over costs more than loading them")
+        text = (
+            f"Each sample costs the workers {us:.0f} µs ({batch_s * 1000:.2f} ms a batch, "
+            f"collate {collate_ms:.2f} ms), they are busy only {(worker_busy or 0) * 100:.0f}% "
+            f"of the time, and yet the loop waits {wait_txt} per step: the time goes to "
+            "handing each batch over (written to shared memory by a worker, unpickled in the "
+            "training process), not to loading it. Samples this cheap load faster in the "
+            f"training process: num_workers=0. {read_at_once}"
+        )
+        verify = f"trainprof tune --knob num_workers=0,{nw} {ctx.script}"
+        severity = band(gain, HIGH, MEDIUM) or "low"
+    snippet = (loader_snippet(loader, num_workers=0, pin_memory=False,
+                              comment=f"was {nw}: samples cost {us:.0f} µs, less than a "
+                                      "batch's hand-over")
+               + "\n\n# better: read each batch at once\n" + batched
+               if cause == "worker_handoff" else batched)
+    return Finding(
+        category="input_pipeline", cause=cause, title=title, severity=severity,
+        evidence=evidence, estimated_gain=gain, fix=Fix(text=text, snippet=snippet),
+        verify=verify,
+    )
+
+
 def _worker_evidence(w: dict[str, Any] | None) -> dict[str, Any] | None:
     """The worker-side measurements as evidence, or ``None`` if too few samples were measured."""
     if not w or int(w.get("samples") or 0) < MIN_SAMPLES or not w.get("fetch_split"):
@@ -367,10 +495,26 @@ def data_wait(ctx: Context) -> Finding | None:
         idle = cores * (1 - sysinfo["sys_cpu_pct"] / 100)
         idle_cores = idle if idle_cores is None else min(idle_cores, idle)
 
+    sample_ms = None
+    batched_reads = bool(loader) and loader.get("batch_size") is None  # a fetch is a batch
+    if measured:
+        sample_ms = (_mean_ms(measured.get("sample_cpu_ms"))
+                     + _mean_ms(measured.get("sample_blocked_ms")))
+        if batched_reads:  # per sample: the fetch over the samples a step gets
+            per_step = _samples_per_step(ctx)
+            sample_ms = sample_ms / per_step if per_step else None
+    cheap = sample_ms is not None and sample_ms < CHEAP_SAMPLE_MS
+
     if nw > 0 and not persistent and startup_share >= 0.5 * share:
         cause = "worker_startup_per_epoch"
+    elif nw == 0 and cheap:
+        cause = "batched_read" if batched_reads else "per_sample_overhead"
     elif nw == 0:
         cause = "too_few_workers"
+    elif cheap and worker_busy is not None and worker_busy < BUSY:
+        # idle workers, samples that cost microseconds, and still a wait: the loop waits
+        # for the hand-over of each batch, not for its loading
+        cause = "worker_handoff"
     elif decisive and stage == "reads":
         cause = "slow_reads"
     elif decisive and stage == "collate":
@@ -528,6 +672,9 @@ def data_wait(ctx: Context) -> Finding | None:
             f"cache), then trainprof compare {run_dir} <the new run>: the data wait share "
             f"(now {pct}) should fall"
         )
+    elif cause in ("per_sample_overhead", "worker_handoff", "batched_read"):
+        return _cheap_samples_finding(ctx, cause, loader, evidence, share, severity, nw,
+                                      sample_ms or 0.0, collate_ms, worker_busy, pct)
     elif cause == "collate":
         col_share = float((split or {}).get("collate") or 0)
         title = (
