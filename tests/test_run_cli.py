@@ -148,6 +148,48 @@ def test_a_loader_that_a_trainer_iterates_is_marked_as_its(tp):
     assert "driven_by" not in loaders[1]
 
 
+def test_loaders_made_anew_each_epoch_are_one_and_a_new_one_at_a_freed_address_is_new(tp):
+    """A loader per epoch with the same settings is one loader; an evaluation loader made
+    after the last training one is gone (often at the freed object's address) is another."""
+    body = """
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    train, val = TensorDataset(torch.randn(64, 4)), TensorDataset(torch.randn(24, 4))
+    w = torch.zeros(4, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1)
+    for epoch in range(3):
+        for (x,) in DataLoader(train, batch_size=8, shuffle=True):
+            (w * x).sum().backward(); opt.step(); opt.zero_grad()
+        with torch.no_grad():
+            for (x,) in DataLoader(val, batch_size=12):
+                (w * x).sum()
+    """
+    res = tp(body, "--json")
+    assert res.returncode == 0, res.stderr
+    loaders = res.json()["dataloaders"]
+    assert [(d["index"], d["len"], d["batch_size"]) for d in loaders] == [(0, 64, 8),
+                                                                         (1, 24, 12)]
+
+
+def test_a_stale_address_does_not_pass_for_the_loader_that_lived_there():
+    import weakref
+
+    from torch.utils.data import DataLoader
+
+    from trainprof.capture.hooks import LoaderRegistry
+
+    registry = LoaderRegistry(lambda index, config: None)
+    old = DataLoader(list(range(10)), batch_size=2)
+    new = DataLoader(list(range(30)), batch_size=5)
+    assert registry.index_of(old) == 0 and registry.index_of(old) == 0
+    # as if `new` had been made where `old` was freed: its id maps to another loader
+    registry._ids[id(new)] = (weakref.ref(old), 0)
+    assert registry.index_of(new) == 1 and registry.index_of(new) == 1
+    assert [c["len"] for c in registry.configs] == [10, 30]
+    again = DataLoader(list(range(10)), batch_size=2)  # the first one's settings: the same
+    assert registry.index_of(again) == 0 and len(registry.configs) == 2
+
+
 def test_a_module_that_runs_itself_again_is_recorded_as_a_rank(tmp_path):
     """PyTorch Lightning's DDP launcher starts ranks 1.. as `python -m <module> <args>`
     (or `python <script> <args>`) with LOCAL_RANK set. They run under `trainprof run` with

@@ -240,6 +240,20 @@ def _training_framework(max_depth: int = 64) -> str | None:
     return None
 
 
+def _dead_ref() -> None:
+    return None
+
+
+#: Configuration keys the run adds to a loader's own settings (not settings themselves).
+_RUN_KEYS = frozenset({"index", "iterated_in_thread"})
+
+
+def _same_settings(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two described loaders have the same settings (a loader made anew)."""
+    return ({k: v for k, v in a.items() if k not in _RUN_KEYS}
+            == {k: v for k, v in b.items() if k not in _RUN_KEYS})
+
+
 class LoaderRegistry:
     """DataLoaders seen in the run: their settings, live iterators and worker pids.
 
@@ -249,7 +263,7 @@ class LoaderRegistry:
 
     def __init__(self, on_new_loader: Callable[[int, dict[str, Any]], None]) -> None:
         self._on_new_loader = on_new_loader
-        self._ids: dict[int, int] = {}
+        self._ids: dict[int, tuple[Callable[[], Any], int]] = {}
         self._iterators: weakref.WeakSet[Any] = weakref.WeakSet()
         self.configs: list[dict[str, Any]] = []
         self.worker_pids: tuple[int, ...] = ()
@@ -260,21 +274,38 @@ class LoaderRegistry:
         self._threads: dict[int, dict[int, str]] = {}
 
     def index_of(self, loader: DataLoader) -> int:
-        """The loader's index in the run (registered the first time it is seen)."""
+        """The loader's index in the run (registered the first time it is seen).
+
+        Keyed by ``id(loader)`` and checked by a weak reference: a loader freed and a new
+        one made at the same address (a loader per epoch, an evaluation loader made after
+        the training one is gone) must not pass for the old one. A new loader with the
+        settings of an earlier one (the same loop building its DataLoader anew each
+        epoch) gets that one's index: one logical loader.
+        """
         key = id(loader)
-        if key not in self._ids:
-            self._ids[key] = len(self.configs)
-            try:
-                config = describe_loader(loader)
-            except Exception as exc:  # a loader we cannot describe is still timed
-                config = {"error": f"{type(exc).__name__}: {exc}"}
-            config["index"] = self._ids[key]
-            driver = _training_framework()
-            if driver is not None:
-                config["driven_by"] = driver
+        known = self._ids.get(key)
+        if known is not None and known[0]() is loader:
+            return known[1]
+        try:
+            config = describe_loader(loader)
+        except Exception as exc:  # a loader we cannot describe is still timed
+            config = {"error": f"{type(exc).__name__}: {exc}"}
+        driver = _training_framework()
+        if driver is not None:
+            config["driven_by"] = driver
+        index = next((i for i, seen in enumerate(self.configs)
+                      if "error" not in config and _same_settings(seen, config)), None)
+        if index is None:
+            index = len(self.configs)
+            config["index"] = index
             self.configs.append(config)
-            self._on_new_loader(self._ids[key], config)
-        return self._ids[key]
+            self._on_new_loader(index, config)
+        try:
+            ref: Callable[[], Any] = weakref.ref(loader)
+        except TypeError:  # a loader class with __slots__: described again each time
+            ref = _dead_ref
+        self._ids[key] = (ref, index)
+        return index
 
     def iterator_created(self, loader: DataLoader, it: Any) -> None:
         index = self.index_of(loader)
