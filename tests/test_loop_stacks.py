@@ -370,6 +370,9 @@ def test_a_loop_with_little_other_time_is_sampled_sparsely(tp):
     res = tp(body)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = (res.run_dir / STACKS_JSONL).read_bytes().splitlines()
-    weights = [s[3] for x in lines[1:] for s in orjson.loads(x).get("samples", [])]
-    # 4 a second, each weighing 5 of the dense interval: a fifth of the signals
+    samples = [s for x in lines[1:] for s in orjson.loads(x).get("samples", [])]
+    # dense from the start (the first steps), then, once the drain has seen a second of
+    # steps with little "other": 4 a second, each weighing 5 of the dense interval
+    assert any(s[3] == 1 for s in samples if s[0] < 20), samples
+    weights = [s[3] for s in samples if s[0] >= 250]
     assert weights and weights.count(5) >= 0.8 * len(weights), weights

@@ -68,8 +68,10 @@ FORMAT = 1
 #: steps (something to attribute), and otherwise. A sample costs the training thread
 #: ~70 us on this project's 2-vCPU VM, nearly all of it the signal's delivery (a handler
 #: that does nothing cost 59 us; ``benchmarks/stack_sampling.py``): 0.14% of its time at
-#: 20 a second, 0.03% at 4. The record starts sparse; the Recorder's drain calls
-#: :meth:`adapt` once a second. Each tick weighs its interval in units of the dense one.
+#: 20 a second, 0.03% at 4. The record starts dense, so that the first steps (and a
+#: run of a few seconds: 14 samples in all had left a 64% "other" unnamed) are sampled
+#: enough; the Recorder's drain calls :meth:`adapt` once a second, from the first second
+#: with steps on. Each tick weighs its interval in units of the dense one.
 HZ, SPARSE_HZ = 20.0, 4.0
 DENSE_OTHER = 0.05
 #: What a sparse tick weighs: its interval in dense intervals.
@@ -155,8 +157,8 @@ class LoopStackSampler:
             self._seq = _fastclock.stack_stash()[0]
             fixed = _fixed_rate()
             self._fixed = fixed is not None
-            _fastclock.start_stack_timer(self.clock, 1.0 / (fixed or SPARSE_HZ), SIGNAL,
-                                         1 if self._fixed else SPARSE_WEIGHT)
+            _fastclock.start_stack_timer(self.clock, 1.0 / (fixed or HZ), SIGNAL, 1)
+            self._dense = not self._fixed
         except Exception as exc:
             self._restore()
             self.missing.append(f"loop stacks: not sampled ({type(exc).__name__}: {exc})")
