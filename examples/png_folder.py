@@ -14,7 +14,7 @@ flip) and does the float work (colour jitter, Normalize) once per batch, where
 the model runs (trainprof.fixes.DevicePrefetcher).
 
     python examples/png_folder.py --steps 40        # needs Pillow: pip install pillow
-    python examples/png_folder.py --cache /tmp/png_cache --uint8
+    python examples/png_folder.py --cache examples/data/png_cache --uint8
 """
 
 import argparse

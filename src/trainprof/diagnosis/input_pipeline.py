@@ -324,7 +324,7 @@ def _cheap_samples_finding(ctx: Context, cause: str, loader: dict[str, Any] | No
         gain = share
     else:
         batch_s = sample_ms / 1000 * (batch or 1)
-        # in the training process the samples still cost their time, the hand-over none
+        # in the training process the samples still cost their time; the hand-over goes
         gain = share * max(0.0, 1.0 - batch_s / float(wait_s)) if wait_s else share
         wait_txt = f"{float(wait_s) * 1000:.2f} ms" if wait_s else "a share of each step"
         title = (f"Training waits for data {pct} of step time while the {nw} DataLoader "
