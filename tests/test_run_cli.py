@@ -535,11 +535,15 @@ def test_max_steps_stops_cleanly(tp):
         while True:          # no step limit of its own
             w.sum().backward(); opt.step(); opt.zero_grad()
     finally:
+        import gc
+        gc.collect()  # teardown after the last step (a worker's shutdown collects too)
         print("cleanup ran")
     """
     res = tp(body, "--max-steps", "25", "--json")
     assert res.returncode == 0, res.stderr
     assert res.json()["steps"]["count"] == 25
+    # the teardown after the stop is no step: no partial 26th record for its GC time
+    assert json.loads((res.run_dir / "run.json").read_text())["steps_recorded"] == 25
     assert res.json()["status"] == "finished"
     assert "cleanup ran" in res.stderr
     assert not [n for n in res.json()["notes"] if "max-steps" in n]

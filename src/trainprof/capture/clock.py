@@ -257,6 +257,8 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
         #: flags OR-ed into every step record (FLAG_PROFILED while a tool is on)
         self.extra_flags = 0
         self._cooldown = 0
+        #: set when --max-steps stopped the script: what runs after is teardown, not a step
+        self.stopped = False
         #: the name of the thread the clock moved to, if it did (adopt_thread)
         self.adopted_thread: str | None = None
 
@@ -456,6 +458,7 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
             if n >= self.max_steps:
                 self.max_steps = None  # raise once; cleanup code may step again
                 self.next_watch = nxt
+                self.stopped = True
                 raise StopTraining(f"reached --max-steps after {n} steps")
             nxt = min(nxt, self.max_steps)
         self.next_watch = nxt
@@ -475,6 +478,10 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
         if self.mode == "backward" and self.bwd_pending:
             self.bwd_pending = False
             self._append_tail(FLAG_BACKWARD)
+            return
+        if self.stopped:
+            # after the --max-steps stop: the script's teardown (a GC pass while DataLoader
+            # workers shut down) is not a partial step of training
             return
         self._append_tail(FLAG_PARTIAL)
 
