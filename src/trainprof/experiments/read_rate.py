@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from trainprof.fixes.folder import FolderListing, codec_for, decode_file
-from trainprof.fixes.pack_format import PackError
+from trainprof.fixes.pack_format import PackError, read_manifest
 from trainprof.fixes.packed_dataset import PackedDataset
 
 #: Samples read from each side per round, and rounds (alternating files and pack).
@@ -87,10 +87,11 @@ def compare_reads(listing: FolderListing, pack: Path, *, decode: bool,
 
 
 def _data_field(pack: Path) -> str:
-    dataset = PackedDataset(pack)
-    if not dataset.fields:
+    """The field the files' content went into: the pack's first default field."""
+    fields = read_manifest(pack)["default_fields"]
+    if not fields:
         raise PackError(f"{pack} has no data field")
-    return dataset.fields[0]
+    return fields[0]
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -9,6 +9,7 @@ complete one. The source is only read.
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import shutil
@@ -215,8 +216,6 @@ class PackWriter:
             "write_s": round(time.perf_counter() - self.started, 3),
             **self.extra,
         }
-        import json
-
         (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         if self.out.exists() and not any(self.out.iterdir()):
             self.out.rmdir()
