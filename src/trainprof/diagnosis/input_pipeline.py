@@ -246,8 +246,35 @@ def _samples_per_step(ctx: Context) -> float | None:
     return float(rate) / float(steps) if rate and steps else None
 
 
-def _mean_ms(stats: Any) -> float:
-    return float((stats or {}).get("mean") or 0.0) if isinstance(stats, dict) else 0.0
+def _batched_read_finding(ctx: Context, evidence: dict[str, Any], share: float,
+                          sample_ms: float, pct: str, run_dir: str) -> Finding:
+    """Cheap samples read a batch at a time already: workers are ruled out, nothing else."""
+    cause = "batched_read"
+    us = sample_ms * 1000
+    per_step = float(evidence.get("samples_per_step") or 1)
+    batch_ms = sample_ms * per_step
+    title = (f"Training waits for data {pct} of step time: reading each batch "
+             f"({per_step:.0f} samples, {us:.1f} µs each) in the training process")
+    text = (
+        f"The batches are read at once already and a sample costs {us:.1f} µs, so worker "
+        "processes would cost more than they save: handing a batch over through shared "
+        f"memory costs more than reading it. What remains is the read, {batch_ms:.2f} ms "
+        "a batch: keep the stored data as small as it can be (uint8 images, not float32) "
+        "and in one array (not a list of arrays), so that a batch is one gather."
+    )
+    snippet = (
+        "images = torch.from_numpy(np.stack(images_list))  # one uint8 array: one gather\n"
+        "loader = DataLoader(dataset, batch_size=None, sampler=BatchSampler(...), "
+        "num_workers=0)  # keep: no workers\n"
+        "for x, y in loader:\n"
+        "    x = x.to(device).float().div_(255)  # convert after the read, on the device"
+    )
+    return Finding(  # low: no change is known to remove it, but workers are ruled out
+        category="input_pipeline", cause=cause, title=title, severity="low",
+        evidence=evidence, estimated_gain=share, fix=Fix(text=text, snippet=snippet),
+        verify=(f"trainprof tune --knob num_workers=0,2 {ctx.script} (workers should not "
+                f"help); after a change, trainprof compare {run_dir} <the new run>"),
+    )
 
 
 def _cheap_samples_finding(ctx: Context, cause: str, loader: dict[str, Any] | None,
@@ -255,11 +282,14 @@ def _cheap_samples_finding(ctx: Context, cause: str, loader: dict[str, Any] | No
                            sample_ms: float, collate_ms: float, worker_busy: float | None,
                            pct: str) -> Finding:
     """Samples that cost microseconds: workers do not pay; batches read at once do."""
+    us = sample_ms * 1000
+    evidence["sample_cost_ms"] = sample_ms
+    run_dir = ctx.summary.get("run_dir") or "RUN"
+    if cause == "batched_read":
+        return _batched_read_finding(ctx, evidence, share, sample_ms, pct, run_dir)
     batch = int((loader or {}).get("batch_size") or 0) or None
     dataset = _short((loader or {}).get("dataset"), "Dataset")
-    us = sample_ms * 1000
     wait_s = evidence.get("data_wait_median_s")
-    evidence["sample_cost_ms"] = sample_ms
     batch_txt = f"{batch} " if batch else ""
     read_at_once = (
         f"Read a batch at once instead: give the dataset the whole list of indices "
@@ -280,32 +310,6 @@ def _cheap_samples_finding(ctx: Context, cause: str, loader: dict[str, Any] | No
         "    num_workers=0,  # samples this cheap do not pay for a worker\n"
         ")"
     )
-    run_dir = ctx.summary.get("run_dir") or "RUN"
-    if cause == "batched_read":
-        per_step = _samples_per_step(ctx) or 1
-        batch_ms = sample_ms * per_step
-        title = (f"Training waits for data {pct} of step time: reading each batch "
-                 f"({per_step:.0f} samples, {us:.1f} µs each) in the training process")
-        text = (
-            f"The batches are read at once already and a sample costs {us:.1f} µs, so worker "
-            "processes would cost more than they save: handing a batch over through shared "
-            f"memory costs more than reading it. What remains is the read, {batch_ms:.2f} ms "
-            "a batch: keep the stored data as small as it can be (uint8 images, not float32) "
-            "and in one array (not a list of arrays), so that a batch is one gather."
-        )
-        snippet = (
-            "images = torch.from_numpy(np.stack(images_list))  # one uint8 array: one gather\n"
-            "loader = DataLoader(dataset, batch_size=None, sampler=BatchSampler(...), "
-            "num_workers=0)  # keep: no workers\n"
-            "for x, y in loader:\n"
-            "    x = x.to(device).float().div_(255)  # convert after the read, on the device"
-        )
-        return Finding(  # low: no change is known to remove it, but workers are ruled out
-            category="input_pipeline", cause=cause, title=title, severity="low",
-            evidence=evidence, estimated_gain=share, fix=Fix(text=text, snippet=snippet),
-            verify=(f"trainprof tune --knob num_workers=0,2 {ctx.script} (workers should not "
-                    f"help); after a change, trainprof compare {run_dir} <the new run>"),
-        )
     if cause == "per_sample_overhead":
         title = (f"Training waits for data {pct} of step time: batches of samples that cost "
                  f"{us:.0f} µs each, loaded one sample at a time (collate {collate_ms:.2f} ms "
@@ -498,11 +502,11 @@ def data_wait(ctx: Context) -> Finding | None:
     sample_ms = None
     batched_reads = bool(loader) and loader.get("batch_size") is None  # a fetch is a batch
     if measured:
-        sample_ms = (_mean_ms(measured.get("sample_cpu_ms"))
-                     + _mean_ms(measured.get("sample_blocked_ms")))
+        sample_ms = _ms(measured.get("sample_cpu_ms")) + _ms(measured.get("sample_blocked_ms"))
         if batched_reads:  # per sample: the fetch over the samples a step gets
             per_step = _samples_per_step(ctx)
             sample_ms = sample_ms / per_step if per_step else None
+            evidence["samples_per_step"] = per_step
     cheap = sample_ms is not None and sample_ms < CHEAP_SAMPLE_MS
 
     if nw > 0 and not persistent and startup_share >= 0.5 * share:
