@@ -93,6 +93,7 @@ COMPUTE = ("forward", "backward", "optimizer")
 #: Order of categories, used to break ties (most specific mechanism first).
 CATEGORIES = (
     "dataloader",
+    "optimizer",
     "torch_cuda",
     "gpu",
     "threads",
@@ -120,6 +121,8 @@ COMPUTE_PACKAGES = {
 THREAD_ENV_PREFIXES = ("OMP_", "MKL_", "OPENBLAS_", "VECLIB_", "NUMEXPR_", "KMP_", "GOMP_")
 #: Environment variables that cannot change speed (paths of caches and the like).
 NOISE_ENV = {"TORCHINDUCTOR_CACHE_DIR", "TORCH_LOGS"}
+#: What an optimizer's record holds that can change its step's speed.
+OPTIMIZER_FIELDS = ("class", "implementation", "param_tensors", "numel", "devices", "dtypes")
 #: DataLoader description fields that are bookkeeping, not settings.
 DATALOADER_SKIP = {"index", "kind"}
 PRIMARY_DATALOADER = (
@@ -279,6 +282,12 @@ def _facts(run: Run) -> tuple[dict[str, tuple[str, Any]], bool]:
             if field not in DATALOADER_SKIP:
                 put(f"dataloader[{idx}].{field}", "dataloader", value)
     put("dataloader count", "dataloader", len(_dataloaders(run)))
+    # the optimizers, in the order they first stepped (what their step runs: for-loop,
+    # foreach, fused; trainprof.capture.optimizer_impl)
+    for i, opt in enumerate(o for o in meta.get("optimizers") or [] if isinstance(o, dict)):
+        for field in OPTIMIZER_FIELDS:
+            if field in opt:
+                put(f"optimizer[{i}].{field}", "optimizer", opt[field])
     command = meta.get("command") or fp.get("command")
     if command:
         # The interpreter path is python.executable; the rest is what the user typed.
@@ -356,6 +365,9 @@ def _weights(category: str, key: str, cpu_compute: bool) -> dict[str, float]:
             p["data_wait"] = 1.0
         elif key.endswith(".num_workers") and cpu_compute:
             setp(0.4, *COMPUTE)  # workers compete with the model's threads for cores
+    elif category == "optimizer":
+        setp(0.1, *BREAKDOWN_KEYS)
+        p["optimizer"] = 1.0 if key.endswith((".implementation", ".class")) else 0.8
     elif category == "torch_cuda":
         setp(0.25, *BREAKDOWN_KEYS)
         setp(0.6 if cpu_compute else 0.9, *COMPUTE)

@@ -95,6 +95,8 @@ def summarize_run(run: Run) -> dict[str, Any]:
         "regions": _regions(run.events),
         "dataloaders": meta.get("dataloaders")
         or [ev for ev in run.events if ev.get("kind") == "dataloader"],
+        # each optimizer seen stepping: class, parameters, the implementation its step runs
+        "optimizers": meta.get("optimizers") or [],
         "system": system,
         # inside the DataLoader workers: blocked vs CPU per sample, collate, start-up
         "workers": summarize_workers(run.path, meta.get("clock_origin_s")),

@@ -55,6 +55,7 @@ import contextlib
 import os
 import struct
 import threading
+import weakref
 from array import array
 from time import perf_counter_ns
 from typing import Any
@@ -248,6 +249,12 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
         #: per other optimizer, where its first step since the primary's ended (time,
         #: accumulators then): a step boundary if it turns out to be the new primary
         self._other_first_end: dict[int, tuple[int, list[int]]] = {}
+        #: a weak reference to each optimizer seen stepping, by id (an id may be reused
+        #: once an optimizer is freed: the reference tells)
+        self._optimizers_seen: dict[int, weakref.ref[Any]] = {}
+        #: called with each optimizer at its first step (the Recorder describes it then:
+        #: once per optimizer, in a warm-up step; a script may free it before any flush)
+        self.on_new_optimizer: Any = None
         #: a DeviceTimer once CUDA is in use (set by the Recorder), else None
         self.device: Any = None
         #: WindowRunners of heavy tools (see trainprof.capture.window), driven at step counts
@@ -334,6 +341,9 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
         fire; see :mod:`trainprof.capture.hooks`).
         """
         key = id(optimizer)
+        known = self._optimizers_seen.get(key)
+        if known is None or known() is not optimizer:
+            self._note_optimizer(key, optimizer)
         if key == self._primary and self.mode == "optimizer" and not self._others_since_primary:
             self.fast_opt = key
             self._close(flags, now)
@@ -363,6 +373,20 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
         self.bwd_pending = False
         self._subs.clear()
         self._close(flags, now)
+
+    def _note_optimizer(self, key: int, optimizer: object) -> None:
+        try:
+            ref = weakref.ref(optimizer)
+        except TypeError:  # a class with __slots__ and no __weakref__: not described
+            return
+        self._optimizers_seen[key] = ref
+        if self.on_new_optimizer is not None:
+            self.on_new_optimizer(optimizer)
+
+    @property
+    def primary_optimizer(self) -> int | None:
+        """id() of the optimizer whose steps delimit steps (None: none yet)."""
+        return self._primary
 
     def _split_at(self, t: int, snap: list[int], flags: int) -> None:
         """Close the step at an earlier instant ``t`` (accumulators ``snap`` then): the

@@ -90,6 +90,15 @@ def _int_at_least(lowest: int) -> Callable[[str], int]:
     return parse
 
 
+def _implementation(text: str) -> str:
+    from trainprof.capture.optimizer_impl import KNOB_VALUES
+
+    value = KNOB_VALUES.get(text.strip().lower())
+    if value is None:
+        raise ValueError("expected for-loop, foreach or fused")
+    return value
+
+
 @dataclass(frozen=True)
 class KnobSpec:
     """One knob: where it acts (``dataloader`` or ``process``) and how its values parse."""
@@ -120,6 +129,8 @@ KNOBS: dict[str, KnobSpec] = {
                  "CPython's generation-0 GC threshold (default 700; 0: no automatic GC)"),
         KnobSpec("gc_freeze", "process", _bool,
                  "gc.collect(); gc.freeze() after the first optimizer step"),
+        KnobSpec("optimizer", "process", _implementation,
+                 "the optimizer step's implementation: for-loop, foreach or fused"),
     )
 }
 
@@ -214,6 +225,8 @@ class Knobs:
             self._install_gc_freeze()
         elif "gc_freeze" in self.overrides:
             self.process["gc_freeze"] = False
+        if self.overrides.get("optimizer"):
+            self._install_optimizer(self.overrides["optimizer"])
         return self
 
     def uninstall(self) -> dict[str, Any]:
@@ -274,6 +287,30 @@ class Knobs:
                 gc.unfreeze()
 
         self._restore.append(undo)
+
+    def _install_optimizer(self, implementation: str) -> None:
+        """Every torch.optim optimizer the script builds runs ``implementation``.
+
+        Set inside the base ``Optimizer.__init__``, once the param groups exist and
+        before the subclass's constructor goes on: what it does after ``super().__init__``
+        then sees the new flags (Adagrad builds its state there, laid out for fused or
+        not), and no step, nor any state, sees the script's choice. Nothing is added to
+        the step itself (trainprof.capture.optimizer_impl.set_implementation).
+        """
+        from torch.optim import Optimizer
+
+        from trainprof.capture.optimizer_impl import set_implementation
+
+        entries = self.process.setdefault("optimizer", [])
+        original = Optimizer.__dict__["__init__"]
+
+        def __init__(opt: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+            original(opt, *args, **kwargs)
+            entries.append(set_implementation(opt, implementation))
+
+        __init__.__wrapped__ = original  # type: ignore[attr-defined]
+        Optimizer.__init__ = __init__  # type: ignore[method-assign]
+        self._restore.append(lambda: setattr(Optimizer, "__init__", original))
 
     def _install_dataloader(self) -> None:
         from torch.utils.data import DataLoader

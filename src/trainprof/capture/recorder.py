@@ -27,6 +27,7 @@ from trainprof.capture.fingerprint import collect_fingerprint
 from trainprof.capture.hooks import Instrumentation, LoaderRegistry
 from trainprof.capture.knobs import install_knobs
 from trainprof.capture.loop_stacks import LoopStackSampler
+from trainprof.capture.optimizer_impl import describe_optimizer
 from trainprof.capture.ranks import MAX_RECORDED, RANKS_DIR, ChildRuns
 from trainprof.capture.sampler_process import SamplerProcess
 from trainprof.capture.window import WindowRunner
@@ -148,6 +149,8 @@ class Recorder:
             },
         )
         self.loaders = LoaderRegistry(self._on_new_loader)
+        self._optimizers: list[dict[str, Any]] = []
+        self.clock.on_new_optimizer = self._on_new_optimizer
         # per-sample timings inside DataLoader workers; stacks too when worker_sampling is set
         self.worker_capture = WorkerCapture(
             run_dir / WORKERS_DIR, sampling=lambda: self.worker_sampling
@@ -312,11 +315,31 @@ class Recorder:
             # CUDA came up in the script: time phases on the device from now on
             self.clock.device = DeviceTimer.for_cuda()
         self.worker_capture.flush()  # num_workers=0 loading timed in this process
+        self._record_optimizers()
         self.loop_stacks.flush()
         self._note_distributed()
         if not self._fingerprinted and (self.clock.n_steps > 0 or self._stopped):
             self._fingerprinted = True
             self.writer.update_meta(fingerprint=collect_fingerprint(self._script, self._command))
+
+    def _on_new_optimizer(self, optimizer: Any) -> None:
+        """Describe an optimizer at its first step (class, parameters, the implementation
+        its step runs: trainprof.capture.optimizer_impl); written at the next flush."""
+        try:
+            entry = describe_optimizer(optimizer)
+        except Exception as exc:  # an optimizer of an unexpected shape: named, not described
+            entry = {"class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+                     "error": f"{type(exc).__name__}: {exc}"}
+        entry["id"] = id(optimizer)
+        self._optimizers.append(entry)
+
+    def _record_optimizers(self) -> None:
+        """run.json's ``optimizers``, with the one whose steps delimit steps marked
+        ``primary`` (known only after its first steps)."""
+        primary = self.clock.primary_optimizer
+        entries = [{**e, "primary": e["id"] == primary} for e in list(self._optimizers)]
+        if entries != self.writer.meta.get("optimizers", []):
+            self.writer.update_meta(optimizers=entries)
 
     def _note_distributed(self) -> None:
         """This process's torch.distributed rank, once its process group is up.

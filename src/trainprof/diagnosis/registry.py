@@ -35,6 +35,7 @@ FAMILIES: tuple[str, ...] = (
     "loop_code",
     "periodic",
     "gc",
+    "optimizer",
     "contention",
     "sync",
     "noise",

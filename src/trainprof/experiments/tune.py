@@ -397,6 +397,14 @@ def _actual(knob: str, meta: dict[str, Any]) -> str:
         if isinstance(value, dict):
             return f"true ({value.get('frozen_objects')} objects)"
         return "false" if value in (None, False) else str(value)
+    if knob == "optimizer":
+        # what the optimizer that delimits steps really ran (recorded at its first step)
+        opts = [o for o in meta.get("optimizers") or [] if isinstance(o, dict)]
+        opts.sort(key=lambda o: not o.get("primary"))
+        if not opts:
+            return "no optimizer"
+        impl = opts[0].get("implementation")
+        return str(impl) if isinstance(impl, str) else "custom step"
     return "—"
 
 
@@ -425,6 +433,11 @@ def _knob_notes(arm: Arm, meta: dict[str, Any]) -> list[str]:
             before = (entry.get("script") or {}).get(name)
             notes.append(f"{arm.name}: the script's {name}={before} was reset to {value} "
                          f"for {entry.get('dataset')} (needs num_workers > 0)")
+    for entry in (record.get("process") or {}).get("optimizer") or []:
+        if isinstance(entry, dict) and entry.get("dropped"):
+            cls = str(entry.get("class") or "optimizer").rsplit(".", 1)[-1]
+            notes.append(f"{arm.name}: {entry.get('asked')} not applied to {cls} "
+                         f"({entry['dropped']})")
     for call in record.get("script_calls_ignored") or []:
         notes.append(f"{arm.name}: the script's {call} was ignored to keep the knob's value")
     notes.extend(f"{arm.name}: {err}" for err in record.get("errors") or [])

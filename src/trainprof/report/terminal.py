@@ -77,6 +77,22 @@ def _status_line(s: dict[str, Any]) -> Text:
     return line
 
 
+def _optimizer_line(opt: dict[str, Any], several: bool = False) -> str:
+    """``AdamW · for-loop over 98 tensors (43,562 parameters, cpu)``."""
+    name = str(opt.get("class") or "?").rsplit(".", 1)[-1]
+    if opt.get("error"):
+        return f"{name} (not described: {opt['error']})"
+    impl = opt.get("implementation")
+    how = ("its own step" if impl is None else
+           "/".join(impl) if isinstance(impl, list) else str(impl))
+    where = ", ".join(opt.get("devices") or [])
+    line = (f"{name} · {how} over {opt.get('param_tensors', 0):,} tensors "
+            f"({opt.get('numel', 0):,} parameters{', ' + where if where else ''})")
+    if several and opt.get("primary"):
+        line += " · its steps delimit steps"
+    return line
+
+
 def _dataloader_line(dl: dict[str, Any]) -> str:
     if "error" in dl:
         return f"#{dl.get('index')}: {dl['error']}"
@@ -365,6 +381,9 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
         table.add_row("DataLoader", _dataloader_line(dl))
     for label, line in _worker_rows(summary.get("workers"), summary.get("dataloaders")):
         table.add_row(label, line)
+    optimizers = summary.get("optimizers") or []
+    for opt in optimizers:
+        table.add_row("Optimizer", _optimizer_line(opt, several=len(optimizers) > 1))
     env = summary.get("environment") or {}
     if env:
         table.add_row(
