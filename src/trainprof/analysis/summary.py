@@ -40,6 +40,30 @@ def _regions(events: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return dict(out)
 
 
+#: environment switches meant for debugging that slow a CUDA run (expert-rules.md H10):
+#: every launch waits for its kernel; every allocation goes to cudaMalloc/cudaFree
+DEBUG_ENV = ("CUDA_LAUNCH_BLOCKING", "PYTORCH_NO_CUDA_MEMORY_CACHING")
+
+
+def _debug_modes(meta: dict[str, Any]) -> dict[str, Any]:
+    """Debugging switches seen on while training (trainprof.capture.debug_modes): per
+    switch the share of samples it was on, and the step first seen on; the environment's."""
+    rec = meta.get("debug_modes") or {}
+    n = int(rec.get("samples") or 0)
+    on = rec.get("on") or {}
+    out: dict[str, Any] = {
+        "samples": n,
+        "share": {k: int(v) / n for k, v in on.items() if n and v},
+        "first_on_step": rec.get("first_on_step") or {},
+    }
+    if "anomaly_check_nan" in rec:
+        out["anomaly_check_nan"] = rec["anomaly_check_nan"]
+    env = ((meta.get("fingerprint") or {}).get("threads") or {}).get("env") or {}
+    out["env"] = {k: env[k] for k in DEBUG_ENV
+                  if str(env.get(k, "")).strip() not in ("", "0")}
+    return out
+
+
 def _environment(fp: dict[str, Any] | None, training: dict[str, Any] | None) -> dict[str, Any]:
     """The few fingerprint facts worth a line in the summary (the rest stays in run.json).
 
@@ -97,6 +121,8 @@ def summarize_run(run: Run) -> dict[str, Any]:
         or [ev for ev in run.events if ev.get("kind") == "dataloader"],
         # each optimizer seen stepping: class, parameters, the implementation its step runs
         "optimizers": meta.get("optimizers") or [],
+        # debugging switches left on while training (anomaly detection, the profiler, env)
+        "debug_modes": _debug_modes(meta),
         "system": system,
         # inside the DataLoader workers: blocked vs CPU per sample, collate, start-up
         "workers": summarize_workers(run.path, meta.get("clock_origin_s")),

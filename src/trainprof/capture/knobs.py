@@ -131,6 +131,8 @@ KNOBS: dict[str, KnobSpec] = {
                  "gc.collect(); gc.freeze() after the first optimizer step"),
         KnobSpec("optimizer", "process", _implementation,
                  "the optimizer step's implementation: for-loop, foreach or fused"),
+        KnobSpec("anomaly_detection", "process", _bool,
+                 "autograd anomaly detection, whatever the script asks"),
     )
 }
 
@@ -227,6 +229,8 @@ class Knobs:
             self.process["gc_freeze"] = False
         if self.overrides.get("optimizer"):
             self._install_optimizer(self.overrides["optimizer"])
+        if self.overrides.get("anomaly_detection") is not None:
+            self._install_anomaly(bool(self.overrides["anomaly_detection"]))
         return self
 
     def uninstall(self) -> dict[str, Any]:
@@ -285,6 +289,34 @@ class Knobs:
             handle.remove()
             if not frozen_before:
                 gc.unfreeze()
+
+        self._restore.append(undo)
+
+    def _install_anomaly(self, value: bool) -> None:
+        """Autograd anomaly detection fixed at ``value``: ``torch.set_anomaly_enabled``,
+        which ``detect_anomaly``, ``set_detect_anomaly`` (and so Lightning's
+        ``detect_anomaly=True``) call, keeps the knob's value; the script's calls that
+        asked otherwise are recorded as ignored."""
+        import torch
+
+        original = torch.set_anomaly_enabled
+        before = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+        original(value)
+        self.process["anomaly_detection"] = value
+        ignored = self.ignored_calls
+
+        def set_anomaly_enabled(mode: bool, check_nan: bool = True) -> None:
+            if bool(mode) != value:
+                ignored[f"torch.set_anomaly_enabled({bool(mode)})"] = None
+            original(value, check_nan)
+
+        set_anomaly_enabled.__doc__ = (
+            f"trainprof tune: anomaly detection is fixed at {value}; other values are ignored.")
+        torch.set_anomaly_enabled = set_anomaly_enabled
+
+        def undo() -> None:
+            torch.set_anomaly_enabled = original
+            original(*before)
 
         self._restore.append(undo)
 

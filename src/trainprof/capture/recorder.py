@@ -22,6 +22,7 @@ from typing import Any
 
 from trainprof import __version__
 from trainprof.capture.clock import StepClock
+from trainprof.capture.debug_modes import DebugModes
 from trainprof.capture.device_timer import DeviceTimer
 from trainprof.capture.fingerprint import collect_fingerprint
 from trainprof.capture.hooks import Instrumentation, LoaderRegistry
@@ -32,7 +33,7 @@ from trainprof.capture.ranks import MAX_RECORDED, RANKS_DIR, ChildRuns
 from trainprof.capture.sampler_process import SamplerProcess
 from trainprof.capture.window import WindowRunner
 from trainprof.capture.worker import MAIN_REARM_HZ, WORKERS_DIR, WorkerCapture
-from trainprof.schema import RECORD_WIDTH, REGION, STEP_FIELDS
+from trainprof.schema import FLAG_PROFILED, RECORD_WIDTH, REGION, STEP_FIELDS
 from trainprof.store import SAMPLES_JSONL, STACKS_JSONL, RunWriter
 
 #: ``torch.cuda.memory_stats`` keys recorded in run.json's ``cuda_memory`` (see ``stop``).
@@ -150,6 +151,9 @@ class Recorder:
         )
         self.loaders = LoaderRegistry(self._on_new_loader)
         self._optimizers: list[dict[str, Any]] = []
+        # debugging switches left on (anomaly detection, the profiler), 5 times a second
+        self.debug_modes = DebugModes()
+        self._debug_step = 0
         self.clock.on_new_optimizer = self._on_new_optimizer
         # per-sample timings inside DataLoader workers; stacks too when worker_sampling is set
         self.worker_capture = WorkerCapture(
@@ -218,6 +222,7 @@ class Recorder:
                         self._sampler_pending = False
                         self._start_sampler()
                     self.worker_capture.rearm()
+                    self._sample_debug_modes()
                     self.flush()
             except Exception as exc:  # the next second, or stop(), tries again
                 note = f"recorder: flush failed ({type(exc).__name__}: {exc})"
@@ -252,6 +257,7 @@ class Recorder:
         missing = list(dict.fromkeys(self.writer.meta["missing"] + list(self.sampler.missing)
                                      + self.worker_capture.missing + self.loop_stacks.missing))
         self.writer.meta["training_thread"] = self._training_thread_settings()
+        self.writer.meta["debug_modes"] = self.debug_modes.record()
         cuda_memory = self._cuda_memory()  # once, at the end; None unless CUDA was used
         if cuda_memory is not None:
             self.writer.meta["cuda_memory"] = cuda_memory
@@ -321,6 +327,16 @@ class Recorder:
         if not self._fingerprinted and (self.clock.n_steps > 0 or self._stopped):
             self._fingerprinted = True
             self.writer.update_meta(fingerprint=collect_fingerprint(self._script, self._command))
+
+    def _sample_debug_modes(self) -> None:
+        """Sample the debugging switches (trainprof.capture.debug_modes) while steps are
+        made and none of trainprof's own tools is on; written when one is first seen on."""
+        n = self.clock.n_steps
+        if n <= self._debug_step or self.clock.extra_flags & FLAG_PROFILED:
+            return
+        self._debug_step = n
+        if self.debug_modes.sample(n):
+            self.writer.update_meta(debug_modes=self.debug_modes.record())
 
     def _on_new_optimizer(self, optimizer: Any) -> None:
         """Describe an optimizer at its first step (class, parameters, the implementation

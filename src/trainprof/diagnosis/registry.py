@@ -36,6 +36,7 @@ FAMILIES: tuple[str, ...] = (
     "periodic",
     "gc",
     "optimizer",
+    "debug_modes",
     "contention",
     "sync",
     "noise",

@@ -397,6 +397,13 @@ def _actual(knob: str, meta: dict[str, Any]) -> str:
         if isinstance(value, dict):
             return f"true ({value.get('frozen_objects')} objects)"
         return "false" if value in (None, False) else str(value)
+    if knob == "anomaly_detection":
+        # what the capture saw while steps ran (trainprof.capture.debug_modes)
+        modes = meta.get("debug_modes") or {}
+        n, on = int(modes.get("samples") or 0), int((modes.get("on") or {}).get(knob) or 0)
+        if not n:
+            return "—"
+        return "off" if not on else f"on ({on} of {n} samples)"
     if knob == "optimizer":
         # what the optimizer that delimits steps really ran (recorded at its first step)
         opts = [o for o in meta.get("optimizers") or [] if isinstance(o, dict)]
