@@ -38,6 +38,15 @@ def _modes(ctx: Context) -> dict[str, Any]:
     return modes if isinstance(modes, dict) else {}
 
 
+def _switch_cost(ctx: Context, name: str, phases: float) -> tuple[float, float, str] | None:
+    """(share of samples on, gain, severity) of a sampled switch; None: not worth a finding."""
+    on = float((_modes(ctx).get("share") or {}).get(name) or 0.0)
+    if on < MIN_ON:
+        return None
+    severity = band(on * phases, HIGH, MEDIUM, LOW)
+    return None if severity is None else (on, on * phases, severity)
+
+
 def _evidence(ctx: Context, name: str, on: float, phases: float) -> dict[str, Any]:
     modes = _modes(ctx)
     return {
@@ -51,14 +60,11 @@ def _evidence(ctx: Context, name: str, on: float, phases: float) -> dict[str, An
 
 @rule("debug_modes.anomaly_detection")
 def anomaly_detection(ctx: Context) -> Finding | None:
-    on = float((_modes(ctx).get("share") or {}).get("anomaly_detection") or 0.0)
-    if on < MIN_ON:
-        return None
     phases = _phases(ctx, "forward", "backward")
-    gain = on * phases
-    severity = band(gain, HIGH, MEDIUM, LOW)
-    if severity is None:
+    cost = _switch_cost(ctx, "anomaly_detection", phases)
+    if cost is None:
         return None
+    on, gain, severity = cost
     evidence = _evidence(ctx, "anomaly_detection", on, phases)
     check_nan = _modes(ctx).get("anomaly_check_nan")
     if check_nan is not None:
@@ -89,14 +95,11 @@ def anomaly_detection(ctx: Context) -> Finding | None:
 
 @rule("debug_modes.profiler")
 def profiler_left_on(ctx: Context) -> Finding | None:
-    on = float((_modes(ctx).get("share") or {}).get("profiler") or 0.0)
-    if on < MIN_ON:
-        return None
     phases = ctx.compute_share
-    gain = on * phases
-    severity = band(gain, HIGH, MEDIUM, LOW)
-    if severity is None:
+    cost = _switch_cost(ctx, "profiler", phases)
+    if cost is None:
         return None
+    on, gain, severity = cost
     title = (f"A torch profiler records {on * 100:.0f}% of the run: every op it records "
              "costs extra host time")
     text = (
