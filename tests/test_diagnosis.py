@@ -198,7 +198,9 @@ def test_num_workers_0_is_too_few_workers_with_a_fitted_snippet():
     assert "Images(...)" in snippet and "batch_size=32," in snippet and "shuffle=True," in snippet
     assert "num_workers=4,  # was 0; 2 usable cores" in snippet  # blocked: 2x the cores
     assert "persistent_workers=True" in snippet and "pin_memory" not in snippet
-    assert f["verify"] == "trainprof tune --knob num_workers=0,1,2,4 train.py"
+    assert f["verify"] == ("trainprof tune --knob num_workers=0,1,2,4 train.py; the most any "
+                           "input fix can give: trainprof tune --knob synthetic_data=false,true "
+                           "train.py")
 
 
 @pytest.mark.parametrize(

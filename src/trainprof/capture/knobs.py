@@ -28,7 +28,12 @@ Two kinds of knobs (:data:`KNOBS`):
   generation-0 threshold; 0 turns automatic collection off) and
   ``gc_freeze`` (``gc.collect(); gc.freeze()`` after the first optimizer
   step, when the model, optimizer and dataset exist: the usual advice is to
-  freeze "after set-up, before the loop"). While a thread knob is set, the
+  freeze "after set-up, before the loop"), ``optimizer`` (the implementation every
+  torch.optim optimizer runs: for-loop, foreach or fused,
+  :mod:`trainprof.capture.optimizer_impl`), ``anomaly_detection`` (autograd's,
+  whatever the script asks) and ``synthetic_data`` (every DataLoader repeats its
+  first batch, with ``num_workers=0``: the step with input made free,
+  :mod:`trainprof.capture.synthetic_data`). While a thread knob is set, the
   script's own ``torch.set_num_threads`` / ``set_num_interop_threads`` calls
   are ignored (and recorded): a script that pins its thread count must not
   silently undo the value under test.
@@ -133,6 +138,8 @@ KNOBS: dict[str, KnobSpec] = {
                  "the optimizer step's implementation: for-loop, foreach or fused"),
         KnobSpec("anomaly_detection", "process", _bool,
                  "autograd anomaly detection, whatever the script asks"),
+        KnobSpec("synthetic_data", "process", _bool,
+                 "every DataLoader repeats its first batch, no workers: input made free"),
     )
 }
 
@@ -184,6 +191,10 @@ class Knobs:
         self.loader_overrides = {
             k: v for k, v in self.overrides.items() if k in DATALOADER_KNOBS
         }
+        if self.overrides.get("synthetic_data"):
+            # no worker loads anything: the first batch is repeated in the training process
+            # (trainprof.capture.synthetic_data); a num_workers asked beside it means nothing
+            self.loader_overrides["num_workers"] = 0
         self.dataloaders: list[dict[str, Any]] = []
         self.process: dict[str, Any] = {}
         self.errors: list[str] = []
@@ -229,6 +240,13 @@ class Knobs:
             self.process["gc_freeze"] = False
         if self.overrides.get("optimizer"):
             self._install_optimizer(self.overrides["optimizer"])
+        if self.overrides.get("synthetic_data"):
+            from trainprof.capture import synthetic_data
+
+            entry = self.process["synthetic_data"] = {}
+            self._restore.append(synthetic_data.install(entry))
+        elif "synthetic_data" in self.overrides:
+            self.process["synthetic_data"] = False
         if self.overrides.get("anomaly_detection") is not None:
             self._install_anomaly(bool(self.overrides["anomaly_detection"]))
         return self

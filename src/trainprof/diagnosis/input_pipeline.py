@@ -407,6 +407,17 @@ def _measured_startup(ctx: Context, w: dict[str, Any] | None) -> tuple[float, fl
 
 @rule("input_pipeline.data_wait")
 def data_wait(ctx: Context) -> Finding | None:
+    """Input-bound steps, with their cause; every such finding's ``verify`` also names the
+    elimination test (expert-rules.md I7): the step time with the input made free,
+    ``synthetic_data=true``, is the most any fix of the input pipeline can give."""
+    finding = _data_wait(ctx)
+    if finding is not None and ctx.loaders:
+        finding.verify += (f"; the most any input fix can give: trainprof tune --knob "
+                           f"synthetic_data=false,true {ctx.script}")
+    return finding
+
+
+def _data_wait(ctx: Context) -> Finding | None:
     """Input-bound steps, with their cause (see the module docstring)."""
     raw_share = float(ctx.breakdown.get("data_wait") or 0.0)
     periodic = ctx.periodic

@@ -397,6 +397,12 @@ def _actual(knob: str, meta: dict[str, Any]) -> str:
         if isinstance(value, dict):
             return f"true ({value.get('frozen_objects')} objects)"
         return "false" if value in (None, False) else str(value)
+    if knob == "synthetic_data":
+        value = process.get("synthetic_data")
+        if isinstance(value, dict):
+            n = int(value.get("batches_cached") or 0)
+            return f"true ({_plural(n, 'loader')})" if n else "true (no batch read)"
+        return "false"
     if knob == "anomaly_detection":
         # what the capture saw while steps ran (trainprof.capture.debug_modes)
         modes = meta.get("debug_modes") or {}
@@ -429,6 +435,11 @@ def _knob_notes(arm: Arm, meta: dict[str, Any]) -> list[str]:
     record = meta.get("knobs") or {}
     notes: list[str] = []
     asked_dl = [k for k, v in arm.overrides.items() if v is not None and k in DATALOADER_KNOBS]
+    if arm.overrides.get("synthetic_data"):
+        if arm.overrides.get("num_workers"):
+            notes.append(f"{arm.name}: synthetic_data=true loads in the training process, so "
+                         "num_workers is 0 there")
+        asked_dl.append("synthetic_data")
     loaders = record.get("dataloaders") or []
     if asked_dl and meta and not loaders:
         notes.append(f"{arm.name}: the script created no DataLoader, so "
