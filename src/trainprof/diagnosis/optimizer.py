@@ -69,7 +69,9 @@ def optimizer_implementation(ctx: Context) -> Finding | None:
     candidates = _candidates(ctx)
     if not candidates:
         return None
-    share = float(ctx.breakdown.get("optimizer") or 0.0)
+    # optimizer.step() alone: the breakdown's "optimizer" also holds zero_grad
+    detail = ctx.summary.get("breakdown_detail") or {}
+    share = float(detail.get("optimizer_step", ctx.breakdown.get("optimizer")) or 0.0)
     severity = band(share, HIGH, MEDIUM, LOW)
     if severity is None:
         return None
@@ -87,8 +89,10 @@ def optimizer_implementation(ctx: Context) -> Finding | None:
         "devices": main.get("devices"),
         "step_median_s": ctx.step_info.get("median_s"),
     }
+    if "zero_grad" in detail:
+        evidence["zero_grad_share"] = detail["zero_grad"]
     if ctx.has_steps():
-        opt_s = float(np.median(ctx.phase_seconds("optimizer")))
+        opt_s = float(np.median(ctx.seconds("optimizer_ns")))
         evidence["optimizer_s_per_step"] = opt_s
         if n:
             evidence["optimizer_s_per_tensor"] = opt_s / n
