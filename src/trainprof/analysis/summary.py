@@ -13,6 +13,7 @@ from typing import Any
 from trainprof.analysis.deep import analyse_deep_windows
 from trainprof.analysis.device import device_statistics
 from trainprof.analysis.loop_stacks import summarize_loop_stacks
+from trainprof.analysis.memory_growth import memory_growth
 from trainprof.analysis.ops import load_ops
 from trainprof.analysis.python_profile import summarize_python_profile
 from trainprof.analysis.steps import complete_steps, step_statistics
@@ -124,6 +125,10 @@ def summarize_run(run: Run) -> dict[str, Any]:
         # debugging switches left on while training (anomaly detection, the profiler, env)
         "debug_modes": _debug_modes(meta),
         "system": system,
+        # RSS and GPU memory that keep growing through the steady state (a leak)
+        "memory_growth": memory_growth(
+            samples, t_start, t_end, stats.get("steps_per_s"),
+            ((meta.get("fingerprint") or {}).get("cpu") or {}).get("memory_total_bytes")),
         # inside the DataLoader workers: blocked vs CPU per sample, collate, start-up
         "workers": summarize_workers(run.path, meta.get("clock_origin_s")),
         "device": device_statistics(

@@ -297,6 +297,11 @@ class MainProcess:
         self._own = pid == os.getpid() and resource is not None
         self._cpu = Rate(clamp_negative=self._own)
         self._ctx = Rate(clamp_negative=self._own)
+        # anonymous resident memory (heap, tensors): what a leak grows; RSS also counts the
+        # file pages of a memory-mapped dataset, which grow over a first epoch and stop
+        self._statm: ProcFile | None = None
+        with contextlib.suppress(OSError):
+            self._statm = ProcFile(f"/proc/{pid}/statm", initial_size=256)
 
     def sample(self, rec: dict[str, Any], in_sampler_thread: bool) -> None:
         """Fill the main-process fields.
@@ -322,11 +327,25 @@ class MainProcess:
         ctx_rate = self._ctx.update(float(ctx), now)
         rec["proc_cpu_pct"] = None if cpu_rate is None else round1(cpu_rate * 100.0)
         rec["rss_bytes"] = rss
+        rec["rss_anon_bytes"] = self._anon_rss()
         rec["ctx_switches_ps"] = None if ctx_rate is None else round1(ctx_rate)
+
+    def _anon_rss(self) -> int | None:
+        """``resident - shared`` of /proc/<pid>/statm (proc(5): shared is RssFile +
+        RssShmem), in bytes; None where there is no procfs."""
+        if self._statm is None:
+            return None
+        try:
+            fields = self._statm.read().split()
+            return (int(fields[1]) - int(fields[2])) * _PAGE_SIZE
+        except (OSError, IndexError, ValueError):
+            return None
 
     def close(self) -> None:
         """Release the probe."""
         self._probe.close()
+        if self._statm is not None:
+            self._statm.close()
 
 
 def _thread_usage() -> tuple[float, int]:

@@ -69,7 +69,7 @@ _CHILD_SCAN_PERIOD_S = 1.0
 # NVML driver call).  We would rather return and leak a daemon thread than hang the training exit.
 _JOIN_TIMEOUT_S = 5.0
 
-_MAIN_KEYS = ("proc_cpu_pct", "rss_bytes", "ctx_switches_ps")
+_MAIN_KEYS = ("proc_cpu_pct", "rss_bytes", "rss_anon_bytes", "ctx_switches_ps")
 _WORKER_KEYS = ("workers", "workers_rss_bytes", "children_cpu_pct")
 _SYS_KEYS = ("sys_cpu_pct", "iowait_pct")
 _DISK_KEYS = ("disk_read_bps",)

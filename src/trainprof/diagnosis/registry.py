@@ -37,6 +37,7 @@ FAMILIES: tuple[str, ...] = (
     "gc",
     "optimizer",
     "debug_modes",
+    "memory_growth",
     "contention",
     "sync",
     "noise",

@@ -53,6 +53,7 @@ import orjson
 from trainprof.analysis.series import MAX_POINTS, sample_series, step_series, telemetry_series
 from trainprof.errors import UsageError
 from trainprof.report.html_assets import CSS, JS
+from trainprof.report.impact import impact_text
 from trainprof.report.terminal import fmt_bytes, fmt_pct, fmt_time
 from trainprof.store import Run
 
@@ -324,12 +325,9 @@ def _tile(label: str, value: str, detail: str = "") -> str:
 def _finding(i: int, f: dict[str, Any]) -> str:
     severity = str(f.get("severity") or "")
     gain = float(f.get("estimated_gain") or 0.0)
-    impact = (
-        f"could save up to {gain * 100:.0f}% of step time"
+    impact = esc(impact_text(f)) + (
         f'<span class="gain"><span style="width:{min(100.0, gain * 100):.1f}%"></span></span>'
-        if gain > 0
-        else "no speed-up: it qualifies the numbers above"
-    )
+        if gain > 0 else "")
     kind = esc(f.get("category") or "") + (f" / {esc(f['cause'])}" if f.get("cause") else "")
     parts = [
         f'<article class="finding {esc(severity)}" id="finding-{i}">',

@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from trainprof.report.console import make_console
+from trainprof.report.impact import impact_text
 
 _PHASE_STYLE = {
     "data_wait": ("data wait", "red"),
@@ -496,13 +497,7 @@ def _print_finding(console: Console, i: int, f: dict[str, Any]) -> None:
     head.append(f"[{severity}]", style=_SEVERITY_STYLE.get(severity, "bold"))
     head.append(f" {f.get('title')}", style="bold")
     console.print(head, soft_wrap=False)
-    gain = f.get("estimated_gain") or 0.0
-    impact = (
-        f"could save up to {gain * 100:.0f}% of step time"
-        if gain > 0
-        else "no speed-up: it qualifies the numbers above"
-    )
-    kind = f"{f.get('category')}/{f.get('cause')} · {impact}"
+    kind = f"{f.get('category')}/{f.get('cause')} · {impact_text(f)}"
     console.print(Padding(Text(kind), (0, 0, 0, 3)), soft_wrap=False)
     evidence = f.get("evidence") or {}
     if evidence:

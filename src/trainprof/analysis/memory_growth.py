@@ -1,0 +1,125 @@
+"""Memory that keeps growing through the steady state: the training process's RSS and
+each GPU's used memory, from the system samples.
+
+Why: after its first steps a training loop reaches a steady footprint (allocator pools,
+a first epoch filling a cache, the pages of a memory-mapped dataset). Growth that goes
+on to the end of the run is a leak, and it ends the run when memory runs out — most
+often tensors kept with their autograd graph (``losses.append(loss)``,
+``total_loss += loss``: every step's activations stay alive), or Python containers
+that grow per step. expert-rules.md M3 (Scalene): "memory growth ≥ 1% and per-line
+leak likelihood ≥ 0.95"; trainprof has no per-line allocation counts in its always-on
+capture, so it reads the trend of the samples instead, and requires it to hold to the
+end.
+
+Method, per series (host RSS; each GPU's NVML used memory): the samples inside the
+steady-state window are cut into four quarters of equal time; the series *grows* when
+the quarters' medians rise from the second to the third and from the third to the
+fourth quarter (growth that stopped halfway is a cache that filled, not a leak) and
+the rise over the second half is at least :data:`MIN_GROWTH_BYTES` and
+:data:`MIN_GROWTH_REL` of the first quarter's median. The rate is the Theil–Sen slope
+(the median of pairwise slopes: robust to single jumps, such as a caching allocator's
+new block) of the second half; per step, it is divided by the steady steps per
+second. The time left is the headroom (host: the host's RAM less the last RSS; GPU:
+its total less the last used) over the rate: an upper bound on the run's life, since
+other processes use memory too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+#: the least growth over the second half of the steady window that counts
+MIN_GROWTH_BYTES = 32 * 2**20
+MIN_GROWTH_REL = 0.03
+#: samples needed in the window (four quarters of at least two each)
+MIN_SAMPLES = 8
+#: pairwise slopes at most (Theil-Sen on a subsample: O(n^2) otherwise)
+MAX_PAIRS_POINTS = 400
+
+
+def theil_sen_slope(t: np.ndarray, y: np.ndarray) -> float:
+    """Median of the slopes between all pairs of points with distinct ``t`` (Sen 1968)."""
+    if len(t) > MAX_PAIRS_POINTS:
+        idx = np.linspace(0, len(t) - 1, MAX_PAIRS_POINTS).round().astype(int)
+        t, y = t[idx], y[idx]
+    i, j = np.triu_indices(len(t), k=1)
+    dt = t[j] - t[i]
+    ok = dt > 0
+    if not ok.any():
+        return 0.0
+    return float(np.median((y[j] - y[i])[ok] / dt[ok]))
+
+
+def series_growth(t: np.ndarray, y: np.ndarray, steps_per_s: float | None,
+                  capacity: float | None) -> dict[str, Any] | None:
+    """The growth of one series (module docstring); None when too few samples."""
+    keep = np.isfinite(y)
+    t, y = t[keep], y[keep]
+    if len(t) < MIN_SAMPLES or t[-1] <= t[0]:
+        return None
+    edges = np.linspace(t[0], t[-1], 5)
+    quarters = [y[(t >= edges[k]) & (t <= edges[k + 1])] for k in range(4)]
+    if any(len(q) == 0 for q in quarters):
+        return None
+    medians = [float(np.median(q)) for q in quarters]
+    late = t >= edges[2]
+    slope = theil_sen_slope(t[late] - t[0], y[late])
+    rise = medians[3] - medians[1]
+    grows = (medians[1] < medians[2] < medians[3] and slope > 0
+             and rise >= max(MIN_GROWTH_BYTES, MIN_GROWTH_REL * medians[0]))
+    out: dict[str, Any] = {
+        "grows": bool(grows),
+        "window_s": float(t[-1] - t[0]),
+        "samples": int(len(t)),
+        "quarter_medians_bytes": [int(m) for m in medians],
+        "first_bytes": int(medians[0]),
+        "last_bytes": int(y[-1]),
+        "late_rise_bytes": int(rise),
+        "slope_bytes_per_s": slope,
+    }
+    if steps_per_s:
+        out["bytes_per_step"] = slope / steps_per_s
+    if capacity:
+        out["capacity_bytes"] = int(capacity)
+        headroom = float(capacity) - float(y[-1])
+        if slope > 0 and headroom > 0:
+            out["seconds_to_full"] = headroom / slope
+    return out
+
+
+def memory_growth(samples: list[dict[str, Any]], t_start: float | None, t_end: float | None,
+                  steps_per_s: float | None, host_memory: int | None) -> dict[str, Any]:
+    """``{"host": growth of RSS, "gpus": {index: growth of used memory}}`` over the
+    steady window ``[t_start, t_end]`` (series with too few samples are left out)."""
+    out: dict[str, Any] = {"host": None, "gpus": {}}
+    if t_start is None or t_end is None:
+        return out
+    window = [s for s in samples if t_start <= s.get("t", -1.0) <= t_end]
+    if not window:
+        return out
+    t = np.array([s["t"] for s in window], dtype=np.float64)
+    # anonymous memory where recorded: the file pages of a memory-mapped dataset also count
+    # in RSS, and they grow through a first epoch without being a leak
+    key = "rss_anon_bytes" if any(s.get("rss_anon_bytes") is not None for s in window) \
+        else "rss_bytes"
+    rss = np.array([s.get(key) if s.get(key) is not None else np.nan for s in window],
+                   dtype=np.float64)
+    out["host"] = series_growth(t, rss, steps_per_s, host_memory)
+    if out["host"] is not None:
+        out["host"]["series"] = key
+    per_gpu: dict[str, list[tuple[float, float, Any]]] = {}
+    for s in window:
+        for dev in s.get("gpu") or []:
+            if isinstance(dev, dict) and dev.get("mem_used_bytes") is not None:
+                per_gpu.setdefault(str(dev.get("index")), []).append(
+                    (float(s["t"]), float(dev["mem_used_bytes"]), dev.get("mem_total_bytes")))
+    for index, points in per_gpu.items():
+        totals = [p[2] for p in points if p[2]]
+        growth = series_growth(np.array([p[0] for p in points]),
+                               np.array([p[1] for p in points]), steps_per_s,
+                               max(totals) if totals else None)
+        if growth is not None:
+            out["gpus"][index] = growth
+    return out

@@ -1,0 +1,22 @@
+"""The one-line impact of a finding, as every renderer states it.
+
+A finding's ``estimated_gain`` is the share of step time its fix could remove; some
+findings remove none and matter for another reason, which the line then says.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: what a finding with no estimated gain is for, by category
+NO_GAIN = {
+    "memory": "no speed-up: memory runs out before the run ends",
+}
+NO_GAIN_DEFAULT = "no speed-up: it qualifies the numbers above"
+
+
+def impact_text(finding: dict[str, Any]) -> str:
+    gain = float(finding.get("estimated_gain") or 0.0)
+    if gain > 0:
+        return f"could save up to {gain * 100:.0f}% of step time"
+    return NO_GAIN.get(str(finding.get("category")), NO_GAIN_DEFAULT)

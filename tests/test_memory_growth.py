@@ -1,0 +1,145 @@
+"""Memory that keeps growing through the steady state (expert rule M3): the trend test, the
+finding, and real runs — a leak, its fix, and a memory-mapped file that is not a leak."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import trainprof, write_script
+from test_diagnosis import make_steps, make_summary
+
+from trainprof.analysis.memory_growth import series_growth, theil_sen_slope
+from trainprof.diagnosis import diagnose
+
+MB = 2**20
+
+
+def test_theil_sen_ignores_outliers():
+    t = np.arange(50, dtype=float)
+    y = 3.0 * t + 7
+    y[[5, 20, 40]] += 1e6  # three wild samples
+    assert theil_sen_slope(t, y) == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("shape, grows", [
+    ("linear", True),
+    ("filled_then_flat", False),  # a cache that filled in the first half
+    ("flat_noise", False),
+    ("one_jump", False),  # an allocator block taken once
+    ("too_small", False),  # 10 MB over the run
+])
+def test_growth_must_hold_to_the_end(shape, grows):
+    rng = np.random.default_rng(0)
+    t = np.linspace(0, 20, 100)
+    base = 500 * MB + rng.normal(0, 2 * MB, t.size)
+    y = {
+        "linear": base + 10 * MB * t,
+        "filled_then_flat": base + 20 * MB * np.minimum(t, 9),
+        "flat_noise": base,
+        "one_jump": base + 200 * MB * (t > 7),
+        "too_small": base + 0.5 * MB * t,
+    }[shape]
+    g = series_growth(t, y, steps_per_s=50.0, capacity=4096 * MB)
+    assert g["grows"] is grows
+    if shape == "linear":
+        assert g["slope_bytes_per_s"] == pytest.approx(10 * MB, rel=0.05)
+        assert g["bytes_per_step"] == pytest.approx(10 * MB / 50, rel=0.05)
+        assert g["seconds_to_full"] == pytest.approx((4096 * MB - y[-1]) / (10 * MB), rel=0.05)
+
+
+def test_too_few_samples_say_nothing():
+    assert series_growth(np.arange(5.0), np.arange(5.0) * MB * 100, 10.0, None) is None
+
+
+def _growth(seconds_to_full, **kw):
+    g = {"grows": True, "slope_bytes_per_s": 2 * MB, "bytes_per_step": 40 * 1024,
+         "first_bytes": 400 * MB, "last_bytes": 900 * MB, "series": "rss_anon_bytes",
+         "seconds_to_full": seconds_to_full, **kw}
+    return g
+
+
+def _findings(growth):
+    steps = make_steps(60)
+    return [f for f in diagnose(make_summary(steps, memory_growth=growth), steps)
+            if f["category"] == "memory"]
+
+
+def test_severity_follows_the_time_left():
+    (f,) = _findings({"host": _growth(1800.0), "gpus": {}})
+    assert (f["cause"], f["severity"], f["estimated_gain"]) == ("host_memory_growth", "high", 0)
+    assert f["title"] == ("Host memory grows 40 KB a step, 2.0 MB/s to the end of the run: "
+                          "full in about 30 minutes")
+    assert f["evidence"]["seconds_to_full"] == 1800.0
+    assert _findings({"host": _growth(5 * 3600.0), "gpus": {}})[0]["severity"] == "medium"
+    assert _findings({"host": _growth(None), "gpus": {}})[0]["severity"] == "low"
+    assert _findings({"host": _growth(10.0, grows=False), "gpus": {}}) == []
+    (f,) = _findings({"host": None, "gpus": {"0": _growth(600.0, series=None)}})
+    assert (f["cause"], f["title"][:5]) == ("gpu_memory_growth", "GPU 0")
+
+
+LEAK = """
+    import sys
+    import torch
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(),
+                                torch.nn.Linear(1024, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    y = torch.randint(0, 10, (256,))
+    kept = []
+    for step in range(800):
+        x = torch.randn(256, 512)  # 512 KB
+        logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if sys.argv[1:] == ["leak"]:
+            kept.append((x, logits))  # every batch stays alive
+"""
+
+
+def test_a_leaking_loop_is_found_and_its_fix_clears_it(tmp_path):
+    write_script(tmp_path, "train.py", LEAK)
+    res = trainprof("run", "--json", "--no-html", "train.py", "leak", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    (f,) = [f for f in res.json()["findings"] if f["category"] == "memory"]
+    assert f["cause"] == "host_memory_growth"
+    # 512 KB of input and 10 KB of logits a step
+    assert 400 * 1024 < f["evidence"]["bytes_per_step"] < 800 * 1024, f["evidence"]
+    assert f["evidence"]["series"] == "rss_anon_bytes"
+    fixed = trainprof("run", "--json", "--no-html", "train.py", cwd=tmp_path)
+    assert fixed.returncode == 0, fixed.stderr[-2000:]
+    assert not [f for f in fixed.json()["findings"] if f["category"] == "memory"]
+
+
+MAPPED = """
+    import time
+    import numpy as np
+    import torch
+    data = np.load("data.npy", mmap_mode="r")  # 256 MB, read once in order: file pages
+    model = torch.nn.Linear(1024, 10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rows = 256
+    for step in range(data.shape[0] // rows):
+        x = torch.from_numpy(np.array(data[step * rows:(step + 1) * rows]))
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        time.sleep(0.012)
+"""
+
+
+def test_a_memory_mapped_file_read_through_is_not_a_leak(tmp_path):
+    np.save(tmp_path / "data.npy", np.ones((65536, 1024), dtype=np.float32))
+    write_script(tmp_path, "train.py", MAPPED)
+    res = trainprof("run", "--json", "--no-html", "train.py", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    samples = [json.loads(line) for line in (res.run_dir / "samples.jsonl").open()]
+    rss = [s["rss_bytes"] for s in samples]
+    anon = [s["rss_anon_bytes"] for s in samples]
+    assert all(a <= r for a, r in zip(anon, rss, strict=True))
+    assert max(rss) - rss[0] > 150 * MB  # the file's pages count in RSS...
+    assert max(anon) - anon[0] < 64 * MB  # ...not in anonymous memory
+    assert not [f for f in res.json()["findings"] if f["category"] == "memory"]
