@@ -143,3 +143,75 @@ def test_a_memory_mapped_file_read_through_is_not_a_leak(tmp_path):
     assert max(rss) - rss[0] > 150 * MB  # the file's pages count in RSS...
     assert max(anon) - anon[0] < 64 * MB  # ...not in anonymous memory
     assert not [f for f in res.json()["findings"] if f["category"] == "memory"]
+
+
+def test_worker_memory_from_samples_and_the_rollup_parser():
+    from trainprof.analysis.memory_growth import worker_memory
+    from trainprof.capture.proc_stats import _parse_rollup
+
+    text = (b"55d0c0000000-7ffd5e5f4000 ---p 00000000 00:00 0    [rollup]\n"
+            b"Rss:              437252 kB\nShared_Dirty:     133820 kB\n"
+            b"Private_Dirty:    280140 kB\nAnonymous:        413696 kB\n")
+    assert _parse_rollup(text) == (280140 * 1024, 133820 * 1024)
+    samples = [
+        {"t": 0.0, "workers_dirty_bytes": {"11": [20 * MB, 380 * MB], "12": [22 * MB, 380 * MB]}},
+        {"t": 0.2},  # read once a second only
+        {"t": 1.0, "workers_dirty_bytes": {"11": [200 * MB, 200 * MB], "12": [150 * MB, 250 * MB]}},
+        {"t": 2.0, "workers_dirty_bytes": {"11": [260 * MB, 140 * MB]}},  # 12 exited
+    ]
+    w = worker_memory(samples)
+    assert w == {"workers": 2, "private_first_median_bytes": 21 * MB,
+                 "private_peak_median_bytes": 205 * MB, "private_growth_median_bytes": 184 * MB,
+                 "shared_dirty_drop_median_bytes": 185 * MB,
+                 "concurrent_private_peak_bytes": 350 * MB}
+    assert worker_memory([{"t": 0.0}]) is None
+
+
+COPIES = """
+    import sys
+    import numpy as np
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+
+    class Paths(Dataset):
+        def __init__(self, n, as_numpy):
+            paths = [f"/data/train/class_{i % 1000:04d}/image_{i:08d}.JPEG" for i in range(n)]
+            labels = [i % 1000 for i in range(n)]
+            self.paths = np.array(paths, dtype=np.bytes_) if as_numpy else paths
+            self.labels = np.array(labels) if as_numpy else labels
+
+        def __len__(self):
+            return len(self.paths)
+
+        def __getitem__(self, i):
+            return torch.tensor([float(len(self.paths[i]))]), int(self.labels[i])
+
+    dataset = Paths(1_000_000, "--numpy" in sys.argv)
+    loader = DataLoader(dataset, batch_size=256, shuffle=True, num_workers=2)
+    model = torch.nn.Linear(1, 1000)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step, (x, y) in enumerate(loader):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 700:
+            break
+"""
+
+
+def test_workers_copying_a_list_dataset_are_found_and_numpy_storage_fixes_it(tmp_path):
+    write_script(tmp_path, "train.py", COPIES)
+    res = trainprof("run", "--json", "--no-html", "train.py", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    (f,) = [f for f in res.json()["findings"] if f["category"] == "memory"]
+    assert f["cause"] == "worker_copy_on_read"
+    ev = f["evidence"]
+    assert ev["workers"] == 2
+    assert ev["private_per_worker_bytes"] > 64 * MB  # measured: ~120 MB for 1 M paths
+    assert ev["shared_dirty_drop_per_worker_bytes"] > 32 * MB  # copied from the parent
+    assert "np.array(paths, dtype=np.bytes_)" in f["fix"]["snippet"]
+    fixed = trainprof("run", "--json", "--no-html", "train.py", "--numpy", cwd=tmp_path)
+    assert fixed.returncode == 0, fixed.stderr[-2000:]
+    assert not [f for f in fixed.json()["findings"] if f["category"] == "memory"]
+    workers = fixed.json()["memory_growth"]["workers"]
+    assert workers["private_growth_median_bytes"] < 16 * MB

@@ -89,11 +89,54 @@ def series_growth(t: np.ndarray, y: np.ndarray, steps_per_s: float | None,
     return out
 
 
+def worker_memory(samples: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """What each DataLoader worker wrote into memory of its own over its life.
+
+    From ``workers_dirty_bytes`` (about once a second, trainprof.capture.proc_stats):
+    per worker the first and the largest private dirty size, and how much of the
+    memory it shared dirty with the training process at first it no longer shares
+    (pages copied on write: copy-on-read of the dataset's Python objects). Medians
+    over workers; ``concurrent_private_peak_bytes`` is the largest sum over the workers
+    alive at one time. None when no worker was read.
+    """
+    first: dict[str, tuple[int, int]] = {}
+    last: dict[str, tuple[int, int]] = {}
+    peak: dict[str, int] = {}
+    concurrent = 0
+    for s in samples:
+        dirty = s.get("workers_dirty_bytes")
+        if not isinstance(dirty, dict) or not dirty:
+            continue
+        total = 0
+        for pid, pair in dirty.items():
+            if not isinstance(pair, list) or len(pair) != 2:
+                continue
+            private, shared = int(pair[0]), int(pair[1])
+            first.setdefault(pid, (private, shared))
+            last[pid] = (private, shared)
+            peak[pid] = max(peak.get(pid, 0), private)
+            total += private
+        concurrent = max(concurrent, total)
+    if not first:
+        return None
+    growth = [peak[p] - first[p][0] for p in first]
+    shared_drop = [first[p][1] - last[p][1] for p in first]
+    return {
+        "workers": len(first),
+        "private_first_median_bytes": int(np.median([first[p][0] for p in first])),
+        "private_peak_median_bytes": int(np.median([peak[p] for p in first])),
+        "private_growth_median_bytes": int(np.median(growth)),
+        "shared_dirty_drop_median_bytes": int(np.median(shared_drop)),
+        "concurrent_private_peak_bytes": int(concurrent),
+    }
+
+
 def memory_growth(samples: list[dict[str, Any]], t_start: float | None, t_end: float | None,
                   steps_per_s: float | None, host_memory: int | None) -> dict[str, Any]:
     """``{"host": growth of RSS, "gpus": {index: growth of used memory}}`` over the
     steady window ``[t_start, t_end]`` (series with too few samples are left out)."""
-    out: dict[str, Any] = {"host": None, "gpus": {}}
+    out: dict[str, Any] = {"host": None, "gpus": {}, "workers": worker_memory(samples),
+                           "host_memory_bytes": host_memory}
     if t_start is None or t_end is None:
         return out
     window = [s for s in samples if t_start <= s.get("t", -1.0) <= t_end]

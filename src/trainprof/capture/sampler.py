@@ -22,6 +22,11 @@ Design constraints, and how they are met:
 * **Crash safety.**  Lines are handed to the OS at least once a second (``flush_interval_s``),
   so a ``kill -9`` loses at most the last second of samples (the loader ignores a truncated
   last line); the file write is one more GIL hand-off, so not one per tick.
+* **Memory, and what kind.**  Besides RSS, the training process's anonymous resident memory
+  (``rss_anon_bytes``, from ``/proc/<pid>/statm``: a leak grows it, a memory-mapped dataset
+  does not) and, about once a second and at a worker's first sight, each DataLoader worker's
+  private and shared dirty memory (``workers_dirty_bytes``, from ``smaps_rollup``: pages a
+  worker copied from the training process, trainprof.analysis.memory_growth).
 * **Same clock as the step timeline.**  ``t`` is :func:`time.perf_counter`, which the step clock of
   the same process also uses, so samples and steps align without conversion.
 * **No shared global state.**  CPU percentages come from our own deltas of cumulative counters,
@@ -329,6 +334,8 @@ class SystemSampler:
         self._last_t: float | None = None
         self._main: MainProcess | None = None
         self._workers = ProcTable(self.interval_s)
+        #: ticks between two readings of the workers' dirty memory (about one a second)
+        self._dirty_every = max(1, round(1.0 / self.interval_s))
         self._children = ProcTable(self.interval_s)
         self._descendants: _Descendants | None = None
         self._sys_cpu: _SystemCpu | None = None
@@ -473,6 +480,11 @@ class SystemSampler:
         worker_pcts, worker_rss = self._workers.sample(worker_set)
         rec["workers"] = {str(p): round1(v) for p, v in sorted(worker_pcts.items())}
         rec["workers_rss_bytes"] = worker_rss
+        if worker_pcts and (self.ticks % self._dirty_every == 0 or self._workers.dirty_unread()):
+            # once a second, and at a worker's first sight: [private dirty, shared dirty]
+            # bytes per worker (copy-on-read)
+            rec["workers_dirty_bytes"] = {
+                str(p): list(v) for p, v in sorted(self._workers.dirty_memory().items())}
         assert self._descendants is not None
         others = self._descendants.pids() - worker_set
         child_pcts, _ = self._children.sample(others)

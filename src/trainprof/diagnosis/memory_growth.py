@@ -93,3 +93,90 @@ def leak(ctx: Context) -> list[Finding]:
         if isinstance(g, dict) and g.get("grows"):
             out.append(_growth_finding(ctx, g, f"GPU {index}", "gpu_memory_growth"))
     return out
+
+
+#: a worker must write at least this much memory of its own to be reported...
+WORKER_MIN_GROWTH = 64 * MB
+#: ...or have copied at least this much of what it shared with the training process
+WORKER_MIN_COPIED = 32 * MB
+#: ...and all workers together at least this much
+WORKERS_MIN_TOTAL = 128 * MB
+#: of the host's memory, held privately by the workers at one time: high, medium
+WORKERS_HIGH, WORKERS_MEDIUM = 0.25, 0.05
+
+
+@rule("memory_growth.worker_copies")
+def worker_copies(ctx: Context) -> Finding | None:
+    """DataLoader workers each writing a large private copy: data-loading.md pitfall 6,
+    "Copy-on-read from Python lists or dicts: store as numpy or Arrow" (measured there:
+    a list of 3 M paths, worker USS 48 → 187 MB each over one epoch; as a numpy ``S``
+    array, 47 → 48 MB; pytorch#13246). A forked worker shares the training process's
+    memory until it writes a page; reading a Python object writes its reference count,
+    so every page of the dataset's lists, dicts and strings that a worker reads is
+    copied into it. Told apart from a worker's own allocations (a per-worker cache) by
+    its shared dirty memory, which shrinks by what is copied."""
+    growth = ctx.summary.get("memory_growth")
+    w = growth.get("workers") if isinstance(growth, dict) else None
+    if not isinstance(w, dict):
+        return None
+    growth_per_worker = int(w.get("private_growth_median_bytes") or 0)
+    dropped = int(w.get("shared_dirty_drop_median_bytes") or 0)
+    total = int(w.get("concurrent_private_peak_bytes") or 0)
+    # copies: memory shared with the training process at a worker's first reading, private
+    # later; the copying starts with the first samples, so the worker's whole private
+    # size is what it holds. Otherwise only what it allocated after its first reading.
+    copied = dropped >= WORKER_MIN_COPIED
+    per_worker = int(w.get("private_peak_median_bytes") or 0) if copied else growth_per_worker
+    if total < WORKERS_MIN_TOTAL or (not copied and growth_per_worker < WORKER_MIN_GROWTH):
+        return None
+    host = growth.get("host_memory_bytes")
+    share = total / float(host) if host else None
+    severity = ("high" if share is not None and share >= WORKERS_HIGH else
+                "medium" if share is not None and share >= WORKERS_MEDIUM else "low")
+    n = int(w.get("workers") or 0)
+    dataset = str((ctx.train_loader or {}).get("dataset") or "the dataset").rsplit(".", 1)[-1]
+    title = (f"Each DataLoader worker holds {per_worker / MB:,.0f} MB of memory of its own "
+             f"({total / MB:,.0f} MB across {n} workers)"
+             + (": the dataset's Python objects copied into every worker" if copied else ""))
+    evidence = {
+        "workers": n,
+        "private_per_worker_bytes": w.get("private_peak_median_bytes"),
+        "private_first_per_worker_bytes": w.get("private_first_median_bytes"),
+        "private_growth_per_worker_bytes": growth_per_worker,
+        "shared_dirty_drop_per_worker_bytes": w.get("shared_dirty_drop_median_bytes"),
+        "workers_private_peak_bytes": total,
+        "host_memory_bytes": host,
+        "share_of_host_memory": share,
+        "dataset": (ctx.train_loader or {}).get("dataset"),
+    }
+    if copied:
+        text = (
+            f"Memory each worker shared with the training process became its own as it ran "
+            f"({(w.get('shared_dirty_drop_median_bytes') or 0) / MB:,.0f} MB per worker): "
+            f"reading a Python object writes its reference count, so every page of "
+            f"{dataset}'s lists, dicts and strings a worker reads is copied into it "
+            "(copy-on-read; pytorch#13246). With more workers or a larger dataset this "
+            "multiplies until memory runs out. Keep per-sample metadata in numpy arrays "
+            "(or Arrow, or a pack: `trainprof pack`): one buffer, read without writing."
+        )
+        snippet = (
+            "# in the dataset's __init__: one numpy buffer instead of millions of objects\n"
+            "self.paths = np.array(paths, dtype=np.bytes_)  # was a list of str\n"
+            "self.labels = np.array(labels, dtype=np.int64)  # was a list of int\n"
+            "# in __getitem__:\n"
+            "path = self.paths[i].decode()"
+        )
+    else:
+        text = (
+            "Each worker allocates memory of its own as it runs (not copies of the "
+            "training process's): a cache inside the dataset, or per-sample buffers kept "
+            "alive, held once per worker. Bound the cache, or keep it on disk shared by "
+            "all workers (`trainprof.fixes.CachedDataset`)."
+        )
+        snippet = "dataset = CachedDataset(dataset, \"cache_dir\")  # one on-disk copy for all"
+    verify = (f"trainprof run {ctx.script} after the change: the workers' private memory "
+              f"(now {per_worker / MB:,.0f} MB each) should fall, and this finding go")
+    return Finding(category="memory",
+                   cause="worker_copy_on_read" if copied else "worker_memory_growth",
+                   title=title, severity=severity, evidence=evidence, estimated_gain=0.0,
+                   fix=Fix(text=text, snippet=snippet), verify=verify)

@@ -10,7 +10,7 @@ from typing import Any
 
 #: what a finding with no estimated gain is for, by category
 NO_GAIN = {
-    "memory": "no speed-up: memory runs out before the run ends",
+    "memory": "no speed-up: it is about memory, not time",
 }
 NO_GAIN_DEFAULT = "no speed-up: it qualifies the numbers above"
 
