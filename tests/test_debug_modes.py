@@ -89,7 +89,7 @@ def test_rules_weigh_the_share_of_the_run_and_the_phases():
 def test_anomaly_detection_left_on_is_found_and_the_knob_turns_it_off(tmp_path):
     write_script(tmp_path, "train.py", MODEL + """
     torch.autograd.set_detect_anomaly(True)
-    for _ in range(300):
+    for _ in range(150):
         step()
     """)
     res = trainprof("run", "--json", "--no-html", "train.py", cwd=tmp_path)

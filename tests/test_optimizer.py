@@ -250,15 +250,16 @@ def test_the_optimizer_finding_bands_and_alternatives():
 
 
 def test_example_optimizer_loop_and_its_fix(tmp_path):
-    before = trainprof("run", "--json", str(EXAMPLES / "optimizer_loop.py"), cwd=tmp_path)
+    before = trainprof("run", "--json", str(EXAMPLES / "optimizer_loop.py"), "--steps", "150",
+                       cwd=tmp_path)
     assert before.returncode == 0, before.stderr[-3000:]
     doc = before.json()
     top = doc["findings"][0]
     assert (top["category"], top["cause"]) == ("host_launch", "for_loop_optimizer")
     assert top["evidence"]["param_tensors"] == 100
     assert doc["breakdown"]["optimizer"] > 0.2
-    after = trainprof("run", "--json", str(EXAMPLES / "optimizer_loop.py"), "--fused",
-                      cwd=tmp_path)
+    after = trainprof("run", "--json", str(EXAMPLES / "optimizer_loop.py"), "--steps", "150",
+                      "--fused", cwd=tmp_path)
     assert after.returncode == 0, after.stderr[-3000:]
     fixed = after.json()
     assert not [f for f in fixed["findings"] if f["category"] == "host_launch"]
