@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from trainprof import __version__
+from trainprof.capture.knobs import KNOBS
 from trainprof.capture.window import looks_like_spec
 from trainprof.errors import UsageError
 
@@ -43,9 +44,14 @@ shuffled rounds of trials; the report gives each arm's mean steady-state time
 per step (per sample when batch_size changes), its ratio to the baseline with a
 bootstrap confidence interval over trials and steps, and a verdict.
 
+knobs:
+{knobs}
+
 examples:
   trainprof tune --knob num_workers=0,2,4 train.py --lr 0.1
   trainprof tune --knob torch_threads=1,2 --trials 5 --json train.py > tune.json
+  trainprof tune --knob optimizer=script,fused train.py
+  trainprof tune --knob synthetic_data=false,true train.py   # the step with input made free
 """
 
 
@@ -172,17 +178,16 @@ def build_parser() -> _Parser:
         "tune",
         help="run the script with settings changed (knobs) and measure which is faster",
         usage="trainprof tune [OPTIONS] (SCRIPT | -m MODULE) [ARGS...]",
-        epilog=TUNE_EPILOG,
+        epilog=TUNE_EPILOG.format(knobs="\n".join(
+            f"  {spec.name:<20}{spec.help}" for spec in KNOBS.values())),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     tune.add_argument("script", nargs="?", metavar="SCRIPT", help="the training script")
     tune.add_argument("-m", dest="module", metavar="MODULE", help="run a module, like python -m")
     tune.add_argument("--knob", action="append", default=[], metavar="NAME=V1,V2,...",
-                      help="a setting and the values to try: num_workers, persistent_workers, "
-                           "pin_memory, prefetch_factor, batch_size, torch_threads, "
-                           "interop_threads, gc_threshold, gc_freeze; the value 'script' keeps "
-                           "the script's own. Several --knob options give the grid of "
-                           "combinations (at most 16 arms)")
+                      help="a setting and the values to try (knobs below); the value "
+                           "'script' keeps the script's own. Several --knob options give the "
+                           "grid of combinations (at most 16 arms)")
     tune.add_argument("--steps", type=_positive_int, default=60, metavar="N",
                       help="steps per trial (default: 60)")
     tune.add_argument("--trials", type=_positive_int, default=3, metavar="K",
@@ -278,6 +283,9 @@ def _dispatch(argv: list[str]) -> int:
         target = ns.module if ns.module is not None else ns.script
         if target is None:
             raise UsageError("missing SCRIPT (or -m MODULE) to run (see 'trainprof run --help')")
+        from trainprof.capture.launcher import check_target
+
+        check_target(target, ns.module is not None)  # before torch is imported: at once
         from trainprof.commands import run_command
 
         return run_command(
@@ -303,6 +311,9 @@ def _dispatch(argv: list[str]) -> int:
             raise UsageError("missing SCRIPT (or -m MODULE) to tune (see 'trainprof tune --help')")
         if not ns.knob:
             raise UsageError("give at least one --knob NAME=V1,V2 (see 'trainprof tune --help')")
+        from trainprof.capture.launcher import check_target
+
+        check_target(target, ns.module is not None)
         from trainprof.experiments.tune import tune_command
 
         return tune_command(
