@@ -209,3 +209,57 @@ def test_device_prefetcher_on_a_side_stream_gives_the_cpu_paths_batches():
     assert len(on_gpu) == 4
     for (x_cpu, _), x_gpu in zip(on_cpu, on_gpu, strict=True):
         torch.testing.assert_close(x_gpu, x_cpu * 2)
+
+
+def test_optimizer_implementations_on_cuda():
+    """torch's CUDA default is foreach; the knob's fused runs and updates as foreach does."""
+    from trainprof.capture.optimizer_impl import (
+        FOREACH,
+        FUSED,
+        describe_optimizer,
+        set_implementation,
+    )
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2)).cuda()
+
+    a, b = model(), model()
+    ref = torch.optim.AdamW(a.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(b.parameters(), lr=1e-2)
+    assert describe_optimizer(ref)["implementation"] == FOREACH
+    assert describe_optimizer(ref)["devices"] == ["cuda"]
+    assert set_implementation(opt, FUSED)["set"] == FUSED
+    x = torch.randn(4, 8, device="cuda")
+    for m, o in ((a, ref), (b, opt)):
+        for _ in range(3):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pynvml") is None, reason="nvidia-ml-py missing")
+def test_gpu_memory_that_keeps_growing_is_found(tmp_path):
+    """Tensors kept on the GPU every step: NVML's used memory grows to the end."""
+    write_script(tmp_path, "train.py", """
+        import time
+        import torch
+        model = torch.nn.Linear(1024, 1024).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        kept = []
+        for step in range(400):
+            x = torch.randn(1024, 1024, device="cuda")  # 4 MB
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            kept.append(x)
+            torch.cuda.synchronize()
+            time.sleep(0.01)
+    """)
+    res = trainprof("run", "--json", "--no-html", "train.py", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    found = [f for f in res.json()["findings"] if f["cause"] == "gpu_memory_growth"]
+    assert found, res.json()["memory_growth"]
+    assert 2 * 2**20 < found[0]["evidence"]["bytes_per_step"] < 8 * 2**20

@@ -98,3 +98,21 @@ def test_a_run_with_synthetic_data_shows_the_step_without_input(tmp_path):
     assert "synthetic_data=false,true train.py" in top["verify"]
     meta = json.loads((free.run_dir / "run.json").read_text())
     assert _actual("synthetic_data", meta) == "true (1 loader)"
+
+
+def test_an_iterable_dataset_repeats_its_first_batch_past_its_end():
+    """Its epoch's end is known only by reading it: with synthetic data it never ends
+    (trainprof tune stops each trial after --steps steps)."""
+    from torch.utils.data import IterableDataset
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(torch.arange(6).split(1))
+
+    knobs = Knobs({"synthetic_data": True}).install()
+    try:
+        it = iter(DataLoader(Stream(), batch_size=2))
+        batches = [next(it) for _ in range(10)]  # the stream holds 3 batches
+    finally:
+        knobs.uninstall()
+    assert all(torch.equal(b, batches[0]) for b in batches)

@@ -65,7 +65,9 @@ def _growth_finding(ctx: Context, g: dict[str, Any], where: str, cause: str) -> 
         "than in the one before: something is kept from every step. Most often a tensor "
         "kept with its autograd graph (losses.append(loss), total_loss += loss: keep "
         "loss.item() or loss.detach()), batches or model outputs kept for metrics (keep "
-        "the numbers, or detach and move them to the CPU), or a cache with no bound. "
+        "the numbers, or detach and move them to the CPU), or a cache with no bound (an "
+        "in-memory cache that fills through the first epoch stops there: check that "
+        "it fits). "
         "tracemalloc (host) or torch.cuda.memory._record_memory_history (GPU) names the "
         "allocation that grows."
     )
