@@ -272,3 +272,23 @@ def test_example_optimizer_loop_and_its_fix(tmp_path):
     cmp = res.json()
     assert cmp["ratio"] < 0.95, cmp["ratio"]
     assert cmp["environment_diff"][0]["key"] == "optimizer[0].implementation"
+
+
+def test_an_optimizer_per_epoch_is_described_a_bounded_number_of_times(tmp_path):
+    write_script(tmp_path, "train.py", """
+        import torch
+        model = torch.nn.Linear(4, 4)
+        for epoch in range(30):
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)  # a new one every epoch
+            for _ in range(5):
+                model(torch.randn(2, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    """)
+    res = trainprof("run", "--no-html", "train.py", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    meta = json.loads((res.run_dir / "run.json").read_text())
+    assert (len(meta["optimizers"]), meta["optimizers_not_described"]) == (16, 14)
+    rows = [line for line in (res.stdout + res.stderr).splitlines() if line.startswith("Optimizer")]
+    assert "SGD · for-loop over 2 tensors (20 parameters, cpu) · 16 optimizers like it" in rows[0]
+    assert rows[-1].endswith("14 more, not described (one is built per epoch or per step?)")

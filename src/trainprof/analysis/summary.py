@@ -122,6 +122,7 @@ def summarize_run(run: Run) -> dict[str, Any]:
         or [ev for ev in run.events if ev.get("kind") == "dataloader"],
         # each optimizer seen stepping: class, parameters, the implementation its step runs
         "optimizers": meta.get("optimizers") or [],
+        "optimizers_not_described": meta.get("optimizers_not_described") or None,
         # debugging switches left on while training (anomaly detection, the profiler, env)
         "debug_modes": _debug_modes(meta),
         "system": system,

@@ -36,6 +36,9 @@ from trainprof.capture.worker import MAIN_REARM_HZ, WORKERS_DIR, WorkerCapture
 from trainprof.schema import FLAG_PROFILED, RECORD_WIDTH, REGION, STEP_FIELDS
 from trainprof.store import SAMPLES_JSONL, STACKS_JSONL, RunWriter
 
+#: optimizers described in run.json's ``optimizers`` at most (see _on_new_optimizer)
+MAX_OPTIMIZERS = 16
+
 #: ``torch.cuda.memory_stats`` keys recorded in run.json's ``cuda_memory`` (see ``stop``).
 #: Longest time finished steps wait in memory before they are written (what kill -9 can lose).
 DRAIN_INTERVAL_S = 1.0
@@ -151,6 +154,7 @@ class Recorder:
         )
         self.loaders = LoaderRegistry(self._on_new_loader)
         self._optimizers: list[dict[str, Any]] = []
+        self._optimizers_more = 0  # optimizers beyond MAX_OPTIMIZERS, counted only
         # debugging switches left on (anomaly detection, the profiler), 5 times a second
         self.debug_modes = DebugModes()
         self._debug_step = 0
@@ -340,7 +344,14 @@ class Recorder:
 
     def _on_new_optimizer(self, optimizer: Any) -> None:
         """Describe an optimizer at its first step (class, parameters, the implementation
-        its step runs: trainprof.capture.optimizer_impl); written at the next flush."""
+        its step runs: trainprof.capture.optimizer_impl); written at the next flush.
+
+        At most :data:`MAX_OPTIMIZERS` are described (a script that builds one per epoch,
+        or per step, would otherwise grow the record without bound); the rest are counted.
+        """
+        if len(self._optimizers) >= MAX_OPTIMIZERS:
+            self._optimizers_more += 1
+            return
         try:
             entry = describe_optimizer(optimizer)
         except Exception as exc:  # an optimizer of an unexpected shape: named, not described
@@ -355,7 +366,8 @@ class Recorder:
         primary = self.clock.primary_optimizer
         entries = [{**e, "primary": e["id"] == primary} for e in list(self._optimizers)]
         if entries != self.writer.meta.get("optimizers", []):
-            self.writer.update_meta(optimizers=entries)
+            self.writer.update_meta(optimizers=entries,
+                                    optimizers_not_described=self._optimizers_more)
 
     def _note_distributed(self) -> None:
         """This process's torch.distributed rank, once its process group is up.

@@ -105,7 +105,7 @@ def profiler_left_on(ctx: Context) -> Finding | None:
     text = (
         "The script's own torch.profiler (or torch.autograd.profiler) records for most of "
         "the run: each operator is timed and kept, which adds host time to every op "
-        "(on a ~1 ms CPU step, +34% to +102% measured for trainprof's overhead "
+        "(on a ~1 ms CPU step, +31% to +102% measured by trainprof's overhead "
         "benchmark). Record a few steps with a schedule and prof.step(), or let "
         "`trainprof run --deep` record a bounded window."
     )

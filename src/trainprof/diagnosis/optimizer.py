@@ -25,6 +25,7 @@ than nothing); ``trainprof tune --knob optimizer=script,fused`` measures the rea
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -97,7 +98,9 @@ def optimizer_implementation(ctx: Context) -> Finding | None:
         if n:
             evidence["optimizer_s_per_tensor"] = opt_s / n
     if len(candidates) > 1:
-        evidence["other_optimizers"] = [_short(str(e.get("class"))) for e in candidates[1:]]
+        # class -> how many (a script may build one per epoch)
+        evidence["other_optimizers"] = dict(Counter(_short(str(e.get("class")))
+                                                    for e in candidates[1:]))
     how = {SINGLE: f"one parameter tensor at a time ({n} tensors, a few small ops each)",
            FOREACH: f"over lists of tensors ({n} tensors), one op of the update at a time"}
     title = (f"{name}.step() takes {share * 100:.1f}% of step time running its {impl} "
