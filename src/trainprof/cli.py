@@ -55,6 +55,20 @@ examples:
 """
 
 
+STAGE_EPILOG = """\
+Data on network storage pays a round trip per file, every epoch, on every rank. The
+copy on local disk pays it once: the ranks of a node share one copy (the others wait
+while one copies), a later job on the node reuses it, and a changed source (a file
+added, resized or touched) gets a fresh one. The copy appears only when complete.
+Standard output is the path to read from, so that a job script can do:
+
+  DATA=$(trainprof stage /nfs/datasets/train.pack)
+  python train.py --data "$DATA"
+
+In Python: trainprof.fixes.stage(path).path
+"""
+
+
 PACK_EPILOG = """\
 One file per sample is slow to read: every sample costs an open, a read and a
 close, and on network storage a round trip. A pack holds the same samples in a
@@ -226,6 +240,20 @@ def build_parser() -> _Parser:
     pack.add_argument("--no-check", action="store_true",
                       help="skip the read check (random reads from the files vs the pack)")
     pack.add_argument("--json", action="store_true", help="print one JSON document")
+    stage = sub.add_parser(
+        "stage",
+        help="copy data from network storage to this node's local disk, once per node and "
+             "version; prints the local path",
+        epilog=STAGE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    stage.add_argument("source", type=Path, metavar="SOURCE", help="a file or a folder")
+    stage.add_argument("--to", type=Path, metavar="DIR",
+                       help="where copies go (default: $TRAINPROF_STAGE_DIR, $SLURM_TMPDIR, "
+                            "$TMPDIR, else the system's temporary folder)")
+    stage.add_argument("--threads", type=_positive_int, default=8, metavar="N",
+                       help="files copied at once (default: 8)")
+    stage.add_argument("--json", action="store_true", help="print one JSON document")
     return parser
 
 
@@ -354,6 +382,10 @@ def _dispatch(argv: list[str]) -> int:
             shard_bytes=ns.shard_size, threads=ns.threads, force=ns.force,
             check=not ns.no_check, json_out=ns.json,
         )
+    if ns.command == "stage":
+        from trainprof.commands import stage_command
+
+        return stage_command(ns.source, to=ns.to, threads=ns.threads, json_out=ns.json)
     parser.print_help()
     return 2
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -398,6 +399,33 @@ def export_command(run_dir: Path, *, perfetto: Path) -> int:
               file=sys.stderr)
     for note in stats.get("notes", []):
         print(f"  note: {note}", file=sys.stderr)
+    return 0
+
+
+def stage_command(source: Path, *, to: Path | None, threads: int, json_out: bool) -> int:
+    """``trainprof stage``: the local copy's path on stdout; what it cost on stderr."""
+    from trainprof.fixes.staging import stage
+    from trainprof.report.pack_progress import progress_reporter
+
+    start = time.perf_counter()
+    with progress_reporter("staging (bytes)", sys.stderr) as progress:
+        # a copy that takes under a second is not worth progress lines
+        staged = stage(source, to, threads=threads, progress=lambda done, total: (
+            progress(done, total) if time.perf_counter() - start > 1.0 else None))
+    seconds = time.perf_counter() - start
+    doc = {"source": str(source), "path": str(staged.path), "copied": staged.copied,
+           "files": staged.files, "bytes": staged.bytes, "seconds": seconds}
+    if json_out:
+        render_json(doc)
+        return 0
+    if staged.copied:
+        rate = staged.bytes / seconds / 2**20 if seconds > 0 else 0.0
+        print(f"trainprof: staged {staged.files:,} files, {staged.bytes / 2**20:,.1f} MiB, in "
+              f"{seconds:.1f} s ({rate:,.0f} MiB/s)", file=sys.stderr)
+    else:
+        print(f"trainprof: reusing the copy made earlier ({staged.files:,} files, "
+              f"{staged.bytes / 2**20:,.1f} MiB)", file=sys.stderr)
+    print(staged.path)
     return 0
 
 

@@ -70,7 +70,8 @@ CHEAP_SAMPLE_MS = 0.02
 #: What removes per-file reads (data-loading.md §4): the pack tool, in a finding's words.
 PACK_HINT = (
     "pack the sample files once into a few large files (`trainprof pack DATA_DIR OUT`, read "
-    "by `trainprof.fixes.PackedDataset`) or copy the data to local disk."
+    "by `trainprof.fixes.PackedDataset`); on network storage, copy the data (or the pack) "
+    "to the node's local disk once: `DATA=$(trainprof stage DATA_DIR)` in the job script."
 )
 #: The pack in a snippet, after the loader: samples and order as ImageFolder's.
 PACK_SNIPPET = (

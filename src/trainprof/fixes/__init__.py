@@ -5,6 +5,8 @@
   into a few large files and read back by ``mmap``; ``trainprof pack`` on the command line.
 * :class:`CachedDataset` — a dataset's deterministic per-item work (decode, resize) done
   the first time an item is read and kept on disk; random augmentations after it.
+* :func:`stage` — a dataset on network storage copied once per node (and version) to
+  local disk, the ranks of a node sharing the copy; ``trainprof stage`` on the command line.
 * :class:`DevicePrefetcher` — batches copied to the device ahead of use (a side stream
   on CUDA), uint8 images turned into floats, augmented and normalised there, batched.
 
@@ -24,6 +26,7 @@ _WHERE = {
     "PackedDataset": "trainprof.fixes.packed_dataset",
     "pack_dataset": "trainprof.fixes.pack_writer",
     "pack_folder": "trainprof.fixes.folder",
+    "stage": "trainprof.fixes.staging",
 }
 
 __all__ = sorted(_WHERE)
