@@ -125,10 +125,12 @@ def stage(source: str | os.PathLike[str], to: str | os.PathLike[str] | None = No
     src = Path(os.path.abspath(source))
     if not src.exists():
         raise UsageError(f"no such file or folder: {source}")
+    root = Path(os.path.abspath(to)) if to is not None else local_root()
+    if src.is_dir() and root.resolve().is_relative_to(src.resolve()):
+        raise UsageError(f"cannot stage {source} into {root}, a folder inside it")
     listing = _listing(src)
     total = sum(size for _, size, _ in listing)
     digest = _digest(src, listing)
-    root = Path(to) if to is not None else local_root()
     root.mkdir(parents=True, exist_ok=True)
     dest = root / f"{src.name}-{digest}"
     target = dest / src.name if src.is_file() else dest
