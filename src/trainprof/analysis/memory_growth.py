@@ -16,7 +16,9 @@ steady-state window are cut into four quarters of equal time; the series *grows*
 the quarters' medians rise from the second to the third and from the third to the
 fourth quarter (growth that stopped halfway is a cache that filled, not a leak) and
 the rise over the second half is at least :data:`MIN_GROWTH_BYTES` and
-:data:`MIN_GROWTH_REL` of the first quarter's median. The rate is the Theil–Sen slope
+:data:`MIN_GROWTH_REL` of the first quarter's median. A window shorter than
+:data:`MIN_WINDOW_S` is not judged: a heap grows for a process's first seconds.
+The rate is the Theil–Sen slope
 (the median of pairwise slopes: robust to single jumps, such as a caching allocator's
 new block) of the second half; per step, it is divided by the steady steps per
 second. The time left is the headroom (host: the host's RAM less the last RSS; GPU:
@@ -35,6 +37,10 @@ MIN_GROWTH_BYTES = 32 * 2**20
 MIN_GROWTH_REL = 0.03
 #: samples needed in the window (four quarters of at least two each)
 MIN_SAMPLES = 8
+#: the shortest steady window judged: a process's heap keeps growing for its first
+#: seconds before it settles (measured: a DataLoader loop's anonymous memory rose 190 →
+#: 410 MB over its first 3 s, then stayed), which a shorter window cannot tell from a leak
+MIN_WINDOW_S = 8.0
 #: pairwise slopes at most (Theil-Sen on a subsample: O(n^2) otherwise)
 MAX_PAIRS_POINTS = 400
 
@@ -53,11 +59,13 @@ def theil_sen_slope(t: np.ndarray, y: np.ndarray) -> float:
 
 
 def series_growth(t: np.ndarray, y: np.ndarray, steps_per_s: float | None,
-                  capacity: float | None) -> dict[str, Any] | None:
-    """The growth of one series (module docstring); None when too few samples."""
+                  capacity: float | None,
+                  min_window_s: float = MIN_WINDOW_S) -> dict[str, Any] | None:
+    """The growth of one series (module docstring); None when too few samples or a
+    window shorter than ``min_window_s`` (not judged)."""
     keep = np.isfinite(y)
     t, y = t[keep], y[keep]
-    if len(t) < MIN_SAMPLES or t[-1] <= t[0]:
+    if len(t) < MIN_SAMPLES or t[-1] - t[0] < max(min_window_s, 1e-9):
         return None
     edges = np.linspace(t[0], t[-1], 5)
     quarters = [y[(t >= edges[k]) & (t <= edges[k + 1])] for k in range(4)]
