@@ -236,11 +236,12 @@ def test_the_optimizer_finding_bands_and_alternatives():
     (f,) = _findings(2e-3, _opt(implementation=FOREACH))  # foreach → fused, too
     assert (f["cause"], f["evidence"]["faster_implementation"]) == ("foreach_optimizer", FUSED)
     assert _findings(5e-3, _opt(implementation=FUSED)) == []
-    assert _findings(5e-3, _opt(fused_unavailable="not floating point")) == []
-    # no fused: foreach only off the CPU (on CPU it falls back to per-tensor kernels)
+    (f,) = _findings(5e-3, _opt(fused_unavailable="not floating point"))  # then foreach
+    assert f["evidence"]["faster_implementation"] == FOREACH
+    assert _findings(5e-3, _opt(implementation=FOREACH, fused_unavailable="...")) == []
+    # no fused: foreach
     rms = {"class": "torch.optim.rmsprop.RMSprop", "supports": ["foreach"]}
-    assert _findings(5e-3, _opt(**rms)) == []
-    (f,) = _findings(5e-3, _opt(**rms, devices=["cuda"]))
+    (f,) = _findings(5e-3, _opt(**rms))
     assert f["evidence"]["faster_implementation"] == FOREACH
     assert "foreach=True" in f["fix"]["snippet"]
     assert _findings(5e-3, _opt(torch_step=False, implementation=None)) == []

@@ -311,9 +311,6 @@ def _dispatch(argv: list[str]) -> int:
         target = ns.module if ns.module is not None else ns.script
         if target is None:
             raise UsageError("missing SCRIPT (or -m MODULE) to run (see 'trainprof run --help')")
-        from trainprof.capture.launcher import check_target
-
-        check_target(target, ns.module is not None)  # before torch is imported: at once
         from trainprof.commands import run_command
 
         return run_command(
@@ -339,9 +336,6 @@ def _dispatch(argv: list[str]) -> int:
             raise UsageError("missing SCRIPT (or -m MODULE) to tune (see 'trainprof tune --help')")
         if not ns.knob:
             raise UsageError("give at least one --knob NAME=V1,V2 (see 'trainprof tune --help')")
-        from trainprof.capture.launcher import check_target
-
-        check_target(target, ns.module is not None)
         from trainprof.experiments.tune import tune_command
 
         return tune_command(

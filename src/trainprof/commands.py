@@ -175,10 +175,11 @@ def run_command(
         run_target,
         settle_daemon_threads,
     )
+
+    check_target(target, module)  # before the capture imports torch: refused at once
     from trainprof.capture.ranks import default_launch_dir, launcher_rank, wait_for_ranks
     from trainprof.capture.recorder import Recorder
 
-    check_target(target, module)
     if out is not None:
         # absolute now: the script may change directory (Hydra does, by default in
         # older versions), and the record is written relative to where trainprof started

@@ -52,3 +52,7 @@ DEVICE_FIELDS = (
 
 #: int64 values per step record (every field is stored as int64).
 RECORD_WIDTH = len(STEP_FIELDS)
+
+# The implementations an optimizer's step can run, as run.json's ``optimizers`` records
+# them (trainprof.capture.optimizer_impl) and the diagnosis reads them.
+IMPL_FOR_LOOP, IMPL_FOREACH, IMPL_FUSED = "for-loop", "foreach", "fused"

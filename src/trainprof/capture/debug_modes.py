@@ -10,7 +10,8 @@ training thread:
   ``set_detect_anomaly(True)``, Lightning's ``Trainer(detect_anomaly=True)``): every
   autograd node of the forward keeps the Python stack that made it, and backward
   checks each node's output for NaN (with ``check_nan``, a device-to-host read per
-  node on CUDA). Measured here on CPU, an 8-block MLP: 3.4 ms a step → 8.4 ms.
+  node on CUDA). On a CPU loop of 8 MLP blocks, ``trainprof tune --knob
+  anomaly_detection=script,false`` measured ×0.21 of the step time with it off.
   ``torch.is_anomaly_enabled()`` reads one C++ static (``AnomalyMode::_enabled``).
 * **the profiler** (``torch.profiler.profile`` / ``torch.autograd.profiler.profile``
   recording): ``torch.autograd.profiler._is_profiler_enabled``, a module global set

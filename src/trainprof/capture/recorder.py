@@ -28,7 +28,7 @@ from trainprof.capture.fingerprint import collect_fingerprint
 from trainprof.capture.hooks import Instrumentation, LoaderRegistry
 from trainprof.capture.knobs import install_knobs
 from trainprof.capture.loop_stacks import LoopStackSampler
-from trainprof.capture.optimizer_impl import describe_optimizer
+from trainprof.capture.optimizer_impl import class_name, describe_optimizer
 from trainprof.capture.ranks import MAX_RECORDED, RANKS_DIR, ChildRuns
 from trainprof.capture.sampler_process import SamplerProcess
 from trainprof.capture.window import WindowRunner
@@ -355,8 +355,7 @@ class Recorder:
         try:
             entry = describe_optimizer(optimizer)
         except Exception as exc:  # an optimizer of an unexpected shape: named, not described
-            entry = {"class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
-                     "error": f"{type(exc).__name__}: {exc}"}
+            entry = {"class": class_name(optimizer), "error": f"{type(exc).__name__}: {exc}"}
         entry["id"] = id(optimizer)
         self._optimizers.append(entry)
 
@@ -365,7 +364,9 @@ class Recorder:
         ``primary`` (known only after its first steps)."""
         primary = self.clock.primary_optimizer
         entries = [{**e, "primary": e["id"] == primary} for e in list(self._optimizers)]
-        if entries != self.writer.meta.get("optimizers", []):
+        meta = self.writer.meta
+        if (entries != meta.get("optimizers", [])
+                or self._optimizers_more != meta.get("optimizers_not_described", 0)):
             self.writer.update_meta(optimizers=entries,
                                     optimizers_not_described=self._optimizers_more)
 

@@ -126,6 +126,7 @@ def profiler_left_on(ctx: Context) -> Finding | None:
                    fix=Fix(text=text, snippet=snippet), verify=verify)
 
 
+#: the switches the summary keeps (trainprof.analysis.summary.DEBUG_ENV), what each does
 _ENV_SWITCHES = {
     "CUDA_LAUNCH_BLOCKING": (
         "synchronization", "launch_blocking",

@@ -12,12 +12,12 @@ runs (:mod:`trainprof.capture.optimizer_impl`: torch's default is the for-loop o
 CPU and foreach on CUDA; fused is never the default), whether the class has a fused
 or foreach one, and whether its parameters can take fused (floating point, on a
 device with fused kernels). The rule proposes the fastest available: fused, else
-foreach. Measured here on CPU, AdamW over 96 parameter tensors: for-loop 2.8 ms a step,
-foreach 2.1 ms, fused 0.93 ms; over 8 large tensors (1.3 M parameters) for-loop
-1.7 ms, foreach 3.8 ms, fused 0.40 ms: on CPU foreach can lose to the for-loop, so it is
-proposed only for parameters on an accelerator (where it is torch's default, so a
-for-loop there was asked for). ``examples/optimizer_loop.py`` with ``trainprof compare``
-is in the README.
+foreach. ``benchmarks/optimizer_step.py`` (AdamW on CPU, one thread, arms interleaved,
+median per-round ratios to the for-loop): over 96 small tensors foreach ×0.60, fused
+×0.17; over 8 large tensors (1.3 M parameters) foreach ×0.87, fused ×0.13. The whole
+step gains less: ``examples/optimizer_loop.py`` with ``trainprof tune`` gave fused ×0.75
+and foreach ×0.98 (not significant), so foreach is proposed only where no fused exists,
+and the ``verify`` line measures it.
 
 Gain: an upper bound, the optimizer's share of the step (the update cannot take less
 than nothing); ``trainprof tune --knob optimizer=script,fused`` measures the real one.
@@ -33,12 +33,12 @@ import numpy as np
 from trainprof.diagnosis.context import Context
 from trainprof.diagnosis.finding import Finding, Fix, band
 from trainprof.diagnosis.registry import rule
+from trainprof.schema import IMPL_FOR_LOOP, IMPL_FOREACH, IMPL_FUSED
 
 HIGH, MEDIUM, LOW = 0.15, 0.03, 0.02
 
-# the implementations as the capture records them (trainprof.capture.optimizer_impl;
-# not imported: the diagnosis reads records, it never imports the capture)
-SINGLE, FOREACH, FUSED = "for-loop", "foreach", "fused"
+# the implementations as run.json records them (trainprof.capture.optimizer_impl)
+SINGLE, FOREACH, FUSED = IMPL_FOR_LOOP, IMPL_FOREACH, IMPL_FUSED
 
 
 def _better(entry: dict[str, Any]) -> str | None:
@@ -49,8 +49,8 @@ def _better(entry: dict[str, Any]) -> str | None:
         return None
     if "fused" in supports and not entry.get("fused_unavailable"):
         return FUSED
-    if impl == SINGLE and "foreach" in supports and "cpu" not in (entry.get("devices") or []):
-        return FOREACH  # on CPU foreach falls back to per-tensor kernels: slower, measured
+    if impl == SINGLE and "foreach" in supports:
+        return FOREACH
     return None
 
 
