@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from trainprof.fixes.interrupts import deferred_sigint
 from trainprof.fixes.pack_format import PackError
 from trainprof.fixes.pack_writer import DEFAULT_SHARD_BYTES, FieldSpec, write_rows
 
@@ -185,9 +186,13 @@ def pack_folder(root: Path | str, out: Path | str, *, decode: bool = False,
         return (value, rel)
 
     def rows() -> Iterator[Any]:
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="trainprof-pack") as pool:
+        # Ctrl-C between rows, never inside the pool's locks (trainprof.fixes.interrupts)
+        with deferred_sigint() as check, ThreadPoolExecutor(
+                max_workers=workers, thread_name_prefix="trainprof-pack") as pool:
             for start in range(0, len(listing.files), CHUNK):
-                yield from pool.map(load, range(start, min(start + CHUNK, len(listing.files))))
+                for row in pool.map(load, range(start, min(start + CHUNK, len(listing.files)))):
+                    check()
+                    yield row
 
     source = {
         "kind": "folder",

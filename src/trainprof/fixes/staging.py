@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainprof.errors import UsageError
+from trainprof.fixes.interrupts import deferred_sigint
 
 #: the marker beside a complete copy (where it came from, its digest), so that the copy
 #: itself holds exactly the source's files
@@ -180,6 +181,14 @@ def _copy(src: Path, partial: Path, listing: list[tuple[str, int, int]], threads
             if progress is not None:
                 progress(done[0], total)
 
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        for _ in pool.map(one, listing):
-            pass
+    # Ctrl-C between files, never inside the pool's locks (trainprof.fixes.interrupts);
+    # then the copies not started are cancelled, not waited for
+    with deferred_sigint() as check:
+        pool = ThreadPoolExecutor(max_workers=max(1, threads))
+        try:
+            for _ in pool.map(one, listing):
+                check()
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        pool.shutdown()
