@@ -408,7 +408,8 @@ for x, y in loader:
 
 def test_real_cpu_run_has_no_device_finding_and_no_cuda_memory(tmp_path: Path):
     write_script(tmp_path, "train.py", CPU_SCRIPT)
-    res = trainprof("run", "--json", "train.py", cwd=tmp_path)
+    # GPUs hidden: on a GPU machine DataParallel would move the model to one
+    res = trainprof("run", "--json", "train.py", cwd=tmp_path, env={"CUDA_VISIBLE_DEVICES": ""})
     assert res.returncode == 0, res.stderr[-3000:]
     doc = res.json()
     assert doc["steps"]["count"] == 16

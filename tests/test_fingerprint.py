@@ -188,3 +188,69 @@ def test_failing_section_and_torch_import(monkeypatch: pytest.MonkeyPatch) -> No
 )
 def test_parse_cpu_max(text: str, cores: float | None) -> None:
     assert fp._parse_cpu_max(text) == cores
+
+
+def test_gpus_of_a_script_that_never_initialised_cuda_come_from_nvml(monkeypatch) -> None:
+    """torch.cuda.get_device_properties initialises CUDA: on a GPU machine a CPU-only
+    script then had a CUDA context and device timing it never asked for (H100,
+    2026-11-26). Before the script initialises CUDA, NVML names the GPUs."""
+    import importlib.machinery
+    import types
+
+    class NoInit:
+        @staticmethod
+        def is_initialized() -> bool:
+            return False
+
+        @staticmethod
+        def get_device_properties(index):
+            raise AssertionError("this would initialise CUDA")
+
+    fake_torch = types.SimpleNamespace(cuda=NoInit)
+    nvml = types.ModuleType("pynvml")
+    nvml.__spec__ = importlib.machinery.ModuleSpec("pynvml", None)
+    calls = []
+    nvml.nvmlInit = lambda: calls.append("init")
+    nvml.nvmlShutdown = lambda: calls.append("shutdown")
+    nvml.nvmlDeviceGetCount = lambda: 2
+    nvml.nvmlDeviceGetHandleByIndex = lambda i: i
+    nvml.nvmlDeviceGetName = lambda h: b"NVIDIA H100 80GB HBM3" if h == 0 else "NVIDIA L4"
+    nvml.nvmlDeviceGetCudaComputeCapability = lambda h: (9, 0) if h == 0 else (8, 9)
+    nvml.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(total=(80 - 56 * h) * 2**30)
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    gpus = fp._gpus(fake_torch)
+    assert gpus == [
+        {"index": 0, "name": "NVIDIA H100 80GB HBM3", "total_memory_bytes": 80 * 2**30,
+         "capability": "9.0", "source": "nvml"},
+        {"index": 1, "name": "NVIDIA L4", "total_memory_bytes": 24 * 2**30,
+         "capability": "8.9", "source": "nvml"},
+    ]
+    assert calls == ["init", "shutdown"]
+    monkeypatch.delitem(sys.modules, "pynvml")
+    monkeypatch.setattr(fp.importlib.util, "find_spec", lambda name: None)
+    assert fp._gpus(fake_torch) == []  # no nvidia-ml-py: no names, still no CUDA
+
+
+def test_cudnn_version_is_not_read_before_the_script_initialises_cuda() -> None:
+    """torch.backends.cudnn.version() initialises CUDA (it checks the GPU's capability):
+    read only once the script has CUDA up."""
+    import types
+
+    state = {"initialised": False}
+
+    def version() -> int:
+        assert state["initialised"], "this would initialise CUDA"
+        return 91002
+
+    fake = types.SimpleNamespace(
+        __version__="2.11.0", version=types.SimpleNamespace(cuda="13.0"),
+        cuda=types.SimpleNamespace(is_initialized=lambda: state["initialised"],
+                                   is_available=lambda: True),
+        backends=types.SimpleNamespace(cudnn=types.SimpleNamespace(
+            is_available=lambda: True, version=version)),
+    )
+    notes = fp._Notes()
+    info = fp._torch_info(fake, notes)
+    assert info["cudnn"] is None and info["cuda_available"] is True and notes.items == []
+    state["initialised"] = True
+    assert fp._torch_info(fake, notes)["cudnn"] == 91002 and notes.items == []

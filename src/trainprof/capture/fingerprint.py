@@ -176,6 +176,12 @@ def _torch_info(torch: ModuleType, notes: _Notes) -> dict[str, Any]:
     version = getattr(torch, "version", None)
 
     def cudnn() -> int | None:
+        # torch.backends.cudnn.version() checks the cuDNN build against the GPU's compute
+        # capability (torch 2.11), which initialises CUDA: on an H100 machine a CPU-only
+        # script got a CUDA context from this read alone (2026-11-26). A script that never
+        # initialised CUDA runs no cuDNN kernel: its version is left out.
+        if not torch.cuda.is_initialized():
+            return None
         backend = torch.backends.cudnn
         return int(backend.version()) if backend.is_available() else None
 
@@ -193,9 +199,17 @@ def _torch_info(torch: ModuleType, notes: _Notes) -> dict[str, Any]:
 
 
 def _gpus(torch: ModuleType) -> list[dict[str, Any]]:
-    """Visible GPUs: a different model or memory size explains most cross-machine deltas."""
-    if not torch.cuda.is_available():
-        return []
+    """Visible GPUs: a different model or memory size explains most cross-machine deltas.
+
+    Read from torch only where the script has initialised CUDA itself:
+    ``torch.cuda.get_device_properties`` initialises it, and on a GPU machine a
+    CPU-only script then carried a CUDA context it never asked for, and trainprof's
+    device timer (which starts once CUDA is up) timed its phases on a GPU it never
+    used (seen on an H100 machine, 2026-11-26). Otherwise NVML names the GPUs,
+    without a context.
+    """
+    if not torch.cuda.is_initialized():
+        return _gpus_nvml()
     gpus = []
     for index in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(index)
@@ -208,6 +222,37 @@ def _gpus(torch: ModuleType) -> list[dict[str, Any]]:
             }
         )
     return gpus
+
+
+def _gpus_nvml() -> list[dict[str, Any]]:
+    """The machine's GPUs through NVML (no CUDA context); [] without nvidia-ml-py.
+
+    NVML numbers every GPU of the machine, whatever ``CUDA_VISIBLE_DEVICES`` hides
+    from the script, so each entry says ``"source": "nvml"``.
+    """
+    if importlib.util.find_spec("pynvml") is None:
+        return []
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        gpus = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            name = pynvml.nvmlDeviceGetName(handle)
+            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+            gpus.append(
+                {
+                    "index": index,
+                    "name": name.decode() if isinstance(name, bytes) else str(name),
+                    "total_memory_bytes": int(pynvml.nvmlDeviceGetMemoryInfo(handle).total),
+                    "capability": f"{major}.{minor}",
+                    "source": "nvml",
+                }
+            )
+        return gpus
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def _driver_version_nvml() -> str:
