@@ -259,3 +259,28 @@ def test_bad_window_spec_is_a_usage_error(tp) -> None:
     res = tp(DEEP_SCRIPT, "--deep=active=0")
     assert res.returncode == 2
     assert res.stderr.strip() == "error: a window needs active >= 1 step"
+
+
+def test_a_trace_finding_stands_beside_a_part_of_it_the_run_found() -> None:
+    """Same category: the run's finding stands for a comparable gain (one bottleneck, one
+    finding); a trace finding claiming more than twice as much is the whole of which the
+    run saw a part (H100, 2026-11-26: launch-bound 94% vs the optimizer's launches 11%)."""
+    from trainprof.analysis.deep import trace_findings
+
+    def finding(category: str, cause: str, gain: float) -> dict:
+        return {"category": category, "cause": cause, "estimated_gain": gain, "evidence": {}}
+
+    deep = [{"source": "/r/deep/a.steps5-9.pt.trace.json.gz", "findings": [
+        finding("host_launch", "launch_bound", 0.94),
+        finding("input_pipeline", "too_few_workers", 0.25),
+        finding("compute", "tensor_cores_unused", 0.10),
+    ]}]
+    run = [finding("host_launch", "foreach_optimizer", 0.11),
+           finding("input_pipeline", "collate", 0.20)]
+    kept = trace_findings(deep, run)
+    assert [f["cause"] for f in kept] == ["launch_bound", "tensor_cores_unused"]
+    assert kept[0]["evidence"]["deep_window"] == "a.steps5-9.pt.trace.json.gz"
+    # the run's part claims half the trace's whole: the same bottleneck, the run's stands
+    assert [f["cause"] for f in trace_findings(deep, [finding("host_launch", "x", 0.47)])] == [
+        "too_few_workers", "tensor_cores_unused"]
+    assert trace_findings(None, run) == [] and trace_findings([{"source": "x"}], run) == []

@@ -31,7 +31,7 @@ def _diagnosed(summary: dict[str, Any], run: Run) -> dict[str, Any]:
 
     findings = diagnose(summary, run.steps)
     # what only a deep window's trace can show (tensor cores, launches, copies), ranked in
-    deep_only = trace_findings(summary.get("deep"), {f["category"] for f in findings})
+    deep_only = trace_findings(summary.get("deep"), findings)
     summary["findings"] = sorted(findings + deep_only, key=lambda f: -f["estimated_gain"])
     return summary
 
