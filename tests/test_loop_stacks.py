@@ -241,8 +241,10 @@ def test_analysis_weights_ticks_leaves_out_spike_steps_and_finds_the_loop(tmp_pa
             ["/lib/site-packages/torch/nn/modules/module.py", 1, "x", False]],
         2: [["/u/train.py", 30, "<module>", True], ["/u/train.py", 40, "evaluate", True]],
         3: [loop, ["/usr/lib/python3.11/logging/__init__.py", 1, "info", False]],
+        4: [["/u/train.py", 24, "<module>", True]],  # loss.item(), a device sync
     }
     samples = [[s, OTHER, 0, 1] for s in range(2, 40)]  # get_batch, every step
+    samples += [[s, OTHER, 4, 2, 1] for s in range(2, 22)]  # inside the sync: its own time
     samples += [[s, FORWARD, 1, 1] for s in range(2, 12)]
     samples += [[s, BACKWARD, 1, 1] for s in range(2, 4)]
     samples += [[25, OTHER, 2, 30]]  # evaluation, in the one spike step: left out
@@ -251,10 +253,12 @@ def test_analysis_weights_ticks_leaves_out_spike_steps_and_finds_the_loop(tmp_pa
     _write(tmp_path, stacks, samples)
     out = summarize_loop_stacks(tmp_path, _steps(40, 4.0, {25: 80.0}), warmup=1)
     assert out["outlier_steps"] == 1
-    assert out["samples"] == 38 + 10 + 2 + 30 + 6 + 1
-    assert out["counted"] == 37 + 12 + 6  # get_batch's sample in step 25 is left out too
-    assert out["by_phase"] == {"other": 43, "forward": 10, "backward": 2}
+    assert out["samples"] == 38 + 10 + 2 + 30 + 6 + 1 + 40
+    assert out["counted"] == 37 + 12 + 6 + 40  # get_batch's sample in step 25 is left out too
+    assert out["by_phase"] == {"other": 83, "forward": 10, "backward": 2}
     assert out["loop"] == {"file": "/u/train.py", "function": "<module>"}
+    # the sync's ticks are the sync's: the lines share out the rest of "other"
+    assert out["other"]["samples"] == 43 and out["other"]["in_syncs"] == 40
     first, second = out["other"]["lines"]
     assert (first["line"], first["samples"], first["phase_samples"]) == (21, 37, 0)
     assert first["share"] == pytest.approx(37 / 43)
@@ -376,3 +380,60 @@ def test_a_loop_with_little_other_time_is_sampled_sparsely(tp):
     assert any(s[3] == 1 for s in samples if s[0] < 20), samples
     weights = [s[3] for s in samples if s[0] >= 250]
     assert weights and weights.count(5) >= 0.8 * len(weights), weights
+
+
+#: A loop whose host waits on a "device" read each step: a CPU tensor that says it is
+#: not on the CPU (``is_cpu`` False, as a CUDA tensor), so that trainprof times its
+#: ``.item()`` as a sync, and whose read takes 4 ms, as a busy GPU's would; 2 ms of the
+#: loop's own work (line 26) besides.
+SYNC_LOOP = """
+import time
+import torch
+
+
+class OnDevice(torch.Tensor):
+    @property
+    def is_cpu(self):
+        return False
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.item:
+            time.sleep(0.004)  # the host waiting for the device
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+model = torch.nn.Linear(16, 4)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x = torch.randn(8, 16)
+for step in range(500):
+    loss = model(x).square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    time.sleep(0.002)  # the loop's own work
+    loss.detach().as_subclass(OnDevice).item()
+"""
+
+
+@needs_c
+def test_samples_inside_a_sync_are_the_syncs_not_the_loops(tmp_path):
+    """On an H100 81% of a loop's "other" samples were on its `loss.item()` line: the
+    host waiting for the GPU, which the sync finding claims, read as the loop's own
+    code. The samples taken inside a timed sync are set apart; the loop's line is the
+    one that does its own work."""
+    script = tmp_path / "train.py"
+    script.write_text(SYNC_LOOP)
+    res = trainprof("run", "--json", "--no-html", "train.py", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = res.json()
+    assert doc["syncs"]["share"] == pytest.approx(0.6, abs=0.12), doc["syncs"]
+    other = doc["loop_stacks"]["other"]
+    assert other["in_syncs"] > other["samples"] >= 10, other
+    top = other["lines"][0]
+    assert top["line"] == 26 and top["share"] > 0.8, other["lines"]
+    assert top["step_share"] == pytest.approx(0.3, abs=0.08)  # of the whole step
+    found = [f for f in doc["findings"] if f["cause"] == "loop_code"]
+    assert found and found[0]["evidence"]["line"].endswith("train.py:26")
+    # what is left of "other" once the syncs are taken off: the 2 ms of the 6.6 ms step
+    assert found[0]["estimated_gain"] == pytest.approx(0.3, abs=0.08)

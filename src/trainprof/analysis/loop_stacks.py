@@ -58,11 +58,12 @@ TOP_LINES = 8
 Frame = tuple[str, int, str, bool]  # file, line, function, the user's own code
 
 
-Sample = tuple[int, int, int, int]  # step, phase, stack, weight (timer ticks)
+Sample = tuple[int, int, int, int, bool]  # step, phase, stack, weight (ticks), in a sync
 
 
 def _read(path: Path) -> tuple[dict[int, list[Frame]], list[Sample], int] | None:
-    """(stacks by id, samples as (step, phase, stack, weight), ticks not kept), or None."""
+    """(stacks by id, samples as (step, phase, stack, weight, in_sync), ticks not kept),
+    or None. Records written before the in-sync flag have four elements (not in a sync)."""
     try:
         f = open(path, "rb")  # noqa: SIM115 - closed below
     except OSError:
@@ -79,8 +80,8 @@ def _read(path: Path) -> tuple[dict[int, list[Frame]], list[Sample], int] | None
             if not isinstance(doc, dict):
                 continue
             if "samples" in doc:
-                samples.extend((int(x[0]), int(x[1]), int(x[2]), int(x[3]) if len(x) > 3 else 1)
-                               for x in doc["samples"])
+                samples.extend((int(x[0]), int(x[1]), int(x[2]), int(x[3]) if len(x) > 3 else 1,
+                                len(x) > 4 and bool(x[4])) for x in doc["samples"])
             elif "stack" in doc:
                 stacks[int(doc["stack"])] = [
                     (str(fr[0]), int(fr[1]), str(fr[2]), bool(fr[3])) for fr in doc["frames"]
@@ -104,7 +105,7 @@ def _typical_steps(steps: np.ndarray, warmup: int) -> tuple[set[int], int]:
     return {int(s) for s in steady["step"][keep]}, len(out)
 
 
-Kept = list[tuple[int, list[Frame], int]]  # phase, frames, weight
+Kept = list[tuple[int, list[Frame], int, bool]]  # phase, frames, weight, in a sync
 
 
 def _loop_function(kept: Kept) -> tuple[str, str] | None:
@@ -117,7 +118,7 @@ def _loop_function(kept: Kept) -> tuple[str, str] | None:
     totals = [0, 0]
     seen: list[Counter[tuple[str, str]]] = [Counter(), Counter()]
     depth: dict[tuple[str, str], int] = {}
-    for phase, frames, weight in kept:
+    for phase, frames, weight, _in_sync in kept:
         g = int(phase == OTHER)
         totals[g] += weight
         here = set()
@@ -149,19 +150,27 @@ def summarize_loop_stacks(
         return None
     stacks, samples, dropped = read
     typical, spike_steps = _typical_steps(steps, warmup)
-    kept: Kept = [(phase, stacks[sid], w) for step, phase, sid, w in samples
+    kept: Kept = [(phase, stacks[sid], w, in_sync) for step, phase, sid, w, in_sync in samples
                   if step in typical and sid in stacks]
     phases: Counter[str] = Counter()
-    for phase, _frames, w in kept:
+    in_syncs = 0
+    for phase, _frames, w, in_sync in kept:
         phases[PHASE_NAMES[phase] if 0 <= phase < len(PHASE_NAMES) else "?"] += w
+        if in_sync and phase == OTHER:
+            in_syncs += w
     out: dict[str, Any] = {
-        "samples": sum(w for *_x, w in samples),
+        "samples": sum(x[3] for x in samples),
         "counted": sum(phases.values()),
         "not_kept": dropped,
         "outlier_steps": spike_steps,
         "by_phase": dict(phases),
         "loop": None,
-        "other": {"samples": phases.get("other", 0), "lines": []},
+        # "other" samples taken inside a device sync (a CUDA tensor's .item()) are the
+        # sync finding's time, measured by the clock: the lines below are asked of the
+        # rest (on an H100, 81% of a loop's "other" samples were on its `loss.item()`
+        # line, the host waiting for the GPU, and were read as the loop's own code)
+        "other": {"samples": phases.get("other", 0) - in_syncs, "in_syncs": in_syncs,
+                  "lines": []},
     }
     if not kept:
         return out
@@ -172,8 +181,10 @@ def summarize_loop_stacks(
     inner: dict[tuple[str, int] | None, Counter[tuple[str, int, str]]] = {}
     calls: dict[tuple[str, int] | None, Counter[str]] = {}
     in_phases: Counter[tuple[str, int] | None] = Counter()
-    for phase, frames, w in kept:
+    for phase, frames, w, in_sync in kept:
         mine = [fr for fr in frames if fr[3]]
+        if in_sync and phase == OTHER:
+            continue
         if phase != OTHER:
             if loop is not None:
                 for fr in mine:
@@ -205,7 +216,9 @@ def summarize_loop_stacks(
             "source": _code_line(*at) if at else None,
             "samples": count,
             "share": count / n_other,
-            "step_share": None if other_share is None else count / n_other * other_share,
+            # of all "other" ticks, those in syncs included: ticks are time
+            "step_share": (None if other_share is None
+                           else count / (n_other + in_syncs) * other_share),
             # ticks in the model's phases on this line (model(x) and a functional loss
             # on one line): the line is part of the step's own work
             "phase_samples": in_phases.get(at, 0),

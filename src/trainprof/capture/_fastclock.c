@@ -123,6 +123,7 @@ typedef struct {
     char started;
     char bwd_pending;
     char bwd_track;
+    char in_sync;           /* the training thread is inside a timed sync (stack samples) */
     PyObject *device;       /* None, or a DeviceTimer (CUDA events at phase boundaries) */
     long long acc[MAX_ACC]; /* per-phase ns and counters of the open step (N_ACC used) */
     /* once a step or less */
@@ -683,33 +684,37 @@ timed_vectorcall(Timed *self, PyObject *const *args, size_t nargsf, PyObject *kw
 
     case K_READ:
     case K_SYNC: {
-        t0 = now_ns();
-        out = PyObject_Vectorcall(self->orig, args, nargsf, kwnames);
-        if (out == NULL)
-            return NULL;
         int sync = 1;
         if (self->kind == K_READ) {
             sync = 0;
             if (PyVectorcall_NARGS(nargsf) > 0) {
                 PyObject *is_cpu = PyObject_GetAttr(args[0], s_is_cpu);
                 if (is_cpu == NULL)
-                    goto error;
+                    return NULL;
                 sync = is_cpu == Py_False;
                 Py_DECREF(is_cpu);
             }
-            /* a CPU tensor read inside the optimizer step is torch's own bookkeeping (Adam
-               reads each parameter's step counter), not a read the script makes */
-            if (sync || c->current != self->phase)
-                acc_add(c, I_HOST_READS, 1);
         }
+        /* the stack samples taken meanwhile are the sync's time, which the sync finding
+           claims, not the loop's own code (in_sync is read by the timer's signal handler) */
+        int mine = sync && thread_ident() == c->owner;
+        if (mine)
+            c->in_sync++;
+        t0 = now_ns();
+        out = PyObject_Vectorcall(self->orig, args, nargsf, kwnames);
+        if (mine)
+            c->in_sync--;
+        if (out == NULL)
+            return NULL;
+        /* a CPU tensor read inside the optimizer step is torch's own bookkeeping (Adam
+           reads each parameter's step counter), not a read the script makes */
+        if (self->kind == K_READ && (sync || c->current != self->phase))
+            acc_add(c, I_HOST_READS, 1);
         if (sync) {
             acc_add(c, I_SYNC_N, 1);
             acc_add(c, I_SYNC_NS, now_ns() - t0);
         }
         return out;
-    error:
-        Py_DECREF(out);
-        return NULL;
     }
 
     case K_OPT_PRE:
@@ -1020,7 +1025,7 @@ static ClockCore *st_core;         /* a strong reference while the timer runs */
 static struct sigaction st_python; /* the action Python installed, put back at stop */
 static long long st_seq, st_step;  /* written by the signal handler, read under the GIL */
 static long long st_weight = 1;    /* what one tick adds to st_seq: its interval, in units */
-static int st_phase;
+static int st_phase, st_in_sync;
 
 static void
 stack_timer_tick(int sig, siginfo_t *info, void *context)
@@ -1031,6 +1036,7 @@ stack_timer_tick(int sig, siginfo_t *info, void *context)
         return;
     int overrun = (info != NULL && info->si_code == SI_TIMER) ? info->si_overrun : 0;
     __atomic_store_n(&st_phase, core->current, __ATOMIC_RELAXED);
+    __atomic_store_n(&st_in_sync, core->in_sync > 0, __ATOMIC_RELAXED);
     __atomic_store_n(&st_step, core->n_steps, __ATOMIC_RELAXED);
     long long ticks = 1 + (overrun > 0 ? overrun : 0);
     __atomic_add_fetch(&st_seq, __atomic_load_n(&st_weight, __ATOMIC_RELAXED) * ticks,
@@ -1151,14 +1157,16 @@ stack_timer_after_fork_child(void)
     st_core = NULL; /* the parent's reference: the child's copy of it is left as it is */
 }
 
-/* stack_stash() -> (ticks, step, phase): the timer's ticks so far, and the step and
-   phase the clock was in at the last one. */
+/* stack_stash() -> (ticks, step, phase, in_sync): the timer's ticks so far, and the step
+   and phase the clock was in at the last one, and whether the training thread was inside
+   a timed sync (a CUDA tensor's .item(), torch.cuda.synchronize) then. */
 static PyObject *
 py_stack_stash(PyObject *mod, PyObject *unused)
 {
     long long seq = __atomic_load_n(&st_seq, __ATOMIC_ACQUIRE);
-    return Py_BuildValue("(LLi)", seq, __atomic_load_n(&st_step, __ATOMIC_RELAXED),
-                         __atomic_load_n(&st_phase, __ATOMIC_RELAXED));
+    return Py_BuildValue("(LLii)", seq, __atomic_load_n(&st_step, __ATOMIC_RELAXED),
+                         __atomic_load_n(&st_phase, __ATOMIC_RELAXED),
+                         __atomic_load_n(&st_in_sync, __ATOMIC_RELAXED));
 }
 #endif
 
@@ -1221,7 +1229,7 @@ static PyMethodDef module_methods[] = {
     {"stop_stack_timer", py_stop_stack_timer, METH_NOARGS,
      "Stop the stack timer and put Python's handling of the signal back."},
     {"stack_stash", py_stack_stash, METH_NOARGS,
-     "(ticks, step, phase) of the stack timer's last tick."},
+     "(ticks, step, phase, in_sync) of the stack timer's last tick."},
 #endif
     {"pread_held", (PyCFunction)(void (*)(void))py_pread_held, METH_FASTCALL,
      "os.pread(fd, length, offset) without releasing the GIL (for /proc files)."},

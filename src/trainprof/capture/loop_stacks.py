@@ -32,12 +32,14 @@ Python runs signal handlers). Otherwise, and without the C fast path, nothing is
 sampled and the record says so.
 
 What is kept per sample: the step number, the phase (:mod:`trainprof.schema`), the
-weight, and the stack reduced to the *user's* frames (not the stdlib, site-packages,
-console scripts or trainprof: :func:`trainprof.capture.pyprof.library_paths`),
+weight, whether the thread was inside a timed device sync (a CUDA tensor's ``.item()``,
+``torch.cuda.synchronize``: a fifth element ``1``, absent otherwise), and the stack
+reduced to the *user's* frames (not the stdlib, site-packages, console scripts or
+trainprof: :func:`trainprof.capture.pyprof.library_paths`),
 outermost first, plus the innermost frame whatever its file (the library function
 the user's code was in). Reduced stacks are interned: each is written once, as
 ``{"stack": id, "frames": [[file, line, function, user], ...]}``, and samples refer
-to it, ``{"samples": [[step, phase, stack, weight], ...]}``, both appended to
+to it, ``{"samples": [[step, phase, stack, weight(, 1)], ...]}``, both appended to
 ``RUN_DIR/stacks.jsonl`` at the Recorder's once-a-second drain (a crash loses at
 most the last second, like the step records): about 16 bytes a sample (measured), so
 65 bytes a second sparse and 320 dense, 28 MB a day at most.
@@ -243,7 +245,8 @@ class LoopStackSampler:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         """One sample (run by the interpreter in the training thread; must never raise)."""
         try:
-            seq, step, phase = _fastclock.stack_stash()
+            seq, step, phase, *rest = _fastclock.stack_stash()  # an older build: 3 items
+            in_sync = rest[0] if rest else 0
             weight, self._seq = seq - self._seq, seq
             if weight <= 0 or frame is None or threading.get_ident() != self.clock.owner:
                 return
@@ -259,7 +262,8 @@ class LoopStackSampler:
                     code, mine = self._user[key[i]]
                     frames.append([code.co_filename, key[i + 1], _name(code), mine])
                 self._new_stacks.append({"stack": sid, "frames": frames})
-            self._samples.append([step, phase, sid, weight])
+            self._samples.append([step, phase, sid, weight, 1] if in_sync
+                                 else [step, phase, sid, weight])
         except Exception:  # the script must not see the profiler's failure
             self._dropped += 1
 

@@ -449,6 +449,7 @@ def _other_row(summary: dict[str, Any]) -> str | None:
     stacks = summary.get("loop_stacks") or {}
     rows = (stacks.get("other") or {}).get("lines") or []
     n = int((stacks.get("other") or {}).get("samples") or 0)
+    in_syncs = int((stacks.get("other") or {}).get("in_syncs") or 0)
     parts = []
     for r in rows[:3]:
         if r.get("file") is None or (r.get("step_share") or 0.0) < 0.05:
@@ -457,7 +458,8 @@ def _other_row(summary: dict[str, Any]) -> str | None:
                      f"{r['share'] * 100:.0f}%")
     if not parts:
         return None
-    return " · ".join(parts) + f"  (of {n} stack samples in 'other')"
+    tail = f", {in_syncs} more inside device syncs" if in_syncs else ""
+    return " · ".join(parts) + f"  (of {n} stack samples in 'other'{tail})"
 
 
 def _deep_rows(deep: list[dict[str, Any]] | None) -> list[tuple[str, str]]:
