@@ -284,3 +284,25 @@ def test_a_trace_finding_stands_beside_a_part_of_it_the_run_found() -> None:
     assert [f["cause"] for f in trace_findings(deep, [finding("host_launch", "x", 0.47)])] == [
         "too_few_workers", "tensor_cores_unused"]
     assert trace_findings(None, run) == [] and trace_findings([{"source": "x"}], run) == []
+
+
+def test_a_launch_bound_claim_is_what_the_input_and_sync_findings_leave() -> None:
+    """GPU idle time is the input pipeline's and the syncs' first (the device rules'
+    ladder): H100, 2026-11-26, 14 kernels a step, the host reading loss.item() each step
+    and loading its batches itself: the trace said launch-bound 16%, the run's sync
+    finding claimed 28% and its input finding 20% of the same idle time."""
+    from trainprof.analysis.deep import trace_findings
+
+    def finding(category: str, cause: str, gain: float) -> dict:
+        return {"category": category, "cause": cause, "estimated_gain": gain, "evidence": {}}
+
+    deep = [{"source": "/r/deep/a.steps22-24.pt.trace.json.gz", "findings": [
+        finding("host_launch", "launch_bound", 0.164)]}]
+    run = [finding("synchronization", "host_reads", 0.284),
+           finding("input_pipeline", "per_sample_overhead", 0.199),
+           finding("host_launch", "loop_code", 0.073)]
+    assert trace_findings(deep, run) == []
+    # no other claim on the idle time: the trace's launch-bound finding stands
+    assert [f["cause"] for f in trace_findings(deep, [])] == ["launch_bound"]
+    # what the syncs leave is too little (under 5% of the step)
+    assert trace_findings(deep, [finding("synchronization", "host_reads", 0.12)]) == []

@@ -53,6 +53,13 @@ def _first_step(path: Path) -> int:
 #: more than this many times their largest gain: then the run's rules saw a part of what
 #: the trace shows whole (see :func:`trace_findings`).
 WHOLE_OVER_PART = 2.0
+#: Run categories that own the GPU's idle time before launches do: the device rules'
+#: ladder (diagnosis/device.py) gives the device gap to the input pipeline and to blocking
+#: syncs first; a trace's launch-bound claim is what is left of it.
+IDLE_OWNERS = ("input_pipeline", "synchronization")
+#: What must be left of a trace's launch-bound claim for it to stand (the device rules'
+#: medium band on the idle share, diagnosis/device.py GAP_MEDIUM).
+MIN_LAUNCH_CLAIM = 0.05
 
 
 def trace_findings(deep: list[dict[str, Any]] | None,
@@ -72,6 +79,14 @@ def trace_findings(deep: list[dict[str, Any]] | None,
     finding was dropped for it, and the device rules, which defer host_launch to the
     trace, were silent too. A trace finding claiming more than
     :data:`WHOLE_OVER_PART` times the run's largest gain in its category now stands.
+
+    A launch-bound claim (host_launch) is GPU idle time, which the run's input
+    pipeline and sync findings own first (:data:`IDLE_OWNERS`): what they claim is
+    taken off it before the comparison. On the same H100, a loop of 14 kernels a step
+    whose host read ``loss.item()`` each step and loaded its batches itself had the GPU
+    waiting for the host 16% of the window; the run's sync finding (28%) and input
+    finding (20%) already named why, and the fewer launches the trace proposed were
+    not the cause.
     """
     if not deep:
         return []
@@ -85,8 +100,12 @@ def trace_findings(deep: list[dict[str, Any]] | None,
     kept = []
     for f in last.get("findings") or []:
         cat = f.get("category")
-        if cat in run_gain and float(f.get("estimated_gain") or 0.0) <= (
-                WHOLE_OVER_PART * run_gain[cat]):
+        claim = float(f.get("estimated_gain") or 0.0)
+        if cat == "host_launch":
+            claim -= sum(run_gain.get(owner, 0.0) for owner in IDLE_OWNERS)
+            if claim < MIN_LAUNCH_CLAIM:
+                continue
+        if cat in run_gain and claim <= WHOLE_OVER_PART * run_gain[cat]:
             continue
         f = dict(f)
         f["evidence"] = {**(f.get("evidence") or {}), "deep_window": Path(last["source"]).name}
