@@ -125,6 +125,8 @@ def summarize_run(run: Run) -> dict[str, Any]:
         "optimizers_not_described": meta.get("optimizers_not_described") or None,
         # debugging switches left on while training (anomaly detection, the profiler, env)
         "debug_modes": _debug_modes(meta),
+        # model calls in eval mode, with autograd on and off (capture/eval_autograd.py)
+        "eval_autograd": meta.get("eval_autograd"),
         "system": system,
         # RSS and GPU memory that keep growing through the steady state (a leak)
         "memory_growth": memory_growth(

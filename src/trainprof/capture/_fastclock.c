@@ -58,7 +58,7 @@ static Py_ssize_t I_OTHER = -1, I_SAMPLES = -1, I_HOST_READS = -1, I_SYNC_N = -1
 #define MAX_RECORD 64
 
 static PyObject *s_begin, *s_top_level_event, *s_mark, *s_optimizer_stepped, *s_shape,
-    *s_is_cpu, *s_step_closed, *s_watch, *s_adopt_thread;
+    *s_is_cpu, *s_step_closed, *s_watch, *s_adopt_thread, *s_training;
 
 enum {
     K_NEXT = 1,     /* DataLoader iterator __next__: phase, batch size -> acc[SAMPLES] */
@@ -134,6 +134,15 @@ typedef struct {
     unsigned long long fast_opt; /* id() of the optimizer whose post-hook closes steps */
     int opt_depth;               /* optimizer steps open inside the open one (see K_OPT_PRE) */
     int gc_prev;                 /* phase to restore after a collection */
+    /* model calls in eval mode (module.training False), with autograd on [0] and off [1]:
+       count and ns (trainprof.capture.eval_autograd); grad_enabled: torch.is_grad_enabled,
+       or NULL: not looked at */
+    PyObject *grad_enabled;
+    long long eval_n[2], eval_ns[2];
+    /* trainprof tune's eval_no_grad knob: such calls run with autograd off, through
+       set_grad_enabled (torch._C._set_grad_enabled) */
+    PyObject *set_grad_enabled;
+    char eval_no_grad;
 } ClockCore;
 
 static PyObject *
@@ -156,6 +165,8 @@ core_traverse(ClockCore *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->device);
     Py_VISIT(self->opt_args);
+    Py_VISIT(self->grad_enabled);
+    Py_VISIT(self->set_grad_enabled);
     return 0;
 }
 
@@ -164,6 +175,8 @@ core_clear(ClockCore *self)
 {
     Py_CLEAR(self->device);
     Py_CLEAR(self->opt_args);
+    Py_CLEAR(self->grad_enabled);
+    Py_CLEAR(self->set_grad_enabled);
     return 0;
 }
 
@@ -236,6 +249,51 @@ core_exit(ClockCore *c, int prev, long long *when)
     if (when != NULL)
         *when = now;
     return 0;
+}
+
+/* A model call in eval mode? -1: in training mode (or unknown); 0: eval with autograd
+   on; 1: eval with autograd off. `training` is an instance attribute of nn.Module (a
+   dict hit); torch.is_grad_enabled is called only for a module in eval mode. Errors are
+   cleared: the check must never change what the call does. */
+static int
+eval_mode(ClockCore *c, PyObject *module)
+{
+    PyObject *training = PyObject_GetAttr(module, s_training);
+    if (training == NULL) {
+        PyErr_Clear();
+        return -1;
+    }
+    int eval = training == Py_False;
+    Py_DECREF(training);
+    if (!eval)
+        return -1;
+    PyObject *on = PyObject_CallNoArgs(c->grad_enabled);
+    if (on == NULL) {
+        PyErr_Clear();
+        return -1;
+    }
+    int grad = on == Py_True;
+    Py_DECREF(on);
+    return grad ? 0 : 1;
+}
+
+/* c->set_grad_enabled(on): 0, or -1 (not set: the error cleared, or kept and restored
+   when an exception is already propagating). */
+static int
+set_grad(ClockCore *c, PyObject *on)
+{
+    if (c->set_grad_enabled == NULL || c->set_grad_enabled == Py_None)
+        return -1;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *r = PyObject_CallOneArg(c->set_grad_enabled, on);
+    int ok = r != NULL;
+    if (ok)
+        Py_DECREF(r);
+    else
+        PyErr_Clear();
+    PyErr_Restore(type, value, tb);
+    return ok ? 0 : -1;
 }
 
 /* core_exit while an exception is propagating: the exception wins. */
@@ -500,6 +558,13 @@ static PyMemberDef core_members[] = {
     {"started", T_BOOL, offsetof(ClockCore, started), 0, NULL},
     {"bwd_pending", T_BOOL, offsetof(ClockCore, bwd_pending), 0, NULL},
     {"bwd_track", T_BOOL, offsetof(ClockCore, bwd_track), 0, NULL},
+    {"grad_enabled", T_OBJECT, offsetof(ClockCore, grad_enabled), 0, NULL},
+    {"eval_grad_n", T_LONGLONG, offsetof(ClockCore, eval_n[0]), 0, NULL},
+    {"eval_nograd_n", T_LONGLONG, offsetof(ClockCore, eval_n[1]), 0, NULL},
+    {"eval_grad_ns", T_LONGLONG, offsetof(ClockCore, eval_ns[0]), 0, NULL},
+    {"eval_nograd_ns", T_LONGLONG, offsetof(ClockCore, eval_ns[1]), 0, NULL},
+    {"set_grad_enabled", T_OBJECT, offsetof(ClockCore, set_grad_enabled), 0, NULL},
+    {"eval_no_grad", T_BOOL, offsetof(ClockCore, eval_no_grad), 0, NULL},
     {NULL}};
 
 static PyTypeObject ClockCoreType = {
@@ -642,8 +707,19 @@ timed_vectorcall(Timed *self, PyObject *const *args, size_t nargsf, PyObject *kw
         if (c->bwd_pending && (self->kind == K_CALL || c->current == I_OTHER)
             && self->kind != K_PHASE && call_noargs_method(c, s_top_level_event) < 0)
             return NULL;
-        if (core_enter(c, self->phase, &prev) < 0)
+        /* a model called in eval mode: with autograd on or off (an evaluation that
+           records graphs it never uses); one attribute read per model call otherwise */
+        int eval = -1;
+        if (self->kind == K_CALL && c->grad_enabled != NULL && c->grad_enabled != Py_None
+            && PyVectorcall_NARGS(nargsf) > 0)
+            eval = eval_mode(c, args[0]);
+        int no_grad = eval == 0 && c->eval_no_grad && set_grad(c, Py_False) == 0;
+        if (core_enter(c, self->phase, &prev) < 0) {
+            if (no_grad)
+                set_grad(c, Py_True);
             return NULL;
+        }
+        long long t_enter = c->mark;
         /* CUDA events round the call, the one device seen at its start (the backward's:
            round the outermost backward only) */
         PyObject *dev = NULL;
@@ -657,6 +733,8 @@ timed_vectorcall(Timed *self, PyObject *const *args, size_t nargsf, PyObject *kw
             }
         }
         out = PyObject_Vectorcall(self->orig, args, nargsf, kwnames);
+        if (no_grad)
+            set_grad(c, Py_True);
         if (out == NULL) {
             device_mark_on_error(dev, self->dev_end);
             Py_XDECREF(dev);
@@ -674,9 +752,14 @@ timed_vectorcall(Timed *self, PyObject *const *args, size_t nargsf, PyObject *kw
                 return NULL;
             }
         }
-        if (core_exit(c, prev, NULL) < 0) {
+        long long t_exit = 0;
+        if (core_exit(c, prev, &t_exit) < 0) {
             Py_DECREF(out);
             return NULL;
+        }
+        if (eval >= 0) {
+            c->eval_n[eval] += 1;
+            c->eval_ns[eval] += t_exit - t_enter;
         }
         if (self->kind == K_BACKWARD && c->bwd_track)
             c->bwd_pending = 1;
@@ -1257,6 +1340,7 @@ PyInit__fastclock(void)
     INTERN(s_shape, "shape");
     INTERN(s_is_cpu, "is_cpu");
     INTERN(s_adopt_thread, "adopt_thread");
+    INTERN(s_training, "training");
 #undef INTERN
     PyObject *m = PyModule_Create(&moduledef);
     if (m == NULL)

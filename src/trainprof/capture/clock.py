@@ -243,6 +243,16 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
         self.bwd_pending = False
         self.bwd_track = True
         self.fast_opt = 0
+        #: torch.is_grad_enabled once the model-call hook looks at eval-mode calls (set by
+        #: the hooks), else None; the counts and ns of model calls in eval mode with
+        #: autograd on and off (trainprof.capture.eval_autograd)
+        self.grad_enabled: Any = None
+        self.eval_grad_n = self.eval_nograd_n = 0
+        self.eval_grad_ns = self.eval_nograd_ns = 0
+        #: trainprof tune's eval_no_grad knob: those calls run with autograd off, through
+        #: set_grad_enabled (torch._C._set_grad_enabled, set with the knob)
+        self.eval_no_grad = False
+        self.set_grad_enabled: Any = None
         self._subs: list[tuple[int, list[int]]] = []
         self._primary: int | None = None
         self._others_since_primary: dict[int, int] = {}

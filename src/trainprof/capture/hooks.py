@@ -475,16 +475,24 @@ class Instrumentation:
                         self._narrow_forward(list(roots), make_call)
                 if clock.bwd_pending:
                     clock.top_level_event()
+                # a model called in eval mode, with autograd on or off (eval_autograd.py)
+                grad = (clock.grad_enabled() if getattr(module, "training", True) is False
+                        and clock.grad_enabled is not None else None)
                 now = perf_counter_ns()
                 if not clock.started:
                     clock.begin(now)
                 acc[OTHER] += now - clock.mark  # the current phase was OTHER (tested above)
                 clock.current = FORWARD
                 clock.mark = now
+                entered = now
                 dev = clock.device
                 if dev is not None:
                     dev.mark(FWD_BEGIN)
+                no_grad = grad is True and clock.eval_no_grad
                 try:
+                    if no_grad:
+                        with torch.no_grad():
+                            return orig(module, *args, **kwargs)
                     return orig(module, *args, **kwargs)
                 finally:
                     if dev is not None:
@@ -493,9 +501,16 @@ class Instrumentation:
                     acc[clock.current] += now - clock.mark
                     clock.current = OTHER
                     clock.mark = now
+                    if grad is True:
+                        clock.eval_grad_n += 1
+                        clock.eval_grad_ns += now - entered
+                    elif grad is False:
+                        clock.eval_nograd_n += 1
+                        clock.eval_nograd_ns += now - entered
 
             return __call__
 
+        clock.grad_enabled = torch.is_grad_enabled
         self._patch(torch.nn.Module, "__call__", make_call)
 
         # -- backward ------------------------------------------------------

@@ -33,7 +33,9 @@ Two kinds of knobs (:data:`KNOBS`):
   :mod:`trainprof.capture.optimizer_impl`), ``anomaly_detection`` (autograd's,
   whatever the script asks) and ``synthetic_data`` (every DataLoader repeats its
   first batch, with ``num_workers=0``: the step with input made free,
-  :mod:`trainprof.capture.synthetic_data`). While a thread knob is set, the
+  :mod:`trainprof.capture.synthetic_data`) and ``eval_no_grad`` (model calls in eval
+  mode run with autograd off, :mod:`trainprof.capture.eval_autograd`; applied by the
+  Recorder, which holds the clock). While a thread knob is set, the
   script's own ``torch.set_num_threads`` / ``set_num_interop_threads`` calls
   are ignored (and recorded): a script that pins its thread count must not
   silently undo the value under test.
@@ -140,6 +142,8 @@ KNOBS: dict[str, KnobSpec] = {
                  "autograd anomaly detection, whatever the script asks"),
         KnobSpec("synthetic_data", "process", _bool,
                  "every DataLoader repeats its first batch, no workers: input made free"),
+        KnobSpec("eval_no_grad", "process", _bool,
+                 "model calls in eval mode (model.eval()) run with autograd off"),
     )
 }
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from trainprof import __version__
+from trainprof.capture import eval_autograd
 from trainprof.capture.clock import StepClock
 from trainprof.capture.debug_modes import DebugModes
 from trainprof.capture.device_timer import DeviceTimer
@@ -156,6 +157,7 @@ class Recorder:
         self._optimizers: list[dict[str, Any]] = []
         self._optimizers_more = 0  # optimizers beyond MAX_OPTIMIZERS, counted only
         # debugging switches left on (anomaly detection, the profiler), 5 times a second
+        self._eval_autograd: dict[str, Any] | None = None
         self.debug_modes = DebugModes()
         self._debug_step = 0
         self.clock.on_new_optimizer = self._on_new_optimizer
@@ -191,6 +193,7 @@ class Recorder:
             raise RuntimeError("a trainprof recorder is already running in this process")
         # trainprof tune's overrides (TRAINPROF_KNOBS), before the script runs; None otherwise
         self.knobs = install_knobs() if self._knobs_enabled else None
+        eval_autograd.apply_knob(self.clock, self.knobs)
         if self.knobs is not None:
             self.writer.update_meta(knobs=self.knobs.record())
         _active = self
@@ -326,11 +329,19 @@ class Recorder:
             self.clock.device = DeviceTimer.for_cuda()
         self.worker_capture.flush()  # num_workers=0 loading timed in this process
         self._record_optimizers()
+        self._record_eval_autograd()
         self.loop_stacks.flush()
         self._note_distributed()
         if not self._fingerprinted and (self.clock.n_steps > 0 or self._stopped):
             self._fingerprinted = True
             self.writer.update_meta(fingerprint=collect_fingerprint(self._script, self._command))
+
+    def _record_eval_autograd(self) -> None:
+        """Eval-mode model calls (trainprof.capture.eval_autograd), written when they change."""
+        rec = eval_autograd.record(self.clock)
+        if rec is not None and rec != self._eval_autograd:
+            self._eval_autograd = rec
+            self.writer.update_meta(eval_autograd=rec)
 
     def _sample_debug_modes(self) -> None:
         """Sample the debugging switches (trainprof.capture.debug_modes) while steps are

@@ -37,6 +37,7 @@ FAMILIES: tuple[str, ...] = (
     "gc",
     "optimizer",
     "debug_modes",
+    "eval_autograd",
     "memory_growth",
     "contention",
     "sync",

@@ -403,6 +403,14 @@ def _actual(knob: str, meta: dict[str, Any]) -> str:
             n = int(value.get("batches_cached") or 0)
             return f"true ({_plural(n, 'loader')})" if n else "true (no batch read)"
         return "false"
+    if knob == "eval_no_grad":
+        # how the script's eval-mode model calls ran (trainprof.capture.eval_autograd)
+        rec = meta.get("eval_autograd") or {}
+        n = int(rec.get("grad_calls") or 0)
+        if not n:
+            return "no eval-mode call with autograd on"
+        state = "off" if rec.get("no_grad_knob") else "on"
+        return f"autograd {state} in {_plural(n, 'eval call')}"
     if knob == "anomaly_detection":
         # what the capture saw while steps ran (trainprof.capture.debug_modes)
         modes = meta.get("debug_modes") or {}

@@ -397,6 +397,12 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
     if summary.get("optimizers_not_described"):
         table.add_row("Optimizer", f"{summary['optimizers_not_described']:,} more, not "
                                    "described (one is built per epoch or per step?)")
+    ev = summary.get("eval_autograd") or {}
+    if ev.get("grad_calls") or ev.get("nograd_calls"):
+        table.add_row("Eval mode", f"{ev.get('grad_calls', 0):,} model calls with autograd on "
+                      f"({fmt_time(ev.get('grad_s'))}), "
+                      f"{ev.get('nograd_calls', 0):,} with it off "
+                      f"({fmt_time(ev.get('nograd_s'))})")
     env = summary.get("environment") or {}
     if env:
         table.add_row(
