@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import random
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import _ci_pct, _ratio_pct  # noqa: E402
+from overhead import interleaved, ratio_line  # noqa: E402
 
 ARMS = {"autograd on": contextlib.nullcontext, "no_grad": torch.no_grad,
         "inference_mode": torch.inference_mode}
@@ -68,24 +67,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} thread(s), "
           f"{args.rounds} rounds of {args.calls} eval forwards per arm")
-    rng = random.Random(0)
     for name in ("mlp", "convnet"):
         model, x = model_and_batch(name)
         for arm in ARMS:
             block_time(model, x, arm, 5)  # warm
-        times: dict[str, list[float]] = {arm: [] for arm in ARMS}
-        for _ in range(args.rounds):
-            order = list(ARMS)
-            rng.shuffle(order)
-            for arm in order:
-                times[arm].append(block_time(model, x, arm, args.calls))
+        times = interleaved(list(ARMS), args.rounds,
+                            lambda arm, m=model, x=x: block_time(m, x, arm, args.calls))
         base = sorted(times["autograd on"])[len(times["autograd on"]) // 2]
         print(f"{name}: autograd on {base * 1e3:.2f} ms per forward")
         for arm in ("no_grad", "inference_mode"):
-            pct = _ratio_pct(times[arm], times["autograd on"])
-            lo, hi = _ci_pct(times[arm], times["autograd on"])
-            print(f"  {arm:<15} ×{1 + pct / 100:.2f} of autograd on "
-                  f"(95% CI ×{1 + lo / 100:.2f}–×{1 + hi / 100:.2f})")
+            print(ratio_line(arm, times, "autograd on", "autograd on"))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ interval over rounds.
 from __future__ import annotations
 
 import argparse
-import random
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import _ci_pct, _ratio_pct  # noqa: E402
+from overhead import interleaved, ratio_line  # noqa: E402
 
 ARMS = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
@@ -57,14 +56,7 @@ def measure(shape: str, rounds: int, steps: int) -> dict[str, list[float]]:
             p.grad = torch.randn_like(p)
         opts[arm] = torch.optim.AdamW(m.parameters(), lr=1e-3, **kwargs)
         block_time(opts[arm], 20)  # state built, kernels warm
-    times: dict[str, list[float]] = {arm: [] for arm in ARMS}
-    rng = random.Random(0)
-    for _ in range(rounds):
-        order = list(ARMS)
-        rng.shuffle(order)
-        for arm in order:
-            times[arm].append(block_time(opts[arm], steps))
-    return times
+    return interleaved(list(ARMS), rounds, lambda arm: block_time(opts[arm], steps))
 
 
 def main() -> None:
@@ -82,10 +74,7 @@ def main() -> None:
         base = sorted(times["for-loop"])[len(times["for-loop"]) // 2]
         print(f"{shape} ({n} tensors): for-loop {base * 1e3:.2f} ms per step()")
         for arm in ("foreach", "fused"):
-            pct = _ratio_pct(times[arm], times["for-loop"])
-            lo, hi = _ci_pct(times[arm], times["for-loop"])
-            print(f"  {arm:<8} ×{1 + pct / 100:.2f} of the for-loop "
-                  f"(95% CI ×{1 + lo / 100:.2f}–×{1 + hi / 100:.2f})")
+            print(ratio_line(arm, times, "for-loop", "the for-loop"))
 
 
 if __name__ == "__main__":

@@ -103,6 +103,28 @@ def _ci_pct(with_: list[float], without: list[float], n: int = 2000) -> tuple[fl
     return (lo - 1) * 100, (hi - 1) * 100
 
 
+def interleaved(arms: list[str], rounds: int, block: Callable[[str], float],
+                seed: int = 0) -> dict[str, list[float]]:
+    """``block(arm)`` for every arm, in ``rounds`` rounds whose arm order is shuffled:
+    the side-by-side measurement the benchmarks report as per-round ratios."""
+    times: dict[str, list[float]] = {arm: [] for arm in arms}
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        order = list(arms)
+        rng.shuffle(order)
+        for arm in order:
+            times[arm].append(block(arm))
+    return times
+
+
+def ratio_line(arm: str, times: dict[str, list[float]], base: str, label: str) -> str:
+    """``  ARM  ×R of LABEL (95% CI ×LO–×HI)``: the median per-round ratio to ``base``."""
+    pct = _ratio_pct(times[arm], times[base])
+    lo, hi = _ci_pct(times[arm], times[base])
+    return (f"  {arm:<15} ×{1 + pct / 100:.2f} of {label} "
+            f"(95% CI ×{1 + lo / 100:.2f}–×{1 + hi / 100:.2f})")
+
+
 def start_recorder(run_dir: Path, *, workers: bool = True, sampler: bool = True) -> Recorder:
     """The always-on capture as ``trainprof run`` starts it (less the one-off fingerprint).
 
