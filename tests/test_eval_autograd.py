@@ -13,10 +13,10 @@ from trainprof.diagnosis import diagnose
 from trainprof.diagnosis.eval_autograd import MOST_SAVED
 from trainprof.experiments.tune import _actual
 
-#: A conv net trained 30 steps; at steps 5, 15 and 25 an evaluation: 8 calls in eval mode
-#: with autograd on (outputs kept, as an evaluation that collects predictions keeps them)
-#: and one under torch.no_grad(). Step 5 falls in the hooks' discovery steps (the Python
-#: model-call wrapper), 15 and 25 after (the C fast path's).
+#: A conv net trained 30 steps; at steps 1, 11 and 21 an evaluation: 8 calls in eval mode
+#: with autograd on (outputs kept, as an evaluation that collects predictions keeps them),
+#: one under torch.no_grad() and one that fails. Step 1 falls in the hooks' discovery
+#: steps (the Python model-call wrapper), 11 and 21 after (the C fast path's).
 SCRIPT = """
 import sys
 import torch
@@ -36,14 +36,19 @@ for step in range(30):
     opt.zero_grad()
     loss.backward()
     opt.step()
-    if step % 10 == 5:
+    if step % 10 == 1:
         model.eval()
         preds = [model(val) for _ in range(8)]
         with_graph += sum(p.requires_grad for p in preds)
         with torch.no_grad():
             model(val)
+        try:
+            model(torch.randn(2, 5))  # a call that fails: autograd must be back on after it
+        except RuntimeError:
+            pass
         model.train()
 print("eval outputs with a graph:", with_graph, file=sys.stderr)
+print("autograd on at the end:", torch.is_grad_enabled(), file=sys.stderr)
 """
 
 
@@ -55,6 +60,7 @@ def test_an_evaluation_with_autograd_on_is_found_and_the_knob_turns_it_off(tmp_p
     doc = res.json()
     rec = doc["eval_autograd"]
     # every eval-mode call counted, by both wrappers; the training calls are not
+    # (the failing calls are not counted: they did not run)
     assert (rec["grad_calls"], rec["nograd_calls"], rec["no_grad_knob"]) == (24, 3, False)
     assert rec["grad_s"] > 0 and rec["nograd_s"] > 0
     found = [f for f in doc["findings"] if f["cause"] == "eval_autograd"]
@@ -71,6 +77,7 @@ def test_an_evaluation_with_autograd_on_is_found_and_the_knob_turns_it_off(tmp_p
                     env={ENV_VAR: json.dumps({"eval_no_grad": True})})
     assert res.returncode == 0, res.stderr[-2000:]
     assert "eval outputs with a graph: 0" in res.stderr
+    assert "autograd on at the end: True" in res.stderr
     meta = json.loads((res.run_dir / "run.json").read_text())
     assert meta["knobs"]["process"]["eval_no_grad"] is True
     assert meta["eval_autograd"]["no_grad_knob"] is True

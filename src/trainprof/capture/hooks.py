@@ -489,11 +489,15 @@ class Instrumentation:
                 if dev is not None:
                     dev.mark(FWD_BEGIN)
                 no_grad = grad is True and clock.eval_no_grad
+                done = False  # eval calls are counted when they return, as in the C path
                 try:
                     if no_grad:
                         with torch.no_grad():
-                            return orig(module, *args, **kwargs)
-                    return orig(module, *args, **kwargs)
+                            out = orig(module, *args, **kwargs)
+                    else:
+                        out = orig(module, *args, **kwargs)
+                    done = True
+                    return out
                 finally:
                     if dev is not None:
                         dev.mark(FWD_END)
@@ -501,10 +505,10 @@ class Instrumentation:
                     acc[clock.current] += now - clock.mark
                     clock.current = OTHER
                     clock.mark = now
-                    if grad is True:
+                    if done and grad is True:
                         clock.eval_grad_n += 1
                         clock.eval_grad_ns += now - entered
-                    elif grad is False:
+                    elif done and grad is False:
                         clock.eval_nograd_n += 1
                         clock.eval_nograd_ns += now - entered
 
