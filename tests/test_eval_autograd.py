@@ -83,6 +83,11 @@ def test_an_evaluation_with_autograd_on_is_found_and_the_knob_turns_it_off(tmp_p
     assert meta["eval_autograd"]["no_grad_knob"] is True
     assert meta["eval_autograd"]["grad_calls"] == 24  # what the script asked for
     assert _actual("eval_no_grad", meta) == "autograd off in 24 eval calls"
+    # trainprof compare names what changed between the two runs
+    cmp = trainprof("compare", "--json", str(tmp_path / "run"), str(res.run_dir), cwd=tmp_path)
+    assert cmp.returncode == 0, cmp.stderr
+    diff = {d["key"]: d for d in cmp.json()["environment_diff"]}
+    assert (diff["eval_mode.autograd"]["a"], diff["eval_mode.autograd"]["b"]) == ("on", "off")
 
 
 def _eval(calls: int, seconds: float, off: int = 0) -> dict:

@@ -94,6 +94,7 @@ COMPUTE = ("forward", "backward", "optimizer")
 CATEGORIES = (
     "dataloader",
     "optimizer",
+    "eval",
     "torch_cuda",
     "gpu",
     "threads",
@@ -263,6 +264,17 @@ def _env_category(name: str) -> str:
     return "torch_cuda"
 
 
+def _eval_autograd(rec: Any) -> str | None:
+    """"on" when eval-mode model calls ran with autograd on, "off" when they ran without
+    (torch.no_grad() in the script, or tune's eval_no_grad knob); None: no eval call."""
+    if not isinstance(rec, dict):
+        return None
+    on, off = int(rec.get("grad_calls") or 0), int(rec.get("nograd_calls") or 0)
+    if on and not rec.get("no_grad_knob"):
+        return "on"
+    return "off" if on or off else None
+
+
 def _facts(run: Run) -> tuple[dict[str, tuple[str, Any]], bool]:
     """Flat ``key -> (category, value)`` of everything about a run that could change its speed.
 
@@ -288,6 +300,10 @@ def _facts(run: Run) -> tuple[dict[str, tuple[str, Any]], bool]:
         for field in OPTIMIZER_FIELDS:
             if field in opt:
                 put(f"optimizer[{i}].{field}", "optimizer", opt[field])
+    # how the model's eval-mode calls ran: autograd on or off (capture/eval_autograd.py)
+    mode = _eval_autograd(meta.get("eval_autograd"))
+    if mode is not None:
+        put("eval_mode.autograd", "eval", mode)
     command = meta.get("command") or fp.get("command")
     if command:
         # The interpreter path is python.executable; the rest is what the user typed.
@@ -365,6 +381,9 @@ def _weights(category: str, key: str, cpu_compute: bool) -> dict[str, float]:
             p["data_wait"] = 1.0
         elif key.endswith(".num_workers") and cpu_compute:
             setp(0.4, *COMPUTE)  # workers compete with the model's threads for cores
+    elif category == "eval":
+        setp(0.1, *BREAKDOWN_KEYS)
+        p["forward"] = 1.0  # the eval calls are timed as forward
     elif category == "optimizer":
         setp(0.1, *BREAKDOWN_KEYS)
         p["optimizer"] = 1.0 if key.endswith((".implementation", ".class")) else 0.8
