@@ -18,7 +18,9 @@ The system sampler (a process of its own) is started but never samples in either
 arm, and only the training thread is counted: the sampler and the Recorder's flush
 thread run on wall time (5 Hz), and under callgrind's ~50x slowdown they would run
 50 times as often per step as they really do; their share is measured by
-``benchmarks/overhead.py`` (``--parts``).
+``benchmarks/overhead.py`` (``--parts``). The stack timer (``TRAINPROF_STACK_HZ``) is
+switched off for the same reason: it ticks on wall time, in the training thread, and
+``benchmarks/stack_sampling.py`` measures one sample's cost.
 
 Each arm first runs ``--settle`` steps uncounted (the one-off start-up: CPython
 re-specialising code on the patched classes), then ``--steps`` counted steps;
@@ -167,8 +169,12 @@ def run_path(path: str, rounds: int, steps: int, settle: int, hidden: int,
              keep: str | None = None, cache_sim: bool = False) -> dict[str, Any]:
     out = Path(keep) / path if keep else Path(tempfile.mkdtemp(prefix="trainprof-callgrind-"))
     out.mkdir(parents=True, exist_ok=True)
+    # the stack timer ticks on wall time too (4-20 a second), in the training thread:
+    # under callgrind's slowdown it would tick ~50 times as often per step (one sample,
+    # ~50k instructions, nearly every step); benchmarks/stack_sampling.py measures it
     env = {**os.environ, "TRAINPROF_PURE_PYTHON": "1" if path == "python" else "0",
-           "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+           "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0",
+           "TRAINPROF_STACK_HZ": "0"}
     cmd = ["valgrind", "--tool=callgrind", "--separate-threads=yes", "--collect-atstart=no",
            "--toggle-collect=functools_reduce", "--dump-after=functools_reduce",
            *(["--cache-sim=yes"] if cache_sim else []),
