@@ -437,3 +437,10 @@ def test_samples_inside_a_sync_are_the_syncs_not_the_loops(tmp_path):
     assert found and found[0]["evidence"]["line"].endswith("train.py:26")
     # what is left of "other" once the syncs are taken off: the 2 ms of the 6.6 ms step
     assert found[0]["estimated_gain"] == pytest.approx(0.3, abs=0.08)
+    # the lines' source is recorded with the stacks: a report read where the script is
+    # not (another machine) still quotes it
+    script.unlink()
+    again = trainprof("report", "--json", str(res.run_dir), cwd=tmp_path).json()
+    assert again["loop_stacks"]["other"]["lines"][0]["source"] == "time.sleep(0.002)"
+    assert "`time.sleep(0.002)`" in next(
+        f for f in again["findings"] if f["cause"] == "loop_code")["title"]

@@ -61,15 +61,20 @@ Frame = tuple[str, int, str, bool]  # file, line, function, the user's own code
 Sample = tuple[int, int, int, int, bool]  # step, phase, stack, weight (ticks), in a sync
 
 
-def _read(path: Path) -> tuple[dict[int, list[Frame]], list[Sample], int] | None:
-    """(stacks by id, samples as (step, phase, stack, weight, in_sync), ticks not kept),
-    or None. Records written before the in-sync flag have four elements (not in a sync)."""
+Sources = dict[tuple[str, int], str]  # (file, line) -> the line's text, as recorded
+
+
+def _read(path: Path) -> tuple[dict[int, list[Frame]], list[Sample], int, Sources] | None:
+    """(stacks by id, samples as (step, phase, stack, weight, in_sync), ticks not kept,
+    the recorded source of user lines), or None. Records written before the in-sync flag
+    have four elements (not in a sync); before the sources, none are recorded."""
     try:
         f = open(path, "rb")  # noqa: SIM115 - closed below
     except OSError:
         return None
     stacks: dict[int, list[Frame]] = {}
     samples: list[Sample] = []
+    sources: Sources = {}
     dropped = 0
     with f:
         for raw in f:
@@ -83,12 +88,15 @@ def _read(path: Path) -> tuple[dict[int, list[Frame]], list[Sample], int] | None
                 samples.extend((int(x[0]), int(x[1]), int(x[2]), int(x[3]) if len(x) > 3 else 1,
                                 len(x) > 4 and bool(x[4])) for x in doc["samples"])
             elif "stack" in doc:
-                stacks[int(doc["stack"])] = [
-                    (str(fr[0]), int(fr[1]), str(fr[2]), bool(fr[3])) for fr in doc["frames"]
-                ]
+                frames = [(str(fr[0]), int(fr[1]), str(fr[2]), bool(fr[3]))
+                          for fr in doc["frames"]]
+                stacks[int(doc["stack"])] = frames
+                for fr, text in zip(frames, doc.get("sources") or (), strict=False):
+                    if text:
+                        sources[(fr[0], fr[1])] = str(text)
             elif "dropped" in doc:
                 dropped += int(doc["dropped"])
-    return stacks, samples, dropped
+    return stacks, samples, dropped, sources
 
 
 def _typical_steps(steps: np.ndarray, warmup: int) -> tuple[set[int], int]:
@@ -148,7 +156,7 @@ def summarize_loop_stacks(
     read = _read(Path(run_dir) / STACKS_JSONL)
     if read is None:
         return None
-    stacks, samples, dropped = read
+    stacks, samples, dropped, sources = read
     typical, spike_steps = _typical_steps(steps, warmup)
     kept: Kept = [(phase, stacks[sid], w, in_sync) for step, phase, sid, w, in_sync in samples
                   if step in typical and sid in stacks]
@@ -213,7 +221,7 @@ def summarize_loop_stacks(
         row: dict[str, Any] = {
             "file": at[0] if at else None,
             "line": at[1] if at else None,
-            "source": _code_line(*at) if at else None,
+            "source": _code_line(*at, sources) if at else None,
             "samples": count,
             "share": count / n_other,
             # of all "other" ticks, those in syncs included: ticks are time
@@ -228,7 +236,7 @@ def summarize_loop_stacks(
         if at in inner:
             (file, line, func), n_in = inner[at].most_common(1)[0]
             row["inner"] = {"file": file, "line": line, "function": func,
-                            "source": _code_line(file, line), "samples": n_in,
+                            "source": _code_line(file, line, sources), "samples": n_in,
                             "share": n_in / n_other}
         if at in calls:
             name, n_call = calls[at].most_common(1)[0]
@@ -238,9 +246,10 @@ def summarize_loop_stacks(
     return out
 
 
-def _code_line(file: str, line: int) -> str | None:
-    """The source line without its trailing comment (it is quoted in titles and texts)."""
-    text = source_line(file, line)
+def _code_line(file: str, line: int, sources: Sources | None = None) -> str | None:
+    """The source line without its trailing comment (it is quoted in titles and texts):
+    as recorded while the script ran, else read from the file now."""
+    text = (sources or {}).get((file, line)) or source_line(file, line)
     if not text or "#" not in text:
         return text
     try:
@@ -256,6 +265,11 @@ def _call_name(frame: Frame) -> str:
     """``package.module.function`` of a library frame, from its file path."""
     file, _line, func, _u = frame
     parts = Path(file).with_suffix("").parts
+    if "trainprof" in parts[:-1]:
+        # trainprof's own hook (a CUDA event it records at a phase boundary), wherever it
+        # is installed: named as such, not by its module's file name alone
+        i = len(parts) - 2 - parts[-2::-1].index("trainprof")
+        return ".".join([*parts[i:], func])
     for i in range(len(parts) - 1, -1, -1):
         if parts[i] in ("site-packages", "dist-packages") or re.fullmatch(
             r"python\d+(\.\d+)?", parts[i]

@@ -38,7 +38,9 @@ reduced to the *user's* frames (not the stdlib, site-packages, console scripts o
 trainprof: :func:`trainprof.capture.pyprof.library_paths`),
 outermost first, plus the innermost frame whatever its file (the library function
 the user's code was in). Reduced stacks are interned: each is written once, as
-``{"stack": id, "frames": [[file, line, function, user], ...]}``, and samples refer
+``{"stack": id, "frames": [[file, line, function, user], ...], "sources": [text of each
+user frame's line, or null, ...]}`` (the sources read by the flush thread, so that a
+report read on another machine still quotes the lines), and samples refer
 to it, ``{"samples": [[step, phase, stack, weight(, 1)], ...]}``, both appended to
 ``RUN_DIR/stacks.jsonl`` at the Recorder's once-a-second drain (a crash loses at
 most the last second, like the step records): about 16 bytes a sample (measured), so
@@ -49,6 +51,7 @@ most the last second, like the step records): about 16 bytes a sample (measured)
 from __future__ import annotations
 
 import contextlib
+import linecache
 import os
 import signal
 import threading
@@ -304,6 +307,14 @@ class LoopStackSampler:
             return
         stacks, samples = self._new_stacks, self._samples
         self._new_stacks, self._samples = [], []
+        for stack in stacks:
+            # the source of the user's lines, read here (the flush thread) while the
+            # script is on this disk: a report read elsewhere, or after the script
+            # changed, still quotes the line that ran
+            stack["sources"] = [
+                (linecache.getline(file, line).strip() or None) if mine else None
+                for file, line, _func, mine in stack["frames"]
+            ]
         try:
             if self._file is None:
                 self._file = open(self.path, "ab")  # noqa: SIM115 - open for the whole run
