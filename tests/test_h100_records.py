@@ -99,3 +99,35 @@ def test_report_html_and_perfetto_of_a_cuda_run(tmp_path):
     assert "GPU 0 utilization" in names
     assert any("spin_kernel" in str(n) for n in names)
     assert not (DATA / "synced" / "findings.json").exists()  # reading wrote nothing there
+
+
+def test_a_pageable_batch_copy_line_is_named_with_pin_memory(monkeypatch):
+    """Batches from 2 workers with pin_memory=False, copied by `x.cuda(non_blocking=True)`:
+    the copy line's share of the loop's own time is the pageable copy's, fixed by pinning.
+    (This record predates the sources kept with the stacks: its lines are read from the
+    script beside it, as from the machine the run was on.)"""
+    import trainprof.analysis.loop_stacks as loop_stacks
+
+    here = DATA / "pageable"
+    real = loop_stacks.source_line
+    monkeypatch.setattr(loop_stacks, "source_line",
+                        lambda file, line: real(str(here / Path(file).name), line))
+    summary = analyse_folder(here)[0]
+    found = {f["cause"]: f for f in summary["findings"]}
+    f = found["pageable_copy"]
+    assert (f["category"], f["rule"]) == ("host_to_device", "host_to_device.pageable_copy")
+    assert f["evidence"]["line"].endswith("pageable.py:29")
+    assert f["evidence"]["line_share_of_other_samples"] == pytest.approx(0.49, abs=0.01)
+    assert "pin_memory=True" in f["fix"]["snippet"] and "num_workers=2" in f["fix"]["snippet"]
+    assert f["verify"].startswith("trainprof tune --knob pin_memory=false,true pageable.py")
+    # the loop-code finding is left the other line (inside trainprof's own CUDA event)
+    lc = found["loop_code"]
+    assert lc["evidence"]["line"].endswith("pageable.py:30")
+    assert lc["evidence"]["library_call"] == "trainprof.capture.device_timer.DeviceTimer.mark"
+    # without a CUDA record the copy line is ordinary loop code
+    summary["device"] = None
+    summary["cuda_memory"] = None
+    from trainprof.diagnosis import diagnose
+
+    causes = [g["cause"] for g in diagnose(summary, analyse_folder(here)[1].steps)]
+    assert "pageable_copy" not in causes

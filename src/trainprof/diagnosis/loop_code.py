@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 from typing import Any
 
 from trainprof.diagnosis.context import Context
@@ -45,6 +46,8 @@ MIN_LINE_SAMPLES = 5
 #: A loop line with this many ticks in the model's phases per tick in "other" is a line of
 #: the step's own work (the model's call and a functional loss on one line), not reported.
 OWN_WORK = 0.25
+#: A line that moves tensors to the GPU (``x.cuda()``, ``x.to(device, ...)``).
+DEVICE_COPY = re.compile(r"\.(?:cuda|to)\s*\(")
 
 
 def _where(file: str | None, line: int | None) -> str:
@@ -108,8 +111,9 @@ def _loop_python_lines(ctx: Context) -> set[tuple[str, int]]:
     return {(str(lp.get("file")), int(lp.get("line") or 0)) for lp in loops}
 
 
-@rule("host_launch.loop_code")
-def loop_code(ctx: Context) -> Finding | None:
+def _loop_rows(ctx: Context) -> tuple[list[dict[str, Any]], int, float] | None:
+    """The loop lines "other" goes to that are the loop's own code, the "other" samples
+    and the "other" share of step time; None where no line can be named."""
     stacks = ctx.summary.get("loop_stacks") or {}
     other_info = stacks.get("other") or {}
     rows: list[dict[str, Any]] = other_info.get("lines") or []
@@ -127,6 +131,100 @@ def loop_code(ctx: Context) -> Finding | None:
     rows = [r for r in rows if r.get("file") is not None
             and float(r.get("phase_samples") or 0) < OWN_WORK * float(r.get("samples") or 0)
             and not _torch_math(r)]
+    return rows, n_other, other
+
+
+def _pageable_copy_row(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The loop line that copies the DataLoader's pageable batches to the GPU, if one of
+    the lines "other" goes to does (expert-rules.md T1: an async copy from pageable
+    memory silently becomes synchronous). A CUDA run, a DataLoader with
+    ``pin_memory=False``, and a line naming ``.cuda(`` or ``.to(``."""
+    from trainprof.diagnosis.device import used_cuda
+
+    if not used_cuda(ctx) or not any(ld.get("pin_memory") is False for ld in ctx.loaders):
+        return None
+    for r in rows:
+        if int(r.get("samples") or 0) < MIN_LINE_SAMPLES:
+            break
+        if DEVICE_COPY.search(str(r.get("source") or "")):
+            return r
+    return None
+
+
+def _attributable(ctx: Context, other: float) -> tuple[float, float]:
+    """(the share of syncs in step time, what is left of "other" for the loop's code)."""
+    sync_share = float((ctx.summary.get("syncs") or {}).get("share") or 0.0)
+    return sync_share, max(0.0, other - sync_share)
+
+
+@rule("host_to_device.pageable_copy")
+def pageable_copy(ctx: Context) -> Finding | None:
+    """A loop line that copies pageable batches to the GPU: pin them, copy asynchronously.
+
+    On an H100 (2026-11-26) a conv net fed 28 MB float batches by 2 workers with
+    ``pin_memory=False`` spent 49% of its "other" samples on its
+    ``x, y = x.cuda(non_blocking=True), ...`` line: from pageable memory the copy waits
+    for the host to stage every byte, ``non_blocking`` or not.
+    """
+    found = _loop_rows(ctx)
+    if found is None:
+        return None
+    rows, n_other, other = found
+    row = _pageable_copy_row(ctx, rows)
+    if row is None:
+        return None
+    sync_share, attributable = _attributable(ctx, other)
+    gain = float(row["share"]) * attributable
+    severity = band(gain, HIGH, MEDIUM)
+    if severity is None:
+        return None
+    from trainprof.diagnosis.input_pipeline import loader_snippet
+
+    where = _where(row["file"], row["line"])
+    source = row.get("source") or ""
+    loader = next((ld for ld in ctx.loaders if ld.get("pin_memory") is False), None)
+    workers = int((loader or {}).get("num_workers") or 0)
+    evidence: dict[str, Any] = {
+        "other_share": other,
+        "sync_share": sync_share,
+        "line": f"{row['file']}:{row['line']}",
+        "line_source": source,
+        "line_share_of_other_samples": row["share"],
+        "line_samples": row["samples"],
+        "other_samples": n_other,
+        "pin_memory": False,
+    }
+    copy_line = "x = x.to(device, non_blocking=True)  # from pinned memory: asynchronous"
+    snippet = (loader_snippet(loader, num_workers=workers, pin_memory=True,
+                              comment="unchanged")
+               + "\n...\n" + copy_line)
+    title = (f"{gain * 100:.0f}% of step time goes to copying pageable batches to the GPU "
+             f"at {where}" + (f" `{source}`" if source else ""))
+    text = (
+        f"{row['share'] * 100:.0f}% of {n_other} stack samples in the loop's own code "
+        f"('other', {other * 100:.0f}% of the step) were on {where}, which copies a batch "
+        "to the GPU, and the DataLoader's batches are in pageable memory "
+        "(pin_memory=False): such a copy waits while the host stages every byte, whatever "
+        "non_blocking says. With pin_memory=True the loader's pin thread copies each batch "
+        "into page-locked memory in the background, and the copy to the GPU then runs "
+        "asynchronously (non_blocking=True), overlapped with the step."
+    )
+    verify = (f"trainprof tune --knob pin_memory=false,true {ctx.script}  (the copy line's "
+              f"share of 'other', now {row['share'] * 100:.0f}%, should fall)")
+    return Finding(category="host_to_device", cause="pageable_copy", title=title,
+                   severity=severity, evidence=evidence, estimated_gain=gain,
+                   fix=Fix(text=text, snippet=snippet), verify=verify)
+
+
+@rule("host_launch.loop_code")
+def loop_code(ctx: Context) -> Finding | None:
+    found = _loop_rows(ctx)
+    if found is None:
+        return None
+    rows, n_other, other = found
+    copy = _pageable_copy_row(ctx, rows)
+    if copy is not None:  # that line's finding is the pageable copy's
+        rows = [r for r in rows if r is not copy]
     if not rows or int(rows[0].get("samples") or 0) < MIN_LINE_SAMPLES:
         return None
     top = rows[0]
@@ -136,8 +234,7 @@ def loop_code(ctx: Context) -> Finding | None:
         inner and (inner["file"], inner["line"]) in python_loops
     ):
         return None  # the op count found a Python loop there: python_loop's finding
-    sync_share = float((ctx.summary.get("syncs") or {}).get("share") or 0.0)
-    attributable = max(0.0, other - sync_share)
+    sync_share, attributable = _attributable(ctx, other)
     gain = float(top["share"]) * attributable
     severity = band(gain, HIGH, MEDIUM)
     if severity is None:
@@ -145,7 +242,7 @@ def loop_code(ctx: Context) -> Finding | None:
 
     where = _where(top["file"], top["line"])
     source = top.get("source") or ""
-    loop = stacks.get("loop") or {}
+    loop = (ctx.summary.get("loop_stacks") or {}).get("loop") or {}
     evidence: dict[str, Any] = {
         "other_share": other,
         "sync_share": sync_share,
@@ -158,7 +255,7 @@ def loop_code(ctx: Context) -> Finding | None:
         "loop_function": loop.get("function"),
     }
     detail = (f"{top['share'] * 100:.0f}% of {n_other} stack samples taken there were on "
-              f"{where} `{source}`")
+              f"{where}" + (f" `{source}`" if source else ""))
     if loop.get("function"):
         detail += f" (in {loop['function']})"
     if inner:
@@ -227,8 +324,9 @@ def loop_code(ctx: Context) -> Finding | None:
         f"('other', now {other * 100:.0f}% of the step, should fall by up to "
         f"{gain * 100:.0f} points)"
     )
-    title = (f"{gain * 100:.0f}% of step time goes to {where} `{source}` in the training loop, "
-             "outside the model and the optimizer")
+    title = (f"{gain * 100:.0f}% of step time goes to {where}"
+             + (f" `{source}`" if source else "")
+             + " in the training loop, outside the model and the optimizer")
     return Finding(
         category="host_launch",
         cause="loop_code",
