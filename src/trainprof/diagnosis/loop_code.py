@@ -151,10 +151,26 @@ def _pageable_copy_row(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, An
     return None
 
 
-def _attributable(ctx: Context, other: float) -> tuple[float, float]:
-    """(the share of syncs in step time, what is left of "other" for the loop's code)."""
+def _claim(ctx: Context, row: dict[str, Any], other: float) -> tuple[float, float, str] | None:
+    """(the share of syncs in step time, the line's gain, its severity), or None below the
+    bands: the line's share of the "other" samples times what syncs leave of "other"."""
     sync_share = float((ctx.summary.get("syncs") or {}).get("share") or 0.0)
-    return sync_share, max(0.0, other - sync_share)
+    gain = float(row["share"]) * max(0.0, other - sync_share)
+    severity = band(gain, HIGH, MEDIUM)
+    return None if severity is None else (sync_share, gain, severity)
+
+
+def _line_evidence(row: dict[str, Any], other: float, sync_share: float,
+                   n_other: int) -> dict[str, Any]:
+    return {
+        "other_share": other,
+        "sync_share": sync_share,
+        "line": f"{row['file']}:{row['line']}",
+        "line_source": row.get("source") or "",
+        "line_share_of_other_samples": row["share"],
+        "line_samples": row["samples"],
+        "other_samples": n_other,
+    }
 
 
 @rule("host_to_device.pageable_copy")
@@ -173,27 +189,17 @@ def pageable_copy(ctx: Context) -> Finding | None:
     row = _pageable_copy_row(ctx, rows)
     if row is None:
         return None
-    sync_share, attributable = _attributable(ctx, other)
-    gain = float(row["share"]) * attributable
-    severity = band(gain, HIGH, MEDIUM)
-    if severity is None:
+    claim = _claim(ctx, row, other)
+    if claim is None:
         return None
+    sync_share, gain, severity = claim
     from trainprof.diagnosis.input_pipeline import loader_snippet
 
     where = _where(row["file"], row["line"])
     source = row.get("source") or ""
     loader = next((ld for ld in ctx.loaders if ld.get("pin_memory") is False), None)
     workers = int((loader or {}).get("num_workers") or 0)
-    evidence: dict[str, Any] = {
-        "other_share": other,
-        "sync_share": sync_share,
-        "line": f"{row['file']}:{row['line']}",
-        "line_source": source,
-        "line_share_of_other_samples": row["share"],
-        "line_samples": row["samples"],
-        "other_samples": n_other,
-        "pin_memory": False,
-    }
+    evidence = {**_line_evidence(row, other, sync_share, n_other), "pin_memory": False}
     copy_line = "x = x.to(device, non_blocking=True)  # from pinned memory: asynchronous"
     snippet = (loader_snippet(loader, num_workers=workers, pin_memory=True,
                               comment="unchanged")
@@ -234,24 +240,17 @@ def loop_code(ctx: Context) -> Finding | None:
         inner and (inner["file"], inner["line"]) in python_loops
     ):
         return None  # the op count found a Python loop there: python_loop's finding
-    sync_share, attributable = _attributable(ctx, other)
-    gain = float(top["share"]) * attributable
-    severity = band(gain, HIGH, MEDIUM)
-    if severity is None:
+    claim = _claim(ctx, top, other)
+    if claim is None:
         return None
+    sync_share, gain, severity = claim
 
     where = _where(top["file"], top["line"])
     source = top.get("source") or ""
     loop = (ctx.summary.get("loop_stacks") or {}).get("loop") or {}
     evidence: dict[str, Any] = {
-        "other_share": other,
-        "sync_share": sync_share,
+        **_line_evidence(top, other, sync_share, n_other),
         "step_median_s": ctx.step_info.get("median_s"),
-        "line": f"{top['file']}:{top['line']}",
-        "line_source": source,
-        "line_share_of_other_samples": top["share"],
-        "line_samples": top["samples"],
-        "other_samples": n_other,
         "loop_function": loop.get("function"),
     }
     detail = (f"{top['share'] * 100:.0f}% of {n_other} stack samples taken there were on "
