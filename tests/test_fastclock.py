@@ -269,6 +269,23 @@ def test_timed_wrapper_binds_passes_through_and_restores_the_phase():
 
 
 @needs_c
+def test_a_read_wrapper_given_no_tensor_raises_what_the_call_raises():
+    """Tensor.item(5): the wrapped call's own TypeError, not an AttributeError of the
+    wrapper's is_cpu check; nothing counted."""
+    from trainprof.schema import HOST_READS, OPTIMIZER, SYNC_N
+
+    clk = clock_mod.StepClock()
+
+    def orig(x):
+        raise TypeError("descriptor 'item' doesn't apply to an 'int' object")
+
+    read = _fastclock.Timed(_fastclock.K_READ, clk, orig, OPTIMIZER)
+    with pytest.raises(TypeError, match="descriptor 'item'"):
+        read(5)
+    assert clk.acc[HOST_READS] == 0 and clk.acc[SYNC_N] == 0
+
+
+@needs_c
 def test_next_wrapper_counts_samples_of_any_batch_layout():
     import torch
 

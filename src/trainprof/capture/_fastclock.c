@@ -771,11 +771,15 @@ timed_vectorcall(Timed *self, PyObject *const *args, size_t nargsf, PyObject *kw
         if (self->kind == K_READ) {
             sync = 0;
             if (PyVectorcall_NARGS(nargsf) > 0) {
+                /* not a tensor (the call is about to fail): not a sync; the call itself
+                   raises what Python would */
                 PyObject *is_cpu = PyObject_GetAttr(args[0], s_is_cpu);
                 if (is_cpu == NULL)
-                    return NULL;
-                sync = is_cpu == Py_False;
-                Py_DECREF(is_cpu);
+                    PyErr_Clear();
+                else {
+                    sync = is_cpu == Py_False;
+                    Py_DECREF(is_cpu);
+                }
             }
         }
         /* the stack samples taken meanwhile are the sync's time, which the sync finding
