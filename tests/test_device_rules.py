@@ -17,11 +17,14 @@ import torch
 from conftest import trainprof, write_script
 from test_diagnosis import MS, loader, make_steps, make_summary
 
+from trainprof.capture.knobs import ENV_VAR
 from trainprof.capture.opcount import OpCountTool
 from trainprof.capture.recorder import Recorder
 from trainprof.diagnosis import diagnose
 from trainprof.diagnosis.context import Context
 from trainprof.diagnosis.device import CHANNELS_LAST_SPEEDUP
+from trainprof.experiments.tune import _actual
+from trainprof.report.impact import GAIN_UNKNOWN, impact_text
 
 GIB = 1024**3
 DP_ROOT = "torch.nn.parallel.data_parallel.DataParallel"
@@ -334,6 +337,56 @@ def test_channels_last_hint_for_nchw_convolutions():
     summary["ops"] = ops
     summary["deep"] = [{"source": "w", "findings": [{"category": "compute"}]}]
     assert device_findings(summary, steps) == []  # tensor cores unused says it, and more
+
+
+def test_cudnn_autotuner_off_under_convolutions_is_a_low_hint_the_knob_measures():
+    steps = make_steps(60)
+    ops = {"conv2d_per_step": 20.0, "conv2d_channels_last_per_step": 20.0}
+
+    def summary(**env: Any) -> dict[str, Any]:
+        s = cuda_summary(steps, ops=ops, dataloaders=[loader(pin_memory=True)])
+        s["environment"].update(env)
+        return s
+
+    f = one(device_findings(summary(cudnn_benchmark=False), steps), "device.cudnn_benchmark")
+    assert (f["category"], f["cause"], f["severity"]) == ("compute", "cudnn_benchmark_off",
+                                                          "low")
+    assert f["estimated_gain"] == 0 and f["evidence"]["gain_unknown"] is True
+    assert impact_text(f) == GAIN_UNKNOWN  # not "no speed-up"
+    assert f["verify"].startswith("trainprof tune --knob cudnn_benchmark=false,true train.py")
+    # on already, deterministic asked for, not recorded (an older run), or no convolution
+    for env in ({"cudnn_benchmark": True}, {"cudnn_benchmark": False,
+                                            "cudnn_deterministic": True}, {}):
+        assert device_findings(summary(**env), steps) == []
+    s = summary(cudnn_benchmark=False)
+    s["ops"] = {"conv2d_per_step": 0.0}
+    assert device_findings(s, steps) == []
+
+
+def test_the_cudnn_benchmark_knob_holds_against_the_script(tmp_path):
+    """The knob as trainprof tune passes it: the script's own setting is ignored and
+    recorded; the fingerprint (after the first step) sees the knob's value."""
+    write_script(tmp_path, "train.py", """
+        import torch
+        torch.backends.cudnn.benchmark = False  # the script's own choice
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(5):
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        with torch.backends.cudnn.flags(enabled=True, benchmark=False):
+            assert torch.backends.cudnn.benchmark is True
+    """)
+    res = trainprof("run", "--json", "--no-html", "train.py", cwd=tmp_path,
+                    env={ENV_VAR: json.dumps({"cudnn_benchmark": True})})
+    assert res.returncode == 0, res.stderr[-2000:]
+    meta = json.loads((res.run_dir / "run.json").read_text())
+    assert meta["knobs"]["process"]["cudnn_benchmark"] is True
+    assert meta["knobs"]["script_calls_ignored"] == ["torch.backends.cudnn.benchmark = False"]
+    assert meta["fingerprint"]["torch"]["cudnn_benchmark"] is True
+    assert _actual("cudnn_benchmark", meta) == "true"
+    assert res.json()["environment"]["cudnn_benchmark"] is True
 
 
 # -- what the rules read: allocator counters, conv2d count ------------------------------------

@@ -247,7 +247,8 @@ def test_cudnn_version_is_not_read_before_the_script_initialises_cuda() -> None:
         cuda=types.SimpleNamespace(is_initialized=lambda: state["initialised"],
                                    is_available=lambda: True),
         backends=types.SimpleNamespace(cudnn=types.SimpleNamespace(
-            is_available=lambda: True, version=version)),
+            is_available=lambda: True, version=version, benchmark=False,
+            deterministic=False)),
     )
     notes = fp._Notes()
     info = fp._torch_info(fake, notes)

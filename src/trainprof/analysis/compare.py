@@ -314,7 +314,8 @@ def _facts(run: Run) -> tuple[dict[str, tuple[str, Any]], bool]:
         return out, False
 
     torch_info = fp.get("torch") or {}
-    for field in ("version", "cuda", "cudnn", "hip", "debug", "git_version", "cuda_available"):
+    for field in ("version", "cuda", "cudnn", "hip", "debug", "git_version", "cuda_available",
+                  "cudnn_benchmark", "cudnn_deterministic"):
         if field in torch_info:
             put(f"torch.{field}", "torch_cuda", torch_info[field])
     put("driver_version", "torch_cuda", fp.get("driver_version"))

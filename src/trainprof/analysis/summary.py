@@ -81,6 +81,8 @@ def _environment(fp: dict[str, Any] | None, training: dict[str, Any] | None) -> 
         "python": (fp.get("python") or {}).get("version"),
         "torch": torch_info.get("version"),
         "cuda": torch_info.get("cuda"),
+        "cudnn_benchmark": torch_info.get("cudnn_benchmark"),
+        "cudnn_deterministic": torch_info.get("cudnn_deterministic"),
         "gpu": gpus[0].get("name") if gpus else None,
         "gpu_count": len(gpus),
         "cpu_model": cpu.get("model"),

@@ -192,6 +192,12 @@ def _torch_info(torch: ModuleType, notes: _Notes) -> dict[str, Any]:
         "cuda_available": notes.run(
             "torch.cuda_available", lambda: bool(torch.cuda.is_available())
         ),
+        # cuDNN's autotuner and determinism: global flags (no CUDA initialised to read
+        # them), as the script set them before its first step
+        "cudnn_benchmark": notes.run(
+            "torch.cudnn_benchmark", lambda: bool(torch.backends.cudnn.benchmark)),
+        "cudnn_deterministic": notes.run(
+            "torch.cudnn_deterministic", lambda: bool(torch.backends.cudnn.deterministic)),
         "hip": getattr(version, "hip", None),
         "debug": getattr(version, "debug", None),
         "git_version": getattr(version, "git_version", None),

@@ -35,7 +35,8 @@ Two kinds of knobs (:data:`KNOBS`):
   first batch, with ``num_workers=0``: the step with input made free,
   :mod:`trainprof.capture.synthetic_data`) and ``eval_no_grad`` (model calls in eval
   mode run with autograd off, :mod:`trainprof.capture.eval_autograd`; applied by the
-  Recorder, which holds the clock). While a thread knob is set, the
+  Recorder, which holds the clock) and ``cudnn_benchmark``
+  (``torch.backends.cudnn.benchmark``, whatever the script sets). While a thread knob is set, the
   script's own ``torch.set_num_threads`` / ``set_num_interop_threads`` calls
   are ignored (and recorded): a script that pins its thread count must not
   silently undo the value under test.
@@ -144,6 +145,8 @@ KNOBS: dict[str, KnobSpec] = {
                  "every DataLoader repeats its first batch, no workers: input made free"),
         KnobSpec("eval_no_grad", "process", _bool,
                  "model calls in eval mode (model.eval()) run with autograd off"),
+        KnobSpec("cudnn_benchmark", "process", _bool,
+                 "torch.backends.cudnn.benchmark: cuDNN times its algorithms per shape"),
     )
 }
 
@@ -253,6 +256,8 @@ class Knobs:
             self.process["synthetic_data"] = False
         if self.overrides.get("anomaly_detection") is not None:
             self._install_anomaly(bool(self.overrides["anomaly_detection"]))
+        if self.overrides.get("cudnn_benchmark") is not None:
+            self._install_cudnn_benchmark(bool(self.overrides["cudnn_benchmark"]))
         return self
 
     def uninstall(self) -> dict[str, Any]:
@@ -339,6 +344,38 @@ class Knobs:
         def undo() -> None:
             torch.set_anomaly_enabled = original
             original(*before)
+
+        self._restore.append(undo)
+
+    def _install_cudnn_benchmark(self, value: bool) -> None:
+        """``torch.backends.cudnn.benchmark`` fixed at ``value``: the script's assignments
+        (``torch.backends.cudnn.benchmark = ...``, Lightning's ``Trainer(benchmark=...)``)
+        and ``torch.backends.cudnn.flags(benchmark=...)`` that ask otherwise are recorded
+        as ignored. Both go through ``torch._C._set_cudnn_benchmark``: the attribute's
+        descriptor holds its own reference to it, so both are replaced."""
+        import torch
+
+        original = torch._C._set_cudnn_benchmark
+        before = bool(torch._C._get_cudnn_benchmark())
+        original(value)
+        self.process["cudnn_benchmark"] = value
+        ignored = self.ignored_calls
+
+        def set_cudnn_benchmark(mode: bool) -> None:
+            if bool(mode) != value:
+                ignored[f"torch.backends.cudnn.benchmark = {bool(mode)}"] = None
+            original(value)
+
+        prop = type(torch.backends.cudnn).__dict__.get("benchmark")
+        torch._C._set_cudnn_benchmark = set_cudnn_benchmark
+        if prop is not None and hasattr(prop, "setter"):
+            prop.setter = set_cudnn_benchmark
+
+        def undo() -> None:
+            torch._C._set_cudnn_benchmark = original
+            if prop is not None and hasattr(prop, "setter"):
+                prop.setter = original
+            original(before)
 
         self._restore.append(undo)
 

@@ -759,6 +759,50 @@ def data_parallel(ctx: Context) -> Finding | None:
 # -- 6. compute: channels_last -----------------------------------------------------------------
 
 
+@rule("device.cudnn_benchmark")
+def cudnn_benchmark(ctx: Context) -> Finding | None:
+    """Convolutions on a GPU with cuDNN's autotuner off (expert-rules.md C8: the PyTorch
+    tuning guide, "enable cuDNN auto-tuner" for fixed input shapes).
+
+    Evidence: the op sample's ``conv2d`` calls per step and the fingerprint's
+    ``torch.backends.cudnn.benchmark`` (read after the script's first step, so its own
+    setting counts). No source publishes a speed-up, and it depends on the shapes (a
+    shape that changes every batch is timed anew each time): the finding claims none
+    (``gain_unknown``) and is low; ``trainprof tune --knob cudnn_benchmark=false,true``
+    measures it. Left alone with ``cudnn.deterministic`` on (reproducibility asked for).
+    """
+    ops = ctx.summary.get("ops")
+    env = ctx.environment
+    if not isinstance(ops, dict) or not used_cuda(ctx):
+        return None
+    conv = _num(ops.get("conv2d_per_step")) or 0.0
+    if conv <= 0 or env.get("cudnn_benchmark") is not False or env.get("cudnn_deterministic"):
+        return None
+    return Finding(
+        category="compute",
+        cause="cudnn_benchmark_off",
+        title=(f"{conv:.0f} convolutions per step run with cuDNN's autotuner off "
+               "(torch.backends.cudnn.benchmark = False)"),
+        severity="low",
+        evidence={"conv2d_per_step": conv, "cudnn_benchmark": False,
+                  "gpu": env.get("gpu"), "gain_unknown": True},
+        estimated_gain=0.0,
+        fix=Fix(
+            text=(
+                "With benchmark off, cuDNN picks each convolution's algorithm by a "
+                "heuristic. With it on, the first call of each input shape times the "
+                "candidate algorithms and the fastest is kept for every later call: "
+                "worth it when the shapes stay fixed (images of one size, a fixed batch), "
+                "not when they change every batch (each new shape is timed again). The "
+                "first steps get slower while it times them."
+            ),
+            snippet="torch.backends.cudnn.benchmark = True  # before the training loop",
+        ),
+        verify=(f"trainprof tune --knob cudnn_benchmark=false,true {ctx.script}  (steps past "
+                "the first few: the forward and backward shares should fall)"),
+    )
+
+
 @rule("device.channels_last")
 def channels_last(ctx: Context) -> Finding | None:
     """Convolutions in NCHW on a GPU (expert-rules.md C6: the tuning guide, TF, Composer).

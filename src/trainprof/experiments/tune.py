@@ -403,6 +403,10 @@ def _actual(knob: str, meta: dict[str, Any]) -> str:
             n = int(value.get("batches_cached") or 0)
             return f"true ({_plural(n, 'loader')})" if n else "true (no batch read)"
         return "false"
+    if knob == "cudnn_benchmark":
+        # as the fingerprint read it, after the script's own setting (its first step)
+        value = ((meta.get("fingerprint") or {}).get("torch") or {}).get("cudnn_benchmark")
+        return "—" if value is None else str(bool(value)).lower()
     if knob == "eval_no_grad":
         # how the script's eval-mode model calls ran (trainprof.capture.eval_autograd)
         rec = meta.get("eval_autograd") or {}

@@ -15,8 +15,14 @@ NO_GAIN = {
 NO_GAIN_DEFAULT = "no speed-up: it qualifies the numbers above"
 
 
+#: a finding whose speed-up no measurement bounds (evidence ``gain_unknown``)
+GAIN_UNKNOWN = "speed-up not estimated: its verify line measures it"
+
+
 def impact_text(finding: dict[str, Any]) -> str:
     gain = float(finding.get("estimated_gain") or 0.0)
     if gain > 0:
         return f"could save up to {gain * 100:.0f}% of step time"
+    if (finding.get("evidence") or {}).get("gain_unknown"):
+        return GAIN_UNKNOWN
     return NO_GAIN.get(str(finding.get("category")), NO_GAIN_DEFAULT)
