@@ -10,12 +10,13 @@
 # short by a time limit still says why. Logs: OUT_DIR/{build,cuda_tests,suite}.log.
 set -u
 cd "$(dirname "$0")/.."
-OUT=${1:-${OUT:-/tmp/trainprof-gpu-check}}
-mkdir -p "$OUT"
+OUT=${1:-${OUT:-$(mktemp -d -t trainprof-gpu-check.XXXXXX)}}
+mkdir -p "$OUT" && echo "logs: $OUT"
 PY=${PYTHON:-python3}
 if compgen -G ".whl/*.whl" >/dev/null; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/trainprof-site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/trainprof-site:${PYTHONPATH:-}
+    SITE=$(mktemp -d -t trainprof-site.XXXXXX)
+    $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" .whl/*.whl || exit 1
+    export PYTHONPATH=$SITE:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD/src:$PWD/tools:${PYTHONPATH:-} PYTHONUNBUFFERED=1 OUT
 rm -f src/trainprof/capture/_fastclock*.so
