@@ -71,7 +71,9 @@ def test_an_evaluation_with_autograd_on_is_found_and_the_knob_turns_it_off(tmp_p
     assert 0.05 < share < 1
     assert f["estimated_gain"] == pytest.approx(share * MOST_SAVED, abs=1e-3)
     assert "torch.no_grad()" in f["fix"]["snippet"]
-    assert f["verify"].startswith("trainprof tune --knob eval_no_grad=false,true train.py")
+    # the trials as long as this run (30 steps: 60 at least), to hold its evaluations
+    assert f["verify"].startswith(
+        "trainprof tune --knob eval_no_grad=false,true --steps 60 train.py")
     # the knob, as trainprof tune passes it: the same calls run with autograd off
     res = trainprof("run", "--json", "--no-html", "train.py", cwd=tmp_path,
                     env={ENV_VAR: json.dumps({"eval_no_grad": True})})

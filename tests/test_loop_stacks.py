@@ -432,7 +432,8 @@ def test_samples_inside_a_sync_are_the_syncs_not_the_loops(tmp_path):
     assert other["in_syncs"] > other["samples"] >= 10, other
     top = other["lines"][0]
     assert top["line"] == 26 and top["share"] > 0.8, other["lines"]
-    assert top["step_share"] == pytest.approx(0.3, abs=0.08)  # of the whole step
+    # of the whole step: a share of ~70 ticks (20 a second), binomial SE ~0.055 -> 2 SE
+    assert top["step_share"] == pytest.approx(0.31, abs=0.12)
     found = [f for f in doc["findings"] if f["cause"] == "loop_code"]
     assert found and found[0]["evidence"]["line"].endswith("train.py:26")
     # what is left of "other" once the syncs are taken off: the 2 ms of the 6.6 ms step

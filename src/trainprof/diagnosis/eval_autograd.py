@@ -32,6 +32,8 @@ HIGH, MEDIUM = 0.15, 0.05
 MOST_SAVED = 0.36
 #: fewer eval-mode calls with autograd on than this are a check, not an evaluation
 MIN_CALLS = 2
+#: the longest trial the verify line proposes
+TUNE_STEPS_MAX = 2000
 
 
 @rule("eval_autograd.eval_without_no_grad")
@@ -77,8 +79,13 @@ def eval_without_no_grad(ctx: Context) -> Finding | None:
         "        ...  # the evaluation, unchanged\n"
         "model.train()"
     )
-    verify = (f"trainprof tune --knob eval_no_grad=false,true {ctx.script}  (runs those "
-              "calls with autograd off: the steps that evaluate should shorten)")
+    # evaluations come every N steps: a trial must be long enough to hold several (tune's
+    # default of 60 steps may hold none); this run's length, within 60..TUNE_STEPS_MAX
+    steps = int(ctx.step_info.get("count") or 0)
+    trial = min(max(60, steps), TUNE_STEPS_MAX)
+    verify = (f"trainprof tune --knob eval_no_grad=false,true --steps {trial} {ctx.script}  "
+              "(runs those calls with autograd off: the steps that evaluate should shorten; "
+              "each trial must hold several evaluations)")
     return Finding(category="memory", cause="eval_autograd", title=title, severity=severity,
                    evidence=evidence, estimated_gain=round(gain, 4),
                    fix=Fix(text=text, snippet=snippet), verify=verify)
