@@ -27,7 +27,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 #: and device step times agree. Without, nothing syncs until the end, under torch's
 #: sync debug mode: any synchronizing call (trainprof's included) raises. The script is
 #: the one the H100 record tests/data/h100/synced/ ran.
-SCRIPT = (Path(__file__).resolve().parent / "data" / "h100" / "synced" / "synced.py").read_text()
+DATA = Path(__file__).resolve().parent / "data" / "h100"
+SCRIPT = (DATA / "synced" / "synced.py").read_text()
 
 #: 16 steps an epoch; 40 epochs of ~3 ms steps: ~2 s, ten samples of the 5 Hz sampler
 EPOCHS = "40"
@@ -250,32 +251,16 @@ def test_a_cpu_only_script_on_a_gpu_machine_never_initialises_cuda(tmp_path):
 
 
 #: Many tiny layers and a small batch on the GPU: the host launches kernels (some
-#: 240 a step of ~2 µs each) slower than the GPU runs them.
-LAUNCH_BOUND = """
-import torch
-from torch import nn
-
-layers = []
-for _ in range(24):
-    layers += [nn.Linear(64, 64), nn.ReLU()]
-model = nn.Sequential(*layers, nn.Linear(64, 10)).cuda()
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-x = torch.randn(32, 64, device="cuda")
-y = torch.randint(0, 10, (32,), device="cuda")
-for step in range(150):
-    loss = nn.functional.cross_entropy(model(x), y)
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-torch.cuda.synchronize()
-"""
+#: 240 a step of ~2 µs each) slower than the GPU runs them. The script of the H100
+#: record tests/data/h100/launch_bound/, run as it was there.
+LAUNCH_BOUND = (DATA / "launch_bound" / "launch_bound.py").read_text()
 
 
 def test_a_launch_bound_loop_is_found_in_its_deep_window(tp):
     """The trace's launch-bound finding reaches the run's findings, though the run's own
     rules found a part of it (AdamW's launches, same category): on an H100, 2026-11-26,
     the GPU idled 94% of the window, and the finding was dropped for the part."""
-    res = tp(LAUNCH_BOUND, "--json", "--no-html", "--deep", "skip=40,warmup=2,active=5",
+    res = tp(LAUNCH_BOUND, "--json", "--no-html", "--deep", "skip=50,warmup=2,active=5",
              timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     doc = res.json()

@@ -156,8 +156,9 @@ class Recorder:
         self.loaders = LoaderRegistry(self._on_new_loader)
         self._optimizers: list[dict[str, Any]] = []
         self._optimizers_more = 0  # optimizers beyond MAX_OPTIMIZERS, counted only
-        # debugging switches left on (anomaly detection, the profiler), 5 times a second
+        # eval-mode model calls as last written (capture/eval_autograd.py)
         self._eval_autograd: dict[str, Any] | None = None
+        # debugging switches left on (anomaly detection, the profiler), 5 times a second
         self.debug_modes = DebugModes()
         self._debug_step = 0
         self.clock.on_new_optimizer = self._on_new_optimizer
