@@ -21,7 +21,16 @@ from statistics import median
 import pytest
 
 from trainprof.capture import clock as clock_mod
-from trainprof.schema import DATA, FORWARD, N_ACC, OTHER, RECORD_WIDTH, SAMPLES, ZERO_GRAD
+from trainprof.schema import (
+    DATA,
+    FLAG_PROFILED,
+    FORWARD,
+    N_ACC,
+    OTHER,
+    RECORD_WIDTH,
+    SAMPLES,
+    ZERO_GRAD,
+)
 
 try:
     from trainprof.capture import _fastclock
@@ -580,8 +589,8 @@ for i in range(40):
     loss = model(torch.randn(4, 8)).pow(2).mean()
     opt.zero_grad()
     loss.backward()
-    opt.step()
-    running = loss.item()  # the script's one read per step
+    running = loss.item()  # the script's one read per step (before the step: the first
+    opt.step()             # step has one too, whichever steps the warm-up takes)
 """
 
 
@@ -595,6 +604,14 @@ def test_host_reads_are_the_scripts_not_adams_step_counters(tmp_path, path):
     doc = _run_json(tmp_path, path, ADAM_READS)
     assert doc["steps"]["count"] == 40
     assert doc["syncs"]["host_reads_per_step"] == 1.0
+    # every step, those of the op count's window (steps 8 and 9, left out of the
+    # statistics) included: its TorchFunctionMode hands Tensor.item back to the wrapper
+    # from inside the first call, which counted two reads there
+    from trainprof.store import load_records
+
+    records = load_records(tmp_path / "run" / "steps.bin")
+    assert records["flags"][8] & FLAG_PROFILED
+    assert records["host_reads"].tolist() == [1] * 40
 
 
 OPTIMIZER_CHANGES = r"""

@@ -48,7 +48,7 @@
 
 /* What trainprof.capture.clock expects (_FAST_VERSION): bumped when the interface
    between this file and the Python code changes, so that a stale build is not used. */
-#define FASTCLOCK_VERSION 6
+#define FASTCLOCK_VERSION 7
 
 /* Indices into clock.acc, given by trainprof.schema through configure(). */
 static Py_ssize_t I_OTHER = -1, I_SAMPLES = -1, I_HOST_READS = -1, I_SYNC_N = -1,
@@ -124,6 +124,7 @@ typedef struct {
     char bwd_pending;
     char bwd_track;
     char in_sync;           /* the training thread is inside a timed sync (stack samples) */
+    char in_read;           /* ... inside a host read or sync (see K_READ: one count each) */
     PyObject *device;       /* None, or a DeviceTimer (CUDA events at phase boundaries) */
     long long acc[MAX_ACC]; /* per-phase ns and counters of the open step (N_ACC used) */
     /* once a step or less */
@@ -558,6 +559,7 @@ static PyMemberDef core_members[] = {
     {"started", T_BOOL, offsetof(ClockCore, started), 0, NULL},
     {"bwd_pending", T_BOOL, offsetof(ClockCore, bwd_pending), 0, NULL},
     {"bwd_track", T_BOOL, offsetof(ClockCore, bwd_track), 0, NULL},
+    {"in_read", T_BOOL, offsetof(ClockCore, in_read), READONLY, NULL},
     {"grad_enabled", T_OBJECT, offsetof(ClockCore, grad_enabled), 0, NULL},
     {"eval_grad_n", T_LONGLONG, offsetof(ClockCore, eval_n[0]), 0, NULL},
     {"eval_nograd_n", T_LONGLONG, offsetof(ClockCore, eval_n[1]), 0, NULL},
@@ -767,6 +769,13 @@ timed_vectorcall(Timed *self, PyObject *const *args, size_t nargsf, PyObject *kw
 
     case K_READ:
     case K_SYNC: {
+        /* a read inside a read is the same read: a TorchFunctionMode (trainprof's own
+           op count, or the script's) hands Tensor.item back to torch.Tensor.item, this
+           wrapper, from inside the first call; counted there, it was two reads (and
+           two syncs' time) a call */
+        int owner = thread_ident() == c->owner;
+        if (owner && c->in_read)
+            return PyObject_Vectorcall(self->orig, args, nargsf, kwnames);
         int sync = 1;
         if (self->kind == K_READ) {
             sync = 0;
@@ -784,11 +793,13 @@ timed_vectorcall(Timed *self, PyObject *const *args, size_t nargsf, PyObject *kw
         }
         /* the stack samples taken meanwhile are the sync's time, which the sync finding
            claims, not the loop's own code (in_sync is read by the timer's signal handler) */
-        int mine = sync && thread_ident() == c->owner;
+        int mine = sync && owner;
         if (mine)
             c->in_sync++;
+        c->in_read = owner;
         t0 = now_ns();
         out = PyObject_Vectorcall(self->orig, args, nargsf, kwnames);
+        c->in_read = 0;
         if (mine)
             c->in_sync--;
         if (out == NULL)

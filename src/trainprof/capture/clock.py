@@ -111,11 +111,14 @@ class _PyCore:
     extra_flags: int
     next_watch: int
     device: Any
+    in_read: bool
 
     def _init_core(self) -> None:
         """The hot state the C core keeps in its own struct: here a list and an array."""
         self.acc = [0] * N_ACC  # the same list all run long: the hooks hold it
         self._records = array("q")
+        # the training thread is inside a host read (hooks.make_read counts a read once)
+        self.in_read = False
 
     def begin(self, now: int) -> None:
         """Abstract here: StepClock (the subclass) defines it; this base holds the hot path only."""
@@ -187,7 +190,7 @@ class _PyCore:
 
 
 #: The ``_fastclock.VERSION`` this module is written for (a stale build is not used).
-_FAST_VERSION = 6
+_FAST_VERSION = 7
 
 
 def _core_class() -> type:

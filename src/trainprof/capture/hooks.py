@@ -738,9 +738,19 @@ class Instrumentation:
             # (Adam and AdamW read each parameter's step counter with .item()), not one the
             # script makes: counted, it made every Adam run report as many host reads per
             # step as the model has parameter tensors.
+            # A read inside a read is the same read: a TorchFunctionMode (trainprof's own
+            # op count, or the script's) hands Tensor.item back to torch.Tensor.item, this
+            # wrapper, from inside the first call; counted there, it was two reads.
             def read(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+                mine = get_ident() == clock.owner
+                if mine and clock.in_read:
+                    return orig(tensor, *args, **kwargs)
+                clock.in_read = mine
                 t0 = perf_counter_ns()
-                out = orig(tensor, *args, **kwargs)
+                try:
+                    out = orig(tensor, *args, **kwargs)
+                finally:
+                    clock.in_read = False
                 if not tensor.is_cpu:
                     acc[HOST_READS] += 1
                     acc[SYNC_N] += 1
