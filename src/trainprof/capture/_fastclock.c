@@ -53,6 +53,8 @@
 /* Indices into clock.acc, given by trainprof.schema through configure(). */
 static Py_ssize_t I_OTHER = -1, I_SAMPLES = -1, I_HOST_READS = -1, I_SYNC_N = -1,
                   I_SYNC_NS = -1, N_ACC = -1;
+/* The data-wait phase (configure()'s ``data``; -1: none): see K_READ. */
+static int P_DATA = -1;
 
 /* A step record: (step, t_start_ns, dur_ns, *acc, flags), int64 each (trainprof.schema). */
 #define MAX_RECORD 64
@@ -124,7 +126,8 @@ typedef struct {
     char bwd_pending;
     char bwd_track;
     char in_sync;           /* the training thread is inside a timed sync (stack samples) */
-    char in_read;           /* ... inside a host read or sync (see K_READ: one count each) */
+    char in_read;           /* ... inside a host read or sync (see K_READ: one count each),
+                               or where reads are torch's own (DataLoader.__iter__, hooks.py) */
     PyObject *device;       /* None, or a DeviceTimer (CUDA events at phase boundaries) */
     long long acc[MAX_ACC]; /* per-phase ns and counters of the open step (N_ACC used) */
     /* once a step or less */
@@ -559,7 +562,7 @@ static PyMemberDef core_members[] = {
     {"started", T_BOOL, offsetof(ClockCore, started), 0, NULL},
     {"bwd_pending", T_BOOL, offsetof(ClockCore, bwd_pending), 0, NULL},
     {"bwd_track", T_BOOL, offsetof(ClockCore, bwd_track), 0, NULL},
-    {"in_read", T_BOOL, offsetof(ClockCore, in_read), READONLY, NULL},
+    {"in_read", T_BOOL, offsetof(ClockCore, in_read), 0, NULL},
     {"grad_enabled", T_OBJECT, offsetof(ClockCore, grad_enabled), 0, NULL},
     {"eval_grad_n", T_LONGLONG, offsetof(ClockCore, eval_n[0]), 0, NULL},
     {"eval_nograd_n", T_LONGLONG, offsetof(ClockCore, eval_n[1]), 0, NULL},
@@ -796,17 +799,22 @@ timed_vectorcall(Timed *self, PyObject *const *args, size_t nargsf, PyObject *kw
         int mine = sync && owner;
         if (mine)
             c->in_sync++;
-        c->in_read = owner;
+        if (owner)
+            c->in_read = 1;
         t0 = now_ns();
         out = PyObject_Vectorcall(self->orig, args, nargsf, kwnames);
-        c->in_read = 0;
+        if (owner)
+            c->in_read = 0;
         if (mine)
             c->in_sync--;
         if (out == NULL)
             return NULL;
         /* a CPU tensor read inside the optimizer step is torch's own bookkeeping (Adam
-           reads each parameter's step counter), not a read the script makes */
-        if (self->kind == K_READ && (sync || c->current != self->phase))
+           reads each parameter's step counter), and one inside the DataLoader's next()
+           its sampler's (a seed and a permutation each epoch) or the dataset's: not reads
+           the script's loop makes; nor are other threads' */
+        if (self->kind == K_READ
+            && (sync || (owner && c->current != self->phase && c->current != P_DATA)))
             acc_add(c, I_HOST_READS, 1);
         if (sync) {
             acc_add(c, I_SYNC_N, 1);
@@ -1071,13 +1079,13 @@ static PyObject *
 configure(PyObject *mod, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"n_acc", "other", "samples", "host_reads", "sync_n", "sync_ns",
-                             NULL};
-    Py_ssize_t n, o, s, h, sn, sns;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "nnnnnn:configure", kwlist, &n, &o, &s, &h,
-                                     &sn, &sns))
+                             "data", NULL};
+    Py_ssize_t n, o, s, h, sn, sns, d = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "nnnnnn|n:configure", kwlist, &n, &o, &s, &h,
+                                     &sn, &sns, &d))
         return NULL;
     if (n < 1 || n + 4 > MAX_RECORD || o < 0 || o >= n || s < 0 || s >= n || h < 0 || h >= n
-        || sn < 0 || sn >= n || sns < 0 || sns >= n) {
+        || sn < 0 || sn >= n || sns < 0 || sns >= n || d < -1 || d >= n) {
         PyErr_SetString(PyExc_ValueError, "bad accumulator layout");
         return NULL;
     }
@@ -1087,6 +1095,7 @@ configure(PyObject *mod, PyObject *args, PyObject *kwds)
     I_HOST_READS = h;
     I_SYNC_N = sn;
     I_SYNC_NS = sns;
+    P_DATA = (int)d;
     Py_RETURN_NONE;
 }
 

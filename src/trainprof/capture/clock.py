@@ -62,6 +62,7 @@ from typing import Any
 
 from trainprof.capture.window import NEVER
 from trainprof.schema import (
+    DATA,
     FLAG_BACKWARD,
     FLAG_MANUAL,
     FLAG_PARTIAL,
@@ -117,7 +118,8 @@ class _PyCore:
         """The hot state the C core keeps in its own struct: here a list and an array."""
         self.acc = [0] * N_ACC  # the same list all run long: the hooks hold it
         self._records = array("q")
-        # the training thread is inside a host read (hooks.make_read counts a read once)
+        # the training thread is inside a host read (hooks.make_read counts a read once),
+        # or in DataLoader.__iter__ (its reads are torch's own)
         self.in_read = False
 
     def begin(self, now: int) -> None:
@@ -203,7 +205,7 @@ def _core_class() -> type:
     if getattr(_fastclock, "VERSION", None) != _FAST_VERSION:
         return _PyCore  # built from an older _fastclock.c: `pip install -e .` rebuilds it
     _fastclock.configure(n_acc=N_ACC, other=OTHER, samples=SAMPLES, host_reads=HOST_READS,
-                         sync_n=SYNC_N, sync_ns=SYNC_NS)
+                         sync_n=SYNC_N, sync_ns=SYNC_NS, data=DATA)
     return _fastclock.ClockCore
 
 

@@ -440,7 +440,16 @@ class Instrumentation:
 
         def make_iter(orig: Callable[[Any], Any]) -> Callable[[Any], Any]:
             def __iter__(loader: Any) -> Any:  # noqa: N807
-                it = orig(loader)
+                # the reads made here are torch's own (the seed it shares with the
+                # workers: an .item() per epoch), not the loop's
+                if get_ident() == clock.owner and not clock.in_read:
+                    clock.in_read = True
+                    try:
+                        it = orig(loader)
+                    finally:
+                        clock.in_read = False
+                else:
+                    it = orig(loader)
                 with contextlib.suppress(Exception):
                     loaders.iterator_created(loader, it)
                 return it
@@ -737,25 +746,29 @@ class Instrumentation:
             # A read of a CPU tensor inside the optimizer step is torch's own bookkeeping
             # (Adam and AdamW read each parameter's step counter with .item()), not one the
             # script makes: counted, it made every Adam run report as many host reads per
-            # step as the model has parameter tensors.
+            # step as the model has parameter tensors. So are those inside the
+            # DataLoader's next() (its sampler's seed and permutation each epoch, or the
+            # dataset's) and iter() (see make_iter), and other threads'.
             # A read inside a read is the same read: a TorchFunctionMode (trainprof's own
             # op count, or the script's) hands Tensor.item back to torch.Tensor.item, this
             # wrapper, from inside the first call; counted there, it was two reads.
             def read(tensor: Any, *args: Any, **kwargs: Any) -> Any:
                 mine = get_ident() == clock.owner
-                if mine and clock.in_read:
-                    return orig(tensor, *args, **kwargs)
-                clock.in_read = mine
+                if mine:
+                    if clock.in_read:
+                        return orig(tensor, *args, **kwargs)
+                    clock.in_read = True
                 t0 = perf_counter_ns()
                 try:
                     out = orig(tensor, *args, **kwargs)
                 finally:
-                    clock.in_read = False
+                    if mine:
+                        clock.in_read = False
                 if not tensor.is_cpu:
                     acc[HOST_READS] += 1
                     acc[SYNC_N] += 1
                     acc[SYNC_NS] += perf_counter_ns() - t0
-                elif clock.current != OPTIMIZER:
+                elif mine and clock.current != OPTIMIZER and clock.current != DATA:
                     acc[HOST_READS] += 1
                 return out
 
