@@ -273,7 +273,10 @@ def test_example_optimizer_loop_and_its_fix(tmp_path):
     res = trainprof("compare", "--json", str(before.run_dir), str(after.run_dir), cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     cmp = res.json()
-    assert cmp["ratio"] < 0.95, cmp["ratio"]
+    # the optimizer phase is what compare finds changed (the whole step's ratio, ×0.63 on a
+    # quiet host, read ×1.09 once on this shared host while the optimizer's own time
+    # still fell by more than 40%: the other phases carry the host's noise)
+    assert cmp["phases"]["optimizer"]["delta_pct"] < -40, cmp["phases"]
     assert cmp["environment_diff"][0]["key"] == "optimizer[0].implementation"
 
 

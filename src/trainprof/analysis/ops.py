@@ -92,6 +92,10 @@ def load_ops(run_dir: Path) -> dict[str, Any] | None:
         # convolutions and how many ran in channels_last (NHWC), for diagnosis/device.py
         "conv2d_per_step": doc.get("conv2d_per_step"),
         "conv2d_channels_last_per_step": doc.get("conv2d_channels_last_per_step"),
+        # zeros written into gradients by zero_grad(set_to_none=False), for
+        # diagnosis/zero_grad.py (records before this field: None, not known)
+        "zero_grad_zeroing_calls_per_step": doc.get("zero_grad_zeroing_calls_per_step"),
+        "zero_grad_zeroed_bytes_per_step": doc.get("zero_grad_zeroed_bytes_per_step"),
     }
 
 

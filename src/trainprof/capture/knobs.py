@@ -36,7 +36,9 @@ Two kinds of knobs (:data:`KNOBS`):
   :mod:`trainprof.capture.synthetic_data`) and ``eval_no_grad`` (model calls in eval
   mode run with autograd off, :mod:`trainprof.capture.eval_autograd`; applied by the
   Recorder, which holds the clock) and ``cudnn_benchmark``
-  (``torch.backends.cudnn.benchmark``, whatever the script sets). While a thread knob is set, the
+  (``torch.backends.cudnn.benchmark``, whatever the script sets) and
+  ``zero_grad_set_to_none`` (``zero_grad(set_to_none=...)`` of every optimizer and
+  module, whatever the script passes). While a thread knob is set, the
   script's own ``torch.set_num_threads`` / ``set_num_interop_threads`` calls
   are ignored (and recorded): a script that pins its thread count must not
   silently undo the value under test.
@@ -147,6 +149,8 @@ KNOBS: dict[str, KnobSpec] = {
                  "model calls in eval mode (model.eval()) run with autograd off"),
         KnobSpec("cudnn_benchmark", "process", _bool,
                  "torch.backends.cudnn.benchmark: cuDNN times its algorithms per shape"),
+        KnobSpec("zero_grad_set_to_none", "process", _bool,
+                 "zero_grad(set_to_none=...) of every optimizer and module"),
     )
 }
 
@@ -258,6 +262,8 @@ class Knobs:
             self._install_anomaly(bool(self.overrides["anomaly_detection"]))
         if self.overrides.get("cudnn_benchmark") is not None:
             self._install_cudnn_benchmark(bool(self.overrides["cudnn_benchmark"]))
+        if self.overrides.get("zero_grad_set_to_none") is not None:
+            self._install_zero_grad(bool(self.overrides["zero_grad_set_to_none"]))
         return self
 
     def uninstall(self) -> dict[str, Any]:
@@ -378,6 +384,32 @@ class Knobs:
             original(before)
 
         self._restore.append(undo)
+
+    def _install_zero_grad(self, value: bool) -> None:
+        """``zero_grad`` of every torch.optim optimizer and nn.Module runs with
+        ``set_to_none=value``, whatever the script passes (positionally or by keyword);
+        the calls are counted and those that asked otherwise recorded as ignored. The
+        base classes' methods are replaced: an optimizer that defines its own zero_grad
+        and does not call the base one is left as it is."""
+        import torch
+
+        calls = self.process["zero_grad_set_to_none"] = {"value": value, "calls": 0}
+        ignored = self.ignored_calls
+        for cls in (torch.optim.Optimizer, torch.nn.Module):
+            original = cls.__dict__["zero_grad"]
+
+            def zero_grad(obj: Any, set_to_none: bool = True, *, _original: Any = original,
+                          _name: str = cls.__name__) -> None:
+                calls["calls"] += 1
+                if bool(set_to_none) != value:
+                    ignored[f"{_name}.zero_grad(set_to_none={bool(set_to_none)})"] = None
+                _original(obj, set_to_none=value)
+
+            zero_grad.__doc__ = (f"trainprof tune: {cls.__name__}.zero_grad runs with "
+                                 f"set_to_none={value}, whatever is asked.")
+            cls.zero_grad = zero_grad  # type: ignore[method-assign, assignment]
+            self._restore.append(lambda cls=cls, original=original:
+                                 setattr(cls, "zero_grad", original))  # noqa: B010
 
     def _install_optimizer(self, implementation: str) -> None:
         """Every torch.optim optimizer the script builds runs ``implementation``.

@@ -65,6 +65,22 @@ _LIBRARIES = (
 )
 
 
+#: What ``zero_grad(set_to_none=False)`` calls to write zeros into the gradients
+#: (torch.optim's and nn.Module's: one ``zero_`` per gradient, or ``_foreach_zero_`` per
+#: device and dtype); ``set_to_none=True``, the default since torch 2.0, calls neither.
+_ZEROING = frozenset({"Tensor.zero_", "_foreach_zero_"})
+
+
+def _nbytes(arg: Any) -> int:
+    """Bytes of a tensor, or of a list of tensors (``_foreach_zero_``)."""
+    if isinstance(arg, (list, tuple)):
+        return sum(_nbytes(a) for a in arg)
+    try:
+        return int(arg.numel()) * int(arg.element_size())
+    except AttributeError:
+        return 0
+
+
 #: How far above a user frame to look for a library that called it (a Dataset's
 #: __getitem__ under the DataLoader's fetch is a few frames down).
 _CALLER_DEPTH = 12
@@ -132,6 +148,9 @@ class OpCountTool:
         self._started_at: int | None = None
         #: conv2d calls, and those with a channels_last input or weight (diagnosis/device.py)
         self.conv2d = [0, 0]
+        #: calls writing zeros into gradients inside a zero_grad, and their bytes
+        #: (diagnosis/zero_grad.py)
+        self.zeroing = [0, 0]
 
     def _make_mode(self) -> Any:
         from torch.overrides import TorchFunctionMode
@@ -154,6 +173,14 @@ class OpCountTool:
                         and t.is_contiguous(memory_format=channels_last) for t in args[:2])
                 f = getframe(1)
                 library = None
+                if f.f_code.co_name == "zero_grad" and is_torch(f.f_code.co_filename):
+                    # torch's per-gradient loop, counted apart (nn.Module.zero_grad's too,
+                    # whose file is no library's: its calls were sites of the script's line)
+                    if _func_name(func) in _ZEROING and args:
+                        tool.zeroing[0] += 1
+                        tool.zeroing[1] += _nbytes(args[0])
+                    library = "optimizer"
+                    f = None
                 while f is not None and is_torch(f.f_code.co_filename):
                     if library is None:
                         library = _library_of(f.f_code.co_filename)
@@ -227,6 +254,9 @@ class OpCountTool:
             "data_loading_calls_per_step": self.library["data_loading"] / self.steps,
             "conv2d_per_step": self.conv2d[0] / self.steps,
             "conv2d_channels_last_per_step": self.conv2d[1] / self.steps,
+            # zero_grad(set_to_none=False): zeros written into the gradients
+            "zero_grad_zeroing_calls_per_step": self.zeroing[0] / self.steps,
+            "zero_grad_zeroed_bytes_per_step": self.zeroing[1] / self.steps,
             "sites": [
                 {
                     "file": filename,

@@ -36,6 +36,7 @@ FAMILIES: tuple[str, ...] = (
     "periodic",
     "gc",
     "optimizer",
+    "zero_grad",
     "debug_modes",
     "eval_autograd",
     "memory_growth",

@@ -407,6 +407,14 @@ def _actual(knob: str, meta: dict[str, Any]) -> str:
         # as the fingerprint read it, after the script's own setting (its first step)
         value = ((meta.get("fingerprint") or {}).get("torch") or {}).get("cudnn_benchmark")
         return "—" if value is None else str(bool(value)).lower()
+    if knob == "zero_grad_set_to_none":
+        # the knob's own count of the zero_grad calls it set (trainprof.capture.knobs)
+        rec = process.get("zero_grad_set_to_none")
+        if not isinstance(rec, dict):
+            return "script's"
+        n = int(rec.get("calls") or 0)
+        return (f"{_text(rec.get('value'))} ({_plural(n, 'call')})" if n
+                else "no zero_grad call")
     if knob == "eval_no_grad":
         # how the script's eval-mode model calls ran (trainprof.capture.eval_autograd)
         rec = meta.get("eval_autograd") or {}
