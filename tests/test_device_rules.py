@@ -23,6 +23,7 @@ from trainprof.capture.recorder import Recorder
 from trainprof.diagnosis import diagnose
 from trainprof.diagnosis.context import Context
 from trainprof.diagnosis.device import CHANNELS_LAST_SPEEDUP
+from trainprof.diagnosis.tf32 import TF32_SPEEDUP
 from trainprof.experiments.tune import _actual
 from trainprof.report.impact import GAIN_UNKNOWN, impact_text
 
@@ -363,12 +364,15 @@ def test_cudnn_autotuner_off_under_convolutions_is_a_low_hint_the_knob_measures(
     assert device_findings(s, steps) == []
 
 
-def test_the_cudnn_benchmark_knob_holds_against_the_script(tmp_path):
-    """The knob as trainprof tune passes it: the script's own setting is ignored and
-    recorded; the fingerprint (after the first step) sees the knob's value."""
+def test_the_cudnn_benchmark_and_tf32_knobs_hold_against_the_script(tmp_path):
+    """The knobs as trainprof tune passes them: the script's own cudnn.benchmark is
+    ignored and recorded, and the fingerprint (after the first step) sees the knob's
+    value; its TF32 switches, set in its set-up, are set over after its first step."""
     write_script(tmp_path, "train.py", """
         import torch
-        torch.backends.cudnn.benchmark = False  # the script's own choice
+        torch.backends.cudnn.benchmark = False  # the script's own choices
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
         model = torch.nn.Linear(4, 2)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for _ in range(5):
@@ -377,9 +381,10 @@ def test_the_cudnn_benchmark_knob_holds_against_the_script(tmp_path):
             opt.zero_grad()
         with torch.backends.cudnn.flags(enabled=True, benchmark=False):
             assert torch.backends.cudnn.benchmark is True
+        print("tf32:", torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
     """)
     res = trainprof("run", "--json", "--no-html", "train.py", cwd=tmp_path,
-                    env={ENV_VAR: json.dumps({"cudnn_benchmark": True})})
+                    env={ENV_VAR: json.dumps({"cudnn_benchmark": True, "tf32": True})})
     assert res.returncode == 0, res.stderr[-2000:]
     meta = json.loads((res.run_dir / "run.json").read_text())
     assert meta["knobs"]["process"]["cudnn_benchmark"] is True
@@ -387,6 +392,49 @@ def test_the_cudnn_benchmark_knob_holds_against_the_script(tmp_path):
     assert meta["fingerprint"]["torch"]["cudnn_benchmark"] is True
     assert _actual("cudnn_benchmark", meta) == "true"
     assert res.json()["environment"]["cudnn_benchmark"] is True
+    assert "tf32: high True" in res.stderr  # (--json: the script prints to stderr)
+    assert meta["knobs"]["process"]["tf32"] == {"value": True, "script": {
+        "float32_matmul_precision": "highest", "cudnn_allow_tf32": False}}
+    assert _actual("tf32", meta) == "true (script: matmul highest, cuDNN fp32)"
+
+
+# -- TF32 (diagnosis/tf32.py) -------------------------------------------------------------------
+
+
+def test_fp32_matmuls_on_an_ampere_gpu_without_tf32_are_found():
+    steps = make_steps(60)
+    ops = {"matmul_per_step": 12.0, "cuda_fp32_matmul_per_step": 12.0, "conv2d_per_step": 0.0,
+           "cuda_fp32_conv2d_per_step": 0.0, "float32_matmul_precision": "highest",
+           "cudnn_allow_tf32": True}
+
+    def tf32(capability: str | None = "9.0", **changes: Any) -> list[dict[str, Any]]:
+        s = cuda_summary(steps, ops={**ops, **changes}, dataloaders=[loader(pin_memory=True)])
+        s["environment"]["gpu_capability"] = capability
+        return [f for f in diagnose(s, steps) if f["rule"] == "tf32.fp32_matmuls"]
+
+    (f,) = tf32()
+    assert (f["category"], f["cause"], f["severity"]) == ("compute", "fp32_without_tf32", "high")
+    # the device's forward + backward (0.9 of its step) x all products x (1 - 1/3)
+    assert f["estimated_gain"] == pytest.approx(0.9 * (1 - 1 / TF32_SPEEDUP), abs=1e-3)
+    assert 'set_float32_matmul_precision("high")' in f["fix"]["snippet"]
+    assert f["verify"].startswith("trainprof tune --knob tf32=false,true train.py")
+    assert "12 float32 matrix products" in f["title"]
+    # half of the heavy calls are convolutions cuDNN already runs in TF32: half the claim
+    (f,) = tf32(conv2d_per_step=12.0, cuda_fp32_conv2d_per_step=12.0)
+    assert f["estimated_gain"] == pytest.approx(0.45 * (1 - 1 / TF32_SPEEDUP), abs=1e-3)
+    # ... unless the script turned TF32 off for them too
+    (f,) = tf32(conv2d_per_step=12.0, cuda_fp32_conv2d_per_step=12.0, cudnn_allow_tf32=False)
+    assert f["evidence"]["fp32_conv2d_without_tf32_per_step"] == 12.0
+    assert "turned it off for convolutions" in f["fix"]["text"]
+    # no TF32 cores (Volta), TF32 allowed, autocast (no float32 products), or not recorded
+    for case in ({"capability": "7.0"}, {"capability": None},
+                 {"float32_matmul_precision": "high"}, {"cuda_fp32_matmul_per_step": 0.0},
+                 {"float32_matmul_precision": None}):
+        assert tf32(**case) == [], case
+    # a --deep window's tensor-core finding says it from the kernels
+    s = cuda_summary(steps, ops=ops, deep=[{"findings": [{"category": "compute"}]}])
+    s["environment"]["gpu_capability"] = "8.0"
+    assert not [f for f in diagnose(s, steps) if f["rule"] == "tf32.fp32_matmuls"]
 
 
 # -- what the rules read: allocator counters, conv2d count ------------------------------------
@@ -436,6 +484,31 @@ def test_op_sample_counts_conv2d_and_channels_last(tmp_path: Path):
         doc = json.loads((tmp_path / "ops.json").read_text())
         counts.append((doc["conv2d_per_step"], doc["conv2d_channels_last_per_step"]))
     assert counts == [(2.0, 0.0), (2.0, 2.0)]
+    # the matrix products (the linear head), none of them float32 on CUDA; the TF32 switches
+    assert (doc["matmul_per_step"], doc["cuda_fp32_matmul_per_step"]) == (1.0, 0.0)
+    assert doc["float32_matmul_precision"] == "highest" and doc["cudnn_allow_tf32"] is True
+
+
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: what the op count reads of a CUDA input."""
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+
+def test_op_sample_counts_float32_products_on_cuda(tmp_path: Path):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    tool = OpCountTool(tmp_path)
+    tool.start(0)
+    for dtype in (torch.float32, torch.float64):  # one step each: only float32 counts
+        x = torch.randn(4, 8, dtype=dtype).as_subclass(_OnCuda)
+        model.to(dtype)(x)
+        x @ x.T
+    tool.stop(2)
+    tool.close()
+    doc = json.loads((tmp_path / "ops.json").read_text())
+    assert (doc["matmul_per_step"], doc["cuda_fp32_matmul_per_step"]) == (3.0, 1.5)
 
 
 # -- a real CPU run ---------------------------------------------------------------------------

@@ -92,6 +92,13 @@ def load_ops(run_dir: Path) -> dict[str, Any] | None:
         # convolutions and how many ran in channels_last (NHWC), for diagnosis/device.py
         "conv2d_per_step": doc.get("conv2d_per_step"),
         "conv2d_channels_last_per_step": doc.get("conv2d_channels_last_per_step"),
+        # matrix products, those TF32 could run, and the TF32 switches, for
+        # diagnosis/tf32.py (records before these fields: None, not known)
+        "matmul_per_step": doc.get("matmul_per_step"),
+        "cuda_fp32_matmul_per_step": doc.get("cuda_fp32_matmul_per_step"),
+        "cuda_fp32_conv2d_per_step": doc.get("cuda_fp32_conv2d_per_step"),
+        "float32_matmul_precision": doc.get("float32_matmul_precision"),
+        "cudnn_allow_tf32": doc.get("cudnn_allow_tf32"),
         # zeros written into gradients by zero_grad(set_to_none=False), for
         # diagnosis/zero_grad.py (records before this field: None, not known)
         "zero_grad_zeroing_calls_per_step": doc.get("zero_grad_zeroing_calls_per_step"),

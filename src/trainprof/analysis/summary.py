@@ -84,6 +84,8 @@ def _environment(fp: dict[str, Any] | None, training: dict[str, Any] | None) -> 
         "cudnn_benchmark": torch_info.get("cudnn_benchmark"),
         "cudnn_deterministic": torch_info.get("cudnn_deterministic"),
         "gpu": gpus[0].get("name") if gpus else None,
+        # "8.0": TF32 tensor cores from 8.0 (Ampere) on (diagnosis/tf32.py)
+        "gpu_capability": gpus[0].get("capability") if gpus else None,
         "gpu_count": len(gpus),
         "cpu_model": cpu.get("model"),
         "usable_cores": cpu.get("usable_cores"),

@@ -38,7 +38,9 @@ Two kinds of knobs (:data:`KNOBS`):
   Recorder, which holds the clock) and ``cudnn_benchmark``
   (``torch.backends.cudnn.benchmark``, whatever the script sets) and
   ``zero_grad_set_to_none`` (``zero_grad(set_to_none=...)`` of every optimizer and
-  module, whatever the script passes). While a thread knob is set, the
+  module, whatever the script passes) and ``tf32`` (TF32 for float32 matmuls and
+  convolutions, set again after the script's first optimizer step over what its
+  set-up chose). While a thread knob is set, the
   script's own ``torch.set_num_threads`` / ``set_num_interop_threads`` calls
   are ignored (and recorded): a script that pins its thread count must not
   silently undo the value under test.
@@ -151,6 +153,8 @@ KNOBS: dict[str, KnobSpec] = {
                  "torch.backends.cudnn.benchmark: cuDNN times its algorithms per shape"),
         KnobSpec("zero_grad_set_to_none", "process", _bool,
                  "zero_grad(set_to_none=...) of every optimizer and module"),
+        KnobSpec("tf32", "process", _bool,
+                 "TF32 tensor cores for float32 matmuls and convolutions (Ampere+ GPUs)"),
     )
 }
 
@@ -264,6 +268,8 @@ class Knobs:
             self._install_cudnn_benchmark(bool(self.overrides["cudnn_benchmark"]))
         if self.overrides.get("zero_grad_set_to_none") is not None:
             self._install_zero_grad(bool(self.overrides["zero_grad_set_to_none"]))
+        if self.overrides.get("tf32") is not None:
+            self._install_tf32(bool(self.overrides["tf32"]))
         return self
 
     def uninstall(self) -> dict[str, Any]:
@@ -410,6 +416,44 @@ class Knobs:
             cls.zero_grad = zero_grad  # type: ignore[method-assign, assignment]
             self._restore.append(lambda cls=cls, original=original:
                                  setattr(cls, "zero_grad", original))  # noqa: B010
+
+    def _install_tf32(self, value: bool) -> None:
+        """TF32 for float32 matmuls (cuBLAS) and convolutions (cuDNN) set to ``value``
+        before the script starts, and again after its first optimizer step, over what its
+        set-up chose: torch has several ways to set them (``allow_tf32``,
+        ``set_float32_matmul_precision``, the ``fp32_precision`` attributes), and set-up
+        is where scripts use them. What the script had set by then is recorded."""
+        import torch
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        def read() -> dict[str, Any]:
+            return {"float32_matmul_precision": str(torch.get_float32_matmul_precision()),
+                    "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32)}
+
+        def apply() -> None:
+            torch.backends.cuda.matmul.allow_tf32 = value
+            torch.backends.cudnn.allow_tf32 = value
+
+        before = read()
+        apply()
+        entry = self.process["tf32"] = {"value": value, "script": "pending: no optimizer step"}
+        pending = [True]
+
+        def reapply(optimizer: Any, args: Any, kwargs: Any) -> None:
+            # once; the hook stays registered (a no-op) until uninstall (see gc_freeze)
+            if pending[0]:
+                pending[0] = False
+                entry["script"] = read()
+                apply()
+
+        handle = register_optimizer_step_post_hook(reapply)
+
+        def undo() -> None:
+            handle.remove()
+            torch.set_float32_matmul_precision(before["float32_matmul_precision"])
+            torch.backends.cudnn.allow_tf32 = before["cudnn_allow_tf32"]
+
+        self._restore.append(undo)
 
     def _install_optimizer(self, implementation: str) -> None:
         """Every torch.optim optimizer the script builds runs ``implementation``.

@@ -33,6 +33,7 @@ Output: ``RUN_DIR/ops.json`` (see :meth:`OpCountTool.close`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -69,6 +70,26 @@ _LIBRARIES = (
 #: (torch.optim's and nn.Module's: one ``zero_`` per gradient, or ``_foreach_zero_`` per
 #: device and dtype); ``set_to_none=True``, the default since torch 2.0, calls neither.
 _ZEROING = frozenset({"Tensor.zero_", "_foreach_zero_"})
+
+
+#: Matrix products (what TF32 tensor cores run for float32 inputs, when allowed): the
+#: functions a model calls from Python (nn.Linear calls ``linear``); their backward
+#: runs in C++ and is not seen.
+_MATMULS = frozenset({
+    "linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "bilinear",
+    "Tensor.matmul", "Tensor.__matmul__", "Tensor.__rmatmul__", "Tensor.mm", "Tensor.bmm",
+    "Tensor.addmm", "Tensor.baddbmm",
+})
+
+
+def _autocast_on(device_type: str) -> bool:
+    """Autocast is on for ``device_type`` here (its matmuls run in 16 bits, not TF32)."""
+    import torch
+
+    try:
+        return bool(torch.is_autocast_enabled(device_type))
+    except TypeError:  # torch < 2.4: no argument, CUDA's
+        return device_type == "cuda" and bool(torch.is_autocast_enabled())
 
 
 def _nbytes(arg: Any) -> int:
@@ -120,6 +141,21 @@ def _first_shape(args: tuple[Any, ...]) -> list[int] | None:
     return None if a is None else list(a.shape)
 
 
+def _tf32_settings() -> dict[str, Any]:
+    """The process's TF32 switches: ``torch.get_float32_matmul_precision()`` ("highest":
+    float32 matmuls in full precision, torch's default since 1.12; "high"/"medium": TF32
+    or bf16 allowed) and ``torch.backends.cudnn.allow_tf32`` (convolutions; on by
+    default). Global flags: reading them initialises no CUDA."""
+    import torch
+
+    out: dict[str, Any] = {}
+    with contextlib.suppress(Exception):
+        out["float32_matmul_precision"] = str(torch.get_float32_matmul_precision())
+    with contextlib.suppress(Exception):
+        out["cudnn_allow_tf32"] = bool(torch.backends.cudnn.allow_tf32)
+    return out
+
+
 def torch_compile_in_use() -> bool:
     """True once ``torch.compile`` has compiled a frame in this process (Dynamo's counters)."""
     dynamo = sys.modules.get("torch._dynamo")
@@ -151,6 +187,13 @@ class OpCountTool:
         #: calls writing zeros into gradients inside a zero_grad, and their bytes
         #: (diagnosis/zero_grad.py)
         self.zeroing = [0, 0]
+        #: matrix products, those in float32 on CUDA outside autocast, and float32 CUDA
+        #: conv2d calls outside autocast: what TF32 would run on tensor cores
+        #: (diagnosis/tf32.py)
+        self.matmuls = [0, 0]
+        self.cuda_fp32_conv2d = 0
+        #: the script's TF32 settings when the window opened (after its set-up)
+        self.tf32_settings: dict[str, Any] = {}
 
     def _make_mode(self) -> Any:
         from torch.overrides import TorchFunctionMode
@@ -162,6 +205,11 @@ class OpCountTool:
         import torch
 
         conv2d, channels_last = torch.conv2d, torch.channels_last
+        float32 = torch.float32
+
+        def _is_cuda_fp32(t: Any) -> bool:
+            return (isinstance(t, torch.Tensor) and t.dtype is float32 and t.is_cuda
+                    and not _autocast_on("cuda"))
 
         class _Count(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
@@ -171,6 +219,13 @@ class OpCountTool:
                     tool.conv2d[1] += any(
                         isinstance(t, torch.Tensor) and t.dim() == 4 and not t.is_contiguous()
                         and t.is_contiguous(memory_format=channels_last) for t in args[:2])
+                    if args and _is_cuda_fp32(args[0]):
+                        tool.cuda_fp32_conv2d += 1
+                elif _func_name(func) in _MATMULS:
+                    tool.matmuls[0] += 1
+                    arg = _first_tensor(args)
+                    if arg is not None and _is_cuda_fp32(arg):
+                        tool.matmuls[1] += 1
                 f = getframe(1)
                 library = None
                 if f.f_code.co_name == "zero_grad" and is_torch(f.f_code.co_filename):
@@ -225,6 +280,8 @@ class OpCountTool:
             # calls of a compiled region are not the Python loops this looks for.
             return
         self._started_at = step
+        if not self.tf32_settings:
+            self.tf32_settings = _tf32_settings()
         self._mode = self._make_mode()
         self._mode.__enter__()
 
@@ -254,6 +311,11 @@ class OpCountTool:
             "data_loading_calls_per_step": self.library["data_loading"] / self.steps,
             "conv2d_per_step": self.conv2d[0] / self.steps,
             "conv2d_channels_last_per_step": self.conv2d[1] / self.steps,
+            # matrix products, and those TF32 could run (float32 on CUDA, no autocast)
+            "matmul_per_step": self.matmuls[0] / self.steps,
+            "cuda_fp32_matmul_per_step": self.matmuls[1] / self.steps,
+            "cuda_fp32_conv2d_per_step": self.cuda_fp32_conv2d / self.steps,
+            **self.tf32_settings,
             # zero_grad(set_to_none=False): zeros written into the gradients
             "zero_grad_zeroing_calls_per_step": self.zeroing[0] / self.steps,
             "zero_grad_zeroed_bytes_per_step": self.zeroing[1] / self.steps,

@@ -45,6 +45,7 @@ FAMILIES: tuple[str, ...] = (
     "noise",
     "python_loop",
     "device",
+    "tf32",
     "distributed",
 )
 

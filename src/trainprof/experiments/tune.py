@@ -407,6 +407,17 @@ def _actual(knob: str, meta: dict[str, Any]) -> str:
         # as the fingerprint read it, after the script's own setting (its first step)
         value = ((meta.get("fingerprint") or {}).get("torch") or {}).get("cudnn_benchmark")
         return "—" if value is None else str(bool(value)).lower()
+    if knob == "tf32":
+        # the knob's value, over what the script had set by its first step (capture/knobs.py)
+        rec = process.get("tf32")
+        if not isinstance(rec, dict):
+            return "script's"
+        script = rec.get("script")
+        if isinstance(script, dict):
+            return (f"{_text(rec.get('value'))} (script: matmul "
+                    f"{script.get('float32_matmul_precision')}, cuDNN "
+                    f"{'tf32' if script.get('cudnn_allow_tf32') else 'fp32'})")
+        return f"{_text(rec.get('value'))} (no optimizer step)"
     if knob == "zero_grad_set_to_none":
         # the knob's own count of the zero_grad calls it set (trainprof.capture.knobs)
         rec = process.get("zero_grad_set_to_none")
