@@ -288,3 +288,43 @@ def test_deep_window_on_cuda_times_the_known_kernels(tp):
     assert spin[0]["max_us"] / spin[0]["min_us"] == pytest.approx(2.0, rel=0.1)
     bd = deep["breakdown_us"]
     assert bd["Kernel"] >= 0.99 * spin[0]["total_us"] / 3  # per step
+
+
+#: float32 matmuls on the GPU, one step in two under autocast (bf16): the op count's
+#: window (steps 8 and 9) sees one of each. TF32 as torch leaves it (matmuls "highest").
+FP32_MATMULS = """
+import torch
+from torch import nn
+
+model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024)).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+x = torch.randn(512, 1024, device="cuda")
+for step in range(60):
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=step % 2 == 1):
+        loss = model(x).square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+print("tf32:", torch.get_float32_matmul_precision())
+"""
+
+
+def test_float32_matmuls_without_tf32_are_counted_and_found_on_ampere(tp):
+    """The op count tells float32 products on CUDA from autocast's; on compute capability
+    8.0 or newer the TF32 finding names them, and the knob sets TF32 on."""
+    res = tp(FP32_MATMULS, "--json", "--no-html", timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = res.json()
+    ops = doc["ops"]
+    # two Linear layers a step; the autocast step's are bf16
+    assert (ops["matmul_per_step"], ops["cuda_fp32_matmul_per_step"]) == (2.0, 1.0), ops
+    assert ops["float32_matmul_precision"] == "highest"
+    major = torch.cuda.get_device_capability()[0]
+    assert doc["environment"]["gpu_capability"].startswith(str(major))
+    found = [f for f in doc["findings"] if f["cause"] == "fp32_without_tf32"]
+    assert bool(found) == (major >= 8), doc["findings"]
+    res = tp(FP32_MATMULS, "--json", "--no-html", timeout=300,
+             env={"TRAINPROF_KNOBS": json.dumps({"tf32": True})})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "tf32: high" in res.stderr
+    assert res.json()["ops"]["float32_matmul_precision"] == "high"

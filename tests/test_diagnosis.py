@@ -697,8 +697,14 @@ def test_worker_startup_every_epoch_end_to_end(tmp_path):
     write_script(tmp_path, "train.py", WORKER_STARTUP)
     res = trainprof("run", "--json", "train.py", cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
-    top = res.json()["findings"][0]
-    assert (top["category"], top["cause"]) == ("input_pipeline", "worker_startup_per_epoch")
+    # the input finding (the loop's time.sleep(0.01), half of each step, is named beside it
+    # as loop code once the stack timer has sampled it 10 times, which this one-second run
+    # reaches only sometimes; it then comes first, with its larger gain)
+    findings = res.json()["findings"]
+    top = next(f for f in findings if f["category"] == "input_pipeline")
+    assert top["cause"] == "worker_startup_per_epoch", findings
+    assert {f["cause"] for f in findings} <= {
+        "worker_startup_per_epoch", "loop_code", "unstable_step_time"}, findings
     assert top["evidence"]["epoch_spikes"]["period_steps"] == 8
     assert "persistent_workers=True" in top["fix"]["snippet"]
 

@@ -403,6 +403,15 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
         """id() of the optimizer whose steps delimit steps (None: none yet)."""
         return self._primary
 
+    def primary_optimizer_object(self) -> Any:
+        """The optimizer whose steps delimit steps, while it lives (None: none, or gone).
+
+        Its ``id`` alone does not name it: a script that builds an optimizer per epoch
+        gets the same addresses back, and an earlier optimizer's id can equal it.
+        """
+        ref = self._optimizers_seen.get(self._primary) if self._primary is not None else None
+        return ref() if ref is not None else None
+
     def _split_at(self, t: int, snap: list[int], flags: int) -> None:
         """Close the step at an earlier instant ``t`` (accumulators ``snap`` then): the
         open step spans two iterations whose boundary is known only now."""

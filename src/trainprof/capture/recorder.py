@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from array import array
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -155,6 +156,7 @@ class Recorder:
         )
         self.loaders = LoaderRegistry(self._on_new_loader)
         self._optimizers: list[dict[str, Any]] = []
+        self._optimizer_refs: list[weakref.ref[Any]] = []  # one per entry of _optimizers
         self._optimizers_more = 0  # optimizers beyond MAX_OPTIMIZERS, counted only
         # eval-mode model calls as last written (capture/eval_autograd.py)
         self._eval_autograd: dict[str, Any] | None = None
@@ -370,12 +372,18 @@ class Recorder:
             entry = {"class": class_name(optimizer), "error": f"{type(exc).__name__}: {exc}"}
         entry["id"] = id(optimizer)
         self._optimizers.append(entry)
+        # (the clock described only optimizers it holds a weak reference to)
+        self._optimizer_refs.append(weakref.ref(optimizer))
 
     def _record_optimizers(self) -> None:
         """run.json's ``optimizers``, with the one whose steps delimit steps marked
         ``primary`` (known only after its first steps)."""
-        primary = self.clock.primary_optimizer
-        entries = [{**e, "primary": e["id"] == primary} for e in list(self._optimizers)]
+        # by object, not id: an optimizer built per epoch reuses an earlier one's address,
+        # and the entries of several dead ones were marked primary by the live one's id
+        primary = self.clock.primary_optimizer_object()
+        entries = [{**e, "primary": primary is not None and ref() is primary}
+                   for e, ref in zip(list(self._optimizers), list(self._optimizer_refs),
+                                     strict=False)]
         meta = self.writer.meta
         if (entries != meta.get("optimizers", [])
                 or self._optimizers_more != meta.get("optimizers_not_described", 0)):
