@@ -865,3 +865,81 @@ def test_ctrl_c_closes_every_rank_as_interrupted(tmp_path):
     assert doc["status"] == "interrupted"
     assert [r["status"] for r in doc["ranks"]] == ["interrupted", "interrupted"]
     assert all(r["steps"] > 0 for r in doc["ranks"])
+
+
+# -- gradient accumulation under DDP without no_sync() (expert-rules.md D4) -------------------
+
+#: Two DDP ranks over gloo, two micro-batches an optimizer step (``no_sync``: the first
+#: under model.no_sync(), as it should be).
+ACCUMULATE = """
+import contextlib, sys
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def train(rank, port, no_sync):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    torch.set_num_threads(1)
+    model = DDP(nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(30):
+        for micro in range(2):
+            skip = no_sync and micro == 0
+            with model.no_sync() if skip else contextlib.nullcontext():
+                (model(torch.randn(8, 64)).square().mean() / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(train, args=(int(sys.argv[1]), sys.argv[2:] == ["no_sync"]), nprocs=2)
+"""
+
+
+def test_ddp_accumulation_without_no_sync_is_found_and_no_sync_is_counted(tp):
+    port = str(_free_port())
+    res = tp(ACCUMULATE, "--json", "--no-html", args=(port,), timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    # the stack timer starts at the first step's end: the set-up's connect() is not
+    # interrupted (it failed with EINTR and torch retried 0.7 s later, with a warning)
+    assert "Interrupted system call" not in res.stderr
+    doc = res.json()
+    assert doc["ddp_no_sync_calls"] == 0 and doc["ops"]["backward_per_step"] == 2.0
+    (f,) = [f for f in doc["findings"] if f["cause"] == "allreduce_every_micro_step"]
+    assert (f["category"], f["severity"], f["estimated_gain"]) == ("distributed", "low", 0.0)
+    assert f["evidence"]["world_size"] == 2 and f["evidence"]["gain_unknown"] is True
+    assert "model.no_sync()" in f["fix"]["snippet"] and "accum = 2" in f["fix"]["snippet"]
+    res = tp(ACCUMULATE, "--json", "--no-html", args=(str(_free_port()), "no_sync"),
+             timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = res.json()
+    assert doc["ddp_no_sync_calls"] == 30  # rank 0's record: once a step
+    assert not [f for f in doc["findings"] if f["cause"] == "allreduce_every_micro_step"]
+
+
+def test_the_accumulation_rule_needs_ddp_two_ranks_two_backwards_and_no_no_sync():
+    from test_diagnosis import make_steps, make_summary
+
+    from trainprof.diagnosis import diagnose
+
+    steps = make_steps(40)
+    base = {"forward_roots": ["torch.nn.parallel.distributed.DistributedDataParallel"],
+            "ddp_no_sync_calls": 0, "distributed": {"rank": 0, "world_size": 4},
+            "ops": {"backward_per_step": 4.0, "loops": []}}
+
+    def found(**changes) -> list[dict]:
+        return [f for f in diagnose(make_summary(steps, **{**base, **changes}), steps)
+                if f["rule"] == "distributed.allreduce_every_micro_step"]
+
+    (f,) = found()
+    assert f["evidence"]["allreduces_not_needed_per_step"] == 3
+    assert "by about 75%" in f["verify"]
+    for changes in ({"ddp_no_sync_calls": 3}, {"ddp_no_sync_calls": None},
+                    {"distributed": {"world_size": 1}}, {"ops": {"backward_per_step": 1.0}},
+                    {"forward_roots": ["torch.nn.modules.linear.Linear"]}):
+        assert found(**changes) == [], changes

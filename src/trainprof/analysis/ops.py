@@ -99,6 +99,8 @@ def load_ops(run_dir: Path) -> dict[str, Any] | None:
         "cuda_fp32_conv2d_per_step": doc.get("cuda_fp32_conv2d_per_step"),
         "float32_matmul_precision": doc.get("float32_matmul_precision"),
         "cudnn_allow_tf32": doc.get("cudnn_allow_tf32"),
+        # backward() calls a step: gradient accumulation when > 1 (diagnosis/distributed.py)
+        "backward_per_step": doc.get("backward_per_step"),
         # zeros written into gradients by zero_grad(set_to_none=False), for
         # diagnosis/zero_grad.py (records before this field: None, not known)
         "zero_grad_zeroing_calls_per_step": doc.get("zero_grad_zeroing_calls_per_step"),

@@ -146,6 +146,10 @@ def summarize_run(run: Run) -> dict[str, Any]:
         "cuda_memory": meta.get("cuda_memory"),
         # root module classes timed as forward (the model, the loss; DataParallel shows here)
         "forward_roots": meta.get("forward_roots") or [],
+        # DistributedDataParallel.no_sync() contexts the script entered (None: not known)
+        "ddp_no_sync_calls": meta.get("ddp_no_sync_calls"),
+        # this process's torch.distributed rank, world size and backend, once seen
+        "distributed": meta.get("distributed"),
         "ops": load_ops(run.path),
         # which lines of the loop the "other" time goes to (sampled stacks)
         "loop_stacks": summarize_loop_stacks(

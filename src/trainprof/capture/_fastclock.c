@@ -1183,7 +1183,10 @@ py_set_stack_interval(PyObject *mod, PyObject *args)
 }
 
 /* start_stack_timer(core, interval_s, signum, weight): called in the thread to sample,
-   after signal.signal(signum, python_handler). */
+   after signal.signal(signum, python_handler). interval_s 0: the timer is made but not
+   armed (set_stack_interval arms it): a signal interrupts a blocking call that has a
+   timeout whatever SA_RESTART says (connect() under torch.distributed's TCPStore
+   failed with EINTR and retried 0.7 s later), so the set-up is left alone. */
 static PyObject *
 py_start_stack_timer(PyObject *mod, PyObject *args)
 {
@@ -1197,8 +1200,8 @@ py_start_stack_timer(PyObject *mod, PyObject *args)
         PyErr_SetString(PyExc_RuntimeError, "the stack timer is already running");
         return NULL;
     }
-    if (!(interval_s > 0) || weight < 1) {
-        PyErr_SetString(PyExc_ValueError, "interval_s and weight must be positive");
+    if (!(interval_s >= 0) || weight < 1) {
+        PyErr_SetString(PyExc_ValueError, "interval_s must be >= 0 and weight positive");
         return NULL;
     }
     st_weight = weight;
@@ -1226,7 +1229,7 @@ py_start_stack_timer(PyObject *mod, PyObject *args)
         errno = err;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
-    if (stack_timer_arm(interval_s) != 0) {
+    if (interval_s > 0 && stack_timer_arm(interval_s) != 0) {
         int err = errno;
         timer_delete(st_timer);
         sigaction(signum, &st_python, NULL);

@@ -57,6 +57,7 @@ import struct
 import threading
 import weakref
 from array import array
+from collections.abc import Callable
 from time import perf_counter_ns
 from typing import Any
 
@@ -276,6 +277,7 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
         self.windows: list[Any] = []
         #: the step count at which _watch runs next (max steps, window transitions)
         self.next_watch = NEVER if max_steps is None else min(max_steps, NEVER)
+        self._at_first_step: list[Callable[[], None]] = []  # (see at_first_step)
         #: flags OR-ed into every step record (FLAG_PROFILED while a tool is on)
         self.extra_flags = 0
         self._cooldown = 0
@@ -474,6 +476,12 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
         """The undrained step records as a flat int64 array (a copy; for tests and tools)."""
         return array("q", self.peek_records())
 
+    def at_first_step(self, call: Callable[[], None]) -> None:
+        """Run ``call`` (in the training thread) once the first step has ended: what only
+        concerns the loop, started when the script's set-up is over."""
+        self._at_first_step.append(call)
+        self.next_watch = min(self.next_watch, max(1, self.n_steps))
+
     def add_window(self, runner: Any) -> None:
         """Drive a :class:`~trainprof.capture.window.WindowRunner` from the step boundaries."""
         self.windows.append(runner)
@@ -488,6 +496,11 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
         tool's stop and export cost.
         """
         n = self.n_steps
+        if self._at_first_step:
+            calls, self._at_first_step = self._at_first_step, []
+            for call in calls:
+                with contextlib.suppress(Exception):
+                    call()
         nxt = NEVER
         profiling = False
         for runner in self.windows:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import _thread
 import contextlib
+import functools
 import gc
 import multiprocessing.process
 import os
@@ -368,6 +369,9 @@ class Instrumentation:
         self._gc_cb: Callable[[str, dict[str, Any]], None] | None = None
         self.installed = False
         self.forward_roots: list[str] = []
+        #: DistributedDataParallel.no_sync() contexts the script entered (gradient
+        #: accumulation without an all-reduce per micro-batch; diagnosis/distributed.py)
+        self.ddp_no_sync_calls = 0
         #: (pid, name) of the processes the script started, DataLoader workers aside
         self.started_processes: list[tuple[int, str]] = []
         #: records the processes that may train, one run folder each (None: none recorded)
@@ -836,6 +840,20 @@ class Instrumentation:
             return __init__
 
         self._patch(subprocess.Popen, "__init__", make_popen)
+
+        # -- DDP's no_sync(): gradient accumulation that skips the all-reduce ------
+        ddp = getattr(getattr(torch.nn, "parallel", None), "DistributedDataParallel", None)
+        if isinstance(ddp, type) and callable(getattr(ddp, "no_sync", None)):
+
+            def make_no_sync(orig: Callable[..., Any]) -> Callable[..., Any]:
+                @functools.wraps(orig)
+                def no_sync(module: Any) -> Any:
+                    self.ddp_no_sync_calls += 1
+                    return orig(module)
+
+                return no_sync
+
+            self._patch(ddp, "no_sync", make_no_sync)
 
         # -- garbage collection --------------------------------------------
         def on_gc(phase: str, info: dict[str, Any]) -> None:

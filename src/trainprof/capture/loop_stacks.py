@@ -148,6 +148,8 @@ class LoopStackSampler:
         self._wrapper: Any = None
         self._fixed = False
         self._dense = False
+        self._armed = False  # ticking (from the first step's end: see arm)
+        self._interval = 0.0
 
     # -- the timer --------------------------------------------------------------------------
     def start(self) -> None:
@@ -162,7 +164,12 @@ class LoopStackSampler:
             self._seq = _fastclock.stack_stash()[0]
             fixed = _fixed_rate()
             self._fixed = fixed is not None
-            _fastclock.start_stack_timer(self.clock, 1.0 / (fixed or HZ), SIGNAL, 1)
+            # made now, armed when the first step ends (the clock calls arm): a tick in
+            # the script's set-up can make a blocking call with a timeout fail with EINTR
+            # (torch.distributed's TCPStore connect() did, and retried 0.7 s later)
+            _fastclock.start_stack_timer(self.clock, 0.0, SIGNAL, 1)
+            self._interval = 1.0 / (fixed or HZ)
+            self.clock.at_first_step(self.arm)
             self._dense = not self._fixed
         except Exception as exc:
             self._restore()
@@ -186,10 +193,19 @@ class LoopStackSampler:
         self._wrapper = _signal
         signal.signal = _signal
 
+    def arm(self) -> None:
+        """Start ticking (the first step has ended; the clock calls this once)."""
+        if self._running and not self._armed:
+            self._armed = True
+            try:
+                _fastclock.set_stack_interval(self._interval, 1)
+            except Exception as exc:
+                self.missing.append(f"loop stacks: not sampled ({type(exc).__name__}: {exc})")
+
     def adapt(self, other_share: float | None) -> None:
         """Dense sampling while the last second's steps spent :data:`DENSE_OTHER` or more
         in "other", sparse otherwise (called by the Recorder's drain, once a second)."""
-        if not self._running or self._fixed or other_share is None:
+        if not self._running or not self._armed or self._fixed or other_share is None:
             return
         dense = other_share >= DENSE_OTHER
         if dense != self._dense:

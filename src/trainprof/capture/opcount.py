@@ -82,6 +82,10 @@ _MATMULS = frozenset({
 })
 
 
+#: backward() as scripts call it
+_BACKWARDS = frozenset({"Tensor.backward", "backward"})
+
+
 def _autocast_on(device_type: str) -> bool:
     """Autocast is on for ``device_type`` here (its matmuls run in 16 bits, not TF32)."""
     import torch
@@ -192,6 +196,9 @@ class OpCountTool:
         #: (diagnosis/tf32.py)
         self.matmuls = [0, 0]
         self.cuda_fp32_conv2d = 0
+        #: backward() calls: more than one a step is gradient accumulation (or several
+        #: losses), where DDP all-reduces at each (diagnosis/distributed.py)
+        self.backward = 0
         #: the script's TF32 settings when the window opened (after its set-up)
         self.tf32_settings: dict[str, Any] = {}
 
@@ -221,11 +228,15 @@ class OpCountTool:
                         and t.is_contiguous(memory_format=channels_last) for t in args[:2])
                     if args and _is_cuda_fp32(args[0]):
                         tool.cuda_fp32_conv2d += 1
-                elif _func_name(func) in _MATMULS:
-                    tool.matmuls[0] += 1
-                    arg = _first_tensor(args)
-                    if arg is not None and _is_cuda_fp32(arg):
-                        tool.matmuls[1] += 1
+                else:
+                    name = _func_name(func)
+                    if name in _MATMULS:
+                        tool.matmuls[0] += 1
+                        arg = _first_tensor(args)
+                        if arg is not None and _is_cuda_fp32(arg):
+                            tool.matmuls[1] += 1
+                    elif name in _BACKWARDS:
+                        tool.backward += 1
                 f = getframe(1)
                 library = None
                 if f.f_code.co_name == "zero_grad" and is_torch(f.f_code.co_filename):
@@ -315,6 +326,7 @@ class OpCountTool:
             "matmul_per_step": self.matmuls[0] / self.steps,
             "cuda_fp32_matmul_per_step": self.matmuls[1] / self.steps,
             "cuda_fp32_conv2d_per_step": self.cuda_fp32_conv2d / self.steps,
+            "backward_per_step": self.backward / self.steps,
             **self.tf32_settings,
             # zero_grad(set_to_none=False): zeros written into the gradients
             "zero_grad_zeroing_calls_per_step": self.zeroing[0] / self.steps,

@@ -286,6 +286,9 @@ class Recorder:
             notes=self._notes(),
             # the module classes whose top-level calls were timed as forward
             forward_roots=self.instrumentation.forward_roots if self.instrumentation else [],
+            # DDP's no_sync() contexts entered (None: not instrumented)
+            ddp_no_sync_calls=(self.instrumentation.ddp_no_sync_calls
+                               if self.instrumentation else None),
             windows=[
                 {
                     "tools": [t.name for t in runner.tools],

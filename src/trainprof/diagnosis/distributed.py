@@ -22,6 +22,15 @@ communication, step-time spread across the ranks' traces) are in
   ``torch.multiprocessing.spawn`` does not. The per-process rule
   (:mod:`trainprof.diagnosis.contention`) sees one rank and cannot tell. Gain and
   bands as there: ``compute_share x (1 - cores / demand)``; 20% / 5% / 2%.
+* ``allreduce_every_micro_step`` (expert-rules.md D4: the tuning guide, Hugging Face):
+  a DistributedDataParallel model trained with gradient accumulation - more than one
+  ``backward()`` per optimizer step, counted by the op count's window - while the
+  script never entered ``model.no_sync()``: DDP all-reduces the gradients at every
+  micro-batch's backward, where only the last one's is needed. Read from one rank's
+  record (each rank runs the same loop). No gain is claimed: the all-reduce's time
+  is inside backward (a ``--deep`` window shows it as communication), so the finding
+  is low and says so (``gain_unknown``); the saving is ``(k - 1) / k`` of the
+  all-reduces for ``k`` micro-batches a step.
 """
 
 from __future__ import annotations
@@ -188,3 +197,57 @@ def ranks_oversubscribe_cores(ctx: Context) -> Finding | None:
                 f"{','.join(str(v) for v in sorted(set(sweep(per_rank, current))))} "
                 f"{ctx.script} (the knob applies in every rank)"),
     )
+
+
+def _ddp_root(ctx: Context) -> str | None:
+    roots = ctx.summary.get("forward_roots") or []
+    return next((r for r in roots if isinstance(r, str)
+                 and r.rsplit(".", 1)[-1] == "DistributedDataParallel"), None)
+
+
+@rule("distributed.allreduce_every_micro_step")
+def allreduce_every_micro_step(ctx: Context) -> Finding | None:
+    if _ddp_root(ctx) is None or ctx.summary.get("ddp_no_sync_calls") != 0:
+        return None  # not DDP, no_sync used, or a record from before the count
+    world = int((ctx.summary.get("distributed") or {}).get("world_size") or 0)
+    backward = float((ctx.summary.get("ops") or {}).get("backward_per_step") or 0.0)
+    k = round(backward)
+    if world < 2 or k < 2:
+        return None
+    evidence = {
+        "backward_per_step": backward,
+        "world_size": world,
+        "no_sync_calls": 0,
+        "allreduces_not_needed_per_step": k - 1,
+        "gain_unknown": True,
+    }
+    title = (f"DDP all-reduces the gradients at each of {k} backward() calls a step "
+             "(gradient accumulation without model.no_sync()): only the last is needed")
+    text = (
+        f"Each optimizer step takes {k} backward() calls, and the model is wrapped in "
+        "DistributedDataParallel, which all-reduces every gradient across the "
+        f"{world} ranks during each backward unless it runs inside model.no_sync(). The "
+        f"first {k - 1} all-reduces of every step are thrown away: the gradients keep "
+        "accumulating locally and the last backward's all-reduce carries their sum. Run "
+        "the micro-batches but the last under model.no_sync() (Hugging Face Accelerate's "
+        "accelerator.accumulate() and Lightning's accumulate_grad_batches do). The "
+        "saving is that communication: a --deep window shows its time."
+    )
+    snippet = (
+        "import contextlib\n"
+        f"accum = {k}\n"
+        "for i, (x, y) in enumerate(loader):\n"
+        "    last = (i + 1) % accum == 0\n"
+        "    with contextlib.nullcontext() if last else model.no_sync():\n"
+        "        loss = criterion(model(x), y) / accum\n"
+        "        loss.backward()\n"
+        "    if last:\n"
+        "        opt.step()\n"
+        "        opt.zero_grad()"
+    )
+    verify = (f"re-run `trainprof run {ctx.script}` with no_sync() and `trainprof compare` "
+              "the two runs (or `trainprof run --deep` on each: the communication time "
+              f"should fall by about {(k - 1) / k:.0%})")
+    return Finding(category="distributed", cause="allreduce_every_micro_step", title=title,
+                   severity="low", evidence=evidence, estimated_gain=0.0,
+                   fix=Fix(text=text, snippet=snippet), verify=verify)
