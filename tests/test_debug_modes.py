@@ -75,6 +75,8 @@ def test_rules_weigh_the_share_of_the_run_and_the_phases():
     assert f["estimated_gain"] == pytest.approx(0.5 * 0.9, rel=0.02)  # forward + backward
     assert "anomaly_detection=script,false" in f["verify"]
     assert _findings({"samples": 10, "share": {"anomaly_detection": 0.05}}) == []
+    # one sample of nine (a few steps under detect_anomaly() in a 2-second run): left alone
+    assert _findings({"samples": 9, "share": {"anomaly_detection": 1 / 9}}) == []
     (f,) = _findings({"samples": 10, "share": {"profiler": 1.0}})
     assert (f["cause"], f["estimated_gain"]) == ("profiler_left_on", pytest.approx(1.0, 0.01))
     assert "schedule=torch.profiler.schedule(" in f["fix"]["snippet"]
