@@ -55,6 +55,7 @@ import linecache
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any
@@ -73,12 +74,16 @@ FORMAT = 1
 #: steps (something to attribute), and otherwise. A sample costs the training thread
 #: ~70 us on this project's 2-vCPU VM, nearly all of it the signal's delivery (a handler
 #: that does nothing cost 59 us; ``benchmarks/stack_sampling.py``): 0.14% of its time at
-#: 20 a second, 0.03% at 4. The record starts dense, so that the first steps (and a
-#: run of a few seconds: 14 samples in all had left a 64% "other" unnamed) are sampled
-#: enough; the Recorder's drain calls :meth:`adapt` once a second, from the first second
-#: with steps on. Each tick weighs its interval in units of the dense one.
+#: 20 a second, 0.03% at 4. The timer starts ticking when the first step ends, dense
+#: for :data:`DENSE_FIRST_S`, so that the first steps (and a run of a few seconds: 14
+#: samples in all had left a 64% "other" unnamed) are sampled enough; then the
+#: Recorder's drain calls :meth:`adapt` once a second. Each tick weighs its interval in
+#: units of the dense one.
 HZ, SPARSE_HZ = 20.0, 4.0
 DENSE_OTHER = 0.05
+#: Sampled densely for this long from the first step's end, whatever "other" is: the
+#: first steps (the drain's first look could otherwise switch to sparse before a tick)
+DENSE_FIRST_S = 1.0
 #: What a sparse tick weighs: its interval in dense intervals.
 SPARSE_WEIGHT = round(HZ / SPARSE_HZ)
 
@@ -149,6 +154,7 @@ class LoopStackSampler:
         self._fixed = False
         self._dense = False
         self._armed = False  # ticking (from the first step's end: see arm)
+        self._armed_at = 0.0
         self._interval = 0.0
 
     # -- the timer --------------------------------------------------------------------------
@@ -197,6 +203,7 @@ class LoopStackSampler:
         """Start ticking (the first step has ended; the clock calls this once)."""
         if self._running and not self._armed:
             self._armed = True
+            self._armed_at = time.monotonic()
             try:
                 _fastclock.set_stack_interval(self._interval, 1)
             except Exception as exc:
@@ -207,6 +214,8 @@ class LoopStackSampler:
         in "other", sparse otherwise (called by the Recorder's drain, once a second)."""
         if not self._running or not self._armed or self._fixed or other_share is None:
             return
+        if time.monotonic() - self._armed_at < DENSE_FIRST_S:
+            return  # the first second of steps is sampled densely, whatever "other" is
         dense = other_share >= DENSE_OTHER
         if dense != self._dense:
             self._dense = dense
