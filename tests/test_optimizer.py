@@ -251,9 +251,9 @@ def test_the_optimizer_finding_bands_and_alternatives():
 
 
 def test_example_optimizer_loop_and_its_fix(tmp_path):
-    # 250 steps: the phase shares and the optimizer's time per step are what is asserted
-    # (a busy second of a shared host once slowed a whole 150-step run by half)
-    before = trainprof("run", "--json", str(EXAMPLES / "optimizer_loop.py"), "--steps", "250",
+    # 400 steps (~3 s a run): a busy second of a shared host once slowed a whole 150-step
+    # run by half in CI (compare's ratio x1.05 where it is x0.65 on a quiet one)
+    before = trainprof("run", "--json", str(EXAMPLES / "optimizer_loop.py"), "--steps", "400",
                        cwd=tmp_path)
     assert before.returncode == 0, before.stderr[-3000:]
     doc = before.json()
@@ -261,7 +261,7 @@ def test_example_optimizer_loop_and_its_fix(tmp_path):
     assert (top["category"], top["cause"]) == ("host_launch", "for_loop_optimizer")
     assert top["evidence"]["param_tensors"] == 100
     assert doc["breakdown"]["optimizer"] > 0.2
-    after = trainprof("run", "--json", str(EXAMPLES / "optimizer_loop.py"), "--steps", "250",
+    after = trainprof("run", "--json", str(EXAMPLES / "optimizer_loop.py"), "--steps", "400",
                       "--fused", cwd=tmp_path)
     assert after.returncode == 0, after.stderr[-3000:]
     fixed = after.json()
@@ -277,7 +277,11 @@ def test_example_optimizer_loop_and_its_fix(tmp_path):
     # quiet host, read ×1.09 once on this shared host while the optimizer's own time
     # still fell by more than 40%: the other phases carry the host's noise)
     assert cmp["phases"]["optimizer"]["delta_pct"] < -40, cmp["phases"]
-    assert cmp["environment_diff"][0]["key"] == "optimizer[0].implementation"
+    # ranked by the phases that moved: the implementation, or the command line (which
+    # acts on every phase) when the host's noise moved the others too (seen once)
+    keys = [d["key"] for d in cmp["environment_diff"]]
+    assert "optimizer[0].implementation" in keys[:2] and set(keys[:2]) <= {
+        "optimizer[0].implementation", "command"}, cmp["environment_diff"]
 
 
 def test_an_optimizer_per_epoch_is_described_a_bounded_number_of_times(tmp_path):
