@@ -426,9 +426,7 @@ class Knobs:
         import torch
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        def read() -> dict[str, Any]:
-            return {"float32_matmul_precision": str(torch.get_float32_matmul_precision()),
-                    "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32)}
+        from trainprof.capture.opcount import tf32_settings as read
 
         def apply() -> None:
             torch.backends.cuda.matmul.allow_tf32 = value

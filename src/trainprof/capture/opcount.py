@@ -145,11 +145,12 @@ def _first_shape(args: tuple[Any, ...]) -> list[int] | None:
     return None if a is None else list(a.shape)
 
 
-def _tf32_settings() -> dict[str, Any]:
+def tf32_settings() -> dict[str, Any]:
     """The process's TF32 switches: ``torch.get_float32_matmul_precision()`` ("highest":
     float32 matmuls in full precision, torch's default since 1.12; "high"/"medium": TF32
     or bf16 allowed) and ``torch.backends.cudnn.allow_tf32`` (convolutions; on by
-    default). Global flags: reading them initialises no CUDA."""
+    default). Global flags: reading them initialises no CUDA. (The ``tf32`` knob records
+    them too: trainprof.capture.knobs.)"""
     import torch
 
     out: dict[str, Any] = {}
@@ -221,6 +222,7 @@ class OpCountTool:
         class _Count(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
                 tool.total += 1
+                called = _func_name(func)
                 if func is conv2d:  # F.conv2d is torch.conv2d: NCHW or NHWC (channels_last)?
                     tool.conv2d[0] += 1
                     tool.conv2d[1] += any(
@@ -228,21 +230,19 @@ class OpCountTool:
                         and t.is_contiguous(memory_format=channels_last) for t in args[:2])
                     if args and _is_cuda_fp32(args[0]):
                         tool.cuda_fp32_conv2d += 1
-                else:
-                    name = _func_name(func)
-                    if name in _MATMULS:
-                        tool.matmuls[0] += 1
-                        arg = _first_tensor(args)
-                        if arg is not None and _is_cuda_fp32(arg):
-                            tool.matmuls[1] += 1
-                    elif name in _BACKWARDS:
-                        tool.backward += 1
+                elif called in _MATMULS:
+                    tool.matmuls[0] += 1
+                    arg = _first_tensor(args)
+                    if arg is not None and _is_cuda_fp32(arg):
+                        tool.matmuls[1] += 1
+                elif called in _BACKWARDS:
+                    tool.backward += 1
                 f = getframe(1)
                 library = None
                 if f.f_code.co_name == "zero_grad" and is_torch(f.f_code.co_filename):
                     # torch's per-gradient loop, counted apart (nn.Module.zero_grad's too,
                     # whose file is no library's: its calls were sites of the script's line)
-                    if _func_name(func) in _ZEROING and args:
+                    if called in _ZEROING and args:
                         tool.zeroing[0] += 1
                         tool.zeroing[1] += _nbytes(args[0])
                     library = "optimizer"
@@ -267,7 +267,7 @@ class OpCountTool:
                 if library is not None:
                     tool.library[library] += 1
                 elif f is not None:
-                    key = (f.f_code.co_filename, f.f_lineno, _func_name(func))
+                    key = (f.f_code.co_filename, f.f_lineno, called)
                     entry = sites.get(key)
                     if entry is None:
                         entry = sites[key] = [0, _first_shape(args), 0, {}]
@@ -292,7 +292,7 @@ class OpCountTool:
             return
         self._started_at = step
         if not self.tf32_settings:
-            self.tf32_settings = _tf32_settings()
+            self.tf32_settings = tf32_settings()
         self._mode = self._make_mode()
         self._mode.__enter__()
 
