@@ -765,7 +765,8 @@ def test_trace_of_a_run_folder_merges_the_ranks_deep_windows(tmp_path):
     merged = export_perfetto(main, out, ranks=ranks)["deep_traces"]
     assert sorted(t["file"].split(":")[0] for t in merged) == ["rank 0", "rank 1"], merged
     for t in merged:  # Kineto's step N begins just after trainprof's step N, on both ranks
-        assert t["alignment"] == "wall_clock" and 0 <= t["residual_ms"] < 5, merged
+        # (-0.0007 ms once: the run's wall and step clock origins are read a moment apart)
+        assert t["alignment"] == "wall_clock" and -0.05 <= t["residual_ms"] < 5, merged
     events = json.loads(out.read_text())["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in events
              if e.get("ph") == "M" and e["name"] == "process_name"}

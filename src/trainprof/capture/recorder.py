@@ -106,6 +106,16 @@ def _other_share(records: bytes) -> float | None:
     return sum(values[_OTHER::RECORD_WIDTH]) / dur if dur > 0 else None
 
 
+def _wall_time_at(perf_ns: int) -> float:
+    """``time.time()`` at the ``perf_counter_ns()`` instant ``perf_ns``.
+
+    The step clock's origin is read when the clock is made, a moment before the run's
+    metadata; reading the wall clock then would shift every wall-clock alignment (Kineto
+    traces, other ranks) by that moment.
+    """
+    return time.time() - (time.perf_counter_ns() - perf_ns) / 1e9
+
+
 class Recorder:
     """Always-on capture of one training run into one Run folder."""
 
@@ -146,7 +156,7 @@ class Recorder:
                 "script": script,
                 "trainprof_version": __version__,
                 "clock_origin_s": self.clock.origin_ns / 1e9,
-                "wall_origin_s": time.time(),
+                "wall_origin_s": _wall_time_at(self.clock.origin_ns),
                 "max_steps": max_steps,
                 "sample_interval_s": sample_interval_s,
                 "fingerprint": None,
