@@ -33,7 +33,11 @@ from trainprof.analysis.steps import (  # noqa: F401 - the spike definition, re-
     robust_scale,
 )
 
-#: Exclusive phase columns of a step record, in the order of the summary's breakdown.
+
+def number(v: Any) -> float | None:
+    """``v`` as a float when the summary holds a number there (not a bool, not None)."""
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
 
 @dataclass
 class PeriodFit:
@@ -243,6 +247,21 @@ class Context:
         """Forward + backward + optimizer share of steady step time."""
         b = self.breakdown
         return sum(float(b.get(k) or 0.0) for k in ("forward", "backward", "optimizer"))
+
+    @cached_property
+    def deep_categories(self) -> set[str]:
+        """Categories of the last ``--deep`` window's trace findings (the one the report keeps).
+
+        A rule whose cause such a finding already names from the trace (tensor cores
+        idle, launch-bound, copies) leaves it to that finding.
+        """
+        deep = self.summary.get("deep")
+        if not isinstance(deep, list):
+            return set()
+        last = next((d for d in reversed(deep) if isinstance(d, dict) and "findings" in d), None)
+        if last is None:
+            return set()
+        return {str(f.get("category")) for f in last.get("findings") or [] if isinstance(f, dict)}
 
     @cached_property
     def loaders(self) -> list[dict[str, Any]]:

@@ -41,7 +41,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainprof.diagnosis.context import SPIKE_ABS_S, SPIKE_REL, SPIKE_SIGMAS, Context, robust_scale
+from trainprof.diagnosis.context import (
+    SPIKE_ABS_S,
+    SPIKE_REL,
+    SPIKE_SIGMAS,
+    Context,
+    number,
+    robust_scale,
+)
 from trainprof.diagnosis.finding import Finding, Fix, band
 from trainprof.diagnosis.input_pipeline import MEDIUM as INPUT_MEDIUM
 from trainprof.diagnosis.input_pipeline import loader_snippet
@@ -68,10 +75,6 @@ GIB = 1024**3
 # -- shared views of the summary ----------------------------------------------------------------
 
 
-def _num(v: Any) -> float | None:
-    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
-
-
 def _device(ctx: Context) -> dict[str, Any]:
     dev = ctx.summary.get("device")
     return dev if isinstance(dev, dict) else {}
@@ -80,7 +83,7 @@ def _device(ctx: Context) -> dict[str, Any]:
 def device_breakdown(ctx: Context) -> dict[str, float]:
     """Device-time shares per phase (``forward``, ``backward``, ``optimizer``, ``gap``)."""
     bd = _device(ctx).get("breakdown")
-    return {k: float(v) for k, v in bd.items() if _num(v) is not None} if isinstance(
+    return {k: float(v) for k, v in bd.items() if number(v) is not None} if isinstance(
         bd, dict) else {}
 
 
@@ -104,20 +107,9 @@ def _gpus(ctx: Context) -> list[dict[str, Any]]:
     return [g for g in ctx.system.get("gpu") or [] if isinstance(g, dict)]
 
 
-def _deep_categories(ctx: Context) -> set[str]:
-    """Categories of the last ``--deep`` window's trace findings (the one the report keeps)."""
-    deep = ctx.summary.get("deep")
-    if not isinstance(deep, list):
-        return set()
-    last = next((d for d in reversed(deep) if isinstance(d, dict) and "findings" in d), None)
-    if last is None:
-        return set()
-    return {str(f.get("category")) for f in last.get("findings") or [] if isinstance(f, dict)}
-
-
 def input_share(ctx: Context) -> float:
     """The data wait share :mod:`.input_pipeline` judges (periodic steps' waits left out)."""
-    share = float(_num(ctx.breakdown.get("data_wait")) or 0.0)
+    share = float(number(ctx.breakdown.get("data_wait")) or 0.0)
     periodic = ctx.periodic
     if periodic is not None and ctx.total_s > 0:
         share -= periodic.excess_s["data_wait"] / ctx.total_s
@@ -200,14 +192,14 @@ def idle_gap(ctx: Context) -> IdleGap | None:
         return None
     owned = {
         # all of it: input_pipeline owns the steady waits, periodic those in its steps
-        "data_wait": float(_num(ctx.breakdown.get("data_wait")) or 0.0),
-        "gc": float(_num(ctx.breakdown.get("gc")) or 0.0),
-        "syncs": float(_num((ctx.summary.get("syncs") or {}).get("share")) or 0.0),
+        "data_wait": float(number(ctx.breakdown.get("data_wait")) or 0.0),
+        "gc": float(number(ctx.breakdown.get("gc")) or 0.0),
+        "syncs": float(number((ctx.summary.get("syncs") or {}).get("share")) or 0.0),
     }
     periodic = ctx.periodic
     if periodic is not None and ctx.total_s > 0:  # evaluation/checkpointing between steps
         owned["periodic"] = periodic.excess_s["other"] / ctx.total_s
-    utils = [u for g in _gpus(ctx) if (u := _num(g.get("util_pct"))) is not None]
+    utils = [u for g in _gpus(ctx) if (u := number(g.get("util_pct"))) is not None]
     # The busiest GPU (the run's, when NVML sees other idle GPUs): the smallest idle cap.
     util = max(utils) / 100 if utils else None
     return IdleGap(gap=gap, owned=owned, gpu_util=util)
@@ -217,7 +209,7 @@ def _gap_owner_ok(ctx: Context, category: str) -> IdleGap | None:
     """The idle gap, if this CUDA run's gap is ours to report under ``category``."""
     if not used_cuda(ctx) or input_share(ctx) >= INPUT_MEDIUM:
         return None
-    if category in _deep_categories(ctx):
+    if category in ctx.deep_categories:
         return None  # the deep window's trace measured it: its finding stands
     return idle_gap(ctx)
 
@@ -314,7 +306,7 @@ def idle_between_phases(ctx: Context) -> Finding | None:
     if severity is None:
         return None
     bs = _batch(ctx)
-    other = float(_num(ctx.breakdown.get("other")) or 0.0)
+    other = float(number(ctx.breakdown.get("other")) or 0.0)
     text = (
         f"Between optimizer.step() and the next forward the GPU has nothing to run for "
         f"{_pct(g.gain)} of the step (the host spends {_pct(other)} of its step outside the "
@@ -391,11 +383,11 @@ def memory_peak(ctx: Context) -> MemoryPeak | None:
     if used_devices and len(nvml) > len(used_devices):
         nvml = []
     for g in nvml:
-        used, total = _num(g.get("mem_used_bytes")), _num(g.get("mem_total_bytes"))
+        used, total = number(g.get("mem_used_bytes")), number(g.get("mem_total_bytes"))
         if used is not None and total and (best is None or used / total > best.ratio):
             best = MemoryPeak(used / total, used, total, "nvml", g.get("index"))
     for d in used_devices:
-        used, total = _num(d.get("reserved_bytes.all.peak")), _num(d.get("total_bytes"))
+        used, total = number(d.get("reserved_bytes.all.peak")), number(d.get("total_bytes"))
         if used is not None and total and (best is None or used / total > best.ratio):
             best = MemoryPeak(used / total, used, total, "torch", d.get("index"))
     return best
@@ -412,7 +404,7 @@ def _memory_evidence(ctx: Context, peak: MemoryPeak) -> dict[str, Any]:
     for d in cuda_devices(ctx)[:4]:
         for key in ("num_alloc_retries", "num_ooms", "allocated_bytes.all.peak",
                     "reserved_bytes.all.peak"):
-            v = _num(d.get(key))
+            v = number(d.get(key))
             if v is not None and key.endswith(".peak"):
                 ev[f"cuda{d.get('index')}.{key.split('_bytes')[0]}_peak_gib"] = v / GIB
             elif v is not None:
@@ -463,8 +455,8 @@ def _memory_snippet(script: str, bs: int | None, trainer: bool = False) -> str:
 def _retries(ctx: Context) -> tuple[int, int]:
     """(allocator retries, OOMs) summed over the devices the run allocated on."""
     devs = cuda_devices(ctx)
-    r = sum(int(_num(d.get("num_alloc_retries")) or 0) for d in devs)
-    o = sum(int(_num(d.get("num_ooms")) or 0) for d in devs)
+    r = sum(int(number(d.get("num_alloc_retries")) or 0) for d in devs)
+    o = sum(int(number(d.get("num_ooms")) or 0) for d in devs)
     return r, o
 
 
@@ -491,7 +483,7 @@ def allocator_retries(ctx: Context) -> Finding | None:
     retries, ooms = _retries(ctx)
     if retries <= 0:
         return None
-    steps = int(_num(ctx.step_info.get("count")) or 0)
+    steps = int(number(ctx.step_info.get("count")) or 0)
     rate = retries / steps if steps else float(retries)
     severity = "high" if rate >= RETRIES_HIGH else "medium" if rate >= RETRIES_MEDIUM else "low"
     if ooms > 0 and severity == "low":
@@ -604,7 +596,7 @@ def memory_underused(ctx: Context) -> Finding | None:
         return None
     peak = memory_peak(ctx)
     bd = device_breakdown(ctx)
-    dev_step = _num(_device(ctx).get("median_step_s"))
+    dev_step = number(_device(ctx).get("median_step_s"))
     if peak is None or peak.ratio >= UNDERUSED or not bd or dev_step is None:
         return None
     g = idle_gap(ctx)
@@ -667,7 +659,7 @@ def _data_parallel(ctx: Context) -> tuple[str, int] | None:
     dp = [r for r in roots if isinstance(r, str) and r.rsplit(".", 1)[-1] == "DataParallel"]
     if not dp or not used_cuda(ctx):
         return None
-    count = max(int(_num(ctx.environment.get("gpu_count")) or 0), len(_gpus(ctx)))
+    count = max(int(number(ctx.environment.get("gpu_count")) or 0), len(_gpus(ctx)))
     # over one GPU DataParallel calls the module directly: no cost to remove
     return (dp[0], count) if count >= 2 else None
 
@@ -689,9 +681,10 @@ def data_parallel(ctx: Context) -> Finding | None:
         return None
     root, count = found
     gpus = _gpus(ctx)
-    active = [g for g in gpus if (_num(g.get("util_pct")) or 0) > 0 or (
-        (_num(g.get("mem_used_bytes")) or 0) > 0.05 * (_num(g.get("mem_total_bytes")) or math.inf))]
-    utils = [u for g in active or gpus if (u := _num(g.get("util_pct"))) is not None]
+    active = [g for g in gpus if (number(g.get("util_pct")) or 0) > 0 or (
+        (number(g.get("mem_used_bytes")) or 0)
+        > 0.05 * (number(g.get("mem_total_bytes")) or math.inf))]
+    utils = [u for g in active or gpus if (u := number(g.get("util_pct"))) is not None]
     n = len(active) if len(active) >= 2 else count
     evidence: dict[str, Any] = {"forward_root": root, "gpus": count, "gpus_in_use": n}
     gap = device_breakdown(ctx).get("gap")
@@ -726,7 +719,7 @@ def data_parallel(ctx: Context) -> Finding | None:
         "    sampler.set_epoch(epoch)",
         "    ...",
     ])
-    sps = _num(ctx.summary.get("samples_per_s"))
+    sps = number(ctx.summary.get("samples_per_s"))
     util_txt = (f" The GPUs were busy {evidence['gpu_util_mean'] * 100:.0f}% of the time on "
                 "average." if "gpu_util_mean" in evidence else "")
     return Finding(
@@ -775,7 +768,7 @@ def cudnn_benchmark(ctx: Context) -> Finding | None:
     env = ctx.environment
     if not isinstance(ops, dict) or not used_cuda(ctx):
         return None
-    conv = _num(ops.get("conv2d_per_step")) or 0.0
+    conv = number(ops.get("conv2d_per_step")) or 0.0
     if conv <= 0 or env.get("cudnn_benchmark") is not False or env.get("cudnn_deterministic"):
         return None
     return Finding(
@@ -818,18 +811,18 @@ def channels_last(ctx: Context) -> Finding | None:
     ops = ctx.summary.get("ops")
     if not isinstance(ops, dict) or not used_cuda(ctx):
         return None
-    conv = _num(ops.get("conv2d_per_step")) or 0.0
-    cl = _num(ops.get("conv2d_channels_last_per_step")) or 0.0
+    conv = number(ops.get("conv2d_per_step")) or 0.0
+    cl = number(ops.get("conv2d_channels_last_per_step")) or 0.0
     if conv <= 0 or cl >= 0.5 * conv:
         return None
-    if input_share(ctx) >= INPUT_MEDIUM or "compute" in _deep_categories(ctx):
+    if input_share(ctx) >= INPUT_MEDIUM or "compute" in ctx.deep_categories:
         return None
     bd = device_breakdown(ctx)
     if bd:
         compute = float(bd.get("forward") or 0.0) + float(bd.get("backward") or 0.0)
     else:
-        compute = float(_num(ctx.breakdown.get("forward")) or 0.0) + float(
-            _num(ctx.breakdown.get("backward")) or 0.0)
+        compute = float(number(ctx.breakdown.get("forward")) or 0.0) + float(
+            number(ctx.breakdown.get("backward")) or 0.0)
     gain = compute * (1 - 1 / CHANNELS_LAST_SPEEDUP)
     if gain <= 0:
         return None

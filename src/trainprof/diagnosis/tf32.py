@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainprof.diagnosis.context import Context
-from trainprof.diagnosis.device import _deep_categories, _num, device_breakdown, used_cuda
+from trainprof.diagnosis.context import Context, number
+from trainprof.diagnosis.device import device_breakdown, used_cuda
 from trainprof.diagnosis.finding import Finding, Fix, band
 from trainprof.diagnosis.registry import rule
 
@@ -55,15 +55,15 @@ def fp32_matmuls_without_tf32(ctx: Context) -> Finding | None:
         return None
     full_matmul = ops.get("float32_matmul_precision") == "highest"
     conv_off = ops.get("cudnn_allow_tf32") is False
-    matmuls = (_num(ops.get("cuda_fp32_matmul_per_step")) or 0.0) if full_matmul else 0.0
-    convs = (_num(ops.get("cuda_fp32_conv2d_per_step")) or 0.0) if conv_off else 0.0
-    if matmuls + convs <= 0 or "compute" in _deep_categories(ctx):
+    matmuls = (number(ops.get("cuda_fp32_matmul_per_step")) or 0.0) if full_matmul else 0.0
+    convs = (number(ops.get("cuda_fp32_conv2d_per_step")) or 0.0) if conv_off else 0.0
+    if matmuls + convs <= 0 or "compute" in ctx.deep_categories:
         return None  # nothing TF32 would run, or the trace's tensor-core finding says it
-    heavy = (_num(ops.get("matmul_per_step")) or 0.0) + (_num(ops.get("conv2d_per_step")) or 0.0)
+    heavy = sum(number(ops.get(k)) or 0.0 for k in ("matmul_per_step", "conv2d_per_step"))
     part = min(1.0, (matmuls + convs) / heavy) if heavy > 0 else 1.0
     bd = device_breakdown(ctx)
     src = bd or ctx.breakdown
-    compute = float(_num(src.get("forward")) or 0.0) + float(_num(src.get("backward")) or 0.0)
+    compute = float(number(src.get("forward")) or 0.0) + float(number(src.get("backward")) or 0.0)
     gain = compute * part * (1 - 1 / TF32_SPEEDUP)
     evidence: dict[str, Any] = {
         "fp32_matmuls_per_step": matmuls,
