@@ -204,6 +204,26 @@ def test_num_workers_0_is_too_few_workers_with_a_fitted_snippet():
                            "train.py")
 
 
+def test_an_iterable_datasets_snippet_has_no_sampler_and_says_to_split_the_stream():
+    """torch gives an IterableDataset's loader an ``_InfiniteConstantSampler`` itself (a
+    sampler passed with one is an error), and each worker runs the dataset's own
+    ``__iter__``: more workers without a split repeat every sample."""
+    steps = make_steps(60, data=5 * MS)
+    stream = loader(dataset="__main__.Stream", len=None, iterable_dataset=True, num_workers=2,
+                    sampler="torch.utils.data.dataloader._InfiniteConstantSampler")
+    summary = make_summary(
+        steps, dataloaders=[stream],
+        system={"n_samples": 20, "proc_cpu_pct": 70.0, "workers_cpu_pct": 20.0},
+    )
+    snippet = only(diagnose(summary, steps), "input_pipeline")["fix"]["snippet"]
+    assert "Stream(...)" in snippet and "sampler" not in snippet.replace("get_worker", "")
+    assert "num_workers=4" in snippet and "get_worker_info()" in snippet
+    one = make_summary(steps, dataloaders=[{**stream, "num_workers": 0}],
+                       system={"n_samples": 20, "proc_cpu_pct": 70.0, "workers_cpu_pct": 0.0})
+    snippet = only(diagnose(one, steps), "input_pipeline")["fix"]["snippet"]
+    assert "num_workers=4" in snippet and "get_worker_info()" in snippet
+
+
 @pytest.mark.parametrize(
     ("data_ms", "severity"),  # share = data / (10 ms + data)
     [(0.5, None), (0.55, "medium"), (2.4, "medium"), (2.6, "high")],

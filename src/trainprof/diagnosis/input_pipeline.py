@@ -164,7 +164,9 @@ def loader_snippet(
             # PyTorch Lightning rebuilt the user's loader with a DistributedSampler of its
             # own (shuffling in training whatever the user's loader said): not in their call
             lines.append("    # shuffle as before; Lightning adds the DistributedSampler")
-        elif sampler and not sampler.endswith("SequentialSampler"):
+        elif sampler and not sampler.endswith(("SequentialSampler", "_InfiniteConstantSampler")):
+            # (torch gives an IterableDataset's loader an _InfiniteConstantSampler itself; a
+            # sampler passed with one is an error)
             lines.append(f"    sampler={_short(sampler, 'sampler')}(...),")
         if loader.get("drop_last"):
             lines.append("    drop_last=True,")
@@ -174,6 +176,11 @@ def loader_snippet(
     elif collate and not collate.endswith("default_collate"):
         lines.append(f"    collate_fn={_short(collate, 'collate_fn')},")
     lines.append(f"    num_workers={num_workers},  # {comment}")
+    if loader.get("iterable_dataset") and num_workers > 1:
+        # each worker runs the dataset's own __iter__: unsplit, every sample comes N times
+        lines.append("    # an IterableDataset: split the stream by torch.utils.data."
+                     "get_worker_info()")
+        lines.append("    # in __iter__, or each of the workers yields all of it")
     if num_workers > 0:
         lines.append("    persistent_workers=True,  # start the workers once, not every epoch")
         pf = loader.get("prefetch_factor")
