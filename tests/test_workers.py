@@ -723,3 +723,110 @@ def test_pre_decoded_samples_get_no_advice_to_add_workers(tmp_path, mode, cause)
     (f,) = hits
     assert f["cause"] == cause, (f["cause"], f["title"])
     assert "num_workers=4" not in f["fix"]["snippet"] and "num_workers=3" not in f["fix"]["snippet"]
+
+
+# -- an IterableDataset every worker iterates whole -------------------------------------------
+
+
+def test_a_batch_digest_reads_the_content_not_the_objects():
+    import numpy as np
+    import torch
+
+    from trainprof.capture.batch_digest import MAX_BYTES, batch_digest
+
+    x = torch.arange(64.0).reshape(8, 8)
+    batch = {"x": x, "y": [1, 2], "name": "a"}
+    same = {"x": x.clone(), "y": [1, 2], "name": "a"}
+    assert batch_digest(batch) == batch_digest(same)
+    for other in ({"x": x + 1, "y": [1, 2], "name": "a"}, {"x": x, "y": [1, 3], "name": "a"},
+                  {"x": x.reshape(4, 16), "y": [1, 2], "name": "a"},
+                  {"x": x.double(), "y": [1, 2], "name": "a"}, (x, [1, 2], "a")):
+        assert batch_digest(other) != batch_digest(batch), other
+    # views, dtypes numpy has not, numpy arrays, objects of any other kind: never raises
+    assert batch_digest(x.t()) == batch_digest(x.t().contiguous())
+    assert batch_digest(x.bfloat16()) != batch_digest(x.half())
+    assert batch_digest(np.arange(5)) == batch_digest(np.arange(5))
+    assert batch_digest(np.arange(5)) != batch_digest(np.arange(1, 6))
+    assert batch_digest([object()]) == batch_digest([object()])  # its type only
+    # a tensor's data past the first MAX_BYTES is not read
+    big = torch.zeros(MAX_BYTES)  # 4 bytes an element
+    tail = big.clone()
+    tail[-1] = 1
+    assert batch_digest(big) == batch_digest(tail)
+
+
+def _stream(generation: int, *digests: str | None) -> dict[str, Any]:
+    return {"generation": generation, "first_batches": list(digests)}
+
+
+def test_same_stream_needs_equal_first_batches_and_data_that_varies():
+    from trainprof.analysis.workers import _same_stream
+
+    # two of three workers of generation 1 read the same stream; generation 2 was split
+    streams = [_stream(1, "a", "b"), _stream(1, "a", "b"), _stream(1, "c", "d"),
+               _stream(2, "e", "f"), _stream(2, "g", "h")]
+    assert _same_stream(streams) == {"generation": 1, "identical_workers": 2,
+                                     "workers_compared": 3}
+    # one constant batch in every worker (synthetic data): not a stream read twice
+    assert _same_stream([_stream(1, "k", "k"), _stream(1, "k", "k")])["identical_workers"] == 1
+    # a worker that loaded one batch only, or fingerprints that failed: compared on the
+    # first batch only where a second one shows the data varies
+    assert _same_stream([_stream(1, "a"), _stream(1, "a", "b")])["identical_workers"] == 2
+    assert _same_stream([_stream(1, "a", None), _stream(1, "a", None)])["identical_workers"] == 1
+    assert _same_stream([_stream(1, "a", "b")]) is None  # nothing to compare with
+    assert _same_stream([{"generation": 1}, {"generation": 1}]) is None  # map-style datasets
+
+
+STREAMS = """
+from torch.utils.data import get_worker_info
+
+class Rows(IterableDataset):          # the whole table in every worker
+    def __iter__(self):
+        for i in range(320):
+            yield torch.full((16,), float(i)), i % 2
+
+class Shards(IterableDataset):        # split by get_worker_info(): each worker its share
+    def __iter__(self):
+        info = get_worker_info()
+        for i in range(info.id, 320, info.num_workers):
+            yield torch.full((16,), float(i)), i % 2
+
+class Noise(IterableDataset):         # random samples: each worker is seeded apart
+    def __iter__(self):
+        for _ in range(160):
+            yield torch.randn(16), 0
+
+class Constant(IterableDataset):      # one sample, again and again (a benchmark's stand-in)
+    def __iter__(self):
+        for _ in range(160):
+            yield torch.ones(16), 0
+
+if __name__ == "__main__":
+    model = nn.Linear(16, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for dataset in (Rows(), Shards(), Noise(), Constant()):
+        for x, y in DataLoader(dataset, batch_size=8, num_workers=2):
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad(); loss.backward(); opt.step()
+"""
+
+
+def test_an_iterable_dataset_every_worker_reads_whole_is_found(tmp_path):
+    """Only the stream both workers read whole is named: not the one split by
+    get_worker_info(), nor random or constant samples (the same batches by design)."""
+    write_script(tmp_path, "train.py", COMMON + STREAMS)
+    res = trainprof("run", "--json", "--no-html", "train.py", cwd=tmp_path, timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = res.json()
+    datasets = [d["dataset"].rsplit(".", 1)[-1] for d in doc["dataloaders"]]
+    assert datasets == ["Rows", "Shards", "Noise", "Constant"]
+    same = [loader_entry(doc, i)["same_stream"] for i in range(4)]
+    assert [s["identical_workers"] for s in same] == [2, 1, 1, 1], same
+    assert loader_entry(doc, 0)["samples"] == 640  # the 320 rows, twice
+    (f,) = [f for f in doc["findings"] if f["cause"] == "iterable_not_split"]
+    assert (f["category"], f["severity"], f["estimated_gain"]) == ("input_pipeline", "high", 0)
+    assert f["evidence"]["loader"]["dataset"].endswith("Rows")
+    assert f["title"].startswith("All 2 DataLoader workers load the same data: Rows")
+    assert "get_worker_info()" in f["fix"]["snippet"] and "class Rows(" in f["fix"]["snippet"]
+    report = trainprof("report", str(res.run_dir), cwd=tmp_path)
+    assert "no faster step: fewer of them (each epoch repeats its data)" in report.stdout

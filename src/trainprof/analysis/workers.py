@@ -29,6 +29,8 @@ Definitions:
   (``busy_share_active``: start-up and the idle tail after training left out). Near 1:
   the worker fetched back to back, so the workers are the bottleneck; lower: it waited
   for the training loop to ask for more (``prefetch_factor`` batches per worker ahead).
+* **same stream**: workers of one generation whose first batches have the same content
+  (:func:`_same_stream`): an ``IterableDataset`` that every worker iterates whole.
 * **start-up** of a generation of workers = the DataLoader asking for workers → the
   first batch ready in a worker (the earliest one: the batch the loop waits for).
   Without ``persistent_workers`` every epoch starts a new generation, so all but the
@@ -238,6 +240,38 @@ def _startup(streams: list[dict[str, Any]], origin_ns: int | None,
     }
 
 
+def _same_stream(streams: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Workers of one generation that loaded the same data (an unsplit ``IterableDataset``).
+
+    Each worker of an iterable dataset fingerprints its first two batches
+    (``first_batches``, :mod:`trainprof.capture.batch_digest`). Workers of one generation
+    whose first batches are identical read the same stream, unless the data is one
+    constant batch: so a group counts only when its second batches differ from the
+    first. Returns the largest group (``identical_workers`` of ``workers_compared``, the
+    generation), with ``identical_workers`` 1 when every worker's data differed; None
+    when fewer than two workers of a generation left fingerprints.
+    """
+    by_gen: dict[int, list[list[Any]]] = defaultdict(list)
+    for s in streams:
+        fb = s.get("first_batches")
+        if isinstance(fb, list) and fb and isinstance(fb[0], str):
+            by_gen[_num(s, "generation")].append(fb)
+    best: dict[str, Any] | None = None
+    for g in sorted(by_gen):
+        lists = by_gen[g]
+        if len(lists) < 2:
+            continue
+        groups: dict[str, list[list[Any]]] = defaultdict(list)
+        for fb in lists:
+            groups[fb[0]].append(fb)
+        same = max((len(members) for members in groups.values()
+                    if any(len(fb) > 1 and isinstance(fb[1], str) and fb[1] != fb[0]
+                           for fb in members)), default=1)
+        if best is None or same > best["identical_workers"]:
+            best = {"generation": g, "identical_workers": same, "workers_compared": len(lists)}
+    return best
+
+
 def _scaled(stream: dict[str, Any], key: str) -> float:
     """A sum of ``stream`` over all its batches (estimated where only some were timed)."""
     value = _num(stream, key)
@@ -310,6 +344,7 @@ def _summarize_loader(index: int | None, mode: str, procs: list[tuple[dict[str, 
         persistent = any(s.get("persistent_workers") for s in streams)
         entry["persistent_workers"] = persistent
         entry["startup"] = _startup(streams, origin_ns, persistent)
+        entry["same_stream"] = _same_stream(streams)
     entry["functions"] = _functions({doc.get("pid") for doc, _ in procs}, stacks)  # type: ignore[arg-type]
     return entry
 

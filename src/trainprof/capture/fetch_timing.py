@@ -66,6 +66,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from trainprof.capture.batch_digest import batch_digest
+
 #: Histogram bins: exact below 32 ns, then 16 per power of two, up to 2**63 ns.
 N_BINS = 960
 #: Samples are timed one by one while the previous batch's took at least this long each.
@@ -107,7 +109,7 @@ class Stream:
 
     __slots__ = ("acc", "h_blocked", "h_cpu", "h_collate", "info", "in_fetch", "off",
                  "per_sample", "skip", "time_every", "_fd", "_ident", "version", "rearm",
-                 "yielded")
+                 "yielded", "digesting", "digests")
 
     def __init__(self, info: dict[str, Any]) -> None:
         self.acc = [0] * len(ACC_NAMES)
@@ -125,6 +127,8 @@ class Stream:
         self.version = 0  # bumped per batch: the writer skips unchanged streams
         self.rearm = False  # training process: timed by an armed instance (WorkerCapture.rearm)
         self.yielded = 0  # ... and its batches counted from the iterators (set by the writer)
+        self.digesting = True  # an iterable dataset's first batches are fingerprinted
+        self.digests: list[str | None] = []
 
     def bind_thread(self) -> None:
         """Measure run-queue waits of the calling thread (the one that loads)."""
@@ -147,6 +151,15 @@ class Stream:
         acc[BATCHES] += 1
         acc[SAMPLES] += n
         acc[LAST_FETCH_END_NS] = _perf()
+        self.version += 1
+
+    def note_content(self, batch: Any) -> None:
+        """Fingerprint one of the first two batches of an iterable dataset (batch_digest).
+
+        Workers of one generation with the same first batch read the same stream.
+        """
+        self.digests.append(batch_digest(batch))
+        self.digesting = len(self.digests) < 2
         self.version += 1
 
     def sample(self, wall_ns: int, cpu_ns: int) -> None:
@@ -209,6 +222,7 @@ class Stream:
         return {
             **self.info,
             **dict(zip(ACC_NAMES, acc, strict=True)),
+            **({"first_batches": list(self.digests)} if self.digests else {}),
             "runq_measured": self._fd >= 0,
             "capture_off": self.off,
             "hist": {
@@ -402,6 +416,8 @@ def make_iterable_fetch(orig: Callable[[Any, Any], Any]) -> Callable[[Any, Any],
             if not self.auto_collation:
                 out = self.collate_fn(next(it))
                 st.counted(1)
+                if st.digesting:
+                    st.note_content(out)
                 return out
             data = []
             for _ in possibly_batched_index:
@@ -414,6 +430,8 @@ def make_iterable_fetch(orig: Callable[[Any, Any], Any]) -> Callable[[Any, Any],
                 raise StopIteration
             out = self.collate_fn(data)
             st.counted(len(data))
+            if st.digesting:
+                st.note_content(out)
             return out
         perf, tt = _perf, _tt
         q0 = st.runq_ns()
@@ -460,6 +478,8 @@ def make_iterable_fetch(orig: Callable[[Any, Any], Any]) -> Callable[[Any, Any],
         t2 = perf()
         c2 = tt()
         _record_batch(self, st, n, t_begin, t0 - t_begin, c0 - c_begin, t2 - t0, c2 - c0, t2, q0)
+        if st.digesting:
+            st.note_content(out)
         return out
 
     fetch.__wrapped__ = orig  # type: ignore[attr-defined]

@@ -32,6 +32,7 @@ RuleFn = Callable[[Context], RuleResult]
 FAMILIES: tuple[str, ...] = (
     "input_pipeline",
     "loader_thread",
+    "iterable_split",
     "loop_code",
     "periodic",
     "gc",

@@ -13,6 +13,10 @@ NO_GAIN = {
     "memory": "no speed-up: it is about memory, not time",
 }
 NO_GAIN_DEFAULT = "no speed-up: it qualifies the numbers above"
+#: ... and by cause, where the category's line would be wrong
+NO_GAIN_CAUSE = {
+    "iterable_not_split": "no faster step: fewer of them (each epoch repeats its data)",
+}
 
 
 #: a finding whose speed-up no measurement bounds (evidence ``gain_unknown``)
@@ -25,4 +29,5 @@ def impact_text(finding: dict[str, Any]) -> str:
         return f"could save up to {gain * 100:.0f}% of step time"
     if (finding.get("evidence") or {}).get("gain_unknown"):
         return GAIN_UNKNOWN
-    return NO_GAIN.get(str(finding.get("category")), NO_GAIN_DEFAULT)
+    cause = NO_GAIN_CAUSE.get(str(finding.get("cause")))
+    return cause or NO_GAIN.get(str(finding.get("category")), NO_GAIN_DEFAULT)

@@ -1,0 +1,89 @@
+"""An ``IterableDataset`` every DataLoader worker iterates whole: each sample loaded N times.
+
+With ``num_workers=N`` the DataLoader gives each worker a copy of an ``IterableDataset``
+and calls its ``__iter__`` in every one. Unless ``__iter__`` splits the stream by
+``torch.utils.data.get_worker_info()`` (``id``, ``num_workers``), or a
+``worker_init_fn`` does, every worker yields the whole stream: an epoch loads, and
+trains on, each sample N times, N times the work (the PyTorch documentation of
+``torch.utils.data.IterableDataset`` shows this duplication and both ways to split).
+No setting shows it; the workers' data does: each worker fingerprints its first two
+batches (:mod:`trainprof.capture.batch_digest`), and
+:func:`trainprof.analysis.workers._same_stream` finds workers of one generation whose
+first batches are identical while their data varies.
+
+The step is no slower, so there is no step-time gain to claim (``estimated_gain`` 0):
+the cost is N times the steps for one pass over the data, and a model that sees its
+data in N-fold repeats. Severity is high: it is a correctness bug with a time cost.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainprof.diagnosis.context import Context
+from trainprof.diagnosis.finding import Finding, Fix
+from trainprof.diagnosis.registry import rule
+
+SNIPPET = """\
+from torch.utils.data import IterableDataset, get_worker_info
+
+class {name}(IterableDataset):
+    def __iter__(self):
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        for i, sample in enumerate(self.samples()):   # your stream, as before
+            if i % workers == worker:                  # each worker its own share
+                yield sample"""
+
+
+@rule("input_pipeline.iterable_not_split")
+def iterable_not_split(ctx: Context) -> Finding | None:
+    for loader in ctx.loaders:
+        if not loader.get("iterable_dataset"):
+            continue
+        w = ctx.worker_stats(loader) or {}
+        same = w.get("same_stream")
+        if not isinstance(same, dict) or int(same.get("identical_workers") or 0) < 2:
+            continue
+        return _finding(ctx, loader, same)
+    return None
+
+
+def _finding(ctx: Context, loader: dict[str, Any], same: dict[str, Any]) -> Finding:
+    n = int(same["identical_workers"])
+    compared = int(same.get("workers_compared") or n)
+    nw = int(loader.get("num_workers") or compared)
+    dataset = str(loader.get("dataset") or "dataset").rsplit(".", 1)[-1]
+    who = "all" if n >= compared else f"{n} of the"
+    title = (f"{who.capitalize()} {compared} DataLoader workers load the same data: "
+             f"{dataset} (an IterableDataset) is not split between them, so an epoch "
+             f"repeats every sample {n} times")
+    text = (
+        f"The DataLoader runs {dataset}.__iter__ in each of its {nw} worker processes. "
+        f"The first batches of {who} {compared} workers were identical (the data itself, "
+        "compared by a hash of each worker's first batches), so each one yields the "
+        f"whole stream: an epoch takes {n} times the steps it should, and the model sees "
+        f"each sample {n} times in a row of batches. Split the stream in __iter__ with "
+        "torch.utils.data.get_worker_info() (each worker takes every num_workers-th "
+        "sample, or its own files/shards), or in a worker_init_fn; libraries that stream "
+        "data (webdataset's split_by_worker, Hugging Face datasets' IterableDataset) do "
+        "it for you."
+    )
+    evidence = {
+        "identical_workers": n,
+        "workers_compared": compared,
+        "generation": same.get("generation"),
+        "loader": {k: loader.get(k) for k in ("index", "dataset", "batch_size",
+                                              "num_workers")},
+    }
+    return Finding(
+        category="input_pipeline",
+        cause="iterable_not_split",
+        title=title,
+        severity="high",
+        evidence=evidence,
+        estimated_gain=0.0,
+        fix=Fix(text=text, snippet=SNIPPET.format(name=dataset)),
+        verify=(f"trainprof run {ctx.script}: this finding is gone, and the steps of an "
+                f"epoch fall to 1/{n}"),
+    )
