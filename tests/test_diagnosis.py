@@ -293,6 +293,18 @@ def test_worker_startup_spikes_at_the_epoch_length():
     assert spikes["excess_per_epoch_s"] == pytest.approx(29.8 * MS, rel=1e-3)
     assert "persistent_workers=false,true" in f["verify"]
     assert not [g for g in out if g["category"] == "periodic_overhead"]  # one finding
+    assert "rest of the wait" not in f["fix"]["text"]  # the start-ups are all of it
+    # a wait at every step besides: the fix says what persistent workers leave
+    data += 2 * MS
+    steps = make_steps(60, data=data)
+    summary = make_summary(steps, dataloaders=[loader(num_workers=2)],
+                           system={"n_samples": 20, "proc_cpu_pct": 90.0,
+                                   "workers_cpu_pct": 20.0})
+    f = diagnose(summary, steps)[0]
+    assert f["cause"] == "worker_startup_per_epoch"
+    rest = f["evidence"]["data_wait_share"] - f["evidence"]["epoch_spikes"]["excess_share"]
+    assert rest > 0.05
+    assert f"the rest of the wait ({rest * 100:.0f}%) is the loading itself" in f["fix"]["text"]
 
 
 def test_worker_startup_spikes_with_a_batch_sampler():

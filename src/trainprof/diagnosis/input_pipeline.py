@@ -611,6 +611,14 @@ def _data_wait(ctx: Context) -> Finding | None:
             "end of every epoch and starts new ones (re-importing, re-building the dataset) "
             "before the first batch of the next. Keep them alive across epochs."
         )
+        rest = share - startup_share
+        if rest >= MEDIUM:
+            # the start-ups are the larger part, not all of it: say what stays
+            text += (
+                f" That removes the start-ups ({startup_share * 100:.0f}% of step time); the "
+                f"rest of the wait ({rest * 100:.0f}%) is the loading itself, which a run "
+                f"with persistent workers diagnoses on its own.{stage_txt}"
+            )
         comment = "unchanged"
         verify = f"trainprof tune --knob persistent_workers=false,true {ctx.script}"
     elif cause == "too_few_workers":
