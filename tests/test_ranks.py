@@ -163,6 +163,12 @@ def test_spawned_ranks_are_recorded_one_folder_each_and_merged(tp):
     doc = res.json()
     _check_uneven_ranks(doc)
     assert doc["run_dir"] == str(res.run_dir)
+    # the ranks' loaders have torch's SequentialSampler: each rank reads all of the data
+    (f,) = [f for f in doc["findings"] if f["cause"] == "every_rank_reads_all_data"]
+    assert (f["severity"], f["estimated_gain"]) == ("medium", 0.0)
+    assert (f["evidence"]["world_size"], f["evidence"]["wrapper"]) == (
+        2, "DistributedDataParallel")
+    assert "DistributedSampler(dataset, shuffle=False)" in f["fix"]["snippet"]
     assert any("2 ranks recorded under ranks/" in n for n in doc["notes"]), doc["notes"]
     # each rank is a complete run folder of its own, readable on its own
     for label in ("0", "1"):
@@ -953,6 +959,39 @@ def test_no_sync_entries_are_counted_and_clear_the_accumulation_finding(tmp_path
                    for f in diagnose(summary, run.steps))
 
     assert not found(two) and found({**two, "ddp_no_sync_calls": 0})
+
+
+def test_the_whole_data_in_every_rank_needs_ddp_and_torchs_own_sampler():
+    from test_diagnosis import loader, make_steps, make_summary
+
+    from trainprof.diagnosis import diagnose
+
+    steps = make_steps(40)
+    base = {"forward_roots": ["torch.nn.parallel.distributed.DistributedDataParallel"],
+            "distributed": {"rank": 0, "world_size": 4}, "dataloaders": [loader()]}
+
+    def found(**changes) -> list[dict]:
+        return [f for f in diagnose(make_summary(steps, **{**base, **changes}), steps)
+                if f["rule"] == "distributed.every_rank_reads_all_data"]
+
+    (f,) = found()
+    assert f["title"] == ("Each of the 4 ranks iterates all of Images (320 samples): the "
+                          "DataLoader has no DistributedSampler, so an epoch is 4 passes over "
+                          "the data")
+    assert "DistributedSampler(dataset, shuffle=True)" in f["fix"]["snippet"]
+    assert "sampler.set_epoch(epoch)" in f["fix"]["snippet"]
+    fsdp = "torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel"
+    assert found(forward_roots=[fsdp])
+    dist_sampler = "torch.utils.data.distributed.DistributedSampler"
+    for changes in ({"dataloaders": [loader(sampler=dist_sampler)]},
+                    {"dataloaders": [loader(sampler="__main__.ShardSampler")]},
+                    {"dataloaders": [loader(dataset="torch.utils.data.dataset.Subset")]},
+                    {"dataloaders": [loader(driven_by="lightning")]},
+                    {"dataloaders": [loader(iterable_dataset=True)]},
+                    {"dataloaders": [loader(batch_sampler="__main__.Buckets")]},
+                    {"distributed": {"world_size": 1}},
+                    {"forward_roots": ["torch.nn.modules.linear.Linear"]}):
+        assert not found(**changes), changes
 
 
 def test_the_accumulation_rule_needs_ddp_two_ranks_two_backwards_and_no_no_sync():

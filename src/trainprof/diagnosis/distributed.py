@@ -31,6 +31,15 @@ communication, step-time spread across the ranks' traces) are in
   is inside backward (a ``--deep`` window shows it as communication), so the finding
   is low and says so (``gain_unknown``); the saving is ``(k - 1) / k`` of the
   all-reduces for ``k`` micro-batches a step.
+* ``every_rank_reads_all_data`` (expert-rules.md D9, "shard early"): a
+  DistributedDataParallel (or FSDP) model of two or more ranks whose training DataLoader
+  has torch's own sampler (``RandomSampler`` / ``SequentialSampler``: no
+  ``DistributedSampler``) over a map-style dataset: every rank iterates the whole
+  dataset, so an epoch is ``world_size`` passes over the data and its gradients average
+  the same samples' in different orders. Medium, not high: a dataset may be split per
+  rank when it is built (a ``Subset`` of the rank's share is left out; a class that
+  reads its rank's files cannot be told apart). No step-time gain: the steps are as
+  fast, there are ``world_size`` times too many of them.
 """
 
 from __future__ import annotations
@@ -196,6 +205,70 @@ def ranks_oversubscribe_cores(ctx: Context) -> Finding | None:
         verify=(f"trainprof tune --knob torch_threads="
                 f"{','.join(str(v) for v in sorted(set(sweep(per_rank, current))))} "
                 f"{ctx.script} (the knob applies in every rank)"),
+    )
+
+
+#: Model wrappers that shard the data across ranks by contract: each rank needs its own.
+DATA_PARALLEL_ROOTS = ("DistributedDataParallel", "FullyShardedDataParallel")
+#: The samplers torch's DataLoader makes itself (``shuffle=True`` / the default).
+DEFAULT_SAMPLERS = ("sampler.RandomSampler", "sampler.SequentialSampler")
+
+
+@rule("distributed.every_rank_reads_all_data")
+def every_rank_reads_all_data(ctx: Context) -> Finding | None:
+    world = int((ctx.summary.get("distributed") or {}).get("world_size") or 0)
+    roots = [r for r in ctx.summary.get("forward_roots") or [] if isinstance(r, str)
+             and r.rsplit(".", 1)[-1] in DATA_PARALLEL_ROOTS]
+    loader = ctx.train_loader
+    if world < 2 or not roots or loader is None or loader.get("iterable_dataset"):
+        return None
+    sampler = str(loader.get("sampler") or "")
+    batch_sampler = str(loader.get("batch_sampler") or "")
+    dataset = str(loader.get("dataset") or "")
+    if (loader.get("driven_by") or not sampler.endswith(DEFAULT_SAMPLERS)
+            or (batch_sampler and not batch_sampler.endswith("sampler.BatchSampler"))
+            or dataset.endswith("Subset")):
+        return None  # a sampler of its own (or a framework's), or a dataset cut per rank
+    wrapper = roots[0].rsplit(".", 1)[-1]
+    name = dataset.rsplit(".", 1)[-1] or "the dataset"
+    length = loader.get("len")
+    size = f" ({length:,} samples)" if isinstance(length, int) else ""
+    evidence = {
+        "world_size": world,
+        "wrapper": wrapper,
+        "sampler": sampler,
+        "loader": {k: loader.get(k) for k in ("index", "dataset", "len", "batch_size",
+                                              "num_workers")},
+    }
+    title = (f"Each of the {world} ranks iterates all of {name}{size}: the DataLoader has "
+             f"no DistributedSampler, so an epoch is {world} passes over the data")
+    text = (
+        f"The model is wrapped in {wrapper} over {world} ranks, and the training "
+        f"DataLoader draws its indices with torch's own {sampler.rsplit('.', 1)[-1]}, "
+        f"which covers the whole dataset in every rank. Unless {name} holds only this "
+        "rank's share (split when it was built), every rank trains on every sample: an "
+        f"epoch takes {world} times the steps it should, and the ranks' gradients "
+        "average the same samples. A DistributedSampler gives each rank its own "
+        "1/world_size of the indices (shuffled per epoch with set_epoch); the batch size "
+        "stays per rank."
+    )
+    snippet = (
+        "from torch.utils.data.distributed import DistributedSampler\n\n"
+        f"sampler = DistributedSampler(dataset, shuffle={sampler.endswith('RandomSampler')})"
+        "  # this rank's share\n"
+        f"loader = DataLoader(dataset, batch_size={loader.get('batch_size') or 'B'}, "
+        "sampler=sampler, ...)  # no shuffle= with a sampler\n"
+        "for epoch in range(epochs):\n"
+        "    sampler.set_epoch(epoch)  # a new order each epoch, the same on every rank\n"
+        "    for batch in loader:\n"
+        "        ..."
+    )
+    return Finding(
+        category="distributed", cause="every_rank_reads_all_data", title=title,
+        severity="medium", evidence=evidence, estimated_gain=0.0,
+        fix=Fix(text=text, snippet=snippet),
+        verify=(f"trainprof run {ctx.script}: this finding is gone, and the steps of an epoch "
+                f"fall to 1/{world}"),
     )
 
 

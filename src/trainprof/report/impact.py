@@ -16,6 +16,7 @@ NO_GAIN_DEFAULT = "no speed-up: it qualifies the numbers above"
 #: ... and by cause, where the category's line would be wrong
 NO_GAIN_CAUSE = {
     "iterable_not_split": "no faster step: fewer of them (each epoch repeats its data)",
+    "every_rank_reads_all_data": "no faster step: fewer of them (each epoch repeats its data)",
 }
 
 
