@@ -185,10 +185,17 @@ class LoopStackSampler:
         global _ACTIVE
         _ACTIVE = self
         # a script that installs its own SIGURG handler later gets the signal to itself:
-        # sampling stops first, so that no tick of ours reaches that handler
+        # sampling stops first, so that no tick of ours reaches that handler. Ours set
+        # again is not the script's (PyTorch Lightning's Trainer saves every handler
+        # with getsignal() and sets them all again when fit() ends): it is left in place,
+        # as setting it would put Python's action back over the timer's C tick, which
+        # sampling needs (no sample after that, and no note of why).
         self._orig_signal = orig = signal.signal
 
         def _signal(signalnum: Any, handler: Any) -> Any:
+            if (signalnum == SIGNAL and self._running and handler == self._on_signal
+                    and threading.current_thread() is threading.main_thread()):
+                return self._on_signal  # the handler it replaces: the same one
             if signalnum == SIGNAL and self._running:
                 self.stop()
                 self.missing.append("loop stacks: sampling stopped early (the script "
