@@ -59,7 +59,7 @@ class Samples(Dataset):
     def __getitem__(self, i):
         if self.delay:
             time.sleep(self.delay)
-        return torch.randn(16), torch.randn(1)
+        return torch.full((16,), float(i)), torch.ones(1) * (i % 3)
 
 
 def train(rank, world_size, port):
@@ -163,11 +163,15 @@ def test_spawned_ranks_are_recorded_one_folder_each_and_merged(tp):
     doc = res.json()
     _check_uneven_ranks(doc)
     assert doc["run_dir"] == str(res.run_dir)
-    # the ranks' loaders have torch's SequentialSampler: each rank reads all of the data
+    # the ranks' loaders have torch's SequentialSampler: each rank reads all of the data,
+    # and their first batches (fingerprinted where they were loaded) show it
+    assert doc["rank_data"] == {"loader_index": 0, "identical_ranks": ["0", "1"],
+                                "ranks_compared": 2}
     (f,) = [f for f in doc["findings"] if f["cause"] == "every_rank_reads_all_data"]
-    assert (f["severity"], f["estimated_gain"]) == ("medium", 0.0)
+    assert (f["severity"], f["estimated_gain"]) == ("high", 0.0)
     assert (f["evidence"]["world_size"], f["evidence"]["wrapper"]) == (
         2, "DistributedDataParallel")
+    assert f["title"].startswith("The first batches of Samples are identical on all 2 ranks")
     assert "DistributedSampler(dataset, shuffle=False)" in f["fix"]["snippet"]
     assert any("2 ranks recorded under ranks/" in n for n in doc["notes"]), doc["notes"]
     # each rank is a complete run folder of its own, readable on its own
@@ -992,6 +996,64 @@ def test_the_whole_data_in_every_rank_needs_ddp_and_torchs_own_sampler():
                     {"distributed": {"world_size": 1}},
                     {"forward_roots": ["torch.nn.modules.linear.Linear"]}):
         assert not found(**changes), changes
+
+
+def _rank(label: str, *first_batches: dict | None) -> tuple[str, dict, dict]:
+    loaders = [{"loader_index": i, "first_batch": fb} for i, fb in enumerate(first_batches)]
+    return label, {"workers": {"loaders": loaders}}, {}
+
+
+def test_ranks_with_one_first_batch_load_the_same_data():
+    from trainprof.analysis.ranks import same_data
+
+    a, b, c = ({"digest": d, "varies": True} for d in "abc")
+    # loader 0: ranks 0 and 2 alike; loader 1: all three alike (the largest group wins)
+    ranks = [_rank("0", a, b), _rank("1", c, b), _rank("2", a, b)]
+    assert same_data(ranks) == {"loader_index": 1, "identical_ranks": ["0", "1", "2"],
+                                "ranks_compared": 3}
+    assert same_data([_rank("0", a), _rank("1", c)]) == {
+        "loader_index": 0, "identical_ranks": [], "ranks_compared": 2}
+    # one constant batch on every rank is no evidence; one rank alone, or none, nothing
+    const = {"digest": "k", "varies": False}
+    assert same_data([_rank("0", const), _rank("1", const)])["identical_ranks"] == []
+    assert same_data([_rank("0", a)]) is None
+    assert same_data([_rank("0", None), _rank("1", None)]) is None
+
+
+def test_the_same_first_batches_on_the_ranks_make_it_high_whatever_the_sampler():
+    from test_diagnosis import loader, make_steps, make_summary
+
+    from trainprof.diagnosis import diagnose
+
+    steps = make_steps(40)
+    ddp = ["torch.nn.parallel.distributed.DistributedDataParallel"]
+    proof = {"loader_index": 0, "identical_ranks": ["0", "1"], "ranks_compared": 2}
+
+    def found(stream: dict, rank_data: dict | None = proof) -> list[dict]:
+        summary = make_summary(steps, forward_roots=ddp, dataloaders=[stream],
+                               distributed={"rank": 0, "world_size": 2}, rank_data=rank_data)
+        return [f for f in diagnose(summary, steps)
+                if f["rule"] == "distributed.every_rank_reads_all_data"]
+
+    stream = loader(dataset="__main__.Tokens", len=None, iterable_dataset=True,
+                    sampler="torch.utils.data.dataloader._InfiniteConstantSampler")
+    (f,) = found(stream)
+    assert f["severity"] == "high" and f["evidence"]["identical_first_batch_ranks"] == ["0", "1"]
+    assert f["title"] == ("The first batches of Tokens are identical on all 2 ranks: the "
+                          "IterableDataset is not split by rank, so every rank trains on the "
+                          "same data")
+    assert "dist.get_rank() * workers + worker" in f["fix"]["snippet"]
+    assert not found(stream, rank_data=None)  # an iterable dataset: no setting shows it
+    assert not found(stream, rank_data={**proof, "identical_ranks": []})
+    # a sampler of its own, and still the same data on both ranks
+    custom = loader(sampler="__main__.ShardSampler")
+    (f,) = found(custom)
+    assert f["severity"] == "high" and "(no DistributedSampler)" not in f["title"]
+    assert not found(custom, rank_data={**proof, "loader_index": 1})  # another loader's
+    # torch's own sampler: medium from the settings, high with the proof
+    assert found(loader(), rank_data=None)[0]["severity"] == "medium"
+    (f,) = found(loader())
+    assert f["severity"] == "high" and f["title"].endswith("(no DistributedSampler)")
 
 
 def test_the_accumulation_rule_needs_ddp_two_ranks_two_backwards_and_no_no_sync():

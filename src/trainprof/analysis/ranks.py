@@ -27,6 +27,11 @@ data-parallel run: every rank runs the same loop) - with, added:
     which synchronous training hides from step times;
 ``samples_per_s_all_ranks``
     the run's throughput, the sum over ranks (each rank loads its own share of the data).
+``rank_data``
+    whether the ranks load the same data: per DataLoader (by its index in each rank),
+    the ranks whose first batches have the same fingerprint
+    (:mod:`trainprof.capture.batch_digest`, ``workers.loaders[].first_batch``), on
+    data that varies from batch to batch; the loader with the most such ranks.
 """
 
 from __future__ import annotations
@@ -183,6 +188,36 @@ def merged_status(ranks: list[tuple[str, dict[str, Any]]]) -> tuple[str, int | N
     return status, code
 
 
+def same_data(ranks: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> dict[str, Any] | None:
+    """The ranks that loaded the same first batch, per loader (``rank_data``, above).
+
+    ``identical_ranks``: the labels of the largest group of ranks with one fingerprint,
+    where at least one of them saw its data vary (a second batch unlike the first);
+    empty when no two ranks agree. None when no loader has fingerprints from two ranks.
+    """
+    by_index: dict[int, dict[str, dict[str, Any]]] = {}
+    for label, summary, _ in ranks:
+        for e in (summary.get("workers") or {}).get("loaders") or []:
+            fb, index = e.get("first_batch"), e.get("loader_index")
+            if isinstance(fb, dict) and isinstance(fb.get("digest"), str) and isinstance(
+                    index, int):
+                by_index.setdefault(index, {})[label] = fb
+    best: dict[str, Any] | None = None
+    for index, per in sorted(by_index.items()):
+        if len(per) < 2:
+            continue
+        groups: dict[str, list[str]] = {}
+        for label, fb in per.items():
+            groups.setdefault(fb["digest"], []).append(label)
+        same = max((labels for labels in groups.values() if len(labels) >= 2
+                    and any(per[label].get("varies") for label in labels)), key=len, default=[])
+        found = {"loader_index": index, "identical_ranks": sorted(same, key=_label_key),
+                 "ranks_compared": len(per)}
+        if best is None or len(same) > len(best["identical_ranks"]):
+            best = found
+    return best
+
+
 def merge_ranks(
     run_dir: Path,
     own: dict[str, Any] | None,
@@ -228,6 +263,7 @@ def merge_ranks(
     main["rank_spread"] = rank_spread(rows, *common_step_means(steps or {}))
     rates = [r["samples_per_s"] for r in rows if r.get("samples_per_s")]
     main["samples_per_s_all_ranks"] = sum(rates) if rates else None
+    main["rank_data"] = same_data(ranks)
     if main_label is not None:
         # the rank's own notes, the launching process's (less the one this replaces)
         own_notes = [n for n in (own or {}).get("notes") or [] if f"{RANKS_DIR}/<k>/" not in n]

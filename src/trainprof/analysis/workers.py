@@ -30,7 +30,8 @@ Definitions:
   the worker fetched back to back, so the workers are the bottleneck; lower: it waited
   for the training loop to ask for more (``prefetch_factor`` batches per worker ahead).
 * **same stream**: workers of one generation whose first batches have the same content
-  (:func:`_same_stream`): an ``IterableDataset`` that every worker iterates whole.
+  (:func:`_same_stream`): an ``IterableDataset`` that every worker iterates whole. The
+  loader's own first batch (:func:`_first_batch`) is compared across ranks the same way.
 * **start-up** of a generation of workers = the DataLoader asking for workers → the
   first batch ready in a worker (the earliest one: the batch the loop waits for).
   Without ``persistent_workers`` every epoch starts a new generation, so all but the
@@ -272,6 +273,27 @@ def _same_stream(streams: list[dict[str, Any]]) -> dict[str, Any] | None:
     return best
 
 
+def _first_batch(streams: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The fingerprint of the loader's first batch, to compare across ranks.
+
+    The first generation's worker 0 loads an epoch's first batch (the DataLoader asks
+    its workers in turn); with ``num_workers=0``, the training process does (worker id
+    None). ``varies``: that process's second batch differs from its first (identical
+    first batches of constant data are no evidence of the same data).
+    """
+    cands = [s for s in streams if isinstance(s.get("first_batches"), list)
+             and s["first_batches"] and isinstance(s["first_batches"][0], str)]
+    if not cands:
+        return None
+    first = min(_num(s, "generation") for s in cands)
+    s = next((s for s in cands if _num(s, "generation") == first
+              and s.get("worker_id") in (0, None)), None)
+    if s is None:
+        return None
+    fb = s["first_batches"]
+    return {"digest": fb[0], "varies": len(fb) > 1 and isinstance(fb[1], str) and fb[1] != fb[0]}
+
+
 def _scaled(stream: dict[str, Any], key: str) -> float:
     """A sum of ``stream`` over all its batches (estimated where only some were timed)."""
     value = _num(stream, key)
@@ -317,6 +339,7 @@ def _summarize_loader(index: int | None, mode: str, procs: list[tuple[dict[str, 
         "startup": None,
         "functions": None,
         "capture_off": any(s.get("capture_off") for s in streams),
+        "first_batch": _first_batch(streams),
     }
     if fetch > 0:
         runq_get = min(runq, blocked_ns)  # run-queue waits counted in the samples' blocked time

@@ -9,6 +9,11 @@ settings shows it; the data does. Each worker fingerprints its first two batches
 are identical, while each one's second batch differs from its first (the data is not
 one constant sample), are reading the same stream.
 
+Ranks are compared the same way (:mod:`trainprof.analysis.ranks`): ranks of a
+data-parallel model whose first batches are identical train on the same data, as when
+the DataLoader has no ``DistributedSampler`` and every rank shuffles with the same seed,
+or an ``IterableDataset`` is not split by rank.
+
 The fingerprint hashes the batch's structure (container types, keys, shapes, dtypes) and
 up to :data:`MAX_BYTES` of each tensor's or array's data, at most :data:`MAX_LEAVES`
 leaves: one BLAKE2b pass, done twice per worker, never per step.

@@ -127,7 +127,7 @@ class Stream:
         self.version = 0  # bumped per batch: the writer skips unchanged streams
         self.rearm = False  # training process: timed by an armed instance (WorkerCapture.rearm)
         self.yielded = 0  # ... and its batches counted from the iterators (set by the writer)
-        self.digesting = True  # an iterable dataset's first batches are fingerprinted
+        self.digesting = True  # the first batches are fingerprinted (note_content)
         self.digests: list[str | None] = []
 
     def bind_thread(self) -> None:
@@ -154,9 +154,10 @@ class Stream:
         self.version += 1
 
     def note_content(self, batch: Any) -> None:
-        """Fingerprint one of the first two batches of an iterable dataset (batch_digest).
+        """Fingerprint one of the first two batches this process loaded (batch_digest).
 
-        Workers of one generation with the same first batch read the same stream.
+        Workers of one generation with the same first batch read the same stream; ranks
+        with the same first batch train on the same data.
         """
         self.digests.append(batch_digest(batch))
         self.digesting = len(self.digests) < 2
@@ -341,6 +342,8 @@ def make_map_fetch(orig: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]
                 n = 1
             out = self.collate_fn(data)
             st.counted(n)
+            if st.digesting:
+                st.note_content(out)
             return out
         perf, tt = _perf, _tt
         q0 = st.runq_ns()
@@ -395,6 +398,8 @@ def make_map_fetch(orig: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]
         t2 = perf()
         c2 = tt()
         _record_batch(self, st, n, t_begin, t0 - t_begin, c0 - c_begin, t2 - t0, c2 - c0, t2, q0)
+        if st.digesting:
+            st.note_content(out)
         return out
 
     fetch.__wrapped__ = orig  # type: ignore[attr-defined]

@@ -36,10 +36,13 @@ communication, step-time spread across the ranks' traces) are in
   has torch's own sampler (``RandomSampler`` / ``SequentialSampler``: no
   ``DistributedSampler``) over a map-style dataset: every rank iterates the whole
   dataset, so an epoch is ``world_size`` passes over the data and its gradients average
-  the same samples' in different orders. Medium, not high: a dataset may be split per
-  rank when it is built (a ``Subset`` of the rank's share is left out; a class that
-  reads its rank's files cannot be told apart). No step-time gain: the steps are as
-  fast, there are ``world_size`` times too many of them.
+  the same samples' in different orders. Medium from the settings alone: a dataset may
+  be split per rank when it is built (a ``Subset`` of the rank's share is left out; a
+  class that reads its rank's files cannot be told apart). High when the data shows it:
+  the ranks' first batches have one fingerprint (``rank_data``,
+  :func:`trainprof.analysis.ranks.same_data`), whatever the sampler - which also catches
+  an ``IterableDataset`` not split by rank, which no setting shows. No step-time gain:
+  the steps are as fast, there are ``world_size`` times too many of them.
 """
 
 from __future__ import annotations
@@ -220,52 +223,94 @@ def every_rank_reads_all_data(ctx: Context) -> Finding | None:
     roots = [r for r in ctx.summary.get("forward_roots") or [] if isinstance(r, str)
              and r.rsplit(".", 1)[-1] in DATA_PARALLEL_ROOTS]
     loader = ctx.train_loader
-    if world < 2 or not roots or loader is None or loader.get("iterable_dataset"):
+    if world < 2 or not roots or loader is None:
         return None
+    proof = ctx.summary.get("rank_data") or {}
+    same = [str(r) for r in proof.get("identical_ranks") or []]
+    proven = len(same) >= 2 and proof.get("loader_index") == loader.get("index")
     sampler = str(loader.get("sampler") or "")
     batch_sampler = str(loader.get("batch_sampler") or "")
     dataset = str(loader.get("dataset") or "")
-    if (loader.get("driven_by") or not sampler.endswith(DEFAULT_SAMPLERS)
-            or (batch_sampler and not batch_sampler.endswith("sampler.BatchSampler"))
-            or dataset.endswith("Subset")):
-        return None  # a sampler of its own (or a framework's), or a dataset cut per rank
+    iterable = bool(loader.get("iterable_dataset"))
+    unsharded = not (
+        iterable or loader.get("driven_by") or not sampler.endswith(DEFAULT_SAMPLERS)
+        or (batch_sampler and not batch_sampler.endswith("sampler.BatchSampler"))
+        or dataset.endswith("Subset"))  # a sampler of its own (or a framework's), a cut
+    if not (proven or unsharded):
+        return None
     wrapper = roots[0].rsplit(".", 1)[-1]
     name = dataset.rsplit(".", 1)[-1] or "the dataset"
     length = loader.get("len")
     size = f" ({length:,} samples)" if isinstance(length, int) else ""
-    evidence = {
+    evidence: dict[str, Any] = {
         "world_size": world,
         "wrapper": wrapper,
         "sampler": sampler,
         "loader": {k: loader.get(k) for k in ("index", "dataset", "len", "batch_size",
-                                              "num_workers")},
+                                              "num_workers", "iterable_dataset")},
     }
-    title = (f"Each of the {world} ranks iterates all of {name}{size}: the DataLoader has "
-             f"no DistributedSampler, so an epoch is {world} passes over the data")
-    text = (
-        f"The model is wrapped in {wrapper} over {world} ranks, and the training "
-        f"DataLoader draws its indices with torch's own {sampler.rsplit('.', 1)[-1]}, "
-        f"which covers the whole dataset in every rank. Unless {name} holds only this "
-        "rank's share (split when it was built), every rank trains on every sample: an "
-        f"epoch takes {world} times the steps it should, and the ranks' gradients "
-        "average the same samples. A DistributedSampler gives each rank its own "
-        "1/world_size of the indices (shuffled per epoch with set_epoch); the batch size "
-        "stays per rank."
-    )
-    snippet = (
-        "from torch.utils.data.distributed import DistributedSampler\n\n"
-        f"sampler = DistributedSampler(dataset, shuffle={sampler.endswith('RandomSampler')})"
-        "  # this rank's share\n"
-        f"loader = DataLoader(dataset, batch_size={loader.get('batch_size') or 'B'}, "
-        "sampler=sampler, ...)  # no shuffle= with a sampler\n"
-        "for epoch in range(epochs):\n"
-        "    sampler.set_epoch(epoch)  # a new order each epoch, the same on every rank\n"
-        "    for batch in loader:\n"
-        "        ..."
-    )
+    if proven:
+        evidence["identical_first_batch_ranks"] = same
+        evidence["ranks_compared"] = proof.get("ranks_compared")
+    ranks_txt = f"ranks {', '.join(same)}" if len(same) < world else f"all {world} ranks"
+    if iterable:
+        title = (f"The first batches of {name} are identical on {ranks_txt}: the "
+                 "IterableDataset is not split by rank, so every rank trains on the same data")
+        text = (
+            f"The model is wrapped in {wrapper} over {world} ranks, and the training data "
+            f"is {name}, an IterableDataset: every rank runs its __iter__, and the first "
+            f"batches of {ranks_txt} were identical (the data itself, compared by a hash). "
+            "Each rank yields the whole stream: the ranks' gradients average the same "
+            f"samples, and a pass over the data takes {world} times the work. Split the "
+            "stream by rank as well as by worker (torch.distributed.get_rank() and "
+            "get_world_size(), with get_worker_info() in each worker)."
+        )
+        snippet = (
+            "import torch.distributed as dist\n"
+            "from torch.utils.data import IterableDataset, get_worker_info\n\n"
+            f"class {name}(IterableDataset):\n"
+            "    def __iter__(self):\n"
+            "        info = get_worker_info()\n"
+            "        worker, workers = (info.id, info.num_workers) if info else (0, 1)\n"
+            "        shard = dist.get_rank() * workers + worker\n"
+            "        shards = dist.get_world_size() * workers\n"
+            "        for i, sample in enumerate(self.samples()):  # your stream, as before\n"
+            "            if i % shards == shard:                  # this rank's, this worker's\n"
+            "                yield sample"
+        )
+    else:
+        how = (f"the first batches of {ranks_txt} were identical (the data itself, "
+               "compared by a hash): the ranks draw the same indices"
+               if proven else f"unless {name} holds only this rank's share (split when it "
+               "was built), every rank trains on every sample")
+        title = (f"Each of the {world} ranks iterates all of {name}{size}: the DataLoader has "
+                 f"no DistributedSampler, so an epoch is {world} passes over the data"
+                 if unsharded and not proven else
+                 f"The first batches of {name} are identical on {ranks_txt}: every rank "
+                 "trains on the same data" + (" (no DistributedSampler)" if unsharded else ""))
+        text = (
+            f"The model is wrapped in {wrapper} over {world} ranks, and the training "
+            f"DataLoader draws its indices with {sampler.rsplit('.', 1)[-1] or 'its sampler'}"
+            + (", torch's own, which covers the whole dataset in every rank" if unsharded
+               else "") + f"; {how}. An epoch takes {world} times the steps it should, and "
+            "the ranks' gradients average the same samples. A DistributedSampler gives each "
+            "rank its own 1/world_size of the indices (shuffled per epoch with set_epoch); "
+            "the batch size stays per rank."
+        )
+        shuffle = not sampler.endswith("SequentialSampler")
+        snippet = (
+            "from torch.utils.data.distributed import DistributedSampler\n\n"
+            f"sampler = DistributedSampler(dataset, shuffle={shuffle})  # this rank's share\n"
+            f"loader = DataLoader(dataset, batch_size={loader.get('batch_size') or 'B'}, "
+            "sampler=sampler, ...)  # no shuffle= with a sampler\n"
+            "for epoch in range(epochs):\n"
+            "    sampler.set_epoch(epoch)  # a new order each epoch, the same on every rank\n"
+            "    for batch in loader:\n"
+            "        ..."
+        )
     return Finding(
         category="distributed", cause="every_rank_reads_all_data", title=title,
-        severity="medium", evidence=evidence, estimated_gain=0.0,
+        severity="high" if proven else "medium", evidence=evidence, estimated_gain=0.0,
         fix=Fix(text=text, snippet=snippet),
         verify=(f"trainprof run {ctx.script}: this finding is gone, and the steps of an epoch "
                 f"fall to 1/{world}"),
