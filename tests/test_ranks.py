@@ -1045,6 +1045,8 @@ def test_the_same_first_batches_on_the_ranks_make_it_high_whatever_the_sampler()
     assert "dist.get_rank() * workers + worker" in f["fix"]["snippet"]
     assert not found(stream, rank_data=None)  # an iterable dataset: no setting shows it
     assert not found(stream, rank_data={**proof, "identical_ranks": []})
+    # two ranks of four alike: tensor-parallel peers share their batches by design
+    assert not found(stream, rank_data={**proof, "ranks_compared": 4})
     # a sampler of its own, and still the same data on both ranks
     custom = loader(sampler="__main__.ShardSampler")
     (f,) = found(custom)

@@ -39,7 +39,7 @@ communication, step-time spread across the ranks' traces) are in
   the same samples' in different orders. Medium from the settings alone: a dataset may
   be split per rank when it is built (a ``Subset`` of the rank's share is left out; a
   class that reads its rank's files cannot be told apart). High when the data shows it:
-  the ranks' first batches have one fingerprint (``rank_data``,
+  all the ranks' first batches have one fingerprint (``rank_data``,
   :func:`trainprof.analysis.ranks.same_data`), whatever the sampler - which also catches
   an ``IterableDataset`` not split by rank, which no setting shows. No step-time gain:
   the steps are as fast, there are ``world_size`` times too many of them.
@@ -227,7 +227,10 @@ def every_rank_reads_all_data(ctx: Context) -> Finding | None:
         return None
     proof = ctx.summary.get("rank_data") or {}
     same = [str(r) for r in proof.get("identical_ranks") or []]
-    proven = len(same) >= 2 and proof.get("loader_index") == loader.get("index")
+    # every rank compared: tensor-parallel peers load the same batch by design, and are
+    # only some of the ranks (the data-parallel groups differ)
+    proven = (len(same) >= 2 and len(same) == proof.get("ranks_compared")
+              and proof.get("loader_index") == loader.get("index"))
     sampler = str(loader.get("sampler") or "")
     batch_sampler = str(loader.get("batch_sampler") or "")
     dataset = str(loader.get("dataset") or "")
