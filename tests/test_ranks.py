@@ -252,6 +252,8 @@ def test_a_script_that_runs_itself_again_records_each_run_as_a_rank(tp):
     assert [r["label"] for r in doc["ranks"]] == ["0", "1"]
     assert doc["ranks"][0]["run_dir"] == str(res.run_dir)  # rank 0 is the run's own record
     assert doc["status"] == "finished" and doc["exit_code"] == 0
+    # the run's own first batch is rank 0's, compared with rank 1's (no DistributedSampler)
+    assert doc["rank_data"]["identical_ranks"] == ["0", "1"]
     rank1 = json.loads((res.run_dir / "ranks" / "1" / RUN_JSON).read_text())
     assert rank1["status"] == "finished" and rank1["rank_label"] == "1"
     assert rank1["command"][1:] == [str(res.run_dir.parent / "train.py"), "relaunch",

@@ -263,7 +263,10 @@ def merge_ranks(
     main["rank_spread"] = rank_spread(rows, *common_step_means(steps or {}))
     rates = [r["samples_per_s"] for r in rows if r.get("samples_per_s")]
     main["samples_per_s_all_ranks"] = sum(rates) if rates else None
-    main["rank_data"] = same_data(ranks)
+    trained = list(ranks)
+    if own is not None and own_label is not None and main_label is None:
+        trained.insert(0, (own_label, own, own_meta or {}))  # it trained as a rank too
+    main["rank_data"] = same_data(trained)
     if main_label is not None:
         # the rank's own notes, the launching process's (less the one this replaces)
         own_notes = [n for n in (own or {}).get("notes") or [] if f"{RANKS_DIR}/<k>/" not in n]
