@@ -666,9 +666,19 @@ def test_ranks_that_oversubscribe_their_host_are_named():
     # a share each: nothing to report; nor for ranks on CUDA (one launching thread each)
     assert ranks_oversubscribe_cores(Context(_host_summary([2, 2, 2, 2]), None)) is None
     assert ranks_oversubscribe_cores(Context(_host_summary([8] * 4, cuda=True), None)) is None
-    # measured DataLoader workers count in the budget: 4 x 1 thread + 4 x 1.5 cores > 8
-    f = ranks_oversubscribe_cores(Context(_host_summary([1] * 4, workers_pct=150.0), None))
+    # measured DataLoader workers count in the budget: 4 x 1 thread + 4 x 1.5 cores > 8;
+    # the threads are at one each already, so the fix is fewer workers: 1 core a rank
+    # beside its thread, for workers measured at 1.5 cores - 2 of the 3
+    summary = _host_summary([1] * 4, workers_pct=150.0)
+    summary["dataloaders"] = [{"index": 0, "num_workers": 3, "dataset": "__main__.Images"}]
+    f = ranks_oversubscribe_cores(Context(summary, None))
     assert f is not None and f.evidence["core_demand"] == pytest.approx(10.0)
+    assert f.evidence["suggested_num_workers"] == 2 and "set_num_threads" not in f.fix.snippet
+    assert "num_workers=2)  # was 3" in f.fix.snippet
+    assert "--knob num_workers=2,3 " in f.verify
+    assert "run 1 op thread each already" in f.fix.text
+    del summary["dataloaders"]  # without workers to count, no fix to give
+    assert ranks_oversubscribe_cores(Context(summary, None)) is None
 
 
 def test_spawned_ranks_with_default_thread_pools_oversubscribe_the_host(tp):

@@ -17,7 +17,9 @@ communication, step-time spread across the ranks' traces) are in
   gain is the difference, per step of the main rank.
 * ``ranks_oversubscribe_cores``: the ranks on one host ask for more cores than it has:
   each CPU rank's intra-op threads (one for a rank on CUDA: it only launches kernels)
-  plus the cores its DataLoader workers were measured to use. Every rank sizes its
+  plus the cores its DataLoader workers were measured to use - and the ranks run more
+  threads than their share (ranks at one thread each, over the cores by their workers'
+  use only, have no thread to give back). Every rank sizes its
   thread pool to the whole machine by default; ``torchrun`` sets ``OMP_NUM_THREADS=1``,
   ``torch.multiprocessing.spawn`` does not. The per-process rule
   (:mod:`trainprof.diagnosis.contention`) sees one rank and cannot tell. Gain and
@@ -179,16 +181,23 @@ def ranks_oversubscribe_cores(ctx: Context) -> Finding | None:
         return None
     per_rank = max(1, math.floor((cores - worker_cores) / n)) if not ctx.on_cuda else 1
     current = max(int(r["torch_num_threads"]) for r in mine)
+    evidence = {"ranks_on_host": n, "usable_cores": cores, "intra_op_threads": threads,
+                "worker_cores_used": worker_cores, "core_demand": demand,
+                "compute_share": ctx.compute_share}
+    title = (f"{n} ranks on one host ask for {demand:.1f} cores ({threads} intra-op threads"
+             + (f", {worker_cores:.1f} cores of DataLoader workers" if worker_cores else "")
+             + f") of its {cores}: their math waits for a core")
+    if per_rank >= current:
+        # the threads are at their share already (one each, say): what is over the
+        # cores is the DataLoader workers' - fewer of them, not fewer threads
+        return _workers_over_cores(ctx, n, cores, threads, worker_cores, current, title,
+                                   severity, gain, evidence)
     return Finding(
         category="distributed",
         cause="ranks_oversubscribe_cores",
-        title=(f"{n} ranks on one host ask for {demand:.1f} cores ({threads} intra-op threads"
-               + (f", {worker_cores:.1f} cores of DataLoader workers" if worker_cores else "")
-               + f") of its {cores}: their math waits for a core"),
+        title=title,
         severity=severity,
-        evidence={"ranks_on_host": n, "usable_cores": cores, "intra_op_threads": threads,
-                  "worker_cores_used": worker_cores, "core_demand": demand,
-                  "compute_share": ctx.compute_share},
+        evidence=evidence,
         estimated_gain=gain,
         fix=Fix(
             text=(
@@ -208,6 +217,40 @@ def ranks_oversubscribe_cores(ctx: Context) -> Finding | None:
         verify=(f"trainprof tune --knob torch_threads="
                 f"{','.join(str(v) for v in sorted(set(sweep(per_rank, current))))} "
                 f"{ctx.script} (the knob applies in every rank)"),
+    )
+
+
+def _workers_over_cores(ctx: Context, n: int, cores: int, threads: int, worker_cores: float,
+                        current: int, title: str, severity: str, gain: float,
+                        evidence: dict[str, Any]) -> Finding | None:
+    """The ranks' threads are at their share: the DataLoader workers take the cores over.
+
+    Each rank's workers get the cores its threads leave, ``(cores - threads) / n``; the
+    suggested count scales the training loader's workers (rank 0's settings: every rank
+    runs the same loop) by that budget over what they were measured to use.
+    """
+    nw = int((ctx.train_loader or {}).get("num_workers") or 0)
+    if nw <= 0 or worker_cores <= 0:
+        return None
+    budget = max(0.0, cores - threads) / n
+    suggested = max(0, min(nw - 1, math.floor(nw * budget / (worker_cores / n))))
+    text = (
+        f"The {n} ranks run {current} op thread{'s' if current > 1 else ''} each already "
+        f"({threads} on {cores} cores); their DataLoader workers use {worker_cores:.1f} cores "
+        "more, so the workers and the ranks' math take turns on the cores. Each rank's "
+        f"workers have {budget:.1f} cores beside its threads: {suggested} workers a rank "
+        f"instead of {nw} (as few as keep the data wait down; a worker costs more than it "
+        "saves where samples are cheap), or fewer ranks on this host."
+    )
+    snippet = (f"loader = DataLoader(dataset, ..., num_workers={suggested})  # was {nw}: "
+               f"{n} ranks' workers within {cores} cores")
+    return Finding(
+        category="distributed", cause="ranks_oversubscribe_cores", title=title,
+        severity=severity, evidence={**evidence, "num_workers": nw,
+                                     "suggested_num_workers": suggested},
+        estimated_gain=gain, fix=Fix(text=text, snippet=snippet),
+        verify=(f"trainprof tune --knob num_workers={suggested},{nw} {ctx.script} "
+                "(the knob applies in every rank)"),
     )
 
 
