@@ -17,9 +17,9 @@ communication, step-time spread across the ranks' traces) are in
   gain is the difference, per step of the main rank.
 * ``ranks_oversubscribe_cores``: the ranks on one host ask for more cores than it has:
   each CPU rank's intra-op threads (one for a rank on CUDA: it only launches kernels)
-  plus the cores its DataLoader workers were measured to use - and the ranks run more
-  threads than their share (ranks at one thread each, over the cores by their workers'
-  use only, have no thread to give back). Every rank sizes its
+  plus the cores its DataLoader workers were measured to use (ranks at their share of
+  threads already, one each say, are over by their workers: the fix is then fewer
+  workers a rank, not fewer threads). Every rank sizes its
   thread pool to the whole machine by default; ``torchrun`` sets ``OMP_NUM_THREADS=1``,
   ``torch.multiprocessing.spawn`` does not. The per-process rule
   (:mod:`trainprof.diagnosis.contention`) sees one rank and cannot tell. Gain and
