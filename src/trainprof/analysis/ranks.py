@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from trainprof.analysis.steps import complete_steps
+from trainprof.analysis.workers import same_data_group
 from trainprof.store import RANKS_DIR, RUN_JSON, Run, load_run
 
 #: Fewest steps every rank shares (past warm-up) for a step-time spread: fewer, and a
@@ -191,9 +192,10 @@ def merged_status(ranks: list[tuple[str, dict[str, Any]]]) -> tuple[str, int | N
 def same_data(ranks: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> dict[str, Any] | None:
     """The ranks that loaded the same first batch, per loader (``rank_data``, above).
 
-    ``identical_ranks``: the labels of the largest group of ranks with one fingerprint,
-    where at least one of them saw its data vary (a second batch unlike the first);
-    empty when no two ranks agree. None when no loader has fingerprints from two ranks.
+    ``identical_ranks``: the labels of the largest group of ranks with one fingerprint
+    (:func:`~trainprof.analysis.workers.same_data_group`: one of them saw its data
+    vary); empty when no two ranks agree. None when no loader has fingerprints from two
+    ranks.
     """
     by_index: dict[int, dict[str, dict[str, Any]]] = {}
     for label, summary, _ in ranks:
@@ -206,11 +208,8 @@ def same_data(ranks: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> dict[s
     for index, per in sorted(by_index.items()):
         if len(per) < 2:
             continue
-        groups: dict[str, list[str]] = {}
-        for label, fb in per.items():
-            groups.setdefault(fb["digest"], []).append(label)
-        same = max((labels for labels in groups.values() if len(labels) >= 2
-                    and any(per[label].get("varies") for label in labels)), key=len, default=[])
+        same = same_data_group({label: (fb["digest"], bool(fb.get("varies")))
+                                for label, fb in per.items()})
         found = {"loader_index": index, "identical_ranks": sorted(same, key=_label_key),
                  "ranks_compared": len(per)}
         if best is None or len(same) > len(best["identical_ranks"]):

@@ -59,7 +59,8 @@ from typing import Any
 
 import orjson
 
-__all__ = ["bin_bounds", "hist_quantile", "load_worker_files", "summarize_workers"]
+__all__ = ["bin_bounds", "hist_quantile", "load_worker_files", "same_data_group",
+           "summarize_workers"]
 
 #: Must match trainprof.capture.worker.WORKERS_DIR / FORMAT.
 WORKERS_DIR = "workers"
@@ -241,35 +242,52 @@ def _startup(streams: list[dict[str, Any]], origin_ns: int | None,
     }
 
 
+def same_data_group(fingerprints: dict[Any, tuple[str, bool]]) -> list[Any]:
+    """The largest group of keys whose first batches have one fingerprint, or [].
+
+    ``fingerprints``: per key (a worker, a rank), its first batch's digest and whether
+    its data varied (a second batch unlike the first). A group counts only if one of its
+    members saw its data vary: identical batches of one constant sample (synthetic data)
+    are no evidence of one stream read twice. Groups of one are not groups.
+    """
+    groups: dict[str, list[Any]] = defaultdict(list)
+    for key, (digest, _) in fingerprints.items():
+        groups[digest].append(key)
+    return max((keys for keys in groups.values()
+                if len(keys) >= 2 and any(fingerprints[k][1] for k in keys)),
+               key=len, default=[])
+
+
+def _fingerprint(first_batches: Any) -> tuple[str, bool] | None:
+    """``(digest of the first batch, data varied)`` from a stream's ``first_batches``."""
+    fb = first_batches
+    if not (isinstance(fb, list) and fb and isinstance(fb[0], str)):
+        return None
+    return fb[0], len(fb) > 1 and isinstance(fb[1], str) and fb[1] != fb[0]
+
+
 def _same_stream(streams: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Workers of one generation that loaded the same data (an unsplit ``IterableDataset``).
 
-    Each worker of an iterable dataset fingerprints its first two batches
-    (``first_batches``, :mod:`trainprof.capture.batch_digest`). Workers of one generation
-    whose first batches are identical read the same stream, unless the data is one
-    constant batch: so a group counts only when its second batches differ from the
-    first. Returns the largest group (``identical_workers`` of ``workers_compared``, the
-    generation), with ``identical_workers`` 1 when every worker's data differed; None
-    when fewer than two workers of a generation left fingerprints.
+    Each worker fingerprints its first two batches (``first_batches``,
+    :mod:`trainprof.capture.batch_digest`); :func:`same_data_group` groups them. Returns
+    the generation with the largest group (``identical_workers`` of
+    ``workers_compared``; 1 when no two workers agree); None when fewer than two workers
+    of a generation left fingerprints.
     """
-    by_gen: dict[int, list[list[Any]]] = defaultdict(list)
-    for s in streams:
-        fb = s.get("first_batches")
-        if isinstance(fb, list) and fb and isinstance(fb[0], str):
-            by_gen[_num(s, "generation")].append(fb)
+    by_gen: dict[int, dict[int, tuple[str, bool]]] = defaultdict(dict)
+    for k, s in enumerate(streams):
+        fp = _fingerprint(s.get("first_batches"))
+        if fp is not None:
+            by_gen[_num(s, "generation")][k] = fp
     best: dict[str, Any] | None = None
     for g in sorted(by_gen):
-        lists = by_gen[g]
-        if len(lists) < 2:
+        if len(by_gen[g]) < 2:
             continue
-        groups: dict[str, list[list[Any]]] = defaultdict(list)
-        for fb in lists:
-            groups[fb[0]].append(fb)
-        same = max((len(members) for members in groups.values()
-                    if any(len(fb) > 1 and isinstance(fb[1], str) and fb[1] != fb[0]
-                           for fb in members)), default=1)
+        same = max(1, len(same_data_group(by_gen[g])))
         if best is None or same > best["identical_workers"]:
-            best = {"generation": g, "identical_workers": same, "workers_compared": len(lists)}
+            best = {"generation": g, "identical_workers": same,
+                    "workers_compared": len(by_gen[g])}
     return best
 
 
@@ -278,20 +296,15 @@ def _first_batch(streams: list[dict[str, Any]]) -> dict[str, Any] | None:
 
     The first generation's worker 0 loads an epoch's first batch (the DataLoader asks
     its workers in turn); with ``num_workers=0``, the training process does (worker id
-    None). ``varies``: that process's second batch differs from its first (identical
-    first batches of constant data are no evidence of the same data).
+    None). ``varies``: that process's second batch differs from its first.
     """
-    cands = [s for s in streams if isinstance(s.get("first_batches"), list)
-             and s["first_batches"] and isinstance(s["first_batches"][0], str)]
-    if not cands:
+    found = [(s, fp) for s in streams if (fp := _fingerprint(s.get("first_batches")))]
+    if not found:
         return None
-    first = min(_num(s, "generation") for s in cands)
-    s = next((s for s in cands if _num(s, "generation") == first
-              and s.get("worker_id") in (0, None)), None)
-    if s is None:
-        return None
-    fb = s["first_batches"]
-    return {"digest": fb[0], "varies": len(fb) > 1 and isinstance(fb[1], str) and fb[1] != fb[0]}
+    first = min(_num(s, "generation") for s, _ in found)
+    fp = next((fp for s, fp in found if _num(s, "generation") == first
+               and s.get("worker_id") in (0, None)), None)
+    return None if fp is None else {"digest": fp[0], "varies": fp[1]}
 
 
 def _scaled(stream: dict[str, Any], key: str) -> float:

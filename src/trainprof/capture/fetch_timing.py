@@ -127,7 +127,9 @@ class Stream:
         self.version = 0  # bumped per batch: the writer skips unchanged streams
         self.rearm = False  # training process: timed by an armed instance (WorkerCapture.rearm)
         self.yielded = 0  # ... and its batches counted from the iterators (set by the writer)
-        self.digesting = True  # the first batches are fingerprinted (note_content)
+        # the first two batches are fingerprinted (note_content); a flag, not len(digests):
+        # one attribute read per batch on the fetch path
+        self.digesting = True
         self.digests: list[str | None] = []
 
     def bind_thread(self) -> None:

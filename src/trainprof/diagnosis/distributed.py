@@ -55,6 +55,7 @@ from typing import Any
 
 from trainprof.diagnosis.context import Context
 from trainprof.diagnosis.finding import Finding, Fix, band, sweep
+from trainprof.diagnosis.iterable_split import split_snippet
 from trainprof.diagnosis.registry import rule
 
 VERIFY = ("trainprof run the same launch again and compare the Ranks lines (`trainprof report "
@@ -263,10 +264,9 @@ DEFAULT_SAMPLERS = ("sampler.RandomSampler", "sampler.SequentialSampler")
 @rule("distributed.every_rank_reads_all_data")
 def every_rank_reads_all_data(ctx: Context) -> Finding | None:
     world = int((ctx.summary.get("distributed") or {}).get("world_size") or 0)
-    roots = [r for r in ctx.summary.get("forward_roots") or [] if isinstance(r, str)
-             and r.rsplit(".", 1)[-1] in DATA_PARALLEL_ROOTS]
+    root = _root(ctx, DATA_PARALLEL_ROOTS)
     loader = ctx.train_loader
-    if world < 2 or not roots or loader is None:
+    if world < 2 or root is None or loader is None:
         return None
     proof = ctx.summary.get("rank_data") or {}
     same = [str(r) for r in proof.get("identical_ranks") or []]
@@ -276,18 +276,14 @@ def every_rank_reads_all_data(ctx: Context) -> Finding | None:
               and proof.get("loader_index") == loader.get("index"))
     sampler = str(loader.get("sampler") or "")
     batch_sampler = str(loader.get("batch_sampler") or "")
-    dataset = str(loader.get("dataset") or "")
     iterable = bool(loader.get("iterable_dataset"))
-    unsharded = not (
+    unsharded = not (  # a sampler of its own (or a framework's), or a dataset cut per rank
         iterable or loader.get("driven_by") or not sampler.endswith(DEFAULT_SAMPLERS)
         or (batch_sampler and not batch_sampler.endswith("sampler.BatchSampler"))
-        or dataset.endswith("Subset"))  # a sampler of its own (or a framework's), a cut
+        or str(loader.get("dataset") or "").endswith("Subset"))
     if not (proven or unsharded):
         return None
-    wrapper = roots[0].rsplit(".", 1)[-1]
-    name = dataset.rsplit(".", 1)[-1] or "the dataset"
-    length = loader.get("len")
-    size = f" ({length:,} samples)" if isinstance(length, int) else ""
+    wrapper = root.rsplit(".", 1)[-1]
     evidence: dict[str, Any] = {
         "world_size": world,
         "wrapper": wrapper,
@@ -298,62 +294,14 @@ def every_rank_reads_all_data(ctx: Context) -> Finding | None:
     if proven:
         evidence["identical_first_batch_ranks"] = same
         evidence["ranks_compared"] = proof.get("ranks_compared")
+    name = str(loader.get("dataset") or "").rsplit(".", 1)[-1] or "the dataset"
     ranks_txt = f"ranks {', '.join(same)}" if len(same) < world else f"all {world} ranks"
+    intro = f"The model is wrapped in {wrapper} over {world} ranks"
     if iterable:
-        title = (f"The first batches of {name} are identical on {ranks_txt}: the "
-                 "IterableDataset is not split by rank, so every rank trains on the same data")
-        text = (
-            f"The model is wrapped in {wrapper} over {world} ranks, and the training data "
-            f"is {name}, an IterableDataset: every rank runs its __iter__, and the first "
-            f"batches of {ranks_txt} were identical (the data itself, compared by a hash). "
-            "Each rank yields the whole stream: the ranks' gradients average the same "
-            f"samples, and a pass over the data takes {world} times the work. Split the "
-            "stream by rank as well as by worker (torch.distributed.get_rank() and "
-            "get_world_size(), with get_worker_info() in each worker)."
-        )
-        snippet = (
-            "import torch.distributed as dist\n"
-            "from torch.utils.data import IterableDataset, get_worker_info\n\n"
-            f"class {name}(IterableDataset):\n"
-            "    def __iter__(self):\n"
-            "        info = get_worker_info()\n"
-            "        worker, workers = (info.id, info.num_workers) if info else (0, 1)\n"
-            "        shard = dist.get_rank() * workers + worker\n"
-            "        shards = dist.get_world_size() * workers\n"
-            "        for i, sample in enumerate(self.samples()):  # your stream, as before\n"
-            "            if i % shards == shard:                  # this rank's, this worker's\n"
-            "                yield sample"
-        )
+        title, text, snippet = _stream_per_rank_fix(name, intro, ranks_txt, world)
     else:
-        how = (f"the first batches of {ranks_txt} were identical (the data itself, "
-               "compared by a hash): the ranks draw the same indices"
-               if proven else f"unless {name} holds only this rank's share (split when it "
-               "was built), every rank trains on every sample")
-        title = (f"Each of the {world} ranks iterates all of {name}{size}: the DataLoader has "
-                 f"no DistributedSampler, so an epoch is {world} passes over the data"
-                 if unsharded and not proven else
-                 f"The first batches of {name} are identical on {ranks_txt}: every rank "
-                 "trains on the same data" + (" (no DistributedSampler)" if unsharded else ""))
-        text = (
-            f"The model is wrapped in {wrapper} over {world} ranks, and the training "
-            f"DataLoader draws its indices with {sampler.rsplit('.', 1)[-1] or 'its sampler'}"
-            + (", torch's own, which covers the whole dataset in every rank" if unsharded
-               else "") + f"; {how}. An epoch takes {world} times the steps it should, and "
-            "the ranks' gradients average the same samples. A DistributedSampler gives each "
-            "rank its own 1/world_size of the indices (shuffled per epoch with set_epoch); "
-            "the batch size stays per rank."
-        )
-        shuffle = not sampler.endswith("SequentialSampler")
-        snippet = (
-            "from torch.utils.data.distributed import DistributedSampler\n\n"
-            f"sampler = DistributedSampler(dataset, shuffle={shuffle})  # this rank's share\n"
-            f"loader = DataLoader(dataset, batch_size={loader.get('batch_size') or 'B'}, "
-            "sampler=sampler, ...)  # no shuffle= with a sampler\n"
-            "for epoch in range(epochs):\n"
-            "    sampler.set_epoch(epoch)  # a new order each epoch, the same on every rank\n"
-            "    for batch in loader:\n"
-            "        ..."
-        )
+        title, text, snippet = _sampler_fix(loader, name, intro, ranks_txt, world, proven,
+                                            unsharded)
     return Finding(
         category="distributed", cause="every_rank_reads_all_data", title=title,
         severity="high" if proven else "medium", evidence=evidence, estimated_gain=0.0,
@@ -363,15 +311,72 @@ def every_rank_reads_all_data(ctx: Context) -> Finding | None:
     )
 
 
-def _ddp_root(ctx: Context) -> str | None:
+def _stream_per_rank_fix(name: str, intro: str, ranks_txt: str,
+                         world: int) -> tuple[str, str, str]:
+    """An IterableDataset every rank iterates whole (shown by the ranks' first batches)."""
+    title = (f"The first batches of {name} are identical on {ranks_txt}: the "
+             "IterableDataset is not split by rank, so every rank trains on the same data")
+    text = (
+        f"{intro}, and the training data is {name}, an IterableDataset: every rank runs "
+        f"its __iter__, and the first batches of {ranks_txt} were identical (the data "
+        "itself, compared by a hash). Each rank yields the whole stream: the ranks' "
+        f"gradients average the same samples, and a pass over the data takes {world} "
+        "times the work. Split the stream by rank as well as by worker "
+        "(torch.distributed.get_rank() and get_world_size(), with get_worker_info() in "
+        "each worker)."
+    )
+    return title, text, split_snippet(name, by_rank=True)
+
+
+def _sampler_fix(loader: dict[str, Any], name: str, intro: str, ranks_txt: str, world: int,
+                 proven: bool, unsharded: bool) -> tuple[str, str, str]:
+    """A map-style loader with the same indices on every rank: a DistributedSampler."""
+    sampler = str(loader.get("sampler") or "")
+    length = loader.get("len")
+    size = f" ({length:,} samples)" if isinstance(length, int) else ""
+    if proven:
+        title = (f"The first batches of {name} are identical on {ranks_txt}: every rank "
+                 "trains on the same data" + (" (no DistributedSampler)" if unsharded else ""))
+        how = (f"the first batches of {ranks_txt} were identical (the data itself, compared "
+               "by a hash): the ranks draw the same indices")
+    else:
+        title = (f"Each of the {world} ranks iterates all of {name}{size}: the DataLoader has "
+                 f"no DistributedSampler, so an epoch is {world} passes over the data")
+        how = (f"unless {name} holds only this rank's share (split when it was built), every "
+               "rank trains on every sample")
+    own = ", torch's own, which covers the whole dataset in every rank" if unsharded else ""
+    shuffle = not sampler.endswith("SequentialSampler")
+    text = (
+        f"{intro}, and the training DataLoader draws its indices with "
+        f"{sampler.rsplit('.', 1)[-1] or 'its sampler'}{own}; {how}. An epoch takes {world} "
+        "times the steps it should, and the ranks' gradients average the same samples. A "
+        "DistributedSampler gives each rank its own 1/world_size of the indices (shuffled "
+        "per epoch with set_epoch); the batch size stays per rank."
+    )
+    snippet = (
+        "from torch.utils.data.distributed import DistributedSampler\n\n"
+        f"sampler = DistributedSampler(dataset, shuffle={shuffle})  # this rank's share\n"
+        f"loader = DataLoader(dataset, batch_size={loader.get('batch_size') or 'B'}, "
+        "sampler=sampler, ...)  # no shuffle= with a sampler\n"
+        "for epoch in range(epochs):\n"
+        "    sampler.set_epoch(epoch)  # a new order each epoch, the same on every rank\n"
+        "    for batch in loader:\n"
+        "        ..."
+    )
+    return title, text, snippet
+
+
+def _root(ctx: Context, names: tuple[str, ...]) -> str | None:
+    """The first forward root (the model's class) whose class name is one of ``names``."""
     roots = ctx.summary.get("forward_roots") or []
-    return next((r for r in roots if isinstance(r, str)
-                 and r.rsplit(".", 1)[-1] == "DistributedDataParallel"), None)
+    return next((r for r in roots if isinstance(r, str) and r.rsplit(".", 1)[-1] in names),
+                None)
 
 
 @rule("distributed.allreduce_every_micro_step")
 def allreduce_every_micro_step(ctx: Context) -> Finding | None:
-    if _ddp_root(ctx) is None or ctx.summary.get("ddp_no_sync_calls") != 0:
+    ddp = _root(ctx, ("DistributedDataParallel",))
+    if ddp is None or ctx.summary.get("ddp_no_sync_calls") != 0:
         return None  # not DDP, no_sync used, or a record from before the count
     world = int((ctx.summary.get("distributed") or {}).get("world_size") or 0)
     backward = float((ctx.summary.get("ops") or {}).get("backward_per_step") or 0.0)

@@ -24,16 +24,30 @@ from trainprof.diagnosis.context import Context
 from trainprof.diagnosis.finding import Finding, Fix
 from trainprof.diagnosis.registry import rule
 
-SNIPPET = """\
-from torch.utils.data import IterableDataset, get_worker_info
 
-class {name}(IterableDataset):
-    def __iter__(self):
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        for i, sample in enumerate(self.samples()):   # your stream, as before
-            if i % workers == worker:                  # each worker its own share
-                yield sample"""
+def split_snippet(name: str, by_rank: bool = False) -> str:
+    """``__iter__`` of the dataset ``name``, each worker (and with ``by_rank``, each rank's
+    worker) taking its own share of the stream."""
+    lines = ["import torch.distributed as dist"] if by_rank else []
+    lines += [
+        "from torch.utils.data import IterableDataset, get_worker_info",
+        "",
+        f"class {name}(IterableDataset):",
+        "    def __iter__(self):",
+        "        info = get_worker_info()",
+        "        worker, workers = (info.id, info.num_workers) if info else (0, 1)",
+    ]
+    if by_rank:
+        lines += ["        shard = dist.get_rank() * workers + worker",
+                  "        shards = dist.get_world_size() * workers"]
+    else:
+        lines += ["        shard, shards = worker, workers"]
+    lines += [
+        "        for i, sample in enumerate(self.samples()):  # your stream, as before",
+        "            if i % shards == shard:                  # its own share",
+        "                yield sample",
+    ]
+    return "\n".join(lines)
 
 
 @rule("input_pipeline.iterable_not_split")
@@ -83,7 +97,7 @@ def _finding(ctx: Context, loader: dict[str, Any], same: dict[str, Any]) -> Find
         severity="high",
         evidence=evidence,
         estimated_gain=0.0,
-        fix=Fix(text=text, snippet=SNIPPET.format(name=dataset)),
+        fix=Fix(text=text, snippet=split_snippet(dataset)),
         verify=(f"trainprof run {ctx.script}: this finding is gone, and the steps of an "
                 f"epoch fall to 1/{n}"),
     )

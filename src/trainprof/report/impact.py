@@ -14,10 +14,8 @@ NO_GAIN = {
 }
 NO_GAIN_DEFAULT = "no speed-up: it qualifies the numbers above"
 #: ... and by cause, where the category's line would be wrong
-NO_GAIN_CAUSE = {
-    "iterable_not_split": "no faster step: fewer of them (each epoch repeats its data)",
-    "every_rank_reads_all_data": "no faster step: fewer of them (each epoch repeats its data)",
-}
+_REPEATED_DATA = "no faster step: fewer of them (each epoch repeats its data)"
+NO_GAIN_CAUSE = {"iterable_not_split": _REPEATED_DATA, "every_rank_reads_all_data": _REPEATED_DATA}
 
 
 #: a finding whose speed-up no measurement bounds (evidence ``gain_unknown``)
