@@ -103,3 +103,53 @@ def sampler_children(pid: int) -> list:
         if "trainprof.capture.sampler_process" in cmdline:
             found.append(p)
     return found
+
+
+# --------------------------------------------------------------------------- a run to export
+
+EXPORT_SCRIPT = """
+    import time
+    import torch
+    import trainprof
+    from torch import nn
+    from torch.utils.data import DataLoader, Dataset
+
+    class Data(Dataset):
+        def __len__(self):
+            return 4096
+        def __getitem__(self, i):
+            time.sleep(0.0005)
+            return torch.randn(32), i % 4
+
+    torch.manual_seed(0)
+    loader = DataLoader(Data(), batch_size=8, num_workers=1, persistent_workers=True)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with trainprof.profile() as prof:
+        for step, (x, y) in enumerate(loader):
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            time.sleep(0.004)
+            if step % 10 == 9:
+                with prof.region("eval"):
+                    time.sleep(0.01)
+            if step == 39:
+                break
+"""
+
+
+@pytest.fixture(scope="session")
+def export_run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One run with everything the exports carry (steps and phases, a named region, a
+    DataLoader worker, system samples, a deep window), shared by the export tests: read
+    only."""
+    root = tmp_path_factory.mktemp("export")
+    write_script(root, "train.py", EXPORT_SCRIPT)
+    out = root / "run"
+    res = trainprof("run", "--out", str(out), "--sample-interval", "0.05",
+                    "--deep", "skip_first=8,warmup=1,active=3", "train.py", cwd=root)
+    assert res.returncode == 0, res.stderr
+    assert list((out / "deep").glob("*.pt.trace.json.gz")), "no deep-window trace written"
+    return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -151,6 +152,56 @@ def test_terminal_table_fits_120_columns_and_names_the_best_arm(workers_tune) ->
     assert max(len(ln) for ln in lines[:-1]) <= 120
     row = next(ln for ln in lines if ln.lstrip().startswith("num_workers=2"))
     assert "faster" in row and "×0." in row
+
+
+def test_a_tune_folder_exports_to_tensorboards_hparams_dashboard(
+    workers_tune, tmp_path: Path
+) -> None:
+    """Each trial a TensorBoard run tagged with its knob setting, the sweep's config above
+    them, and the trial's mean step time as the metric HParams compares (read back with
+    TensorBoard's own reader and its hparams plugin's parser)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import metadata as hp_meta
+    from tensorboard.util import tensor_util
+
+    # the sweep copied from another machine: its trials found beside tune.json
+    moved = tmp_path / "moved"
+    shutil.copytree(workers_tune["dir"], moved)
+    text = (moved / "tune.json").read_text()
+    (moved / "tune.json").write_text(text.replace(str(workers_tune["dir"]), "/elsewhere/t"))
+    res = trainprof("export", str(moved), "--tensorboard", str(tmp_path / "logs"), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    root = tmp_path / "logs" / "moved"
+
+    def read(folder: Path) -> EventAccumulator:
+        acc = EventAccumulator(str(folder), size_guidance={"tensors": 0})
+        acc.Reload()
+        return acc
+
+    config = read(root).PluginTagToContent("hparams")[hp_meta.EXPERIMENT_TAG]
+    experiment = hp_meta.parse_experiment_plugin_data(config)
+    (info,) = experiment.hparam_infos
+    assert info.name == "num_workers"
+    assert [v.string_value for v in info.domain_discrete.values] == ["0", "2"]
+    assert "tune/mean_step_ms" in {m.name.tag for m in experiment.metric_infos}
+
+    doc = workers_tune["doc"]
+    for arm in doc["arms"]:
+        for trial in arm["trials"]:
+            name = Path(trial["run_dir"]).name
+            acc = read(root / name)
+            start = hp_meta.parse_session_start_info_plugin_data(
+                acc.PluginTagToContent("hparams")[hp_meta.SESSION_START_INFO_TAG])
+            assert start.hparams["num_workers"].string_value == arm["settings"]["num_workers"]
+            assert start.group_name == name
+            (event,) = acc.Tensors("tune/mean_step_ms")
+            value = float(tensor_util.make_ndarray(event.tensor_proto))
+            assert value == pytest.approx(trial["mean_s"] * 1e3, rel=1e-6)
+            assert "step/time_ms" in acc.PluginTagToContent("scalars")
+    # a perfetto export of the sweep names what to do instead
+    res = trainprof("export", str(moved), "--perfetto", str(tmp_path / "p.json"), cwd=tmp_path)
+    assert res.returncode == 2 and "tune folder: export one of its trials" in res.stderr
 
 
 def test_thread_knob_beats_the_script_and_ctrl_c_reports_what_was_done(tmp_path: Path) -> None:

@@ -214,9 +214,14 @@ def build_parser() -> _Parser:
 
     export = sub.add_parser("export", help="export a run for other tools")
     export.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run folder")
-    export.add_argument("--perfetto", type=Path, metavar="PATH", required=True,
+    export.add_argument("--perfetto", type=Path, metavar="PATH",
                         help="write one Chrome-trace JSON (Perfetto, chrome://tracing): steps, "
                              "phases, system counters and any deep-window trace, aligned")
+    export.add_argument("--tensorboard", type=Path, metavar="LOGDIR",
+                        help="write TensorBoard event files into LOGDIR/<run name>/: per-step "
+                             "and system scalars, the report and findings as text; a tune "
+                             "folder's trials with their knobs as hparams (needs the "
+                             "tensorboard package)")
     pack = sub.add_parser(
         "pack",
         help="pack a folder of one-file-per-sample data into a few large files (PackedDataset)",
@@ -366,7 +371,7 @@ def _dispatch(argv: list[str]) -> int:
     if ns.command == "export":
         from trainprof.commands import export_command
 
-        return export_command(ns.run_dir, perfetto=ns.perfetto)
+        return export_command(ns.run_dir, perfetto=ns.perfetto, tensorboard=ns.tensorboard)
     if ns.command == "pack":
         from trainprof.commands import pack_command
 

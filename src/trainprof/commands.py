@@ -15,14 +15,25 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from trainprof.analysis.deep import trace_findings
 from trainprof.analysis.ranks import load_main_run, load_ranks, merge_ranks, rank_dirs
 from trainprof.analysis.steps import complete_steps
 from trainprof.analysis.summary import summarize_run
 from trainprof.capture.tools import build_windows
+from trainprof.errors import UsageError
 from trainprof.report.json_report import render_json
 from trainprof.report.terminal import render_summary
-from trainprof.store import RANKS_DIR, RUN_JSON, Run, default_run_dir, load_run, save_summary
+from trainprof.store import (
+    RANKS_DIR,
+    RUN_JSON,
+    TUNE_JSON,
+    Run,
+    default_run_dir,
+    load_run,
+    save_summary,
+)
 
 
 def _diagnosed(summary: dict[str, Any], run: Run) -> dict[str, Any]:
@@ -383,8 +394,24 @@ def compare_command(
     return 0
 
 
-def export_command(run_dir: Path, *, perfetto: Path) -> int:
-    """``trainprof export --perfetto``: one Chrome-trace JSON of the run for Perfetto."""
+def export_command(
+    run_dir: Path, *, perfetto: Path | None = None, tensorboard: Path | None = None
+) -> int:
+    """``trainprof export``: the run for other tools (Perfetto's timeline, TensorBoard)."""
+    if perfetto is None and tensorboard is None:
+        raise UsageError("say what to export: --perfetto PATH and/or --tensorboard LOGDIR")
+    run_dir = Path(run_dir)
+    if perfetto is not None:
+        if (run_dir / TUNE_JSON).is_file() and not (run_dir / RUN_JSON).is_file():
+            raise UsageError(f"{run_dir} is a trainprof tune folder: export one of its trials "
+                             "with --perfetto (or the whole sweep with --tensorboard)")
+        _export_perfetto(run_dir, perfetto)
+    if tensorboard is not None:
+        _export_tensorboard(run_dir, tensorboard)
+    return 0
+
+
+def _export_perfetto(run_dir: Path, perfetto: Path) -> None:
     from trainprof.report.perfetto import export_perfetto
 
     main, ranks = load_ranks(run_dir)  # a run of several ranks: every rank on one timeline
@@ -400,7 +427,72 @@ def export_command(run_dir: Path, *, perfetto: Path) -> int:
               file=sys.stderr)
     for note in stats.get("notes", []):
         print(f"  note: {note}", file=sys.stderr)
-    return 0
+
+
+def _export_tensorboard(run_dir: Path, logdir: Path) -> None:
+    """Every record of a run folder (or of a tune folder's trials) into ``logdir``."""
+    from trainprof.report import tensorboard as tb
+
+    name = run_dir.resolve().name
+    if (run_dir / TUNE_JSON).is_file() and not (run_dir / RUN_JSON).is_file():
+        written = _tune_to_tensorboard(run_dir, logdir / name)
+    else:
+        summary, main = analyse_folder(run_dir)
+        own, ranks = load_ranks(run_dir)
+        if not ranks:
+            written = [tb.write_run(main, logdir / name, label=name, summary=summary)]
+        else:
+            written = []
+            if (run_dir / RUN_JSON).is_file() and len(complete_steps(own.steps)):
+                written.append(tb.write_run(own, logdir / name, label=name,
+                                            summary=summary if own.path == main.path else None))
+            for label, rank in ranks:
+                written.append(tb.write_run(
+                    rank, logdir / name / f"rank{label}", label=f"{name}/rank{label}",
+                    summary=summary if rank.path == main.path else None))
+    for result in written:
+        every = f", means of {result.bucket} steps a point" if result.bucket > 1 else ""
+        texts = f", text: {', '.join(result.texts)}" if result.texts else ""
+        print(f"trainprof: wrote {result.logdir}: {result.steps:,} steps{every}, "
+              f"{result.samples:,} system samples, {result.scalars:,} scalars{texts}",
+              file=sys.stderr)
+    print(f"trainprof: open it with: tensorboard --logdir {logdir}", file=sys.stderr)
+
+
+def _tune_to_tensorboard(tune_dir: Path, folder: Path) -> list[Any]:
+    """A tune sweep: each trial a TensorBoard run with its knob settings as hparams."""
+    from trainprof.report import tensorboard as tb
+
+    try:
+        doc = orjson.loads((tune_dir / TUNE_JSON).read_bytes())
+        knobs = {str(k["name"]): [str(v) for v in k["values"]] for k in doc["knobs"]}
+        arms = list(doc["arms"])
+    except (OSError, orjson.JSONDecodeError, KeyError, TypeError) as exc:
+        raise UsageError(f"unreadable {tune_dir / TUNE_JSON}: {exc}") from exc
+    trials = []
+    for arm in arms:
+        for trial in arm.get("trials") or []:
+            recorded = Path(str(trial.get("run_dir", "")))
+            # the folder as recorded, or beside tune.json (the sweep was moved or copied)
+            path = recorded if (recorded / RUN_JSON).is_file() else tune_dir / recorded.name
+            if (path / RUN_JSON).is_file():
+                trials.append((arm, trial, path))
+            else:
+                print(f"trainprof: left out trial {trial.get('trial')} of {arm.get('name')}: "
+                      f"no run folder at {recorded}", file=sys.stderr)
+    if not trials:
+        raise UsageError(f"{tune_dir}: no trial of this sweep has a run folder to export")
+    starts = [load_run(path).meta.get("wall_origin_s") for _, _, path in trials]
+    first = min((float(t) for t in starts if isinstance(t, int | float)), default=time.time())
+    tb.write_tune_config(folder, knobs, first)
+    written = []
+    for arm, trial, path in trials:
+        summary, run = analyse_folder(path)
+        written.append(tb.write_run(
+            run, folder / path.name, label=path.name, summary=summary,
+            hparams={k: str(v) for k, v in (arm.get("settings") or {}).items()},
+            metrics=tb.tune_metrics(trial, summary)))
+    return written
 
 
 def stage_command(source: Path, *, to: Path | None, threads: int, json_out: bool) -> int:

@@ -52,6 +52,8 @@ SAMPLES_JSONL = "samples.jsonl"
 EVENTS_JSONL = "events.jsonl"
 STACKS_JSONL = "stacks.jsonl"
 FINDINGS_JSON = "findings.json"
+#: A ``trainprof tune`` folder's result, beside its trials' run folders.
+TUNE_JSON = "tune.json"
 
 STATUSES = ("running", "finished", "crashed", "interrupted")
 

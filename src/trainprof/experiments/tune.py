@@ -72,6 +72,7 @@ import numpy as np
 import orjson
 
 from trainprof.errors import UsageError
+from trainprof.store import TUNE_JSON
 
 #: Seed of the shuffled order of arms within each round.
 SCHEDULE_SEED = 1729
@@ -743,7 +744,7 @@ class _Session:
                 self.say(f"    {line}")
             self.say(f"    (log: {trial.log})")
         with contextlib.suppress(OSError):
-            _write_doc(self.tune_dir / "tune.json",
+            _write_doc(self.tune_dir / TUNE_JSON,
                        {**self.header, "status": "running", **self.analyse()})
 
     def analyse(self) -> dict[str, Any]:
@@ -821,7 +822,7 @@ def tune_command(
         doc["notes"].insert(0, f"stopped after {len(completed)} of {len(order)} trials; "
                                "the trial cut short is left out")
     with contextlib.suppress(OSError):
-        _write_doc(tune_dir / "tune.json", doc)
+        _write_doc(tune_dir / TUNE_JSON, doc)
     if json_out:
         from trainprof.report.json_report import render_json
 
