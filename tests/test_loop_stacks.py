@@ -7,6 +7,7 @@ sleeps keep their length, its own SIGURG handler is left alone, the default come
 
 from __future__ import annotations
 
+import io
 import json
 import signal
 import time
@@ -19,6 +20,7 @@ from conftest import trainprof
 
 from trainprof.analysis.loop_stacks import summarize_loop_stacks
 from trainprof.capture.clock import FAST
+from trainprof.report.terminal import render_summary
 from trainprof.schema import BACKWARD, FORWARD, OTHER
 from trainprof.store import STACKS_JSONL, STEP_DTYPE
 
@@ -280,6 +282,29 @@ def test_analysis_weights_ticks_leaves_out_spike_steps_and_finds_the_loop(tmp_pa
     assert second["library_call"]["name"] == "logging.info"
 
 
+def test_a_library_frame_wins_the_loop_only_below_the_users_deepest_loop(tmp_path):
+    """A wrapper between the script and its loop (``@torch.no_grad()``'s
+    ``decorate_context`` around ``train()``) is on every sample, as a framework's loop
+    would be, but above the user's ``train``: the loop stays ``train``."""
+    module = ["/u/train.py", 50, "<module>", True]
+    wrapper = ["/lib/site-packages/torch/utils/_contextlib.py", 116, "decorate_context", False]
+    stacks = {
+        0: [module, wrapper, ["/u/train.py", 12, "train", True],
+            ["/usr/lib/python3.11/json/__init__.py", 231, "dumps", False]],
+        1: [module, wrapper, ["/u/train.py", 10, "train", True],
+            ["/lib/site-packages/torch/nn/modules/module.py", 1, "_call_impl", False],
+            ["/lib/site-packages/torch/nn/modules/linear.py", 2, "forward", False]],
+    }
+    samples = [[s, OTHER, 0, 1] for s in range(1, 30)]
+    samples += [[s, FORWARD, 1, 1] for s in range(1, 30)]
+    _write(tmp_path, stacks, samples)
+    out = summarize_loop_stacks(tmp_path, _steps(30, 4.0), warmup=0)
+    assert out["loop"] == {"file": "/u/train.py", "function": "train"}
+    (row,) = out["other"]["lines"]
+    assert (row["line"], row["library_call"]["name"]) == (12, "json.dumps")
+    assert "user_lines" not in out["other"]
+
+
 def test_analysis_of_a_run_without_samples(tmp_path):
     assert summarize_loop_stacks(tmp_path, _steps(5, 1.0), warmup=0) is None
 
@@ -461,3 +486,64 @@ def test_samples_inside_a_sync_are_the_syncs_not_the_loops(tmp_path):
     assert again["loop_stacks"]["other"]["lines"][0]["source"] == "time.sleep(0.002)"
     assert "`time.sleep(0.002)`" in next(
         f for f in again["findings"] if f["cause"] == "loop_code")["title"]
+
+
+# The training loop inside a library, as in `Trainer(...).train()` or `trainer.fit(model)`:
+# the stdlib's `sched.scheduler.run()` is a pure-Python loop that calls the user's functions,
+# here a step and a callback in turn - the shape of a framework's loop calling
+# `training_step`, then `on_train_batch_end`.
+FRAMEWORK = """
+    import sched, time, torch
+    from torch import nn
+    torch.set_num_threads(1)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(32, 64); y = torch.randint(0, 10, (32,))
+
+    def on_step_end():
+        time.sleep(0.003)  # the user's slow callback
+
+    def training_step():
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    trainer = sched.scheduler(time.monotonic, time.sleep)
+    for _ in range(400):  # the "framework" calls the step, then the callback
+        trainer.enter(0, 1, training_step)
+        trainer.enter(0, 1, on_step_end)
+    trainer.run()
+"""
+
+
+@needs_c
+def test_a_loop_inside_a_library_names_its_lines_and_the_users_callback(tp):
+    """Before, every sample was under the script's one `trainer.run()` line, which the
+    report named as "other" and no finding could act on (a Hugging Face Trainer run)."""
+    res = tp(FRAMEWORK, "--json", env=FAST_SAMPLING)
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = res.json()
+    stacks = doc["loop_stacks"]
+    loop = stacks["loop"]
+    assert loop["library"] is True and loop["function"] == "scheduler.run"
+    assert loop["file"].endswith("sched.py")
+    assert loop["called_from"]["source"] == "trainer.run()"
+    # the framework's lines: the call of the step
+    top = stacks["other"]["lines"][0]
+    assert top["file"].endswith("sched.py") and "action(" in top["source"]
+    # the user's lines inside it: the callback's sleep holds most of "other"
+    user = stacks["other"]["user_lines"][0]
+    assert user["source"] == "time.sleep(0.003)"
+    assert user["share"] > 0.5 and user["phase_samples"] == 0
+    # and the finding names that line, called by the library's loop
+    finding = next(f for f in doc["findings"] if f["cause"] == "loop_code")
+    assert finding["evidence"]["line_source"] == "time.sleep(0.003)"
+    assert finding["evidence"]["loop_function"] == "scheduler.run"
+    assert "scheduler.run, the training loop of the framework that" in finding["fix"]["text"]
+    assert finding["estimated_gain"] > 0.2
+    # the report's "Other" line says whose loop its lines are
+    out = io.StringIO()
+    render_summary(doc, file=out)
+    other = " ".join(out.getvalue().split("\nOther", 1)[1].split("\n")[0:3])
+    assert other.lstrip().startswith("in scheduler.run, the framework's loop (train.py:"), other

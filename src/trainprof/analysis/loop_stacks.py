@@ -15,14 +15,22 @@ Definitions:
   Composer's median/MAD pruning). Work that happens every N steps (evaluation,
   checkpoints) belongs to the periodic-overhead finding, which measures it from the
   step records; here it would only blur what every step does.
-* The *loop function* is the deepest of the user's functions on the stack of at
-  least :data:`LOOP_PRESENCE` of the counted samples in "other" and as many of
-  those in the other phases: the function whose loop calls the model and the
-  optimizer (a script's ``<module>``, ``train()``, a Trainer's ``fit`` when it is
-  the user's code).
+* The *loop function* is the deepest function on the stack of at least
+  :data:`LOOP_PRESENCE` of the counted samples in "other" and as many of those in
+  the other phases: the function whose loop calls the model and the optimizer (a
+  script's ``<module>``, ``train()``, a Trainer's ``fit`` when it is the user's
+  code). Library functions count too, so that when the loop is a framework's - the
+  script calls ``Trainer(...).train()`` (Hugging Face) or ``trainer.fit(model)``
+  (PyTorch Lightning) and every sample is under that one line - the lines named are
+  the framework loop's (``_inner_training_loop``'s), not the script's single call
+  into it. ``loop["library"]`` says which, ``called_from`` is then the user's
+  line the framework was called from, and ``other["user_lines"]`` the rows of the
+  user's own code inside that loop (by the innermost user frame of each sample: a
+  callback, a hook, ``training_step``'s own lines), for what the user can change.
 * A sample's *loop line* is the line the loop function was on; its *inner line*
-  is the innermost user frame below it; its *library call* is the innermost frame
-  when that frame is not the user's (``numpy``'s, ``torch.save``'s).
+  is the innermost user frame below it (the user's own hook or callback inside a
+  framework's loop); its *library call* is the innermost frame when that frame is
+  not the user's (``numpy``'s, ``torch.save``'s).
 * A loop line's ``phase_samples`` are the ticks in the phases (the model, backward,
   the optimizer, the data) on that same line: ``loss = F.cross_entropy(model(x), y)``
   has both, its "other" part being the functional loss; a line that makes batches or
@@ -116,32 +124,42 @@ def _typical_steps(steps: np.ndarray, warmup: int) -> tuple[set[int], int]:
 Kept = list[tuple[int, list[Frame], int, bool]]  # phase, frames, weight, in a sync
 
 
-def _loop_function(kept: Kept) -> tuple[str, str] | None:
-    """(file, function) of the deepest user function on LOOP_PRESENCE of the samples of
-    each kind: "other" and the phases (the model, backward, the optimizer, the data).
+def _loop_function(kept: Kept) -> tuple[str, str, bool] | None:
+    """(file, function, the user's own) of the deepest function on LOOP_PRESENCE of the
+    samples of each kind: "other" and the phases (the model, backward, the optimizer, the
+    data).
 
     Both kinds: when one line takes nearly all of a step, nearly every sample is
     inside it, and only the samples in the phases show that the loop is further out.
+    Depth is counted in the user's frames first, then in all frames: a library function
+    wins only below the deepest such user function (a framework's loop the script calls
+    into), never above it (``runpy``, trainprof's launcher, a ``@torch.no_grad()``
+    wrapper around the user's ``train()``).
     """
     totals = [0, 0]
     seen: list[Counter[tuple[str, str]]] = [Counter(), Counter()]
-    depth: dict[tuple[str, str], int] = {}
+    depth: dict[tuple[str, str], tuple[int, int]] = {}
+    mine: dict[tuple[str, str], bool] = {}
     for phase, frames, weight, _in_sync in kept:
         g = int(phase == OTHER)
         totals[g] += weight
         here = set()
-        for i, (file, _line, func, _u) in enumerate(fr for fr in frames if fr[3]):
+        users = 0
+        for i, (file, _line, func, user) in enumerate(frames):
+            users += user
             key = (file, func)
             if key not in here:
                 here.add(key)
-                depth[key] = max(depth.get(key, 0), i)
+                depth[key] = max(depth.get(key, (0, 0)), (users, i))
+                mine[key] = user
         for key in here:
             seen[g][key] += weight
     candidates = [k for k in depth
                   if all(seen[g][k] >= LOOP_PRESENCE * totals[g] for g in (0, 1))]
-    if not candidates:
-        return None
-    return max(candidates, key=lambda k: depth[k])
+    if not candidates or not any(mine[k] for k in candidates):
+        return None  # no user function encloses the loop: lines are named by user frames
+    best = max(candidates, key=lambda k: depth[k])
+    return best[0], best[1], mine[best]
 
 
 def summarize_loop_stacks(
@@ -182,33 +200,51 @@ def summarize_loop_stacks(
     }
     if not kept:
         return out
-    loop = _loop_function(kept)
-    if loop is not None:
-        out["loop"] = {"file": loop[0], "function": loop[1]}
+    found = _loop_function(kept)
+    loop = None if found is None else found[:2]
+    callers: Counter[tuple[str, int]] = Counter()
+    if found is not None:
+        out["loop"] = {"file": found[0], "function": found[1]}
+        if not found[2]:
+            out["loop"]["library"] = True
+    framework = found is not None and not found[2]
     lines: Counter[tuple[str, int] | None] = Counter()
     inner: dict[tuple[str, int] | None, Counter[tuple[str, int, str]]] = {}
     calls: dict[tuple[str, int] | None, Counter[str]] = {}
     in_phases: Counter[tuple[str, int] | None] = Counter()
+    # a framework's loop: the user's own lines inside it (hooks, callbacks, training_step)
+    user_lines: Counter[tuple[str, int] | None] = Counter()
+    user_calls: dict[tuple[str, int] | None, Counter[str]] = {}
+    user_in_phases: Counter[tuple[str, int] | None] = Counter()
     for phase, frames, w, in_sync in kept:
-        mine = [fr for fr in frames if fr[3]]
         if in_sync and phase == OTHER:
             continue
+        at_loop = None if loop is None else next(
+            (i for i, fr in enumerate(frames) if (fr[0], fr[2]) == loop), None)
+        innermost = None
+        if framework and at_loop is not None:
+            mine_below = [fr for fr in frames[at_loop + 1:] if fr[3]]
+            innermost = mine_below[-1][:2] if mine_below else None
         if phase != OTHER:
-            if loop is not None:
-                for fr in mine:
-                    if (fr[0], fr[2]) == loop:
-                        in_phases[(fr[0], fr[1])] += w
-                        break
+            if at_loop is not None:
+                in_phases[frames[at_loop][:2]] += w
+                if innermost is not None:
+                    user_in_phases[innermost] += w
             continue
+        if framework and at_loop is not None:
+            user_lines[innermost] += w
+            if frames and not frames[-1][3]:
+                user_calls.setdefault(innermost, Counter())[_call_name(frames[-1])] += w
+        mine = [fr for fr in frames if fr[3]]
         at, below = None, mine
         if loop is None:
             if mine:
                 at, below = (mine[0][0], mine[0][1]), mine[1:]
-        else:
-            for i, fr in enumerate(mine):
-                if (fr[0], fr[2]) == loop:
-                    at, below = (fr[0], fr[1]), mine[i + 1:]  # the outermost loop frame
-                    break
+        elif at_loop is not None:  # the outermost loop frame; the user's frames below it
+            at, below = frames[at_loop][:2], [fr for fr in frames[at_loop + 1:] if fr[3]]
+            caller = [fr for fr in frames[:at_loop] if fr[3]]
+            if caller and found is not None and not found[2]:
+                callers[caller[-1][:2]] += w
         lines[at] += w
         if below:
             inner.setdefault(at, Counter())[below[-1][:3]] += w
@@ -216,6 +252,32 @@ def summarize_loop_stacks(
         if leaf is not None and not leaf[3]:
             calls.setdefault(at, Counter())[_call_name(leaf)] += w
     n_other = sum(lines.values())
+    rows = _line_rows(lines, n_other, in_syncs, other_share, in_phases, calls, sources, inner)
+    out["other"]["lines"] = rows
+    if framework:
+        out["other"]["user_lines"] = _line_rows(user_lines, n_other, in_syncs, other_share,
+                                                user_in_phases, user_calls, sources)
+    if callers:
+        (file, line), _n = callers.most_common(1)[0]
+        out["loop"]["called_from"] = {"file": file, "line": line,
+                                      "source": _code_line(file, line, sources)}
+    return out
+
+
+def _line_rows(
+    lines: Counter[tuple[str, int] | None],
+    n_other: int,
+    in_syncs: int,
+    other_share: float | None,
+    in_phases: Counter[tuple[str, int] | None],
+    calls: dict[tuple[str, int] | None, Counter[str]],
+    sources: Sources,
+    inner: dict[tuple[str, int] | None, Counter[tuple[str, int, str]]] | None = None,
+) -> list[dict[str, Any]]:
+    """The top lines "other" ticks went to, each with its shares, the ticks in the phases on
+    it, the innermost user line below it and the library function most of its ticks were in.
+    ``None`` (the first user frame, or the user's frame inside a framework's loop, missing)
+    is a row with no file."""
     rows = []
     for at, count in lines.most_common(TOP_LINES):
         row: dict[str, Any] = {
@@ -233,7 +295,7 @@ def summarize_loop_stacks(
             "inner": None,
             "library_call": None,
         }
-        if at in inner:
+        if inner is not None and at in inner:
             (file, line, func), n_in = inner[at].most_common(1)[0]
             row["inner"] = {"file": file, "line": line, "function": func,
                             "source": _code_line(file, line, sources), "samples": n_in,
@@ -242,8 +304,7 @@ def summarize_loop_stacks(
             name, n_call = calls[at].most_common(1)[0]
             row["library_call"] = {"name": name, "samples": n_call, "share": n_call / n_other}
         rows.append(row)
-    out["other"]["lines"] = rows
-    return out
+    return rows
 
 
 def _code_line(file: str, line: int, sources: Sources | None = None) -> str | None:

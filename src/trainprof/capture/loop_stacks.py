@@ -35,11 +35,14 @@ What is kept per sample: the step number, the phase (:mod:`trainprof.schema`), t
 weight, whether the thread was inside a timed device sync (a CUDA tensor's ``.item()``,
 ``torch.cuda.synchronize``: a fifth element ``1``, absent otherwise), and the stack
 reduced to the *user's* frames (not the stdlib, site-packages, console scripts or
-trainprof: :func:`trainprof.capture.pyprof.library_paths`),
-outermost first, plus the innermost frame whatever its file (the library function
-the user's code was in). Reduced stacks are interned: each is written once, as
-``{"stack": id, "frames": [[file, line, function, user], ...], "sources": [text of each
-user frame's line, or null, ...]}`` (the sources read by the flush thread, so that a
+trainprof: :func:`trainprof.capture.pyprof.library_paths`), outermost first, with the
+first :data:`CHAIN` library frames each of them calls (a framework's training loop that
+the script enters with one call: ``Trainer(...).train()``) and the innermost frame whatever
+its file (the library function the user's code was in); nothing above the script's
+outermost frame (``runpy``, trainprof's launcher). Reduced stacks are interned: each is
+written once, as ``{"stack": id, "frames": [[file, line, function, user], ...], "sources":
+[text of each frame's line but an innermost library one, or null, ...]}`` (the sources read
+by the flush thread, so that a
 report read on another machine still quotes the lines), and samples refer
 to it, ``{"samples": [[step, phase, stack, weight(, 1)], ...]}``, both appended to
 ``RUN_DIR/stacks.jsonl`` at the Recorder's once-a-second drain (a crash loses at
@@ -72,9 +75,9 @@ if FAST:
 FORMAT = 1
 #: Samples a second while "other" is at least :data:`DENSE_OTHER` of the last second's
 #: steps (something to attribute), and otherwise. A sample costs the training thread
-#: ~70 us on this project's 2-vCPU VM, nearly all of it the signal's delivery (a handler
-#: that does nothing cost 59 us; ``benchmarks/stack_sampling.py``): 0.14% of its time at
-#: 20 a second, 0.03% at 4. The timer starts ticking when the first step ends, dense
+#: 70-90 us on this project's 2-vCPU VM, most of it the signal's delivery (a handler
+#: that does nothing cost 34-59 us; ``benchmarks/stack_sampling.py``): 0.14-0.18% of its
+#: time at 20 a second, 0.03-0.04% at 4. The timer starts ticking when the first step ends, dense
 #: for :data:`DENSE_FIRST_S`, so that the first steps (and a run of a few seconds: 14
 #: samples in all had left a 64% "other" unnamed) are sampled enough; then the
 #: Recorder's drain calls :meth:`adapt` once a second. Each tick weighs its interval in
@@ -94,6 +97,11 @@ SIGNAL = getattr(signal, "SIGURG", None)
 MAX_DEPTH = 128
 #: Distinct reduced stacks interned; samples of further ones are counted, not kept.
 MAX_STACKS = 20_000
+#: Library frames kept below each user frame (the rest of a chain, but its innermost frame,
+#: is left out): enough for a framework's own training loop under the script's one call
+#: into it - ``trainer.fit(model)`` to Lightning's batch loop is ~15 frames, Hugging Face's
+#: ``Trainer.train()`` to ``_run_epoch`` 3.
+CHAIN = 24
 
 #: The sampler whose handler is installed in this process, for the fork hook below.
 _ACTIVE: LoopStackSampler | None = None
@@ -303,11 +311,10 @@ class LoopStackSampler:
             self._dropped += 1
 
     def _reduce(self, frame: FrameType | None) -> tuple[int, ...]:
-        """The user's frames (outermost first) and the innermost frame, flat as
-        ``(id(code), line, id(code), line, ...)``."""
+        """The user's frames, the first :data:`CHAIN` library frames below each of them and
+        the innermost frame, outermost first, flat as ``(id(code), line, ...)``."""
         user = self._user
-        kept: list[int] = []
-        leaf = True
+        walked: list[tuple[int, int, bool]] = []
         depth = 0
         while frame is not None and depth < MAX_DEPTH:
             code = frame.f_code
@@ -315,13 +322,21 @@ class LoopStackSampler:
             known = user.get(key)
             if known is None:
                 known = user[key] = (code, self._is_user(code.co_filename))
-            if known[1] or leaf:
-                kept.append(frame.f_lineno or code.co_firstlineno)
-                kept.append(key)
-            leaf = False
+            walked.append((key, frame.f_lineno or code.co_firstlineno, known[1]))
             depth += 1
             frame = frame.f_back
-        kept.reverse()
+        kept: list[int] = []
+        below = -1  # library frames since the last user frame; -1: none seen yet
+        last = len(walked) - 1
+        for i in range(last, -1, -1):  # outermost first
+            key, line, mine = walked[i]
+            if mine:
+                below = 0
+            elif below >= 0:
+                below += 1
+            if mine or 0 < below <= CHAIN or i == 0:
+                kept.append(key)
+                kept.append(line)
         return tuple(kept)
 
     def _is_user(self, filename: str) -> bool:
@@ -343,9 +358,10 @@ class LoopStackSampler:
             # the source of the user's lines, read here (the flush thread) while the
             # script is on this disk: a report read elsewhere, or after the script
             # changed, still quotes the line that ran
+            last = len(stack["frames"]) - 1
             stack["sources"] = [
-                (linecache.getline(file, line).strip() or None) if mine else None
-                for file, line, _func, mine in stack["frames"]
+                (linecache.getline(file, line).strip() or None) if mine or i < last else None
+                for i, (file, line, _func, mine) in enumerate(stack["frames"])
             ]
         try:
             if self._file is None:

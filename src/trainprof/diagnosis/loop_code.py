@@ -116,7 +116,11 @@ def _loop_rows(ctx: Context) -> tuple[list[dict[str, Any]], int, float] | None:
     and the "other" share of step time; None where no line can be named."""
     stacks = ctx.summary.get("loop_stacks") or {}
     other_info = stacks.get("other") or {}
-    rows: list[dict[str, Any]] = other_info.get("lines") or []
+    # a framework's loop (Trainer(...).train(), trainer.fit(model)): the user's own lines in
+    # it - its callbacks, hooks, training_step - not the framework's, which the script
+    # cannot change (the report's "Other" line still shows those)
+    framework = bool((stacks.get("loop") or {}).get("library"))
+    rows: list[dict[str, Any]] = other_info.get("user_lines" if framework else "lines") or []
     n_other = int(other_info.get("samples") or 0)
     # "other" alone: the breakdown's "other" also holds named regions (prof.region), which
     # the samples keep apart
@@ -255,7 +259,12 @@ def loop_code(ctx: Context) -> Finding | None:
     }
     detail = (f"{top['share'] * 100:.0f}% of {n_other} stack samples taken there were on "
               f"{where}" + (f" `{source}`" if source else ""))
-    if loop.get("function"):
+    if loop.get("library"):
+        called = loop.get("called_from") or {}
+        detail += (f" (your code, which {loop.get('function')}, the training loop of the "
+                   "framework" + (f" that {_where(called.get('file'), called.get('line'))} runs"
+                                  if called else "") + ", calls every step)")
+    elif loop.get("function"):
         detail += f" (in {loop['function']})"
     if inner:
         evidence["inner_line"] = f"{inner['file']}:{inner['line']}"
@@ -311,6 +320,9 @@ def loop_code(ctx: Context) -> Finding | None:
         )
         if isinstance(node, ast.Expr):  # a call for its effect: log, check, write
             snippet = f"if step % 100 == 0:  # was: every step\n    {source}"
+            if loop.get("library"):
+                snippet = ("# step: the framework's step counter (Lightning: self.global_step;"
+                           " a Hugging Face callback: state.global_step)\n" + snippet)
     text += " `trainprof run --py` profiles its functions."
     lines_target = None
     if inner and inner.get("function") and not str(inner["function"]).startswith("<"):

@@ -465,7 +465,14 @@ def _other_row(summary: dict[str, Any]) -> str | None:
     if not parts:
         return None
     tail = f", {in_syncs} more inside device syncs" if in_syncs else ""
-    return " · ".join(parts) + f"  (of {n} stack samples in 'other'{tail})"
+    loop = stacks.get("loop") or {}
+    head = ""
+    if loop.get("library"):  # a framework's loop: its lines, then where the script enters it
+        called = loop.get("called_from") or {}
+        head = f"in {loop.get('function')}, the framework's loop" + (
+            f" ({os.path.basename(called['file'])}:{called['line']} runs it)"
+            if called.get("file") else "") + ": "
+    return head + " · ".join(parts) + f"  (of {n} stack samples in 'other'{tail})"
 
 
 def _deep_rows(deep: list[dict[str, Any]] | None) -> list[tuple[str, str]]:
