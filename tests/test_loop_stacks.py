@@ -547,3 +547,46 @@ def test_a_loop_inside_a_library_names_its_lines_and_the_users_callback(tp):
     render_summary(doc, file=out)
     other = " ".join(out.getvalue().split("\nOther", 1)[1].split("\n")[0:3])
     assert other.lstrip().startswith("in scheduler.run, the framework's loop (train.py:"), other
+
+
+def test_stacks_kept_stop_at_the_frame_budget_and_the_rest_are_counted(tmp_path, monkeypatch):
+    """Stacks now keep library chains (longer stacks): the record's size is bounded by the
+    frames interned, not only by the number of stacks. Samples past it are counted."""
+    import sys
+    from types import SimpleNamespace
+
+    from trainprof.capture import loop_stacks as capture
+    from trainprof.capture.pyprof import library_paths
+
+    seq = [0]
+
+    def stash():
+        seq[0] += 2  # each sample weighs 2 ticks
+        return seq[0], 7, OTHER, 0
+
+    monkeypatch.setattr(capture, "_fastclock", SimpleNamespace(stack_stash=stash),
+                        raising=False)
+    monkeypatch.setattr(capture, "MAX_FRAMES", 12)
+    sampler = capture.LoopStackSampler(SimpleNamespace(owner=None), tmp_path / STACKS_JSONL)
+    sampler.clock.owner = __import__("threading").get_ident()
+    sampler._prefixes = tuple(p.rstrip("/") + "/" for p in library_paths())  # as start() does
+
+    def at_depth(n: int, line: int) -> None:
+        if n:
+            return at_depth(n - 1, line)
+        frame = sys._getframe()
+        sampler._on_signal(0, frame)  # this file is the user's: every frame kept
+        return None
+
+    for depth in (1, 2, 3, 4, 5, 6):  # each a new stack, longer and longer
+        at_depth(depth, 0)
+    sampler.flush()
+    sampler.close()
+    rows = [orjson.loads(x) for x in (tmp_path / STACKS_JSONL).read_bytes().splitlines()]
+    kept = [r for r in rows if "stack" in r]
+    frames = sum(len(r["frames"]) for r in kept)
+    assert 0 < frames <= 12 and len(kept) < 6
+    samples = [s for r in rows if "samples" in r for s in r["samples"]]
+    assert len(samples) == len(kept) and all(s[3] == 2 for s in samples)
+    dropped = next(r["dropped"] for r in rows if "dropped" in r)
+    assert dropped == 2 * (6 - len(kept))  # their ticks, counted

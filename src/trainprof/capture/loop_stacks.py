@@ -95,8 +95,10 @@ SPARSE_WEIGHT = round(HZ / SPARSE_HZ)
 SIGNAL = getattr(signal, "SIGURG", None)
 #: Frames walked per sample, innermost first (a deeper stack keeps its innermost ones).
 MAX_DEPTH = 128
-#: Distinct reduced stacks interned; samples of further ones are counted, not kept.
+#: Distinct reduced stacks interned, and frames in them all (~150 bytes each written, with
+#: the line's source: 30 MB at most); samples of further ones are counted, not kept.
 MAX_STACKS = 20_000
+MAX_FRAMES = 200_000
 #: Library frames kept below each user frame (the rest of a chain, but its innermost frame,
 #: is left out): enough for a framework's own training loop under the script's one call
 #: into it - ``trainer.fit(model)`` to Lightning's batch loop is ~15 frames, Hugging Face's
@@ -153,6 +155,7 @@ class LoopStackSampler:
         self._new_stacks: list[dict[str, Any]] = []
         self._samples: list[list[int]] = []
         self._dropped = 0
+        self._frames = 0  # in the stacks interned
         self._seq = 0
         self._file: Any = None
         self._previous: Any = None
@@ -296,9 +299,11 @@ class LoopStackSampler:
             key = self._reduce(frame)
             sid = self._stacks.get(key)
             if sid is None:
-                if len(self._stacks) >= MAX_STACKS:
+                if (len(self._stacks) >= MAX_STACKS
+                        or self._frames + len(key) // 2 > MAX_FRAMES):
                     self._dropped += weight
                     return
+                self._frames += len(key) // 2
                 sid = self._stacks[key] = len(self._stacks)
                 frames = []
                 for i in range(0, len(key), 2):
