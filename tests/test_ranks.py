@@ -937,6 +937,66 @@ def test_ddp_accumulation_without_no_sync_is_found_and_no_sync_is_counted(tp):
     assert "model.no_sync()" in f["fix"]["snippet"] and "accum = 2" in f["fix"]["snippet"]
 
 
+#: Two DDP ranks over gloo whose all-reduce outlasts their compute: 16 MiB of gradients
+#: (4 layers of 1024 x 1024) for a batch of 2.
+COMM_BOUND = """
+import sys
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def train(rank, port):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)]))
+    opt = torch.optim.SGD(model.parameters(), lr=0.001)
+    x = torch.randn(2, 1024)
+    for step in range(110):
+        loss = model(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(train, args=(int(sys.argv[1]),), nprocs=2)
+"""
+
+
+def test_ddps_own_timing_shows_the_all_reduce_the_step_waits_for(tp):
+    """DDP's reducer times its all-reduce on every rank; read from the ranks' records, the
+    part not hidden behind the backward pass is a finding, without a profiler."""
+    res = tp(COMM_BOUND, "--json", "--no-html", args=(str(_free_port()),), timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = res.json()
+    exposed = {}
+    for label in ("0", "1"):
+        rank = trainprof("report", str(res.run_dir / "ranks" / label), "--json",
+                         cwd=res.run_dir.parent).json()
+        (m,) = rank["ddp"]
+        assert (m["backend"], m["world_size"], m["module"]) == ("gloo", 2, "Sequential")
+        assert m["gradient_bytes"] == 4 * 4 * (1024 * 1024 + 1024)
+        assert m["samples_from"] == "steady" and 100 in m["iterations"]
+        assert 0 <= m["overlap_ms"] <= m["comm_ms"] and m["exposed_ms"] <= m["comm_ms"]
+        assert m["comm_ms"] > 1.0  # 16 MiB between two processes
+        exposed[label] = m["exposed_ms"] / 1e3
+    rows = {r["label"]: r for r in doc["ranks"]}
+    assert {k: rows[k]["ddp_exposed_comm_s"] for k in rows} == pytest.approx(exposed)
+    (f,) = [f for f in doc["findings"] if f["cause"] == "exposed_communication"]
+    least = min(exposed, key=exposed.get)
+    assert f["evidence"]["rank_waiting_least"] == least
+    assert f["estimated_gain"] == pytest.approx(
+        exposed[least] / doc["steps"]["median_s"], rel=1e-3)  # (rounded to 4 digits)
+    assert f["severity"] in ("medium", "high") and f["category"] == "distributed"
+    assert "--knob ddp_" in f["verify"]
+
+
 def test_no_sync_entries_are_counted_and_clear_the_accumulation_finding(tmp_path):
     """The fix's loop, in this process on one gloo rank: each ``model.no_sync()`` entered
     is counted, and the count is what keeps the finding away (the run's summary, as

@@ -107,7 +107,16 @@ def rank_row(label: str, summary: dict[str, Any], meta: dict[str, Any]) -> dict[
         "usable_cores": env.get("usable_cores"),
         "on_cuda": bool(summary.get("device")) or bool(env.get("cuda") and env.get("gpu_count")),
         "workers_cpu_pct": workers_pct,
+        # DDP's all-reduce not hidden behind this rank's backward, s a step (analysis.ddp)
+        "ddp_exposed_comm_s": _ddp_exposed_s(summary),
     }
+
+
+def _ddp_exposed_s(summary: dict[str, Any]) -> float | None:
+    """The rank's DDP communication left exposed, seconds a step (all its DDP models)."""
+    values = [m["exposed_ms"] / 1e3 for m in summary.get("ddp") or []
+              if isinstance(m.get("exposed_ms"), int | float)]
+    return sum(values) if values else None
 
 
 def common_step_means(steps: dict[str, tuple[np.ndarray, int]]) -> tuple[dict[str, float], int]:

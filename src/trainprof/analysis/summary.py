@@ -10,6 +10,7 @@ from collections import defaultdict
 from datetime import datetime
 from typing import Any
 
+from trainprof.analysis.ddp import summarize_ddp
 from trainprof.analysis.deep import analyse_deep_windows
 from trainprof.analysis.device import device_statistics
 from trainprof.analysis.loop_stacks import summarize_loop_stacks
@@ -150,6 +151,8 @@ def summarize_run(run: Run) -> dict[str, Any]:
         "ddp_no_sync_calls": meta.get("ddp_no_sync_calls"),
         # this process's torch.distributed rank, world size and backend, once seen
         "distributed": meta.get("distributed"),
+        # DDP's own timing of its gradient all-reduce, per DDP model (analysis/ddp.py)
+        "ddp": summarize_ddp(meta, (stats.get("steps") or {}).get("median_s")),
         "ops": load_ops(run.path),
         # which lines of the loop the "other" time goes to (sampled stacks)
         "loop_stacks": summarize_loop_stacks(

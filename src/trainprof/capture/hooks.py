@@ -59,6 +59,7 @@ from torch.utils.data import dataloader as _dl
 from torch.utils.data._utils.worker import _worker_loop  # a DataLoader worker's target
 
 from trainprof.capture.clock import FAST, StepClock
+from trainprof.capture.ddp_stats import DDPStats
 from trainprof.capture.device_timer import (
     BWD_BEGIN,
     BWD_END,
@@ -372,6 +373,8 @@ class Instrumentation:
         #: DistributedDataParallel.no_sync() contexts the script entered (gradient
         #: accumulation without an all-reduce per micro-batch; diagnosis/distributed.py)
         self.ddp_no_sync_calls = 0
+        #: the DistributedDataParallel models built, and what their reducers measured
+        self.ddp_stats = DDPStats()
         #: (pid, name) of the processes the script started, DataLoader workers aside
         self.started_processes: list[tuple[int, str]] = []
         #: records the processes that may train, one run folder each (None: none recorded)
@@ -854,6 +857,31 @@ class Instrumentation:
                 return no_sync
 
             self._patch(ddp, "no_sync", make_no_sync)
+
+            # -- DDP's own timing of its all-reduce (trainprof.capture.ddp_stats) ----
+            def make_ddp_init(orig: Callable[..., Any]) -> Callable[..., Any]:
+                @functools.wraps(orig)
+                def __init__(module: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+                    orig(module, *args, **kwargs)
+                    self.ddp_stats.add(module)
+
+                return __init__
+
+            self._patch(ddp, "__init__", make_ddp_init)
+
+            dist = getattr(torch, "distributed", None)
+            if callable(getattr(dist, "destroy_process_group", None)):
+
+                def make_destroy(orig: Callable[..., Any]) -> Callable[..., Any]:
+                    @functools.wraps(orig)
+                    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+                        with contextlib.suppress(Exception):
+                            self.ddp_stats.poll()  # the models' last figures, while alive
+                        return orig(*args, **kwargs)
+
+                    return destroy_process_group
+
+                self._patch(dist, "destroy_process_group", make_destroy)
 
         # -- garbage collection --------------------------------------------
         def on_gc(phase: str, info: dict[str, Any]) -> None:

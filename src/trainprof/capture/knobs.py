@@ -40,10 +40,12 @@ Two kinds of knobs (:data:`KNOBS`):
   ``zero_grad_set_to_none`` (``zero_grad(set_to_none=...)`` of every optimizer and
   module, whatever the script passes) and ``tf32`` (TF32 for float32 matmuls and
   convolutions, set again after the script's first optimizer step over what its
-  set-up chose). While a thread knob is set, the
-  script's own ``torch.set_num_threads`` / ``set_num_interop_threads`` calls
-  are ignored (and recorded): a script that pins its thread count must not
-  silently undo the value under test.
+  set-up chose) and ``ddp_bucket_cap_mb`` / ``ddp_comm_hook`` (every
+  DistributedDataParallel model's bucket size, and a gradient compression hook for its
+  all-reduce - ``fp16``, ``bf16`` or ``none`` - whatever the script passes or
+  registers). While a thread knob is set, the script's own ``torch.set_num_threads`` /
+  ``set_num_interop_threads`` calls are ignored (and recorded): a script that pins its
+  thread count must not silently undo the value under test.
 
 The record (``run.json``'s ``knobs``) is what :meth:`Knobs.record` returns:
 ``requested`` (the overrides), ``dataloaders`` (per DataLoader created: what
@@ -102,6 +104,18 @@ def _int_at_least(lowest: int) -> Callable[[str], int]:
     return parse
 
 
+#: ``ddp_comm_hook`` values: DDP's compression hooks (torch.distributed.algorithms.
+#: ddp_comm_hooks.default_hooks), or ``none`` for DDP's own all-reduce.
+COMM_HOOKS = {"fp16": "fp16_compress_hook", "bf16": "bf16_compress_hook", "none": None}
+
+
+def _comm_hook(text: str) -> str:
+    value = text.strip().lower()
+    if value not in COMM_HOOKS:
+        raise ValueError(f"expected {', '.join(COMM_HOOKS)}")
+    return value
+
+
 def _implementation(text: str) -> str:
     from trainprof.capture.optimizer_impl import KNOB_VALUES
 
@@ -155,6 +169,10 @@ KNOBS: dict[str, KnobSpec] = {
                  "zero_grad(set_to_none=...) of every optimizer and module"),
         KnobSpec("tf32", "process", _bool,
                  "TF32 tensor cores for float32 matmuls and convolutions (Ampere+ GPUs)"),
+        KnobSpec("ddp_bucket_cap_mb", "process", _int_at_least(1),
+                 "DistributedDataParallel's bucket_cap_mb (default 25)"),
+        KnobSpec("ddp_comm_hook", "process", _comm_hook,
+                 "DDP gradient compression for the all-reduce: fp16, bf16 (NCCL) or none"),
     )
 }
 
@@ -270,6 +288,9 @@ class Knobs:
             self._install_zero_grad(bool(self.overrides["zero_grad_set_to_none"]))
         if self.overrides.get("tf32") is not None:
             self._install_tf32(bool(self.overrides["tf32"]))
+        if (self.overrides.get("ddp_bucket_cap_mb") is not None
+                or self.overrides.get("ddp_comm_hook") is not None):
+            self._install_ddp()
         return self
 
     def uninstall(self) -> dict[str, Any]:
@@ -450,6 +471,65 @@ class Knobs:
             handle.remove()
             torch.set_float32_matmul_precision(before["float32_matmul_precision"])
             torch.backends.cudnn.allow_tf32 = before["cudnn_allow_tf32"]
+
+        self._restore.append(undo)
+
+    def _install_ddp(self) -> None:
+        """``ddp_bucket_cap_mb`` and ``ddp_comm_hook`` for every DistributedDataParallel model.
+
+        ``bucket_cap_mb`` replaces the constructor's argument, however the script passed it;
+        the hook is registered right after the constructor, and the script's own
+        ``register_comm_hook`` calls are then ignored (and recorded): DDP takes one hook, and a
+        second would raise. ``none`` ignores the script's hook, for DDP's plain all-reduce.
+        """
+        import inspect
+
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        cap = self.overrides.get("ddp_bucket_cap_mb")
+        hook_name = self.overrides.get("ddp_comm_hook")
+        entries = self.process.setdefault("ddp", [])
+        ignored = self.ignored_calls
+        original_init = DDP.__dict__["__init__"]
+        original_register = DDP.__dict__["register_comm_hook"]
+        signature = inspect.signature(original_init)
+
+        def __init__(model: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+            entry: dict[str, Any] = {}
+            if cap is not None:
+                bound = signature.bind(model, *args, **kwargs)
+                entry["script_bucket_cap_mb"] = bound.arguments.get("bucket_cap_mb")
+                bound.arguments["bucket_cap_mb"] = cap
+                args, kwargs = bound.args[1:], bound.kwargs
+                entry["bucket_cap_mb"] = cap
+            original_init(model, *args, **kwargs)
+            if hook_name is not None:
+                entry["comm_hook"] = hook_name
+                if COMM_HOOKS[hook_name] is not None:
+                    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+                    try:
+                        original_register(model, None,
+                                          getattr(default_hooks, COMM_HOOKS[hook_name]))
+                    except Exception as exc:  # bf16 without NCCL: the script trains without
+                        self.errors.append(f"ddp_comm_hook={hook_name}: {exc}"[:300])
+                        entry["comm_hook"] = None
+            entries.append(entry)
+
+        def register_comm_hook(model: Any, state: Any, hook: Any) -> None:
+            if hook_name is None:
+                return original_register(model, state, hook)
+            ignored[f"DistributedDataParallel.register_comm_hook("
+                    f"{getattr(hook, '__name__', '?')})"] = None
+            return None
+
+        __init__.__wrapped__ = original_init  # type: ignore[attr-defined]
+        DDP.__init__ = __init__  # type: ignore[method-assign]
+        DDP.register_comm_hook = register_comm_hook  # type: ignore[method-assign]
+
+        def undo() -> None:
+            DDP.__init__ = original_init  # type: ignore[method-assign]
+            DDP.register_comm_hook = original_register  # type: ignore[method-assign]
 
         self._restore.append(undo)
 

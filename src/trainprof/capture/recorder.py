@@ -188,6 +188,7 @@ class Recorder:
             self.instrumentation.child_runs = self.child_runs
         self.pid = os.getpid()
         self._distributed_seen = False
+        self._ddp_written = 0  # the DDP record version last written (capture/ddp_stats.py)
         self.sampler = SamplerProcess(run_dir / SAMPLES_JSONL, interval_s=sample_interval_s,
                                       pid=os.getpid())
         self.loaders.on_workers = self.sampler.set_worker_pids
@@ -348,6 +349,7 @@ class Recorder:
         self._record_eval_autograd()
         self.loop_stacks.flush()
         self._note_distributed()
+        self._record_ddp()
         if not self._fingerprinted and (self.clock.n_steps > 0 or self._stopped):
             self._fingerprinted = True
             self.writer.update_meta(fingerprint=collect_fingerprint(self._script, self._command))
@@ -402,6 +404,17 @@ class Recorder:
                 or self._optimizers_more != meta.get("optimizers_not_described", 0)):
             self.writer.update_meta(optimizers=entries,
                                     optimizers_not_described=self._optimizers_more)
+
+    def _record_ddp(self) -> None:
+        """DDP's own timing of its all-reduce (trainprof.capture.ddp_stats), read once a
+        second from the models the script built; written when it changes."""
+        if self.instrumentation is None:
+            return
+        stats = self.instrumentation.ddp_stats
+        stats.poll()
+        if stats.version != self._ddp_written:  # (the training thread may have polled too)
+            self._ddp_written = stats.version
+            self.writer.update_meta(ddp=stats.record())
 
     def _note_distributed(self) -> None:
         """This process's torch.distributed rank, once its process group is up.

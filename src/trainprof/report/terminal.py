@@ -104,6 +104,32 @@ def _optimizer_line(opt: dict[str, Any], several: bool = False) -> str:
     return line
 
 
+def _ddp_rows(models: list[dict[str, Any]]) -> list[str]:
+    """Each DDP model: its buckets, and its all-reduce as DDP's reducer timed it."""
+    rows = []
+    for m in models:
+        buckets = m.get("buckets")
+        size = m.get("gradient_bytes")
+        head = (f"{m.get('module') or '?'} · {m.get('backend') or '?'} × "
+                f"{m.get('world_size') or '?'} ranks · "
+                + (f"{buckets} bucket{'s' if buckets != 1 else ''} " if buckets else "")
+                + (f"({fmt_bytes(size)} of gradients)" if size else ""))
+        if m.get("comm_hook"):
+            head += f" · {m['comm_hook']}"
+        if m.get("find_unused_parameters"):
+            head += " · find_unused_parameters"
+        if isinstance(m.get("comm_ms"), int | float):
+            share = m.get("exposed_share")
+            its = m.get("iterations") or []
+            head += (f" · all-reduce {m['comm_ms']:.1f} ms a step, {m['overlap_ms']:.1f} ms "
+                     f"under backward, {m['exposed_ms']:.1f} ms exposed"
+                     + (f" ({share * 100:.0f}% of step)" if isinstance(share, float) else "")
+                     + f"  (DDP's timing of iteration{'s' if len(its) != 1 else ''} "
+                     + ", ".join(map(str, its[:4])) + ("..." if len(its) > 4 else "") + ")")
+        rows.append(head)
+    return rows
+
+
 def _dataloader_line(dl: dict[str, Any]) -> str:
     if "error" in dl:
         return f"#{dl.get('index')}: {dl['error']}"
@@ -397,6 +423,8 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
     if summary.get("optimizers_not_described"):
         table.add_row("Optimizer", f"{summary['optimizers_not_described']:,} more, not "
                                    "described (one is built per epoch or per step?)")
+    for line in _ddp_rows(summary.get("ddp") or []):
+        table.add_row("DDP", line)
     ev = summary.get("eval_autograd") or {}
     if ev.get("grad_calls") or ev.get("nograd_calls"):
         table.add_row("Eval mode", f"{ev.get('grad_calls', 0):,} model calls with autograd on "

@@ -1,0 +1,108 @@
+"""DistributedDataParallel's own timing of its steps: how long the gradient all-reduce takes
+and how much of it the backward pass hides.
+
+DDP measures this itself, always: its reducer times the forward pass, the backward pass's
+compute, and the gradient communication (from the first bucket's all-reduce to the last
+one's end) with CPU timers, or CUDA events on a GPU, on iterations 1-10 and every 100th
+after that, and ``DistributedDataParallel._get_ddp_logging_data()`` hands out the last
+sampled iteration's figures with the model's DDP settings (torch's
+``torch/csrc/distributed/c10d/logger.cpp``; the same data DDP logs with
+``TORCH_DISTRIBUTED_DEBUG=DETAIL``). Nothing here times anything: trainprof only reads
+those figures - from the Recorder's flush thread once a second (the call copies DDP's record
+under the reducer's own lock, so it is safe from another thread) - and keeps each sampled
+iteration once. DDP models are found by wrapping ``DistributedDataParallel.__init__``
+(:mod:`trainprof.capture.hooks`), held by weak reference: a model the script drops is not
+kept alive, and its last figures stay in the record. ``torch.distributed.destroy_process_group``
+is wrapped too, to read them once more before the script tears its group down: the end of a
+run usually comes less than a second after the last poll, and the model goes with the
+function that trained it.
+
+What is kept per model (``run.json``'s ``ddp``, a list): its settings (``backend_name``,
+``world_size``, ``bucket_cap_bytes``, ``bucket_sizes`` and ``rebuilt_bucket_sizes``,
+``find_unused_parameters``, ``unused_parameter_size``, ``gradient_as_bucket_view``,
+``static_graph``, ``comm_hook``, ``total_parameter_size_bytes``, ...) and ``samples``:
+``[iteration, forward_ns, backward_compute_ns, backward_comm_ns, overlap_ns]`` per sampled
+iteration, in DDP's definitions: ``backward_comm`` from the first bucket's all-reduce
+launch to the last one's completion, ``overlap`` from that launch to the end of the
+backward compute (0 when the communication started after the compute ended). The part of
+the communication the step waits for is ``backward_comm - overlap``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from typing import Any
+
+#: DDP settings kept from its logging data (those present: some exist only when set).
+SETTINGS = (
+    "module_name", "backend_name", "world_size", "rank", "bucket_cap_bytes", "bucket_sizes",
+    "has_rebuilt_buckets", "rebuilt_bucket_sizes", "find_unused_parameters",
+    "unused_parameter_size", "gradient_as_bucket_view", "static_graph", "comm_hook",
+    "total_parameter_size_bytes", "num_parameter_tensors", "dtypes", "is_multi_device_module",
+    "broadcast_buffers", "has_sync_bn", "join_uneven_inputs",
+)
+#: One sampled iteration: DDP's field names, in the order of a sample's elements.
+SAMPLE_FIELDS = ("iteration", "forward_compute_time", "backward_compute_time",
+                 "backward_comm_time", "backward_compute_comm_overlap_time")
+#: Samples kept per model (DDP samples every 100th iteration: 100,000 iterations' worth).
+MAX_SAMPLES = 1000
+
+
+class DDPStats:
+    """The DDP models of a run and what their reducers measured."""
+
+    def __init__(self) -> None:
+        self._models: list[tuple[weakref.ref[Any], dict[str, Any]]] = []
+        self._lock = threading.Lock()  # polled by the flush thread and the training thread
+        #: how many times something new was kept (the recorder writes when it changes)
+        self.version = 0
+
+    def add(self, model: Any) -> None:
+        """A DistributedDataParallel model was built (called by its wrapped ``__init__``)."""
+        with contextlib.suppress(TypeError):  # not weak-referenceable: not followed
+            self._models.append((weakref.ref(model), {"settings": {}, "samples": []}))
+
+    def poll(self) -> bool:
+        """Read every live model's latest figures; True when something new was kept."""
+        with self._lock:
+            changed = self._poll()
+            self.version += changed
+        return changed
+
+    def _poll(self) -> bool:
+        changed = False
+        for ref, entry in list(self._models):
+            model = ref()
+            if model is None:
+                continue
+            try:
+                data = model._get_ddp_logging_data()
+            except Exception:  # noqa: BLE001 - an older torch, or a model torn down
+                continue
+            if not isinstance(data, dict):
+                continue
+            settings = {k: data[k] for k in SETTINGS if k in data}
+            if settings != entry["settings"]:
+                entry["settings"] = settings
+                changed = True
+            sample = [_int(data.get(k)) for k in SAMPLE_FIELDS]
+            samples = entry["samples"]
+            if (sample[0] > 0 and any(sample[1:])
+                    and (not samples or samples[-1][0] != sample[0])
+                    and len(samples) < MAX_SAMPLES):
+                samples.append(sample)
+                changed = True
+        return changed
+
+    def record(self) -> list[dict[str, Any]]:
+        """``run.json``'s ``ddp``: one entry per model that reported anything."""
+        with self._lock:
+            return [{"settings": dict(e["settings"]),
+                     "samples": [list(s) for s in e["samples"]]}
+                    for _, e in self._models if e["settings"] or e["samples"]]
+
+
+def _int(value: Any) -> int:
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else 0

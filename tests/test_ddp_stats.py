@@ -1,0 +1,182 @@
+"""DistributedDataParallel's own timing of its all-reduce: read, summarised, diagnosed, tuned.
+
+In this process on one gloo rank (a ``HashStore``, no second process): the record of a
+real DDP model's sampled iterations, the knobs that change its buckets and its compression
+hook, and the exposed-communication rule on summaries with known numbers. The two-rank run
+whose all-reduce is really exposed is in ``test_ranks.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_diagnosis import make_steps, make_summary
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import trainprof
+from trainprof.analysis.ddp import summarize_model
+from trainprof.capture.knobs import Knobs, parse_value
+from trainprof.commands import analyse
+from trainprof.diagnosis import diagnose
+from trainprof.errors import UsageError
+from trainprof.experiments.tune import _actual
+from trainprof.store import load_run
+
+MS = 1e6  # ns
+
+
+@pytest.fixture
+def one_rank():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_run_keeps_ddps_sampled_iterations_and_settings(one_rank, tmp_path):
+    with trainprof.profile(tmp_path / "r", report=False):
+        model = DDP(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)),
+                    bucket_cap_mb=1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for _ in range(130):
+            model(torch.randn(8, 64)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    run = load_run(tmp_path / "r")
+    (entry,) = run.meta["ddp"]
+    settings = entry["settings"]
+    assert settings["backend_name"] == "gloo" and settings["world_size"] == 1
+    assert settings["bucket_cap_bytes"] == 2**20
+    assert settings["total_parameter_size_bytes"] == 4 * (64 * 64 + 64 + 64 + 1)
+    assert settings["find_unused_parameters"] == 0
+    iterations = [s[0] for s in entry["samples"]]
+    # DDP samples iterations 1-10 and every 100th; the last poll (at the end) saw 100
+    assert iterations == sorted(set(iterations)) and iterations[-1] == 100
+    assert all(s[2] > 0 and s[3] > 0 for s in entry["samples"])  # backward compute, comm
+
+    doc = analyse(run)
+    (m,) = doc["ddp"]
+    assert m["samples_from"] == "steady" and m["iterations"] == [100]
+    assert m["buckets"] >= 1 and m["gradient_bytes"] == settings["total_parameter_size_bytes"]
+    sample = entry["samples"][-1]
+    assert m["comm_ms"] == pytest.approx(sample[3] / 1e6)
+    assert m["exposed_ms"] == pytest.approx(max(0, sample[3] - sample[4]) / 1e6)
+    assert m["exposed_share"] == pytest.approx(m["exposed_ms"] / 1e3 / doc["steps"]["median_s"])
+
+
+def test_a_dropped_model_is_not_kept_alive(one_rank):
+    import gc
+
+    from trainprof.capture.ddp_stats import DDPStats
+
+    stats = DDPStats()
+    model = DDP(nn.Linear(4, 1))
+    stats.add(model)
+    for _ in range(3):
+        model(torch.randn(2, 4)).sum().backward()
+    assert stats.poll() and stats.record()[0]["settings"]["world_size"] == 1
+    before = stats.record()
+    del model
+    gc.collect()
+    assert not stats.poll() and stats.record() == before  # its last figures stay
+
+
+def test_knobs_set_the_bucket_size_and_the_compression_hook_over_the_scripts(one_rank):
+    knobs = Knobs({"ddp_bucket_cap_mb": 2, "ddp_comm_hook": "fp16"}).install()
+    try:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        model = DDP(nn.Linear(8, 8), bucket_cap_mb=50)  # the script's size: replaced
+        model.register_comm_hook(None, default_hooks.allreduce_hook)  # the script's: ignored
+        for _ in range(3):
+            model(torch.randn(4, 8)).sum().backward()
+        data = model._get_ddp_logging_data()
+        assert data["bucket_cap_bytes"] == 2 * 2**20
+        assert data["comm_hook"] == "fp16_compress_hook"
+    finally:
+        record = knobs.uninstall()
+    assert record["process"]["ddp"] == [{"script_bucket_cap_mb": 50, "bucket_cap_mb": 2,
+                                         "comm_hook": "fp16"}]
+    assert record["script_calls_ignored"] == [
+        "DistributedDataParallel.register_comm_hook(allreduce_hook)"]
+    # undone: the script's own arguments and hooks apply again
+    plain = DDP(nn.Linear(8, 8), bucket_cap_mb=50)
+    assert plain._get_ddp_logging_data()["bucket_cap_bytes"] == 50 * 2**20
+    # tune reads back what DDP itself reports
+    meta = {"ddp": [{"settings": {"comm_hook": "fp16_compress_hook",
+                                  "bucket_cap_bytes": 2 * 2**20}}]}
+    assert _actual("ddp_comm_hook", meta) == "fp16_compress_hook"
+    assert _actual("ddp_bucket_cap_mb", meta) == "2 MB"
+    assert _actual("ddp_comm_hook", {"ddp": []}) == "no DDP model"
+    with pytest.raises(UsageError, match="expected fp16, bf16, none"):
+        parse_value("ddp_comm_hook", "int8")
+
+
+def test_a_hook_ddp_refuses_leaves_the_script_training(one_rank):
+    """bf16 compression needs NCCL: on gloo DDP raises, and the knob steps aside."""
+    knobs = Knobs({"ddp_comm_hook": "bf16"}).install()
+    try:
+        model = DDP(nn.Linear(8, 8))
+        model(torch.randn(4, 8)).sum().backward()
+    finally:
+        record = knobs.uninstall()
+    assert record["process"]["ddp"] == [{"comm_hook": None}]
+    assert "ddp_comm_hook=bf16" in record["errors"][0]
+
+
+# --------------------------------------------------------------------------- the rule
+
+
+def _model(comm: float, overlap: float, backward: float, **settings) -> dict:
+    """A DDP model's summary from one steady sample, times in ms."""
+    entry = {"settings": {"module_name": "Net", "backend_name": "nccl", "world_size": 8,
+                          "bucket_cap_bytes": 25 * 2**20, "rebuilt_bucket_sizes": "26214400, 1",
+                          "total_parameter_size_bytes": 100 * 2**20, **settings},
+             "samples": [[5, int(2 * MS), int(backward * MS), int(comm * MS),
+                          int(overlap * MS)],  # the first iterations: left out
+                         [200, int(2 * MS), int(backward * MS), int(comm * MS),
+                          int(overlap * MS)]]}
+    return summarize_model(entry, 0.010)  # make_steps' 10 ms step
+
+
+def _found(ddp: list[dict], **parts) -> list[dict]:
+    steps = make_steps(40)
+    return [f for f in diagnose(make_summary(steps, ddp=ddp, **parts), steps)
+            if f["cause"] == "exposed_communication"]
+
+
+def test_exposed_communication_bands_and_fixes():
+    # 1 ms exposed of a 10 ms step: under the 10% band
+    assert _found([_model(comm=3.0, overlap=2.0, backward=6.0)]) == []
+    # 1.5 ms exposed, backward longer than the all-reduce: smaller buckets
+    (f,) = _found([_model(comm=4.0, overlap=2.5, backward=6.0)])
+    assert f["severity"] == "medium" and f["estimated_gain"] == pytest.approx(0.15, rel=0.05)
+    assert "bucket_cap_mb=6" in f["fix"]["snippet"]
+    assert "--knob ddp_bucket_cap_mb=script,6" in f["verify"]
+    # the all-reduce longer than the backward: less often, fewer bytes (bf16 on CUDA)
+    (f,) = _found([_model(comm=9.0, overlap=5.0, backward=5.0)],
+                  device={"steps": 40})
+    assert f["severity"] == "high" and f["estimated_gain"] == pytest.approx(0.4, rel=0.05)
+    assert "model.no_sync()" in f["fix"]["snippet"]
+    assert "default_hooks.bf16_compress_hook" in f["fix"]["snippet"]
+    assert "--knob ddp_comm_hook=script,bf16" in f["verify"]
+    # GPUs over gloo: NCCL first
+    (f,) = _found([_model(comm=9.0, overlap=5.0, backward=5.0, backend_name="gloo")],
+                  device={"steps": 40})
+    assert 'init_process_group("nccl")' in f["fix"]["snippet"]
+
+
+def test_exposed_communication_is_the_rank_that_waits_least():
+    """A straggler's delay shows as every other rank's communication: the rank that waits
+    least says what the all-reduce itself costs."""
+    model = _model(comm=9.0, overlap=1.0, backward=5.0)  # 8 ms exposed here
+    ranks = [{"label": "0", "ddp_exposed_comm_s": 0.008},
+             {"label": "1", "ddp_exposed_comm_s": 0.0005}]  # the straggler
+    assert _found([model], ranks=ranks) == []
+    ranks[1]["ddp_exposed_comm_s"] = 0.003
+    (f,) = _found([model], ranks=ranks)
+    assert f["evidence"]["rank_waiting_least"] == "1"
+    assert f["estimated_gain"] == pytest.approx(0.3, rel=0.05)
