@@ -180,3 +180,41 @@ def test_exposed_communication_is_the_rank_that_waits_least():
     (f,) = _found([model], ranks=ranks)
     assert f["evidence"]["rank_waiting_least"] == "1"
     assert f["estimated_gain"] == pytest.approx(0.3, rel=0.05)
+
+
+def test_find_unused_parameters_that_found_none_is_named_and_its_knob_turns_it_off(
+    one_rank, tmp_path
+):
+    from trainprof.diagnosis import diagnose
+
+    with trainprof.profile(tmp_path / "r", report=False):
+        model = DDP(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1)),
+                    find_unused_parameters=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for _ in range(20):
+            model(torch.randn(4, 16)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    run = load_run(tmp_path / "r")
+    doc = analyse(run)
+    (m,) = doc["ddp"]
+    assert m["find_unused_parameters"] is True and m["unused_parameter_bytes"] == 0
+    (f,) = [f for f in doc["findings"] if f["cause"] == "find_unused_parameters"]
+    assert (f["severity"], f["estimated_gain"]) == ("low", 0.0)
+    assert "find_unused_parameters=False" in f["fix"]["snippet"]
+    assert "--knob ddp_find_unused_parameters=script,false" in f["verify"]
+    # a model with a parameter really unused: DDP counts its bytes, and nothing is said
+    used = {**m, "unused_parameter_bytes": 68}
+    assert not [f for f in diagnose({**doc, "ddp": [used]}, run.steps)
+                if f["cause"] == "find_unused_parameters"]
+
+    knobs = Knobs({"ddp_find_unused_parameters": False}).install()
+    try:
+        off = DDP(nn.Linear(8, 8), find_unused_parameters=True)
+        assert off._get_ddp_logging_data()["find_unused_parameters"] == 0
+    finally:
+        record = knobs.uninstall()
+    assert record["process"]["ddp"] == [{"script_find_unused_parameters": True,
+                                         "find_unused_parameters": False}]
+    assert _actual("ddp_find_unused_parameters",
+                   {"ddp": [{"settings": {"find_unused_parameters": 0}}]}) == "false"

@@ -40,12 +40,13 @@ Two kinds of knobs (:data:`KNOBS`):
   ``zero_grad_set_to_none`` (``zero_grad(set_to_none=...)`` of every optimizer and
   module, whatever the script passes) and ``tf32`` (TF32 for float32 matmuls and
   convolutions, set again after the script's first optimizer step over what its
-  set-up chose) and ``ddp_bucket_cap_mb`` / ``ddp_comm_hook`` (every
-  DistributedDataParallel model's bucket size, and a gradient compression hook for its
-  all-reduce - ``fp16``, ``bf16`` or ``none`` - whatever the script passes or
-  registers). While a thread knob is set, the script's own ``torch.set_num_threads`` /
-  ``set_num_interop_threads`` calls are ignored (and recorded): a script that pins its
-  thread count must not silently undo the value under test.
+  set-up chose) and ``ddp_bucket_cap_mb`` / ``ddp_find_unused_parameters`` /
+  ``ddp_comm_hook`` (every DistributedDataParallel model's bucket size, its search for
+  unused parameters, and a gradient compression hook for its all-reduce - ``fp16``,
+  ``bf16`` or ``none`` - whatever the script passes or registers). While a thread knob is
+  set, the script's own ``torch.set_num_threads`` / ``set_num_interop_threads`` calls are
+  ignored (and recorded): a script that pins its thread count must not silently undo the
+  value under test.
 
 The record (``run.json``'s ``knobs``) is what :meth:`Knobs.record` returns:
 ``requested`` (the overrides), ``dataloaders`` (per DataLoader created: what
@@ -173,10 +174,16 @@ KNOBS: dict[str, KnobSpec] = {
                  "DistributedDataParallel's bucket_cap_mb (default 25)"),
         KnobSpec("ddp_comm_hook", "process", _comm_hook,
                  "DDP gradient compression for the all-reduce: fp16, bf16 (NCCL) or none"),
+        KnobSpec("ddp_find_unused_parameters", "process", _bool,
+                 "DistributedDataParallel's find_unused_parameters"),
     )
 }
 
 DATALOADER_KNOBS = tuple(n for n, s in KNOBS.items() if s.kind == "dataloader")
+#: Arguments of every DistributedDataParallel the script builds (:meth:`Knobs._install_ddp`).
+DDP_ARGUMENTS = {"ddp_bucket_cap_mb": "bucket_cap_mb",
+                 "ddp_find_unused_parameters": "find_unused_parameters"}
+DDP_KNOBS = (*DDP_ARGUMENTS, "ddp_comm_hook")
 
 
 def parse_value(name: str, text: str) -> Any:
@@ -288,8 +295,7 @@ class Knobs:
             self._install_zero_grad(bool(self.overrides["zero_grad_set_to_none"]))
         if self.overrides.get("tf32") is not None:
             self._install_tf32(bool(self.overrides["tf32"]))
-        if (self.overrides.get("ddp_bucket_cap_mb") is not None
-                or self.overrides.get("ddp_comm_hook") is not None):
+        if any(self.overrides.get(k) is not None for k in DDP_KNOBS):
             self._install_ddp()
         return self
 
@@ -475,9 +481,10 @@ class Knobs:
         self._restore.append(undo)
 
     def _install_ddp(self) -> None:
-        """``ddp_bucket_cap_mb`` and ``ddp_comm_hook`` for every DistributedDataParallel model.
+        """``ddp_bucket_cap_mb``, ``ddp_find_unused_parameters`` and ``ddp_comm_hook`` for
+        every DistributedDataParallel model.
 
-        ``bucket_cap_mb`` replaces the constructor's argument, however the script passed it;
+        The first two replace the constructor's arguments, however the script passed them;
         the hook is registered right after the constructor, and the script's own
         ``register_comm_hook`` calls are then ignored (and recorded): DDP takes one hook, and a
         second would raise. ``none`` ignores the script's hook, for DDP's plain all-reduce.
@@ -486,7 +493,8 @@ class Knobs:
 
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        cap = self.overrides.get("ddp_bucket_cap_mb")
+        arguments = {arg: self.overrides[knob] for knob, arg in DDP_ARGUMENTS.items()
+                     if self.overrides.get(knob) is not None}
         hook_name = self.overrides.get("ddp_comm_hook")
         entries = self.process.setdefault("ddp", [])
         ignored = self.ignored_calls
@@ -496,12 +504,13 @@ class Knobs:
 
         def __init__(model: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
             entry: dict[str, Any] = {}
-            if cap is not None:
+            if arguments:
                 bound = signature.bind(model, *args, **kwargs)
-                entry["script_bucket_cap_mb"] = bound.arguments.get("bucket_cap_mb")
-                bound.arguments["bucket_cap_mb"] = cap
+                for name, value in arguments.items():
+                    entry[f"script_{name}"] = bound.arguments.get(name)
+                    bound.arguments[name] = value
+                    entry[name] = value
                 args, kwargs = bound.args[1:], bound.kwargs
-                entry["bucket_cap_mb"] = cap
             original_init(model, *args, **kwargs)
             if hook_name is not None:
                 entry["comm_hook"] = hook_name

@@ -56,6 +56,10 @@ communication, step-time spread across the ranks' traces) are in
   batch per rank) or 16-bit gradients - which two Gloo ranks of one host measured slower
   (the casts cost more than the bytes saved), so the text says to measure it with the
   ``ddp_comm_hook`` / ``ddp_bucket_cap_mb`` knobs.
+* ``find_unused_parameters`` (expert-rules.md D5's flag; DDP's own runtime warning): a
+  DDP model built with ``find_unused_parameters=True`` whose sampled iterations found no
+  unused parameter. Low, no gain claimed (the graph walk is not timed on its own); the
+  ``ddp_find_unused_parameters`` knob measures it.
 """
 
 from __future__ import annotations
@@ -557,3 +561,50 @@ def exposed_communication(ctx: Context) -> Finding | None:
     return Finding(category="distributed", cause="exposed_communication", title=title,
                    severity=severity, evidence=evidence, estimated_gain=share,
                    fix=Fix(text=text, snippet=snippet), verify=verify)
+
+
+@rule("distributed.find_unused_parameters")
+def find_unused_parameters(ctx: Context) -> Finding | None:
+    """DDP built with ``find_unused_parameters=True`` that found none unused (expert-rules
+    D5's flag; DDP's own warning): after every forward it walks the autograd graph from the
+    outputs to find parameters that will get no gradient, and it keeps its buckets in
+    construction order (it rebuilds them in the gradients' ready order only without the
+    flag). The walk's cost is not measured on its own, so no gain is claimed: the knob
+    measures it."""
+    models = [m for m in ctx.summary.get("ddp") or [] if isinstance(m, dict)
+              and m.get("find_unused_parameters") and m.get("unused_parameter_bytes") == 0
+              and int(m.get("samples") or 0) >= 1]
+    if not models:
+        return None
+    m = models[0]
+    its = list(m.get("iterations") or [])
+    hf = (ctx.train_loader or {}).get("driven_by") == "transformers.Trainer"
+    evidence = {
+        "find_unused_parameters": True,
+        "unused_parameter_bytes": 0,
+        "ddp_iterations_sampled": its,
+        "gradient_bytes": m.get("gradient_bytes"),
+        "gain_unknown": True,
+    }
+    text = (
+        "The DistributedDataParallel model was built with find_unused_parameters=True, and "
+        f"on every iteration DDP sampled ({', '.join(map(str, its[:5]))}) no parameter was "
+        "unused: each forward pass is followed by a walk of the autograd graph for nothing, "
+        "and DDP keeps its gradient buckets in construction order instead of rebuilding them "
+        "in the order the gradients become ready. Turn it off; if some parameters go unused "
+        "only in some iterations, keep it (DDP would fail without it, saying so); if the same "
+        "ones are always unused, static_graph=True finds them once. "
+        + ("Hugging Face's Trainer turns it on by default under DDP (unless gradient "
+           "checkpointing is on): set ddp_find_unused_parameters=False in TrainingArguments."
+           if hf else "")
+    )
+    snippet = ("args = TrainingArguments(..., ddp_find_unused_parameters=False)" if hf else
+               "model = DistributedDataParallel(model, ..., find_unused_parameters=False)")
+    verify = (f"trainprof tune --knob ddp_find_unused_parameters=script,false {ctx.script}  "
+              "(the step time with the flag off; a run that needs it fails, and tune says so)")
+    return Finding(
+        category="distributed", cause="find_unused_parameters",
+        title=("DDP looks for unused parameters after every forward pass "
+               "(find_unused_parameters=True) and found none"),
+        severity="low", evidence=evidence, estimated_gain=0.0,
+        fix=Fix(text=text.rstrip(), snippet=snippet), verify=verify)

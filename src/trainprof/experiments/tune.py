@@ -442,13 +442,16 @@ def _actual(knob: str, meta: dict[str, Any]) -> str:
         if not n:
             return "—"
         return "off" if not on else f"on ({on} of {n} samples)"
-    if knob in ("ddp_bucket_cap_mb", "ddp_comm_hook"):
+    if knob in ("ddp_bucket_cap_mb", "ddp_comm_hook", "ddp_find_unused_parameters"):
         # as DDP itself reports its models' settings (trainprof.capture.ddp_stats)
         models = [m.get("settings") or {} for m in meta.get("ddp") or [] if isinstance(m, dict)]
         if not models:
             return "no DDP model"
         if knob == "ddp_comm_hook":
             return "/".join(dict.fromkeys(str(m.get("comm_hook") or "none") for m in models))
+        if knob == "ddp_find_unused_parameters":
+            return "/".join(dict.fromkeys(
+                str(bool(m.get("find_unused_parameters"))).lower() for m in models))
         return "/".join(dict.fromkeys(
             f"{int(m['bucket_cap_bytes']) / 2**20:g} MB" if isinstance(
                 m.get("bucket_cap_bytes"), int) else "—" for m in models))
