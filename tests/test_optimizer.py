@@ -172,6 +172,10 @@ SCRIPT = """
         opt.zero_grad()
         if step % 2 == 0:
             gen.step()  # a second optimizer, stepped less often: does not delimit steps
+    # gone before the record closes (a short run's only look at the primary came then: it
+    # was marked by the live object, and GC timing decided whether it still lived)
+    del opt, gen
+    import gc; gc.collect()
 """
 
 

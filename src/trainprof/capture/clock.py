@@ -405,6 +405,18 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
         """id() of the optimizer whose steps delimit steps (None: none yet)."""
         return self._primary
 
+    def optimizer_ref(self, optimizer: Any) -> Any:
+        """The weak reference this clock holds to ``optimizer`` (made if it holds none)."""
+        ref = self._optimizers_seen.get(id(optimizer))
+        return ref if ref is not None and ref() is optimizer else weakref.ref(optimizer)
+
+    def primary_optimizer_ref(self) -> Any:
+        """The clock's weak reference to the optimizer whose steps delimit steps (None: none
+        yet). The reference names it after it died too (a recorder's last look, at the end
+        of a run, may come after the script's objects were collected); a later optimizer at
+        the same address gets a reference of its own."""
+        return self._optimizers_seen.get(self._primary) if self._primary is not None else None
+
     def primary_optimizer_object(self) -> Any:
         """The optimizer whose steps delimit steps, while it lives (None: none, or gone).
 

@@ -388,15 +388,18 @@ class Recorder:
         entry["id"] = id(optimizer)
         self._optimizers.append(entry)
         # (the clock described only optimizers it holds a weak reference to)
-        self._optimizer_refs.append(weakref.ref(optimizer))
+        # the clock's own reference: the primary one is found by it, alive or not
+        self._optimizer_refs.append(self.clock.optimizer_ref(optimizer))
 
     def _record_optimizers(self) -> None:
         """run.json's ``optimizers``, with the one whose steps delimit steps marked
         ``primary`` (known only after its first steps)."""
-        # by object, not id: an optimizer built per epoch reuses an earlier one's address,
-        # and the entries of several dead ones were marked primary by the live one's id
-        primary = self.clock.primary_optimizer_object()
-        entries = [{**e, "primary": primary is not None and ref() is primary}
+        # by the clock's weak reference, not id: an optimizer built per epoch reuses an
+        # earlier one's address, and the entries of several dead ones were marked primary by
+        # the live one's id; and not by the object, which may be gone by the last look (the
+        # script's objects collected before the record closes: a short run's only look)
+        primary = self.clock.primary_optimizer_ref()
+        entries = [{**e, "primary": primary is not None and ref is primary}
                    for e, ref in zip(list(self._optimizers), list(self._optimizer_refs),
                                      strict=False)]
         meta = self.writer.meta
