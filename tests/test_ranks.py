@@ -217,6 +217,14 @@ def test_spawned_ranks_are_recorded_one_folder_each_and_merged(tp):
     rank1_waits = [e["dur"] for e in events if e.get("name") == "data_wait"
                    and names[e["pid"]].startswith("rank 1")]
     assert sum(rank1_waits) / len(rank1_waits) > 10_000  # µs per step: 8 samples x 2 ms
+    # TensorBoard: one run per rank; the parent process (it trained no step) has none
+    logs = res.run_dir.parent / "tb"
+    exp = trainprof("export", str(res.run_dir), "--tensorboard", str(logs),
+                    cwd=res.run_dir.parent)
+    assert exp.returncode == 0, exp.stderr
+    assert sorted(p.parent.relative_to(logs).as_posix()
+                  for p in logs.rglob("events.out.tfevents.*")) == [
+        f"{res.run_dir.name}/rank0", f"{res.run_dir.name}/rank1"]
 
 
 def test_torchrun_launch_records_each_rank_and_rank_0_prints_the_merge(tmp_path):

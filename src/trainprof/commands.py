@@ -438,12 +438,14 @@ def _export_tensorboard(run_dir: Path, logdir: Path) -> None:
         written = _tune_to_tensorboard(run_dir, logdir / name)
     else:
         summary, main = analyse_folder(run_dir)
-        own, ranks = load_ranks(run_dir)
+        _, ranks = load_ranks(run_dir)
         if not ranks:
             written = [tb.write_run(main, logdir / name, label=name, summary=summary)]
         else:
             written = []
-            if (run_dir / RUN_JSON).is_file() and len(complete_steps(own.steps)):
+            # the launching process's own record, when it trained too (Lightning's launcher)
+            own = load_run(run_dir) if (run_dir / RUN_JSON).is_file() else None
+            if own is not None and len(complete_steps(own.steps)):
                 written.append(tb.write_run(own, logdir / name, label=name,
                                             summary=summary if own.path == main.path else None))
             for label, rank in ranks:
