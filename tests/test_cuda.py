@@ -328,3 +328,36 @@ def test_float32_matmuls_without_tf32_are_counted_and_found_on_ampere(tp):
     assert res.returncode == 0, res.stderr[-3000:]
     assert "tf32: high" in res.stderr
     assert res.json()["ops"]["float32_matmul_precision"] == "high"
+
+
+def test_ddp_timing_on_cuda_comes_from_its_cuda_timer(tmp_path):
+    """DDP's reducer times a CUDA model with CUDA events (its CudaTimer): one NCCL rank
+    in this process (a HashStore), 130 iterations, so that iteration 100 is sampled."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import trainprof
+    from trainprof.commands import analyse
+    from trainprof.store import load_run
+
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with trainprof.profile(tmp_path / "r", report=False):
+            model = DDP(nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)]).cuda(),
+                        device_ids=[0])
+            opt = torch.optim.SGD(model.parameters(), lr=0.001)
+            x = torch.randn(64, 1024, device="cuda")
+            for _ in range(130):
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            torch.cuda.synchronize()
+    finally:
+        dist.destroy_process_group()
+    doc = analyse(load_run(tmp_path / "r"))
+    (m,) = doc["ddp"]
+    assert (m["backend"], m["world_size"]) == ("nccl", 1)
+    assert m["samples_from"] == "steady" and m["iterations"] == [100]
+    assert m["backward_compute_ms"] > 0 and m["comm_ms"] > 0
+    assert 0 <= m["overlap_ms"] <= m["comm_ms"]
