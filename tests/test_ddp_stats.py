@@ -66,6 +66,21 @@ def test_a_run_keeps_ddps_sampled_iterations_and_settings(one_rank, tmp_path):
     assert m["exposed_ms"] == pytest.approx(max(0, sample[3] - sample[4]) / 1e6)
     assert m["exposed_share"] == pytest.approx(m["exposed_ms"] / 1e3 / doc["steps"]["median_s"])
 
+    # TensorBoard: each sampled iteration at its number
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+
+    from trainprof.report.tensorboard import write_run
+
+    write_run(run, tmp_path / "tb", label="r")
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0})
+    acc.Reload()
+    events = acc.Tensors("ddp/allreduce_ms")
+    assert [e.step for e in events] == iterations
+    assert [float(tensor_util.make_ndarray(e.tensor_proto)) for e in events] == pytest.approx(
+        [s[3] / 1e6 for s in entry["samples"]], rel=1e-6)
+
 
 def test_a_dropped_model_is_not_kept_alive(one_rank):
     import gc

@@ -35,6 +35,11 @@ workers together), ``workers/rss_mib``, ``system/cpu_pct`` (mean of the cores),
 ``system/iowait_pct``, ``system/disk_read_mb_per_s``, and per GPU ``gpu<i>/util_pct``,
 ``memory_used_mib``, ``power_w``, ``temperature_c``, ``sm_clock_mhz``.
 
+Per DDP model, at each iteration DDP's reducer sampled (1-10, then every 100th; the
+iteration number is the step's unless gradients accumulate): ``ddp/forward_ms``,
+``backward_compute_ms``, ``allreduce_ms``, ``overlap_ms`` and ``exposed_ms``
+(:mod:`trainprof.analysis.ddp` defines them).
+
 Only complete steps are written: the cut-off last step and the steps recorded under a heavy
 tool (``--deep``, ``--py``), whose times include the tool's cost, are left out, as every
 trainprof report leaves them out (:func:`trainprof.analysis.steps.complete_steps`).
@@ -320,6 +325,38 @@ def _write_steps(w: _Writer, run: Run, steps: np.ndarray, origin: float, max_poi
     result.bucket = size
 
 
+def _write_ddp(w: _Writer, run: Run, steps: np.ndarray, origin: float) -> None:
+    """DDP's own timing of each sampled iteration (trainprof.capture.ddp_stats), at the
+    iteration's number: a forward pass, the step's number unless gradients accumulate."""
+    models = [m for m in run.meta.get("ddp") or [] if isinstance(m, dict)]
+    end = (float(steps["t_start_ns"][-1] + steps["dur_ns"][-1]) / 1e9 if len(steps) else 0.0)
+    for k, m in enumerate(models):
+        prefix = "ddp" if len(models) == 1 else f"ddp{k}"
+        for sample in m.get("samples") or []:
+            if not (isinstance(sample, list) and len(sample) >= 5):
+                continue
+            it, fwd, bwd, comm, overlap = (int(x) for x in sample[:5])
+            # DDP's figures are read once a second, not timed here: at the run's clock, when
+            # the iteration's step ended if it is known, else at the run's end
+            at = np.searchsorted(steps["step"], it) if len(steps) else 0
+            wall = (origin + float(steps["t_start_ns"][at] + steps["dur_ns"][at]) / 1e9
+                    if len(steps) and at < len(steps) and steps["step"][at] == it
+                    else origin + end)
+            w.scalars_at(it, wall, ((f"{prefix}/{name}", value / 1e6) for name, value in (
+                ("forward_ms", fwd), ("backward_compute_ms", bwd), ("allreduce_ms", comm),
+                ("overlap_ms", overlap), ("exposed_ms", max(0, comm - overlap)))),
+                lambda tag: _DDP_TEXT.get(tag.split("/", 1)[1]))
+
+
+_DDP_TEXT = {
+    "forward_ms": "DDP's forward compute on this sampled iteration (its reducer's timer), ms.",
+    "backward_compute_ms": "DDP's backward compute, to the last gradient ready, ms.",
+    "allreduce_ms": "DDP's gradient all-reduce, first bucket's launch to the last's end, ms.",
+    "overlap_ms": "The all-reduce's part that ran while the backward still computed, ms.",
+    "exposed_ms": "The all-reduce's part the step waited for after the backward, ms.",
+}
+
+
 def _sample_values(s: dict[str, Any]) -> list[tuple[str, float]]:
     def num(x: Any) -> float | None:
         return float(x) if isinstance(x, int | float) and not isinstance(x, bool) else None
@@ -487,6 +524,7 @@ def write_run(
             w.summary(hparams_pb(hparams, trial_id=label, start_time_secs=origin), origin)
         _write_steps(w, run, steps, origin, max_points, result)
         _write_samples(w, run, steps, origin, max_points, result)
+        _write_ddp(w, run, steps, origin)
         if metrics:
             last = int(steps["step"][-1]) if len(steps) else 0
             w.scalars_at(last, origin + (float(steps["t_start_ns"][-1] + steps["dur_ns"][-1])
