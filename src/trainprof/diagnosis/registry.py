@@ -48,6 +48,7 @@ FAMILIES: tuple[str, ...] = (
     "device",
     "tf32",
     "distributed",
+    "ddp",
 )
 
 _RULES: dict[str, RuleFn] = {}
