@@ -945,48 +945,20 @@ def test_ddp_accumulation_without_no_sync_is_found_and_no_sync_is_counted(tp):
     assert "model.no_sync()" in f["fix"]["snippet"] and "accum = 2" in f["fix"]["snippet"]
 
 
-#: Two DDP ranks over gloo whose all-reduce outlasts their compute: 16 MiB of gradients
-#: (4 layers of 1024 x 1024) for a batch of 2.
-COMM_BOUND = """
-import sys
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-
-def train(rank, port):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = DDP(nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)]))
-    opt = torch.optim.SGD(model.parameters(), lr=0.001)
-    x = torch.randn(2, 1024)
-    for step in range(110):
-        loss = model(x).square().mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    mp.spawn(train, args=(int(sys.argv[1]),), nprocs=2)
-"""
-
-
-def test_ddps_own_timing_shows_the_all_reduce_the_step_waits_for(tp):
-    """DDP's reducer times its all-reduce on every rank; read from the ranks' records, the
-    part not hidden behind the backward pass is a finding, without a profiler."""
-    res = tp(COMM_BOUND, "--json", "--no-html", args=(str(_free_port()),), timeout=180)
+def test_ddps_own_timing_shows_the_all_reduce_the_step_waits_for_and_its_fix(tmp_path):
+    """examples/ddp_allreduce.py: 16 MiB of gradients for 4 samples a rank. DDP's reducer
+    times its all-reduce on every rank; read from the ranks' records, the part not hidden
+    behind the backward pass is a finding, without a profiler; the example's
+    ``--accumulate 4`` (no_sync() for 3 micro-batches of 4) is the fix, and proves it."""
+    example = Path(__file__).resolve().parent.parent / "examples" / "ddp_allreduce.py"
+    res = trainprof("run", "--json", "--no-html", "--out", str(tmp_path / "a"), str(example),
+                    "--steps", "110", cwd=tmp_path, timeout=180)
     assert res.returncode == 0, res.stderr[-3000:]
     doc = res.json()
     exposed = {}
     for label in ("0", "1"):
-        rank = trainprof("report", str(res.run_dir / "ranks" / label), "--json",
-                         cwd=res.run_dir.parent).json()
+        rank = trainprof("report", str(tmp_path / "a" / "ranks" / label), "--json",
+                         cwd=tmp_path).json()
         (m,) = rank["ddp"]
         assert (m["backend"], m["world_size"], m["module"]) == ("gloo", 2, "Sequential")
         assert m["gradient_bytes"] == 4 * 4 * (1024 * 1024 + 1024)
@@ -1002,7 +974,19 @@ def test_ddps_own_timing_shows_the_all_reduce_the_step_waits_for(tp):
     assert f["estimated_gain"] == pytest.approx(
         exposed[least] / doc["steps"]["median_s"], rel=1e-3)  # (rounded to 4 digits)
     assert f["severity"] in ("medium", "high") and f["category"] == "distributed"
-    assert "--knob ddp_" in f["verify"]
+    assert "model.no_sync()" in f["fix"]["snippet"] and "--knob ddp_" in f["verify"]
+
+    # the fix: one all-reduce for 4 micro-batches (160 DDP iterations: 100 is sampled)
+    fixed = trainprof("run", "--json", "--no-html", "--out", str(tmp_path / "b"),
+                      str(example), "--steps", "40", "--accumulate", "4", cwd=tmp_path,
+                      timeout=180)
+    assert fixed.returncode == 0, fixed.stderr[-3000:]
+    after = fixed.json()
+    gain = next((g["estimated_gain"] for g in after["findings"]
+                 if g["cause"] == "exposed_communication"), 0.0)
+    assert gain < f["estimated_gain"] / 1.5
+    # per sample: a step now carries 4 micro-batches
+    assert after["steps"]["median_s"] / 4 < doc["steps"]["median_s"] / 1.3
 
 
 def test_no_sync_entries_are_counted_and_clear_the_accumulation_finding(tmp_path):
