@@ -248,6 +248,50 @@ def test_torchrun_launch_records_each_rank_and_rank_0_prints_the_merge(tmp_path)
         assert (out / "ranks" / label / "findings.json").exists()
 
 
+def test_trainprof_run_of_torchrun_records_the_ranks_it_launches(tmp_path):
+    """``trainprof run -m torch.distributed.run ... train.py``, the command a user types
+    with ``trainprof run`` in front: the launcher runs under trainprof, its ranks are
+    started as ``trainprof run`` of the script into ranks/<RANK>/, and the launcher prints
+    them merged. Before, the ranks ran unrecorded and the run said "nothing to measure"."""
+    write_script(tmp_path, "train.py", DDP)
+    res = trainprof("run", "--json", "--no-html", "--out", str(tmp_path / "launch"), "-m",
+                    "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    "train.py", "env", cwd=tmp_path, timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = res.json()
+    _check_uneven_ranks(doc)
+    assert "nothing to measure" not in res.stderr
+    assert res.stderr.count("trainprof: rank ") == 2  # each rank's one line
+    out = tmp_path / "launch"
+    for label in ("0", "1"):
+        meta = json.loads((out / "ranks" / label / RUN_JSON).read_text())
+        assert meta["distributed"]["rank"] == int(label)
+        assert meta["command"][-2:] == ["train.py", "env"]  # the script, not -u
+        # the rank's own helpers (its system sampler) inherit the launch's environment and
+        # must stay helpers: a sampler recorded as a rank never stopped in time
+        assert not [m for m in meta["missing"] if "did not stop" in m], meta["missing"]
+        assert not (out / "ranks" / label / "ranks").exists()
+    own = json.loads((out / RUN_JSON).read_text())  # the launcher's: no step of its own
+    assert own["steps_recorded"] == 0
+
+
+def test_a_rank_never_takes_its_own_children_for_launched_ranks(monkeypatch, tmp_path):
+    from trainprof.capture.ranks import ChildRuns
+
+    runs = ChildRuns(tmp_path / "run", name="train", command=["train.py"],
+                     sample_interval_s=0.2, max_steps=None)
+    env = {"TORCHELASTIC_RUN_ID": "x", "RANK": "1"}
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    cmd = runs.launched_rank([sys.executable, "-u", "-m", "pkg.train", "--lr", "1"], env)
+    assert cmd is not None and cmd[-4:] == ["-m", "pkg.train", "--lr", "1"]
+    assert f"--out={tmp_path / 'run'}" in cmd and runs.launched == [("1", "pkg.train")]
+    assert runs.launched_rank([sys.executable, "-u", "train.py"], {"RANK": "0"}) is None
+    monkeypatch.setenv("RANK", "0")  # this process is a rank: its children are helpers
+    assert runs.launched_rank([sys.executable, "-m", "trainprof.capture.sampler_process"],
+                              env) is None
+
+
 def test_a_script_that_runs_itself_again_records_each_run_as_a_rank(tp):
     """PyTorch Lightning's DDP launcher trains as rank 0 and starts ranks 1.. as
     ``python <script> <args>`` with LOCAL_RANK set: those run under ``trainprof run``

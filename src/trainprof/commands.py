@@ -257,12 +257,13 @@ def run_command(
         module call, backward or optimizer step (its --help, a bad argument, a config
         error). A summary of nothing would only bury what the script printed."""
         return (launch is None and not recorder.clock.started
-                and not recorder.child_runs.recorded)
+                and not recorder.child_runs.recorded and not recorder.child_runs.launched)
 
     def summarize() -> dict[str, Any] | None:
         """The summary to print: this run's, or under a launcher the launch's, ranks merged,
         from its local rank 0 only (None: this rank prints none)."""
-        children = len(recorder.child_runs.recorded) + len(recorder.child_runs.reruns)
+        children = (len(recorder.child_runs.recorded) + len(recorder.child_runs.reruns)
+                    + len(recorder.child_runs.launched))
         if children:
             # processes the script started may still be closing their records (Ctrl-C
             # reaches the whole process group; spawn has not joined them then)

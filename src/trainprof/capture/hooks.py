@@ -146,6 +146,13 @@ def _is_timed_closure(fn: Any) -> bool:
     return getattr(fn, "trainprof_closure", False) is True
 
 
+def _runs_python(args: Any) -> bool:
+    """A command line (a list) that starts this Python."""
+    if isinstance(args, (str, bytes, os.PathLike)) or len(args) < 2:
+        return False
+    return os.path.realpath(str(args[0])) == os.path.realpath(sys.executable)
+
+
 def _runs_this_script(args: Any) -> bool:
     """A command line that runs the script being recorded again, with this Python.
 
@@ -823,15 +830,25 @@ class Instrumentation:
         # A subprocess that runs this same script again: PyTorch Lightning's DDP
         # launcher starts ranks 1.. so, `[python, script, *argv]` with LOCAL_RANK set.
         # It runs under `trainprof run` into ranks/<LOCAL_RANK> (ChildRuns.rerun); one
-        # that cannot be recorded is noted.
+        # that cannot be recorded is noted. And a rank that a launcher running here starts
+        # (torchrun's elastic agent: `[python, -u, train.py, *argv]` with RANK and
+        # TORCHELASTIC_RUN_ID set) runs under `trainprof run` into ranks/<RANK>
+        # (ChildRuns.launched_rank).
         reruns = self.script_reruns
 
         def make_popen(orig: Callable[..., None]) -> Callable[..., None]:
             def __init__(popen: Any, args: Any, *rest: Any, **kwargs: Any) -> None:  # noqa: N807
                 with contextlib.suppress(Exception):
-                    if _runs_this_script(args):
-                        env = kwargs.get("env")
-                        env = env if isinstance(env, Mapping) else os.environ
+                    env = kwargs.get("env")
+                    env = env if isinstance(env, Mapping) else os.environ
+                    launched = (child_runs.launched_rank(args, env)
+                                if child_runs is not None and _runs_python(args) else None)
+                    if launched is not None:
+                        # a rank of torchrun (or accelerate launch) this process runs
+                        if "-u" in [os.fsdecode(a) for a in args[1:3]]:
+                            kwargs["env"] = {**env, "PYTHONUNBUFFERED": "1"}
+                        args = launched
+                    elif _runs_this_script(args):
                         local = env.get("LOCAL_RANK")
                         command = None if child_runs is None else child_runs.rerun(args, local)
                         if command is None:

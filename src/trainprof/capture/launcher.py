@@ -65,6 +65,11 @@ class Outcome:
     message: str | None = None
 
 
+#: Launchers' console scripts, and the module each one runs (for ``trainprof run -m``).
+LAUNCHER_MODULES = {"torchrun": "torch.distributed.run",
+                    "accelerate": "accelerate.commands.accelerate_cli"}
+
+
 def check_target(target: str, module: bool) -> str:
     """Fail early, with a one-line error, when the script or module does not exist."""
     if module:
@@ -83,6 +88,10 @@ def check_target(target: str, module: bool) -> str:
         return target
     path = Path(target)
     if not path.exists():
+        launcher = LAUNCHER_MODULES.get(path.name)
+        if launcher is not None:  # `trainprof run torchrun ...`: a command, not a script
+            raise UsageError(f"no such script: {target} (to record the ranks {path.name} "
+                             f"starts: trainprof run -m {launcher} ARGS...)")
         raise UsageError(f"no such script: {target}")
     if path.is_dir() and not (path / "__main__.py").exists():
         raise UsageError(f"{target} is a directory with no __main__.py")

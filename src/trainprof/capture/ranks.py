@@ -214,6 +214,9 @@ class ChildRuns:
         self.reruns: list[tuple[str, str | None]] = []
         #: this process's label among those runs, once the script ran itself again
         self.own_label: str | None = None
+        #: (label, the training script) of the ranks a launcher run under trainprof started
+        #: (torchrun, ``accelerate launch``: see :meth:`launched_rank`)
+        self.launched: list[tuple[str, str]] = []
 
     def _claim(self, wanted: str | None) -> str:
         with self._lock:
@@ -261,21 +264,60 @@ class ChildRuns:
         ``LOCAL_RANK`` (Lightning sets 0): its record is that rank's (see
         :func:`trainprof.analysis.ranks.merge_ranks`).
         """
-        if len(self.recorded) + len(self.reruns) >= MAX_RECORDED:
+        if len(self.recorded) + len(self.reruns) + len(self.launched) >= MAX_RECORDED:
             return None
         if self.own_label is None:
             self.own_label = self._claim(os.environ.get("LOCAL_RANK", "0"))
         label = self._claim(local_rank)
         spec = self._spec(label)
-        command = [sys.executable, "-m", "trainprof", "run", f"--rank-of={self.root.parent}",
-                   f"--out={spec.run_dir}", f"--name={spec.name}",
-                   f"--sample-interval={spec.sample_interval_s}"]
-        if spec.max_steps is not None:
-            command.append(f"--max-steps={spec.max_steps}")
-        command += [f"--{tool}={value}" for tool, value in spec.tools.items() if value is not None]
+        command = self._trainprof_run(spec.run_dir, spec.name)
         command += [os.fsdecode(a) for a in args[1:]]  # the script (or -m module) and argv
         self.reruns.append((label, local_rank))
         return command
+
+    def _trainprof_run(self, out: str | Path, name: str) -> list[str]:
+        """``trainprof run`` of a further rank of this run, with this run's options; the
+        script and its arguments follow."""
+        base = self._base
+        command = [sys.executable, "-m", "trainprof", "run", f"--rank-of={self.root.parent}",
+                   f"--out={out}", f"--name={name}", f"--sample-interval={base.sample_interval_s}"]
+        if base.max_steps is not None:
+            command.append(f"--max-steps={base.max_steps}")
+        return command + [f"--{tool}={value}" for tool, value in self.tools.items()
+                          if value is not None]
+
+
+    def launched_rank(self, args: Sequence[Any], env: Mapping[str, str]) -> list[str] | None:
+        """The command that records a rank this process launches as torchrun does, or None.
+
+        ``trainprof run -m torch.distributed.run --nproc-per-node 2 train.py`` (or
+        ``trainprof run $(which torchrun) ...``, ``trainprof run -m accelerate.commands.launch
+        ...``): the launcher runs in this process, and its elastic agent starts each rank as
+        ``[python, -u, train.py, *argv]`` (``-m module`` for a module) with ``RANK`` and
+        ``TORCHELASTIC_RUN_ID`` in its environment. The command is ``trainprof run`` of that
+        script and its arguments, with this run's options, into this run's folder: as any
+        rank of a launch, it records into ``ranks/<RANK>/`` (:func:`launcher_rank`) and prints
+        a line; this process, which trains nothing, prints the ranks merged. Python's own
+        options before the script are dropped but ``-u``, passed on as ``PYTHONUNBUFFERED``
+        by the caller. None: not a Python rank of a launch, or too many recorded already.
+        """
+        if "TORCHELASTIC_RUN_ID" not in env or "RANK" not in env:
+            return None
+        if "RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
+            # this process is a rank itself (its children inherit the launch's environment:
+            # trainprof's own sampler process among them), not the launcher
+            return None
+        if len(self.recorded) + len(self.reruns) + len(self.launched) >= MAX_RECORDED:
+            return None
+        rest = [os.fsdecode(a) for a in args[1:]]
+        while rest and rest[0].startswith("-") and rest[0] != "-m":
+            rest.pop(0)  # -u (the caller keeps it as PYTHONUNBUFFERED), -X..., -W...
+        if not rest or (rest[0] == "-m" and len(rest) < 2):
+            return None
+        with self._lock:
+            self.launched.append((str(env["RANK"]), rest[1] if rest[0] == "-m" else rest[0]))
+        # into this run's folder: as a rank of a launch it records into ranks/<RANK>/
+        return self._trainprof_run(self.root.parent, self._base.name) + rest
 
 
 # -- a launcher's ranks (torchrun, srun) -------------------------------------------
