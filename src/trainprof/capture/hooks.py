@@ -159,9 +159,7 @@ def _runs_this_script(args: Any) -> bool:
     What PyTorch Lightning's launcher runs: ``[sys.executable, abspath(sys.argv[0]),
     *argv]``, or ``[sys.executable, "-m", __main__.__spec__.name, *argv]``.
     """
-    if isinstance(args, (str, bytes, os.PathLike)) or len(args) < 2:
-        return False
-    if os.path.realpath(str(args[0])) != os.path.realpath(sys.executable):
+    if not _runs_python(args):
         return False
     if str(args[1]) == "-m":
         spec = getattr(sys.modules.get("__main__"), "__spec__", None)
