@@ -801,10 +801,19 @@ class Constant(IterableDataset):      # one sample, again and again (a benchmark
         for _ in range(160):
             yield torch.ones(16), 0
 
+class Lines(Dataset):                 # map-style, but reads a stream: its index is ignored
+    def __init__(self):
+        self.rows = iter(range(10**9))
+    def __len__(self):
+        return 160
+    def __getitem__(self, index):
+        i = next(self.rows)
+        return torch.full((16,), float(i)), i % 2
+
 if __name__ == "__main__":
     model = nn.Linear(16, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    for dataset in (Rows(), Shards(), Noise(), Constant()):
+    for dataset in (Rows(), Shards(), Noise(), Constant(), Lines()):
         for x, y in DataLoader(dataset, batch_size=8, num_workers=2):
             loss = nn.functional.cross_entropy(model(x), y)
             opt.zero_grad(); loss.backward(); opt.step()
@@ -813,15 +822,16 @@ if __name__ == "__main__":
 
 def test_an_iterable_dataset_every_worker_reads_whole_is_found(tmp_path):
     """Only the stream both workers read whole is named: not the one split by
-    get_worker_info(), nor random or constant samples (the same batches by design)."""
+    get_worker_info(), nor random or constant samples (the same batches by design); and a
+    map-style dataset whose __getitem__ reads a stream of its own, not its index."""
     write_script(tmp_path, "train.py", COMMON + STREAMS)
     res = trainprof("run", "--json", "--no-html", "train.py", cwd=tmp_path, timeout=180)
     assert res.returncode == 0, res.stderr[-3000:]
     doc = res.json()
     datasets = [d["dataset"].rsplit(".", 1)[-1] for d in doc["dataloaders"]]
-    assert datasets == ["Rows", "Shards", "Noise", "Constant"]
-    same = [loader_entry(doc, i)["same_stream"] for i in range(4)]
-    assert [s["identical_workers"] for s in same] == [2, 1, 1, 1], same
+    assert datasets == ["Rows", "Shards", "Noise", "Constant", "Lines"]
+    same = [loader_entry(doc, i)["same_stream"] for i in range(5)]
+    assert [s["identical_workers"] for s in same] == [2, 1, 1, 1, 2], same
     assert loader_entry(doc, 0)["samples"] == 640  # the 320 rows, twice
     (f,) = [f for f in doc["findings"] if f["cause"] == "iterable_not_split"]
     assert (f["category"], f["severity"], f["estimated_gain"]) == ("input_pipeline", "high", 0)
@@ -830,3 +840,9 @@ def test_an_iterable_dataset_every_worker_reads_whole_is_found(tmp_path):
     assert "get_worker_info()" in f["fix"]["snippet"] and "class Rows(" in f["fix"]["snippet"]
     report = trainprof("report", str(res.run_dir), cwd=tmp_path)
     assert "no faster step: fewer of them (each epoch repeats its data)" in report.stdout
+    # a map-style dataset that reads a stream it holds: the workers' copies repeat it
+    (m,) = [f for f in doc["findings"] if f["cause"] == "map_dataset_ignores_index"]
+    assert (m["severity"], m["estimated_gain"]) == ("high", 0)
+    assert m["title"].startswith("All 2 DataLoader workers load the same data: "
+                                 "Lines.__getitem__ ignores its index")
+    assert "def __getitem__(self, index)" in m["fix"]["snippet"]

@@ -14,6 +14,13 @@ first batches are identical while their data varies.
 The step is no slower, so there is no step-time gain to claim (``estimated_gain`` 0):
 the cost is N times the steps for one pass over the data, and a model that sees its
 data in N-fold repeats. Severity is high: it is a correctness bug with a time cost.
+
+A map-style ``Dataset`` can do the same (``map_dataset_ignores_index``): its workers are
+given different indices, so identical first batches mean ``__getitem__`` does not read the
+sample its index names - it takes the next item of a stream it holds (an iterator, a
+generator, a file read line by line), and each worker's copy of that stream starts at the
+same place. Every worker then returns the same samples, and most of the dataset is never
+read.
 """
 
 from __future__ import annotations
@@ -101,3 +108,57 @@ def _finding(ctx: Context, loader: dict[str, Any], same: dict[str, Any]) -> Find
         verify=(f"trainprof run {ctx.script}: this finding is gone, and the steps of an "
                 f"epoch fall to 1/{n}"),
     )
+
+
+@rule("input_pipeline.map_dataset_ignores_index")
+def map_dataset_ignores_index(ctx: Context) -> Finding | None:
+    for loader in ctx.loaders:
+        if loader.get("iterable_dataset"):
+            continue
+        w = ctx.worker_stats(loader) or {}
+        same = w.get("same_stream")
+        if not isinstance(same, dict) or int(same.get("identical_workers") or 0) < 2:
+            continue
+        n = int(same["identical_workers"])
+        compared = int(same.get("workers_compared") or n)
+        dataset = str(loader.get("dataset") or "dataset").rsplit(".", 1)[-1]
+        who = "all" if n >= compared else f"{n} of the"
+        text = (
+            f"The DataLoader's sampler gives each of its workers different indices, yet the "
+            f"first batches of {who} {compared} workers were identical (the data itself, "
+            f"compared by a hash of each worker's first batches): {dataset}.__getitem__ does "
+            "not read the sample its index names. It takes the next item of a stream it "
+            "holds - an iterator, a generator, a file read line by line - and each worker "
+            "has a copy of that stream, at the same place. So every worker returns the "
+            f"same samples ({n} copies of each), and most of the dataset is never read. Read "
+            "the sample at the index (an offsets table into the file, a memory map, a list "
+            "loaded once), or make the dataset an IterableDataset that splits its stream "
+            "between the workers with get_worker_info()."
+        )
+        snippet = (
+            f"class {dataset}(Dataset):\n"
+            "    def __init__(self, path):\n"
+            "        self.rows = load_rows(path)  # or offsets into the file, a np.memmap\n"
+            "    def __len__(self):\n"
+            "        return len(self.rows)\n"
+            "    def __getitem__(self, index):\n"
+            "        return parse(self.rows[index])  # the sample the index names\n\n"
+            "# or, kept as a stream:\n" + split_snippet(dataset)
+        )
+        return Finding(
+            category="input_pipeline",
+            cause="map_dataset_ignores_index",
+            title=(f"{who.capitalize()} {compared} DataLoader workers load the same data: "
+                   f"{dataset}.__getitem__ ignores its index, so each worker returns the "
+                   f"same samples"),
+            severity="high",
+            evidence={"identical_workers": n, "workers_compared": compared,
+                      "generation": same.get("generation"),
+                      "loader": {k: loader.get(k) for k in ("index", "dataset", "batch_size",
+                                                            "num_workers", "sampler")}},
+            estimated_gain=0.0,
+            fix=Fix(text=text, snippet=snippet),
+            verify=(f"trainprof run {ctx.script}: this finding is gone (each worker's first "
+                    "batch differs)"),
+        )
+    return None
