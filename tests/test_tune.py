@@ -200,8 +200,10 @@ def test_a_tune_folder_exports_to_tensorboards_hparams_dashboard(
             assert value == pytest.approx(trial["mean_s"] * 1e3, rel=1e-6)
             assert "step/time_ms" in acc.PluginTagToContent("scalars")
     # a perfetto export of the sweep names what to do instead
-    res = trainprof("export", str(moved), "--perfetto", str(tmp_path / "p.json"), cwd=tmp_path)
-    assert res.returncode == 2 and "tune folder: export one of its trials" in res.stderr
+    from trainprof.commands import export_command
+
+    with pytest.raises(UsageError, match="tune folder: export one of its trials"):
+        export_command(moved, perfetto=tmp_path / "p.json")
 
 
 def test_thread_knob_beats_the_script_and_ctrl_c_reports_what_was_done(tmp_path: Path) -> None:
