@@ -12,10 +12,11 @@ those figures - from the Recorder's flush thread once a second (the call copies 
 under the reducer's own lock, so it is safe from another thread) - and keeps each sampled
 iteration once. DDP models are found by wrapping ``DistributedDataParallel.__init__``
 (:mod:`trainprof.capture.hooks`), held by weak reference: a model the script drops is not
-kept alive, and its last figures stay in the record. ``torch.distributed.destroy_process_group``
-is wrapped too, to read them once more before the script tears its group down: the end of a
-run usually comes less than a second after the last poll, and the model goes with the
-function that trained it.
+kept alive, and its last figures stay in the record. They are read once more as the model
+goes (the weak reference's callback: :meth:`DDPStats.add`) and before
+``torch.distributed.destroy_process_group`` (wrapped too): the end of a run usually comes
+less than a second after the last poll, and the model goes with the function that trained
+it, or with PyTorch Lightning's teardown.
 
 What is kept per model (``run.json``'s ``ddp``, a list): its settings (``backend_name``,
 ``world_size``, ``bucket_cap_bytes``, ``bucket_sizes`` and ``rebuilt_bucket_sizes``,
@@ -60,9 +61,26 @@ class DDPStats:
         self.version = 0
 
     def add(self, model: Any) -> None:
-        """A DistributedDataParallel model was built (called by its wrapped ``__init__``)."""
+        """A DistributedDataParallel model was built (called by its wrapped ``__init__``).
+
+        Its last figures are read when it goes, too: the reference's callback holds DDP's
+        logger (which holds the reducer) only until then, so nothing outlives the model -
+        PyTorch Lightning drops its DDP wrapper at the end of ``fit()``, often less than a
+        second after the last poll, without destroying the process group.
+        """
+        entry: dict[str, Any] = {"settings": {}, "samples": []}
+        logger = getattr(model, "logger", None)
+
+        def gone(_ref: Any, logger: Any = logger, entry: dict[str, Any] = entry) -> None:
+            if logger is None:
+                return
+            with contextlib.suppress(Exception), self._lock:
+                data = logger._get_ddp_logging_data()
+                changed = self._keep(entry, {**data.strs_map, **data.ints_map})
+                self.version += changed
+
         with contextlib.suppress(TypeError):  # not weak-referenceable: not followed
-            self._models.append((weakref.ref(model), {"settings": {}, "samples": []}))
+            self._models.append((weakref.ref(model, gone), entry))
 
     def poll(self) -> bool:
         """Read every live model's latest figures; True when something new was kept."""
@@ -81,19 +99,25 @@ class DDPStats:
                 data = model._get_ddp_logging_data()
             except Exception:  # noqa: BLE001 - an older torch, or a model torn down
                 continue
-            if not isinstance(data, dict):
-                continue
-            settings = {k: data[k] for k in SETTINGS if k in data}
-            if settings != entry["settings"]:
-                entry["settings"] = settings
-                changed = True
-            sample = [_int(data.get(k)) for k in SAMPLE_FIELDS]
-            samples = entry["samples"]
-            if (sample[0] > 0 and any(sample[1:])
-                    and (not samples or samples[-1][0] != sample[0])
-                    and len(samples) < MAX_SAMPLES):
-                samples.append(sample)
-                changed = True
+            if isinstance(data, dict):
+                changed |= self._keep(entry, data)
+        return changed
+
+    @staticmethod
+    def _keep(entry: dict[str, Any], data: dict[str, Any]) -> bool:
+        """Keep a model's settings and its latest sampled iteration; True when new."""
+        changed = False
+        settings = {k: data[k] for k in SETTINGS if k in data}
+        if settings != entry["settings"]:
+            entry["settings"] = settings
+            changed = True
+        sample = [_int(data.get(k)) for k in SAMPLE_FIELDS]
+        samples = entry["samples"]
+        if (sample[0] > 0 and any(sample[1:])
+                and (not samples or samples[-1][0] != sample[0])
+                and len(samples) < MAX_SAMPLES):
+            samples.append(sample)
+            changed = True
         return changed
 
     def record(self) -> list[dict[str, Any]]:

@@ -486,7 +486,7 @@ class Instrumentation:
                 return _fastclock.Timed(_fastclock.K_CALL, clock, orig, FORWARD,
                                         dev_begin=FWD_BEGIN, dev_end=FWD_END)
 
-            def __call__(module: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
+            def __call__(module: Any, /, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
                 if clock.current != OTHER or get_ident() != clock.owner:
                     return orig(module, *args, **kwargs)
                 if discovering[0]:
@@ -727,7 +727,7 @@ class Instrumentation:
             if FAST:
                 return _fastclock.Timed(_fastclock.K_PHASE, clock, orig, ZERO_GRAD)
 
-            def zero_grad(self_: Any, *args: Any, **kwargs: Any) -> Any:
+            def zero_grad(self_: Any, /, *args: Any, **kwargs: Any) -> Any:
                 if get_ident() != clock.owner:
                     return orig(self_, *args, **kwargs)
                 now = perf_counter_ns()
@@ -764,7 +764,7 @@ class Instrumentation:
             # A read inside a read is the same read: a TorchFunctionMode (trainprof's own
             # op count, or the script's) hands Tensor.item back to torch.Tensor.item, this
             # wrapper, from inside the first call; counted there, it was two reads.
-            def read(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            def read(tensor: Any, /, *args: Any, **kwargs: Any) -> Any:
                 mine = get_ident() == clock.owner
                 if mine:
                     if clock.in_read:
@@ -876,7 +876,7 @@ class Instrumentation:
             # -- DDP's own timing of its all-reduce (trainprof.capture.ddp_stats) ----
             def make_ddp_init(orig: Callable[..., Any]) -> Callable[..., Any]:
                 @functools.wraps(orig)
-                def __init__(module: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+                def __init__(module: Any, /, *args: Any, **kwargs: Any) -> None:  # noqa: N807
                     orig(module, *args, **kwargs)
                     self.ddp_stats.add(module)
 

@@ -502,7 +502,7 @@ class Knobs:
         original_register = DDP.__dict__["register_comm_hook"]
         signature = inspect.signature(original_init)
 
-        def __init__(model: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+        def __init__(model: Any, /, *args: Any, **kwargs: Any) -> None:  # noqa: N807
             entry: dict[str, Any] = {}
             if arguments:
                 bound = signature.bind(model, *args, **kwargs)
@@ -558,7 +558,7 @@ class Knobs:
         entries = self.process.setdefault("optimizer", [])
         original = Optimizer.__dict__["__init__"]
 
-        def __init__(opt: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+        def __init__(opt: Any, /, *args: Any, **kwargs: Any) -> None:  # noqa: N807
             original(opt, *args, **kwargs)
             entries.append(set_implementation(opt, implementation))
 
@@ -573,7 +573,7 @@ class Knobs:
         signature = inspect.signature(original)
         knobs = self
 
-        def __init__(loader: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+        def __init__(loader: Any, /, *args: Any, **kwargs: Any) -> None:  # noqa: N807
             try:
                 bound = signature.bind(loader, *args, **kwargs)
             except TypeError:
