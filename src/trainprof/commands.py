@@ -59,12 +59,22 @@ def analyse_folder(run_dir: Path) -> tuple[dict[str, Any], Run]:
     launch, which has no record of its own) is summarised rank by rank and merged
     (:mod:`trainprof.analysis.ranks`); any other folder is one Run.
     """
+    summary, main, _, _ = analyse_folder_records(run_dir)
+    return summary, main
+
+
+def analyse_folder_records(
+    run_dir: Path,
+) -> tuple[dict[str, Any], Run, Run | None, dict[str, Run]]:
+    """:func:`analyse_folder`, with the records it read: the folder's own (None for a launch
+    folder) and each rank's, by label - for what writes every record (the TensorBoard
+    export) without reading them again."""
     run_dir = Path(run_dir)
     ranks = rank_dirs(run_dir)
     if not ranks or (run_dir / RUN_JSON).exists():
         own_run = load_run(run_dir)
         if not ranks:
-            return analyse(own_run), own_run
+            return analyse(own_run), own_run, own_run, {}
     else:
         own_run = None
     rank_runs = {label: load_run(path) for label, path in ranks}
@@ -87,7 +97,7 @@ def analyse_folder(run_dir: Path) -> tuple[dict[str, Any], Run]:
     )
     main_run = rank_runs.get(merged["main_rank"] or "", own_run)
     assert main_run is not None
-    return _diagnosed(merged, main_run), main_run
+    return _diagnosed(merged, main_run), main_run, own_run, rank_runs
 
 
 def finalize_run(run_dir: Path, html: bool = False) -> dict[str, Any]:
@@ -438,18 +448,16 @@ def _export_tensorboard(run_dir: Path, logdir: Path) -> None:
     if (run_dir / TUNE_JSON).is_file() and not (run_dir / RUN_JSON).is_file():
         written = _tune_to_tensorboard(run_dir, logdir / name)
     else:
-        summary, main = analyse_folder(run_dir)
-        _, ranks = load_ranks(run_dir)
+        summary, main, own, ranks = analyse_folder_records(run_dir)
         if not ranks:
             written = [tb.write_run(main, logdir / name, label=name, summary=summary)]
         else:
             written = []
             # the launching process's own record, when it trained too (Lightning's launcher)
-            own = load_run(run_dir) if (run_dir / RUN_JSON).is_file() else None
             if own is not None and len(complete_steps(own.steps)):
                 written.append(tb.write_run(own, logdir / name, label=name,
                                             summary=summary if own.path == main.path else None))
-            for label, rank in ranks:
+            for label, rank in ranks.items():
                 written.append(tb.write_run(
                     rank, logdir / name / f"rank{label}", label=f"{name}/rank{label}",
                     summary=summary if rank.path == main.path else None))
@@ -485,16 +493,17 @@ def _tune_to_tensorboard(tune_dir: Path, folder: Path) -> list[Any]:
                       f"no run folder at {recorded}", file=sys.stderr)
     if not trials:
         raise UsageError(f"{tune_dir}: no trial of this sweep has a run folder to export")
-    starts = [load_run(path).meta.get("wall_origin_s") for _, _, path in trials]
-    first = min((float(t) for t in starts if isinstance(t, int | float)), default=time.time())
-    tb.write_tune_config(folder, knobs, first)
     written = []
-    for arm, trial, path in trials:
+    starts = []
+    for arm, trial, path in trials:  # each trial read once; the sweep's config after them
         summary, run = analyse_folder(path)
+        starts.append(run.meta.get("wall_origin_s"))
         written.append(tb.write_run(
             run, folder / path.name, label=path.name, summary=summary,
             hparams={k: str(v) for k, v in (arm.get("settings") or {}).items()},
             metrics=tb.tune_metrics(trial, summary)))
+    first = min((float(t) for t in starts if isinstance(t, int | float)), default=time.time())
+    tb.write_tune_config(folder, knobs, first)
     return written
 
 
