@@ -1,10 +1,15 @@
-"""Shared helpers: write tiny training scripts, run them under `trainprof run` in a subprocess."""
+"""Shared helpers: write tiny training scripts, run them under `trainprof run` in a subprocess
+(forked from the run server, ``run_server.py``, where a fork can stand for a fresh Python)."""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -43,7 +48,8 @@ def trainprof(*args: str, cwd: Path, timeout: float = 120, env: dict | None = No
     """Run `python -m trainprof ARGS` in cwd; the run folder is cwd/run unless --out is given.
 
     A second run in the same folder goes to cwd/run-2, and so on (a folder that holds
-    a run is refused).
+    a run is refused). The process is forked from the run server (``run_server.py``: torch
+    already imported) unless its environment needs a fresh interpreter.
     """
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     argv = list(args)
@@ -53,6 +59,11 @@ def trainprof(*args: str, cwd: Path, timeout: float = 120, env: dict | None = No
         run_dir = cwd / f"run-{n}"
     if argv and argv[0] == "run" and "--out" not in argv:
         argv = ["run", "--out", str(run_dir), *argv[1:]]
+    # only commands that run a script import torch: the others start faster afresh
+    server = _run_server(full_env) if argv and argv[0] in ("run", "rerun") else None
+    if server is not None:
+        code, out, err = server.run(argv, cwd, full_env, timeout)
+        return Result(code, out, err, run_dir)
     proc = subprocess.run(
         [sys.executable, "-m", "trainprof", *argv],
         cwd=cwd,
@@ -63,6 +74,101 @@ def trainprof(*args: str, cwd: Path, timeout: float = 120, env: dict | None = No
         stdin=subprocess.DEVNULL,
     )
     return Result(proc.returncode, proc.stdout, proc.stderr, run_dir)
+
+
+#: Variables read as an interpreter or torch starts (or by our own test switch): a request
+#: whose value differs from the server's goes to a fresh interpreter.
+_STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "TORCH", "CUDA", "LD_",
+                     "TRAINPROF_TEST_FRESH_PYTHON")
+
+
+class RunServer:
+    """The client end of ``run_server.py``: one request at a time, as ``subprocess.run``."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = dict(env)
+        self.sock, theirs = socket.socketpair()
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("run_server.py")), str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),), env=self.env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL)
+        theirs.close()
+        self.replies = self.sock.makefile("rb")
+
+    def serves(self, env: dict[str, str]) -> bool:
+        if self.proc.poll() is not None:
+            return False
+        keys = set(env) | set(self.env)
+        return not any(env.get(k) != self.env.get(k) for k in keys
+                       if k.startswith(_STARTUP_PREFIXES))
+
+    def run(self, argv: list[str], cwd: Path, env: dict[str, str],
+            timeout: float) -> tuple[int, str, str]:
+        deadline = time.monotonic() + timeout
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        request = json.dumps({"argv": argv, "cwd": str(cwd), "env": env}).encode()
+        try:
+            socket.send_fds(self.sock, [request], [out_w, err_w])
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        pid = self._reply()["pid"]
+        chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
+        open_fds = [out_r, err_r]
+        timed_out = False
+        # every process that holds the pipes (the run's workers, its sampler) has closed
+        # them, as subprocess.run(capture_output=True) waits for
+        while open_fds:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                break
+            ready, _, _ = select.select(open_fds, [], [], left)
+            for fd in ready:
+                data = os.read(fd, 1 << 16)
+                if data:
+                    chunks[fd].append(data)
+                else:
+                    open_fds.remove(fd)
+        for fd in (out_r, err_r):
+            os.close(fd)
+        status = self._reply()["status"]
+        # as text=True reads them: universal newlines
+        out, err = (b"".join(chunks[fd]).decode(errors="replace").replace("\r\n", "\n")
+                    .replace("\r", "\n") for fd in (out_r, err_r))
+        if timed_out:
+            raise subprocess.TimeoutExpired(["trainprof", *argv], timeout, out, err)
+        return status, out, err
+
+    def _reply(self) -> dict:
+        line = self.replies.readline()
+        if not line:
+            raise RuntimeError(f"the run server ended (exit code {self.proc.wait()})")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.sock.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+_SERVER: list[RunServer] = []
+
+
+def _run_server(env: dict[str, str]) -> RunServer | None:
+    """The session's run server if it can run a process with ``env``, else None."""
+    if os.environ.get("TRAINPROF_TEST_FRESH_PYTHON", "") not in ("", "0"):
+        return None
+    if not _SERVER or _SERVER[0].proc.poll() is not None:
+        _SERVER[:] = [RunServer({**os.environ, "PYTHONUNBUFFERED": "1"})]
+        atexit.register(_SERVER[0].close)
+    server = _SERVER[0]
+    return server if server.serves(env) else None
 
 
 @pytest.fixture
