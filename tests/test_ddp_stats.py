@@ -134,7 +134,7 @@ def test_knobs_set_the_bucket_size_and_the_compression_hook_over_the_scripts(one
     meta = {"ddp": [{"settings": {"comm_hook": "fp16_compress_hook",
                                   "bucket_cap_bytes": 2 * 2**20}}]}
     assert _actual("ddp_comm_hook", meta) == "fp16_compress_hook"
-    assert _actual("ddp_bucket_cap_mb", meta) == "2 MB"
+    assert _actual("ddp_bucket_cap_mb", meta) == "2 MiB"
     assert _actual("ddp_comm_hook", {"ddp": []}) == "no DDP model"
     with pytest.raises(UsageError, match="expected fp16, bf16, none"):
         parse_value("ddp_comm_hook", "int8")

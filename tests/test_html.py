@@ -750,7 +750,7 @@ def test_numbers_are_formatted_by_what_their_key_says() -> None:
                            "breakdown": {"data_wait": 0.481}, "self_cpu_us": 1200.5,
                            "count": 12345, "ok": True, "name": INJECT,
                            "breakdown_us": {"Kernel": 1200.5}})
-    for shown in ("100.9 ms", "245/s", "563/s", "328.7 MB", "0.8%", "−11.0 ms", "48.1%",
+    for shown in ("100.9 ms", "245/s", "563/s", "328.7 MiB", "0.8%", "−11.0 ms", "48.1%",
                   "1.2 ms", "12,345", "<th>Kernel</th><td>1.2 ms", "yes", "&lt;script&gt;"):
         assert shown in page, shown
     assert "<script>" not in page

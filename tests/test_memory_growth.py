@@ -69,7 +69,7 @@ def _findings(growth):
 def test_severity_follows_the_time_left():
     (f,) = _findings({"host": _growth(1800.0), "gpus": {}})
     assert (f["cause"], f["severity"], f["estimated_gain"]) == ("host_memory_growth", "high", 0)
-    assert f["title"] == ("Host memory grows 40 KB a step, 2.0 MB/s to the end of the run: "
+    assert f["title"] == ("Host memory grows 40 KiB a step, 2.0 MiB/s to the end of the run: "
                           "full in about 30 minutes")
     assert f["evidence"]["seconds_to_full"] == 1800.0
     assert _findings({"host": _growth(5 * 3600.0), "gpus": {}})[0]["severity"] == "medium"

@@ -3,7 +3,7 @@
 Sources (expert-rules.md): M3 — "Leaks. Memory growth ≥ 1% and per-line leak
 likelihood ≥ 0.95" (Scalene). trainprof reads the trend of the system samples
 (:mod:`trainprof.analysis.memory_growth`: anonymous RSS of the training process, each
-GPU's used memory), growth that holds to the end of the run, at least 32 MB and 3%.
+GPU's used memory), growth that holds to the end of the run, at least 32 MiB and 3%.
 
 The usual causes in a training loop: tensors kept across steps with their autograd
 graph (``losses.append(loss)``, ``total_loss += loss``: the graph, and on a step
@@ -23,7 +23,7 @@ from trainprof.diagnosis.finding import Finding, Fix
 from trainprof.diagnosis.registry import rule
 
 HOUR_S, DAY_S = 3600.0, 86400.0
-MB = 2**20
+MIB = 2**20
 
 
 def _severity(seconds_to_full: float | None) -> str:
@@ -46,8 +46,8 @@ def _growth_finding(ctx: Context, g: dict[str, Any], where: str, cause: str) -> 
     per_step = g.get("bytes_per_step")
     rate = float(g.get("slope_bytes_per_s") or 0.0)
     full = g.get("seconds_to_full")
-    per_step_txt = f"{per_step / 1024:,.0f} KB a step, " if per_step else ""
-    title = (f"{where} memory grows {per_step_txt}{rate / MB:,.1f} MB/s to the end of the run"
+    per_step_txt = f"{per_step / 1024:,.0f} KiB a step, " if per_step else ""
+    title = (f"{where} memory grows {per_step_txt}{rate / MIB:,.1f} MiB/s to the end of the run"
              + (f": full in about {_duration(float(full))}" if full else ""))
     evidence: dict[str, Any] = {
         "series": g.get("series", "mem_used_bytes"),
@@ -98,11 +98,11 @@ def leak(ctx: Context) -> list[Finding]:
 
 
 #: a worker must write at least this much memory of its own to be reported...
-WORKER_MIN_GROWTH = 64 * MB
+WORKER_MIN_GROWTH = 64 * MIB
 #: ...or have copied at least this much of what it shared with the training process
-WORKER_MIN_COPIED = 32 * MB
+WORKER_MIN_COPIED = 32 * MIB
 #: ...and all workers together at least this much
-WORKERS_MIN_TOTAL = 128 * MB
+WORKERS_MIN_TOTAL = 128 * MIB
 #: of the host's memory, held privately by the workers at one time: high, medium
 WORKERS_HIGH, WORKERS_MEDIUM = 0.25, 0.05
 
@@ -111,8 +111,8 @@ WORKERS_HIGH, WORKERS_MEDIUM = 0.25, 0.05
 def worker_copies(ctx: Context) -> Finding | None:
     """DataLoader workers each writing a large private copy: data-loading.md pitfall 6,
     "Copy-on-read from Python lists or dicts: store as numpy or Arrow" (measured there:
-    a list of 3 M paths, worker USS 48 → 187 MB each over one epoch; as a numpy ``S``
-    array, 47 → 48 MB; pytorch#13246). A forked worker shares the training process's
+    a list of 3 M paths, worker USS 48 → 187 MiB each over one epoch; as a numpy ``S``
+    array, 47 → 48 MiB; pytorch#13246). A forked worker shares the training process's
     memory until it writes a page; reading a Python object writes its reference count,
     so every page of the dataset's lists, dicts and strings that a worker reads is
     copied into it. Told apart from a worker's own allocations (a per-worker cache) by
@@ -137,8 +137,8 @@ def worker_copies(ctx: Context) -> Finding | None:
                 "medium" if share is not None and share >= WORKERS_MEDIUM else "low")
     n = int(w.get("workers") or 0)
     dataset = str((ctx.train_loader or {}).get("dataset") or "the dataset").rsplit(".", 1)[-1]
-    title = (f"Each DataLoader worker holds {per_worker / MB:,.0f} MB of memory of its own "
-             f"({total / MB:,.0f} MB across {n} workers)"
+    title = (f"Each DataLoader worker holds {per_worker / MIB:,.0f} MiB of memory of its own "
+             f"({total / MIB:,.0f} MiB across {n} workers)"
              + (": the dataset's Python objects copied into every worker" if copied else ""))
     evidence = {
         "workers": n,
@@ -154,7 +154,7 @@ def worker_copies(ctx: Context) -> Finding | None:
     if copied:
         text = (
             f"Memory each worker shared with the training process became its own as it ran "
-            f"({(w.get('shared_dirty_drop_median_bytes') or 0) / MB:,.0f} MB per worker): "
+            f"({(w.get('shared_dirty_drop_median_bytes') or 0) / MIB:,.0f} MiB per worker): "
             f"reading a Python object writes its reference count, so every page of "
             f"{dataset}'s lists, dicts and strings a worker reads is copied into it "
             "(copy-on-read; pytorch#13246). With more workers or a larger dataset this "
@@ -177,7 +177,7 @@ def worker_copies(ctx: Context) -> Finding | None:
         )
         snippet = "dataset = CachedDataset(dataset, \"cache_dir\")  # one on-disk copy for all"
     verify = (f"trainprof run {ctx.script} after the change: the workers' private memory "
-              f"(now {per_worker / MB:,.0f} MB each) should fall, and this finding go")
+              f"(now {per_worker / MIB:,.0f} MiB each) should fall, and this finding go")
     return Finding(category="memory",
                    cause="worker_copy_on_read" if copied else "worker_memory_growth",
                    title=title, severity=severity, evidence=evidence, estimated_gain=0.0,

@@ -453,7 +453,7 @@ def _actual(knob: str, meta: dict[str, Any]) -> str:
             return "/".join(dict.fromkeys(
                 str(bool(m.get("find_unused_parameters"))).lower() for m in models))
         return "/".join(dict.fromkeys(
-            f"{int(m['bucket_cap_bytes']) / 2**20:g} MB" if isinstance(
+            f"{int(m['bucket_cap_bytes']) / 2**20:g} MiB" if isinstance(
                 m.get("bucket_cap_bytes"), int) else "—" for m in models))
     if knob == "optimizer":
         # what the optimizer that delimits steps really ran (recorded at its first step)

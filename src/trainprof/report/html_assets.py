@@ -134,7 +134,7 @@ function fTime(s) {
 }
 function fBytes(n) {
   if (!isNum(n)) { return "\u2014"; }
-  var u = ["B", "KB", "MB", "GB", "TB"], i = 0;
+  var u = ["B", "KiB", "MiB", "GiB", "TiB"], i = 0;
   while (Math.abs(n) >= 1024 && i < u.length - 1) { n /= 1024; i++; }
   return i === 0 ? n.toFixed(0) + " B" : n.toFixed(1) + " " + u[i];
 }
@@ -172,7 +172,7 @@ function lower(a, v) {
   return lo;
 }
 function r1(v) { return Math.round(v * 10) / 10; }
-// ticks for a unit: byte axes step in powers of 1024 (1 GB, not 953.7 MB)
+// ticks for a unit: byte axes step in powers of 1024 (1 GiB, not 1073.7 MB)
 function ticksFor(unit, lo, hi, n) {
   if ((unit === "B" || unit === "B/s") && hi >= 1024) {
     var sc = Math.pow(1024, Math.floor(Math.log(hi) / Math.log(1024)));

@@ -36,13 +36,16 @@ def fmt_time(seconds: float | None) -> str:
 
 
 def fmt_bytes(n: float | None) -> str:
+    """Bytes in powers of 1024, labelled as such (IEC 80000-13: KiB, MiB, GiB), as
+    ``nvidia-smi`` and ``torch.cuda.memory_summary`` print memory: "16.0 MB" for 2**24
+    bytes would be 5% off."""
     if n is None:
         return "—"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} TB"
+    return f"{n:.1f} TiB"
 
 
 def fmt_pct(x: float | None) -> str:
