@@ -140,6 +140,9 @@ class RunServer:
         out, err = (b"".join(chunks[fd]).decode(errors="replace").replace("\r\n", "\n")
                     .replace("\r", "\n") for fd in (out_r, err_r))
         if timed_out:
+            # pytest shows a failed test's captured output: what the run printed says where
+            print(f"--- trainprof {' '.join(argv)}: timed out after {timeout} s; its stdout:\n"
+                  f"{out[-3000:]}\n--- its stderr:\n{err[-5000:]}", file=sys.stderr)
             raise subprocess.TimeoutExpired(["trainprof", *argv], timeout, out, err)
         return status, out, err
 

@@ -1,14 +1,21 @@
 """A Python with torch already imported that forks a ``python -m trainprof ...`` per request.
 
-Why: every ``trainprof run`` of a test script pays ~2.2 s before and around the script
-that is torch's, not trainprof's: ``import torch`` (~1.1 s on the CI machine) and
-``torch._dynamo``, which the first ``torch.optim.Optimizer`` imports (~1.1 s). With some
-two hundred runs in the suite that was most of its time. This server pays both once; each
-request forks it and the child becomes ``python -m trainprof ARGS`` in the request's
-folder, environment and stdout/stderr (pipes the test holds, passed over a socket), so the
-run is still a separate process with its own exit code, signals and children, running the
-real command-line entry point. trainprof imports torch itself before it runs a script, so
-a run in a fresh interpreter and a forked one take the same path from there on.
+Why: every ``trainprof run`` of a test script spends ~1.1 s of its ~3.3 s on ``import
+torch`` (``trainprof run`` imports it before the script starts), and with some two hundred
+runs in the suite that is minutes. This server pays it once; each request forks it and the
+child becomes ``python -m trainprof ARGS`` in the request's folder, environment and
+stdout/stderr (pipes the test holds, passed over a socket), so the run is still a separate
+process with its own exit code, signals and children, running the real command-line entry
+point, from the state a fresh ``trainprof run`` is in when the script starts.
+
+Only what ``trainprof run`` itself imports before the script is imported here. Not
+``torch._dynamo`` (another ~1.1 s, which the script's first optimizer imports): imported
+before the script, it changes what the script does - Dynamo then traces into trainprof's
+``Module.__call__`` wrapper and recompiles once it is narrowed; and with
+``torch.distributed.tensor`` (which it imports) loaded before a Gloo process group, a
+two-rank DDP script deadlocked at exit in 2-4 runs of 10, without trainprof too
+(``ProcessGroupGloo``'s destructor joins its workers holding the GIL while a worker needs it
+to free a finished work): forked runs must not be where such differences come from.
 
 What a fork cannot give, the client (``conftest.trainprof``) leaves to a fresh
 interpreter: a request whose environment differs from the server's in a variable read at
@@ -33,7 +40,6 @@ import sys
 
 import numpy
 import torch
-import torch._dynamo  # noqa: F401 - what the first Optimizer of every run imports
 
 import trainprof.capture.hooks  # noqa: F401 - a run's own imports, once
 import trainprof.cli  # noqa: F401

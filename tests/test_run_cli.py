@@ -1037,10 +1037,7 @@ def test_a_compiled_model_compiles_once_and_no_dynamo_warning(tp):
         opt.zero_grad(); loss.backward(); opt.step()
     print("frames", dict(dynamo_utils.counters["frames"]))
     """
-    # A fresh interpreter, not the test run server: under `trainprof run` Dynamo is first
-    # imported by the script, after trainprof has wrapped Module.__call__, and takes the
-    # wrapper for the module call it skips (imported first, it traces into the wrapper).
-    res = tp(body, "--json", timeout=180, env={"TRAINPROF_TEST_FRESH_PYTHON": "1"})
+    res = tp(body, "--json", timeout=180)
     assert res.returncode == 0, res.stderr
     assert "frames {'total': 1, 'ok': 1}" in res.stderr  # compiled once, as without trainprof
     assert "Dynamo does not know how to trace" not in res.stderr
