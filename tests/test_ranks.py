@@ -1020,6 +1020,20 @@ def test_ddps_own_timing_shows_the_all_reduce_the_step_waits_for_and_its_fix(tmp
         exposed[least] / doc["steps"]["median_s"], rel=1e-3)  # (rounded to 4 digits)
     assert f["severity"] in ("medium", "high") and f["category"] == "distributed"
     assert "model.no_sync()" in f["fix"]["snippet"] and "--knob ddp_" in f["verify"]
+    # the HTML report has a section of its own: the main rank's model, every rank's exposed time
+    report = trainprof("report", str(tmp_path / "a"), "--html", str(tmp_path / "a.html"),
+                       cwd=tmp_path)
+    assert report.returncode == 0, report.stderr
+    page = (tmp_path / "a.html").read_text()
+    section = page[page.index('<section id="ddp">'):]
+    section = section[:section.index("</section>")]
+    assert "Gradient all-reduce (DDP)" in section and "exposed_ms" in section
+    assert ">Sequential<" in section and ">gloo<" in section and "16.0 MiB" in section
+    from trainprof.report.terminal import fmt_time
+
+    assert f">{fmt_time(exposed[str(doc['main_rank'])])}<" in section
+    ranks = page[page.index('<section id="ranks">'):]
+    assert "ddp_exposed_comm_s" in ranks[:ranks.index("</section>")]
 
     # the fix: one all-reduce for 4 micro-batches (104 DDP iterations: 100 is sampled)
     fixed = trainprof("run", "--json", "--no-html", "--out", str(tmp_path / "b"),

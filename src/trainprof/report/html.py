@@ -85,6 +85,7 @@ _KNOWN_KEYS = frozenset(
         "syncs", "gc", "regions", "dataloaders", "system", "device", "environment", "missing",
         "notes", "findings", "recorded_status", "deep", "python_profile", "line_profile",
         "telemetry", "workers", "ranks", "rank_spread", "samples_per_s_all_ranks", "main_rank",
+        "ddp",
     }
 )
 
@@ -557,6 +558,9 @@ def _ranks_section(s: dict[str, Any]) -> str:
             "data_wait_share": r.get("data_wait"),
             "data_wait_s": r.get("data_wait_s"),
             "samples_per_s": r.get("samples_per_s"),
+            **({"ddp_exposed_comm_s": r.get("ddp_exposed_comm_s")}
+               if any(q.get("ddp_exposed_comm_s") is not None for q in s.get("ranks") or [])
+               else {}),
             "run_dir": r.get("run_dir"),
         }
         for r in s.get("ranks") or []
@@ -568,6 +572,48 @@ def _ranks_section(s: dict[str, Any]) -> str:
     spread = s.get("rank_spread")
     extra = render_generic({"rank_spread": spread}) if spread else ""
     return _table(rows, mono=("run_dir",)) + note + extra
+
+
+def _ddp_section(s: dict[str, Any]) -> str:
+    """Each DistributedDataParallel model's gradient all-reduce as DDP's reducer timed it
+    (``analysis.ddp``): how much of it the backward pass hides and how much the step waits
+    for, with the settings that decide it. Empty for a run without DDP."""
+    models = [m for m in s.get("ddp") or [] if isinstance(m, dict)]
+    if not models:
+        return ""
+    rows = []
+    for m in models:
+        its = [str(i) for i in m.get("iterations") or []]
+        rows.append({
+            "module": m.get("module"),
+            "backend": m.get("backend"),
+            "world_size": m.get("world_size"),
+            "buckets": m.get("buckets"),
+            "gradient_bytes": m.get("gradient_bytes"),
+            "bucket_cap_bytes": m.get("bucket_cap_bytes"),
+            "comm_hook": m.get("comm_hook") or "—",
+            "find_unused_parameters": m.get("find_unused_parameters"),
+            "forward_ms": m.get("forward_ms"),
+            "backward_compute_ms": m.get("backward_compute_ms"),
+            "all_reduce_ms": m.get("comm_ms"),
+            "overlap_ms": m.get("overlap_ms"),
+            "exposed_ms": m.get("exposed_ms"),
+            "exposed_share": m.get("exposed_share"),
+            "iterations": ", ".join(its[:6]) + (f" … ({len(its)})" if len(its) > 6 else ""),
+        })
+    timed = any(isinstance(m.get("comm_ms"), int | float) for m in models)
+    note = (
+        '<p class="note">DDP\'s own timing (its reducer times iterations 1–10 and every '
+        "100th; the medians are over those after the tenth where there are any, else "
+        "iterations 3–10, and over the iterations that all-reduced). <b>all_reduce</b>: "
+        "from the first bucket's launch to the last one's completion; <b>overlap</b>: the "
+        "part of it while the backward still computed; <b>exposed</b>: the rest, which the "
+        "step waits for after its backward (share: of the median step time). On a merged "
+        "run these are the main rank's; each rank's exposed time is in the Ranks table.</p>"
+        if timed else
+        '<p class="note">DDP sampled no iteration that all-reduced (it times iterations '
+        "1–10 and every 100th): the settings only.</p>")
+    return _table(rows) + note
 
 
 def _deep_section(deep: Any) -> str:
@@ -870,6 +916,9 @@ def render_html(summary: dict[str, Any], run: Run, path: Path) -> Path:
         sections.append(_section("dataloader", "Input pipeline", loader))
     if s.get("ranks"):
         sections.append(_section("ranks", "Ranks", _ranks_section(s)))
+    ddp = _ddp_section(s)
+    if ddp:
+        sections.append(_section("ddp", "Gradient all-reduce (DDP)", ddp))
     if s.get("deep"):
         sections.append(_section("deep", "Deep window (torch.profiler trace)",
                                  _deep_section(s["deep"])))
