@@ -17,6 +17,7 @@ from trainprof import __version__
 from trainprof.capture.knobs import KNOBS
 from trainprof.capture.window import looks_like_spec
 from trainprof.errors import UsageError
+from trainprof.experiments.jobs import DEFAULT_TIMEOUT_MIN
 
 
 class _Parser(argparse.ArgumentParser):
@@ -52,6 +53,7 @@ examples:
   trainprof tune --knob torch_threads=1,2 --trials 5 --json train.py > tune.json
   trainprof tune --knob optimizer=script,fused train.py
   trainprof tune --knob synthetic_data=false,true train.py   # the step with input made free
+  trainprof tune --slurm slurm_partition=gpu,gpus_per_node=1 --knob tf32=false,true train.py
 """
 
 
@@ -211,6 +213,13 @@ def build_parser() -> _Parser:
     tune.add_argument("--out", type=Path, metavar="DIR",
                       help="the trials' runs (default: ./trainprof-runs/<time>-tune-<name>/)")
     tune.add_argument("--json", action="store_true", help="print one JSON document")
+    tune.add_argument("--slurm", nargs="?", const="", metavar="KEY=VALUE,...",
+                      help="run each round (every arm once, on one node) as a job through "
+                           "submitit, the rounds at once: KEY=VALUE are submitit's parameters "
+                           f"(slurm_partition, gpus_per_node, timeout_min (default "
+                           f"{DEFAULT_TIMEOUT_MIN}), ...); cluster=local runs the jobs on this "
+                           "machine, one after another. Needs trainprof[slurm] and a folder "
+                           "the nodes share")
 
     export = sub.add_parser("export", help="export a run for other tools")
     export.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run folder")
@@ -275,6 +284,11 @@ def _byte_size(text: str) -> int:
     return value
 
 
+def _looks_like_params(token: str) -> bool:
+    """``--slurm KEY=VALUE,...`` rather than ``--slurm train.py``."""
+    return "=" in token and not token.startswith("-") and not token.endswith(".py")
+
+
 def _split_run_args(argv: list[str]) -> tuple[list[str], list[str]]:
     """Split ``run`` arguments into trainprof's options and the script's own.
 
@@ -284,7 +298,8 @@ def _split_run_args(argv: list[str]) -> tuple[list[str], list[str]]:
     """
     takes_value = {"--out", "--name", "--max-steps", "--sample-interval", "--lines",
                    "--knob", "--steps", "--trials", "--baseline", "--rank-of"}
-    optional_value = {"--deep", "--py"}
+    optional_value = {"--deep": looks_like_spec, "--py": looks_like_spec,
+                      "--slurm": _looks_like_params}
     i = 0
     while i < len(argv):
         tok = argv[i]
@@ -292,7 +307,7 @@ def _split_run_args(argv: list[str]) -> tuple[list[str], list[str]]:
             return argv[:i], argv[i + 1 :]
         if tok in optional_value:
             # `--deep SPEC script.py` vs `--deep script.py`: SPEC only if it reads as one
-            if i + 1 < len(argv) and looks_like_spec(argv[i + 1]):
+            if i + 1 < len(argv) and optional_value[tok](argv[i + 1]):
                 i += 2
             else:
                 argv = [*argv[:i], f"{tok}=", *argv[i + 1 :]]
@@ -353,6 +368,7 @@ def _dispatch(argv: list[str]) -> int:
             json_out=ns.json,
             out=ns.out,
             baseline=ns.baseline,
+            slurm=ns.slurm,
         )
     ns = parser.parse_args(argv)
     if ns.command == "report":

@@ -51,6 +51,9 @@ unnoticed.
 
 Ctrl-C (or SIGTERM) stops the trial in flight (the child records it as interrupted), leaves
 it out, and reports the trials finished so far; the exit code is then 130.
+
+With ``--slurm`` each round runs as one job through submitit, on a cluster's nodes
+(:mod:`trainprof.experiments.jobs`); the trials and their analysis are the same.
 """
 
 from __future__ import annotations
@@ -84,6 +87,8 @@ BATCH_TOLERANCE = 0.01
 TRIAL_SPREAD_NOTE = 0.10
 #: How long a child gets to close its record after Ctrl-C before it is killed.
 STOP_GRACE_S = 20.0
+#: How often the state of submitted jobs is looked at (``--slurm``).
+JOB_POLL_S = 1.0
 
 
 class _Stop(Exception):  # noqa: N818 - a request, like KeyboardInterrupt
@@ -223,6 +228,9 @@ class Trial:
     summary: dict[str, Any] | None = None
     #: cut short by Ctrl-C/SIGTERM while it ran: left out, even if the child finished
     stopped: bool = False
+    #: where it ran, when its round ran as a job (experiments/jobs.py)
+    host: str | None = None
+    job_id: str | None = None
 
     @property
     def usable(self) -> bool:
@@ -247,6 +255,7 @@ class Trial:
             "steady_steps": len(self.dur_s),
             "mean_s": float(self.dur_s.mean()) if len(self.dur_s) else None,
             "median_s": float(np.median(self.dur_s)) if len(self.dur_s) else None,
+            **({"host": self.host, "job_id": self.job_id} if self.job_id is not None else {}),
         }
 
 
@@ -665,6 +674,13 @@ def _clock(seconds: float) -> str:
         f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}")
 
 
+def _result_text(trial: Trial) -> str:
+    if trial.usable:
+        return (f"{float(trial.dur_s.mean()) * 1e3:.1f} ms/step "
+                f"({len(trial.dur_s)} steady steps)")
+    return f"{trial.status}, exit code {trial.exit_code}"
+
+
 def _tail(path: Path, n: int = 3) -> list[str]:
     with contextlib.suppress(OSError):
         lines = path.read_text(errors="replace").splitlines()
@@ -710,6 +726,8 @@ class _Session:
         self.arms, self.baseline, self.header, self.log = arms, baseline, header, log
         self.name = target.rsplit(".", 1)[-1] if module else Path(target).stem
         self.done: list[Trial] = []
+        #: the jobs of ``run_jobs``: round and job id
+        self.jobs: list[dict[str, Any]] = []
         self.t_start = time.perf_counter()
 
     def say(self, text: str, end: str = "\n") -> None:
@@ -745,20 +763,122 @@ class _Session:
         trial.stopped = False
         elapsed = time.perf_counter() - self.t_start
         left = elapsed / n * (total - n)
-        if trial.usable:
-            what = (f"{float(trial.dur_s.mean()) * 1e3:.1f} ms/step "
-                    f"({len(trial.dur_s)} steady steps)")
-        else:
-            what = f"{trial.status}, exit code {trial.exit_code}"
-        self.say(f"{what}, {trial.wall_s:.1f} s · elapsed {_clock(elapsed)}"
+        self.say(f"{_result_text(trial)}, {trial.wall_s:.1f} s · elapsed {_clock(elapsed)}"
                  + (f", about {_clock(left)} left" if n < total else ""))
+        self._explain_failure(trial)
+        self._save_progress()
+
+    def _explain_failure(self, trial: Trial) -> None:
         if not trial.usable:
             for line in _tail(trial.log):
                 self.say(f"    {line}")
             self.say(f"    (log: {trial.log})")
+
+    def _save_progress(self) -> None:
         with contextlib.suppress(OSError):
             _write_doc(self.tune_dir / TUNE_JSON,
                        {**self.header, "status": "running", **self.analyse()})
+
+    # -- rounds as jobs (experiments/jobs.py) ---------------------------------
+    def run_jobs(self, order: list[tuple[int, int]], runner: Any) -> str:
+        """Each round one job: submitted at once to SLURM, one after another locally.
+
+        Returns ``finished``, ``interrupted`` (Ctrl-C/SIGTERM: the jobs not done are
+        cancelled, their trials left out) or ``aborted`` (local: every arm of the first
+        round failed).
+        """
+        from trainprof.experiments.jobs import run_round
+
+        rounds: dict[int, list[Trial]] = {}
+        specs: dict[int, list[dict[str, Any]]] = {}
+        for a, t in order:
+            arm = self.arms[a]
+            trial = Trial(arm.index, t, self.tune_dir / f"{arm.slug}-{t + 1}")
+            trial.stopped = True  # until its job has reported it
+            self.done.append(trial)
+            rounds.setdefault(t, []).append(trial)
+            specs.setdefault(t, []).append({
+                "arm": arm.index, "trial": t, "run_dir": str(trial.run_dir),
+                "overrides": arm.overrides,
+                "command": child_command(self.target, self.args, module=self.module,
+                                         steps=self.steps, run_dir=trial.run_dir,
+                                         name=f"{self.name} {arm.name} #{t + 1}"),
+            })
+        pending: dict[int, Any] = {}
+        with _sigterm_stops():
+            try:
+                if runner.one_at_a_time:
+                    for t in sorted(specs):
+                        pending = {t: runner.executor.submit(run_round, specs[t])}
+                        self._job_submitted(t, pending[t])
+                        self._wait(pending, rounds)
+                        if t == 0 and not any(x.usable for x in rounds[t]):
+                            self.say("trainprof tune: every arm failed in the first round; "
+                                     "stopping (does the script run under `trainprof run`?)")
+                            return "aborted"
+                else:
+                    with runner.executor.batch():  # one job array
+                        jobs = {t: runner.executor.submit(run_round, specs[t])
+                                for t in sorted(specs)}
+                    for t, job in jobs.items():
+                        self._job_submitted(t, job)
+                    pending = dict(jobs)
+                    self._wait(pending, rounds)
+            except (KeyboardInterrupt, _Stop):
+                from trainprof.experiments.jobs import cancel
+
+                for job in pending.values():
+                    cancel(job, runner.cluster)
+                deadline = time.monotonic() + STOP_GRACE_S
+                while runner.one_at_a_time and time.monotonic() < deadline and not all(
+                        job.done() for job in pending.values()):
+                    time.sleep(0.2)  # the trial in flight closes its record
+                for t in pending:  # what the cut-short trials left (left out all the same)
+                    for trial in rounds[t]:
+                        if trial.run_dir.exists():
+                            read_trial(trial)
+                self.say(f"stopped; cancelled {_plural(len(pending), 'job')} not done"
+                         if pending else "stopped")
+                return "interrupted"
+        return "finished"
+
+    def _job_submitted(self, t: int, job: Any) -> None:
+        self.jobs.append({"round": t + 1, "job_id": str(job.job_id)})
+        self.say(f"[round {t + 1}/{self.trials}] job {job.job_id}: "
+                 f"{_plural(len(self.arms), 'arm')} one after another")
+
+    def _wait(self, pending: dict[int, Any], rounds: dict[int, list[Trial]]) -> None:
+        while pending:
+            for t in [t for t, job in pending.items() if job.done()]:
+                self._collect(t, pending.pop(t), rounds[t])
+            if pending:
+                time.sleep(JOB_POLL_S)
+
+    def _collect(self, t: int, job: Any, trials: list[Trial]) -> None:
+        """A finished job: its trials read back from their Run folders."""
+        from trainprof.experiments.jobs import job_error
+
+        try:
+            results = {(r["arm"], r["trial"]): r for r in job.result()}
+        except Exception:  # noqa: BLE001 - a failed job: its trials say what they can
+            results = {}
+            self.say(f"[round {t + 1}/{self.trials}] job {job.job_id} failed: {job_error(job)}")
+            with contextlib.suppress(Exception):
+                self.say(f"    (job log: {job.paths.stderr})")
+        elapsed = time.perf_counter() - self.t_start
+        for trial in trials:
+            read_trial(trial)
+            trial.stopped = False
+            got = results.get((trial.arm, trial.trial))
+            if got is not None:
+                trial.exit_code, trial.wall_s = got["exit_code"], float(got["wall_s"])
+                trial.host, trial.job_id = got["host"], str(got["job_id"] or job.job_id)
+            self.say(f"[round {t + 1}/{self.trials}] {self.arms[trial.arm].name}: "
+                     f"{_result_text(trial)}, {trial.wall_s:.1f} s"
+                     + (f" on {trial.host}" if trial.host else "")
+                     + f" · elapsed {_clock(elapsed)}")
+            self._explain_failure(trial)
+        self._save_progress()
 
     def analyse(self) -> dict[str, Any]:
         return analyse_tune(self.arms, self.done, self.baseline, self.steps)
@@ -776,12 +896,15 @@ def tune_command(
     out: Path | None,
     baseline: str | None,
     progress: IO[str] | None = None,
+    slurm: str | None = None,
 ) -> int:
     """``trainprof tune``: run every arm ``trials`` times, compare them (module docstring).
 
     ``knobs``: the ``--knob NAME=V1,V2`` options (several: their grid of combinations);
     ``baseline``: ``NAME=VALUE[,NAME=VALUE]`` or None for the first arm; ``progress``: where
-    the progress lines go (stderr). Prints the result (a table, or one JSON document with
+    the progress lines go (stderr); ``slurm``: ``--slurm``'s ``KEY=VALUE,...`` (each round a
+    job through submitit, :mod:`trainprof.experiments.jobs`), None to run the trials here.
+    Prints the result (a table, or one JSON document with
     ``json_out``), keeps it in ``OUT/tune.json``, and returns 0; 130 when stopped by
     Ctrl-C/SIGTERM (what was measured is still reported); 1 when the baseline has no usable
     trial. Bad options raise UsageError before anything runs.
@@ -795,6 +918,11 @@ def tune_command(
     arms = build_arms(parsed)
     base = find_baseline(baseline, parsed, arms)
     check_target(target, module)
+    job_params = None
+    if slurm is not None:
+        from trainprof.experiments.jobs import parse_params
+
+        job_params = parse_params(slurm)
     name = target.rsplit(".", 1)[-1] if module else Path(target).stem
     tune_dir = out if out is not None else default_run_dir(f"tune-{name}")
     if tune_dir.exists() and (not tune_dir.is_dir() or any(tune_dir.iterdir())):
@@ -803,6 +931,17 @@ def tune_command(
         tune_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UsageError(f"cannot create {tune_dir}: {exc.strerror}") from None
+    runner = None
+    if job_params is not None:
+        from trainprof.experiments.jobs import make_runner
+
+        try:
+            runner = make_runner(tune_dir, job_params, name)
+        except UsageError:
+            import shutil
+
+            shutil.rmtree(tune_dir, ignore_errors=True)  # nothing ran: leave no folder
+            raise
 
     order = schedule(len(arms), trials)
     header: dict[str, Any] = {
@@ -817,11 +956,19 @@ def tune_command(
         "schedule_seed": SCHEDULE_SEED,
         "order": [[arms[a].name, t + 1] for a, t in order],
     }
+    if runner is not None:
+        header["executor"] = {"parameters": runner.parameters, "jobs": []}
     session = _Session(target, args, module, steps, trials, tune_dir, arms, base, header,
                        progress if progress is not None else sys.stderr)
     session.say(f"trainprof tune: {len(arms)} arms × {_plural(trials, 'trial')} of "
-                f"{_plural(steps, 'step')}, in shuffled rounds → {tune_dir}")
-    status = session.run(order)
+                f"{_plural(steps, 'step')}, in shuffled rounds"
+                + (f", each a job ({runner.cluster}, submitit)" if runner else "")
+                + f" → {tune_dir}")
+    if runner is not None:
+        header["executor"]["jobs"] = session.jobs  # filled in as they are submitted
+        status = session.run_jobs(order, runner)
+    else:
+        status = session.run(order)
     completed = [x for x in session.done if not x.stopped]
     doc = {
         **header,

@@ -149,3 +149,14 @@ def render_tune(doc: dict[str, Any], file: IO[str] | None = None) -> None:
         style="dim",
     ), soft_wrap=False)
     console.print(Text(f"Runs and tune.json: {doc.get('tune_dir')}", style="dim"))
+    executor = doc.get("executor")
+    if isinstance(executor, dict):
+        jobs = [str(j.get("job_id")) for j in executor.get("jobs") or []]
+        hosts = sorted({str(t["host"]) for a in doc.get("arms") or []
+                        for t in a.get("trials") or [] if t.get("host")})
+        cluster = (executor.get("parameters") or {}).get("cluster", "?")
+        console.print(Text(
+            f"Rounds as jobs ({cluster}, submitit; one round's arms on one node): "
+            + (", ".join(jobs) or "none submitted")
+            + (f"; nodes {', '.join(hosts)}" if hosts else "")
+            + f"; logs in {doc.get('tune_dir')}/submitit", style="dim"))
