@@ -927,20 +927,22 @@ def tune_command(
     tune_dir = out if out is not None else default_run_dir(f"tune-{name}")
     if tune_dir.exists() and (not tune_dir.is_dir() or any(tune_dir.iterdir())):
         raise UsageError(f"--out {tune_dir} exists and is not an empty folder")
+    created = not tune_dir.exists()
     try:
         tune_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UsageError(f"cannot create {tune_dir}: {exc.strerror}") from None
     runner = None
     if job_params is not None:
-        from trainprof.experiments.jobs import make_runner
+        from trainprof.experiments.jobs import SUBMITIT_DIR, make_runner
 
         try:
             runner = make_runner(tune_dir, job_params, name)
         except UsageError:
             import shutil
 
-            shutil.rmtree(tune_dir, ignore_errors=True)  # nothing ran: leave no folder
+            # nothing ran: leave no folder behind (an empty one the user made stays)
+            shutil.rmtree(tune_dir if created else tune_dir / SUBMITIT_DIR, ignore_errors=True)
             raise
 
     order = schedule(len(arms), trials)
