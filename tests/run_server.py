@@ -13,8 +13,9 @@ Only what ``trainprof run`` itself imports before the script is imported here. N
 before the script, it changes what the script does - Dynamo then traces into trainprof's
 ``Module.__call__`` wrapper and recompiles once it is narrowed; and with
 ``torch.distributed.tensor`` (which it imports) loaded before a Gloo process group, a
-two-rank DDP script deadlocked at exit in 2-4 runs of 10, without trainprof too
-(``ProcessGroupGloo``'s destructor joins its workers holding the GIL while a worker needs it
+two-rank DDP script deadlocked at exit in 2 of 8 runs (3 of 10 with
+``torch.distributed.tensor`` alone; 4 of 8 without trainprof, Dynamo imported first:
+``ProcessGroupGloo``'s destructor joins its workers holding the GIL while a worker needs it
 to free a finished work): forked runs must not be where such differences come from.
 
 What a fork cannot give, the client (``conftest.trainprof``) leaves to a fresh

@@ -748,13 +748,17 @@ class _Session:
                 return "interrupted"
         return "finished"
 
-    def trial(self, n: int, total: int, arm: Arm, t: int) -> None:
-        trial = Trial(arm.index, t, self.tune_dir / f"{arm.slug}-{t + 1}")
+    def _plan(self, arm: Arm, t: int) -> tuple[Trial, list[str]]:
+        """Trial ``t`` of ``arm`` (counted as done, stopped until it ends) and its command."""
+        trial = Trial(arm.index, t, self.tune_dir / f"{arm.slug}-{t + 1}", stopped=True)
         self.done.append(trial)
+        return trial, child_command(self.target, self.args, module=self.module,
+                                    steps=self.steps, run_dir=trial.run_dir,
+                                    name=f"{self.name} {arm.name} #{t + 1}")
+
+    def trial(self, n: int, total: int, arm: Arm, t: int) -> None:
         self.say(f"[{n}/{total}] {arm.name}, trial {t + 1}/{self.trials} … ", end="")
-        command = child_command(self.target, self.args, module=self.module, steps=self.steps,
-                                run_dir=trial.run_dir, name=f"{self.name} {arm.name} #{t + 1}")
-        trial.stopped = True  # until the child has ended on its own
+        trial, command = self._plan(arm, t)  # stopped until the child has ended on its own
         try:
             run_trial(trial, command, arm.overrides)
         except BaseException:
@@ -793,17 +797,11 @@ class _Session:
         specs: dict[int, list[dict[str, Any]]] = {}
         for a, t in order:
             arm = self.arms[a]
-            trial = Trial(arm.index, t, self.tune_dir / f"{arm.slug}-{t + 1}")
-            trial.stopped = True  # until its job has reported it
-            self.done.append(trial)
+            trial, command = self._plan(arm, t)  # stopped until its job has reported it
             rounds.setdefault(t, []).append(trial)
             specs.setdefault(t, []).append({
                 "arm": arm.index, "trial": t, "run_dir": str(trial.run_dir),
-                "overrides": arm.overrides,
-                "command": child_command(self.target, self.args, module=self.module,
-                                         steps=self.steps, run_dir=trial.run_dir,
-                                         name=f"{self.name} {arm.name} #{t + 1}"),
-            })
+                "overrides": arm.overrides, "command": command})
         pending: dict[int, Any] = {}
         with _sigterm_stops():
             try:

@@ -547,6 +547,8 @@ _DEEP_ROWS = 20
 
 def _ranks_section(s: dict[str, Any]) -> str:
     """A line per rank of a merged run (analysis.ranks), then how far apart they are."""
+    ranks = s.get("ranks") or []
+    ddp = any(r.get("ddp_exposed_comm_s") is not None for r in ranks)
     rows = [
         {
             "rank": r.get("label"),
@@ -558,12 +560,10 @@ def _ranks_section(s: dict[str, Any]) -> str:
             "data_wait_share": r.get("data_wait"),
             "data_wait_s": r.get("data_wait_s"),
             "samples_per_s": r.get("samples_per_s"),
-            **({"ddp_exposed_comm_s": r.get("ddp_exposed_comm_s")}
-               if any(q.get("ddp_exposed_comm_s") is not None for q in s.get("ranks") or [])
-               else {}),
+            **({"ddp_exposed_comm_s": r.get("ddp_exposed_comm_s")} if ddp else {}),
             "run_dir": r.get("run_dir"),
         }
-        for r in s.get("ranks") or []
+        for r in ranks
     ]
     main = s.get("main_rank")
     note = (f'<p class="note">The figures in the other sections are rank {esc(main)}\'s; '
