@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -247,6 +248,14 @@ EXPORT_SCRIPT = """
             if step == 39:
                 break
 """
+
+
+def as_launch_folder(run_dir: Path, launch: Path, ranks: tuple[str, ...] = ("0", "1")) -> Path:
+    """A torchrun-style launch folder (no record of its own, ``ranks/<k>/``) whose ranks are
+    copies of ``run_dir``, for what reads every rank of a folder."""
+    for k in ranks:
+        shutil.copytree(run_dir, launch / "ranks" / k)
+    return launch
 
 
 @pytest.fixture(scope="session")

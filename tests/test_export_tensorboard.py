@@ -10,13 +10,12 @@ fails here.
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import trainprof
+from conftest import as_launch_folder, trainprof
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.plugin_event_accumulator import (  # noqa: E402
@@ -176,9 +175,7 @@ def test_ranks_each_get_a_run_and_the_merged_report_goes_with_the_main_rank(
     run_dir: Path, tmp_path: Path
 ) -> None:
     """A torchrun-style folder (no record of its own, ``ranks/<k>/``)."""
-    launch = tmp_path / "launch"
-    for k in ("0", "1"):
-        shutil.copytree(run_dir, launch / "ranks" / k)
+    launch = as_launch_folder(run_dir, tmp_path / "launch")
     res = trainprof("export", str(launch), "--tensorboard", str(tmp_path / "logs"),
                     cwd=tmp_path)
     assert res.returncode == 0, res.stderr
@@ -192,8 +189,8 @@ def test_ranks_each_get_a_run_and_the_merged_report_goes_with_the_main_rank(
 def test_errors_are_one_line(run_dir: Path, tmp_path: Path, monkeypatch) -> None:
     res = trainprof("export", str(run_dir), cwd=tmp_path)
     assert res.returncode == 2
-    assert res.stderr.strip() == ("error: say what to export: --perfetto PATH and/or "
-                                  "--tensorboard LOGDIR")
+    assert res.stderr.strip() == ("error: say what to export: --perfetto PATH, --tensorboard "
+                                  "LOGDIR and/or --wandb PROJECT")
     res = trainprof("export", str(tmp_path / "missing"), "--tensorboard", str(tmp_path),
                     cwd=tmp_path)
     assert res.returncode == 2 and res.stderr.startswith("error: no such run folder")

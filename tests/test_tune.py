@@ -206,6 +206,33 @@ def test_a_tune_folder_exports_to_tensorboards_hparams_dashboard(
         export_command(moved, perfetto=tmp_path / "p.json")
 
 
+def test_a_tune_folder_exports_to_wandb_as_a_group_of_trials(workers_tune, tmp_path: Path) -> None:
+    """Each trial a W&B run in the sweep's group, its knob setting at the top of its config
+    (what W&B's runs table and parallel coordinates compare) and its mean step time in its
+    summary (offline runs read back from W&B's own files)."""
+    pytest.importorskip("wandb")
+    from test_export_wandb import wandb_env
+    from wandb_records import offline_runs
+
+    res = trainprof("export", str(workers_tune["dir"]), "--wandb", "sweeps", cwd=tmp_path,
+                    env=wandb_env(tmp_path))
+    assert res.returncode == 0, res.stderr
+    name = workers_tune["dir"].name
+    runs = {r.run.display_name: r for r in offline_runs(tmp_path)}
+    trials = {f"{name}/{Path(t['run_dir']).name}": (arm, t)
+              for arm in workers_tune["doc"]["arms"] for t in arm["trials"]}
+    assert set(runs) == set(trials) and len(runs) == 4
+    for label, (arm, trial) in trials.items():
+        run = runs[label]
+        assert run.run.run_group == name and run.run.job_type == "trial"
+        assert run.config["num_workers"] == arm["settings"]["num_workers"]
+        assert run.summary["tune/mean_step_ms"] == pytest.approx(trial["mean_s"] * 1e3,
+                                                                 rel=1e-12)
+        assert run.summary["trainprof/status"] == "finished"
+        assert [r["trainprof/step"] for r in run.history if "step/time_ms" in r]
+    assert "[4/4] W&B run" in res.stderr
+
+
 def test_thread_knob_beats_the_script_and_ctrl_c_reports_what_was_done(tmp_path: Path) -> None:
     write_script(tmp_path, "train.py", THREADS)
     out = tmp_path / "t"

@@ -231,6 +231,13 @@ def build_parser() -> _Parser:
                              "and system scalars, the report and findings as text; a tune "
                              "folder's trials with their knobs as hparams (needs the "
                              "tensorboard package)")
+    export.add_argument("--wandb", metavar="[ENTITY/]PROJECT",
+                        help="log it to Weights & Biases as a new run in PROJECT: per-step and "
+                             "system series against trainprof/step, the report's figures as "
+                             "the summary, the findings table and the HTML report; ranks and "
+                             "tune trials as runs grouped under the folder's name, a trial's "
+                             "knobs as its config. WANDB_MODE=offline writes it here for "
+                             "`wandb sync` (needs the wandb package)")
     pack = sub.add_parser(
         "pack",
         help="pack a folder of one-file-per-sample data into a few large files (PackedDataset)",
@@ -387,7 +394,8 @@ def _dispatch(argv: list[str]) -> int:
     if ns.command == "export":
         from trainprof.commands import export_command
 
-        return export_command(ns.run_dir, perfetto=ns.perfetto, tensorboard=ns.tensorboard)
+        return export_command(ns.run_dir, perfetto=ns.perfetto, tensorboard=ns.tensorboard,
+                              wandb=ns.wandb)
     if ns.command == "pack":
         from trainprof.commands import pack_command
 

@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -406,19 +407,33 @@ def compare_command(
 
 
 def export_command(
-    run_dir: Path, *, perfetto: Path | None = None, tensorboard: Path | None = None
+    run_dir: Path,
+    *,
+    perfetto: Path | None = None,
+    tensorboard: Path | None = None,
+    wandb: str | None = None,
 ) -> int:
-    """``trainprof export``: the run for other tools (Perfetto's timeline, TensorBoard)."""
-    if perfetto is None and tensorboard is None:
-        raise UsageError("say what to export: --perfetto PATH and/or --tensorboard LOGDIR")
+    """``trainprof export``: the run for other tools (Perfetto's timeline, TensorBoard, W&B)."""
+    if perfetto is None and tensorboard is None and wandb is None:
+        raise UsageError("say what to export: --perfetto PATH, --tensorboard LOGDIR and/or "
+                         "--wandb PROJECT")
     run_dir = Path(run_dir)
     if perfetto is not None:
         if (run_dir / TUNE_JSON).is_file() and not (run_dir / RUN_JSON).is_file():
             raise UsageError(f"{run_dir} is a trainprof tune folder: export one of its trials "
-                             "with --perfetto (or the whole sweep with --tensorboard)")
+                             "with --perfetto (or the whole sweep with --tensorboard or "
+                             "--wandb)")
         _export_perfetto(run_dir, perfetto)
-    if tensorboard is not None:
-        _export_tensorboard(run_dir, tensorboard)
+    if tensorboard is not None or wandb is not None:
+        if wandb is not None:
+            from trainprof.report import wandb_export
+
+            destination = wandb_export.parse_project(wandb)  # a bad name before any work
+        name, records, knobs = _export_records(run_dir)
+        if tensorboard is not None:
+            _export_tensorboard(name, records, knobs, tensorboard)
+        if wandb is not None:
+            _export_wandb(name, records, destination)
     return 0
 
 
@@ -440,27 +455,92 @@ def _export_perfetto(run_dir: Path, perfetto: Path) -> None:
         print(f"  note: {note}", file=sys.stderr)
 
 
-def _export_tensorboard(run_dir: Path, logdir: Path) -> None:
-    """Every record of a run folder (or of a tune folder's trials) into ``logdir``."""
-    from trainprof.report import tensorboard as tb
+@dataclass
+class _ExportRecord:
+    """One record an export writes: a run, one of its ranks, or one trial of a sweep."""
 
+    run: Run
+    sub: str  #: its place below the folder's name: "" (the run itself), "rank1", a trial folder
+    kind: str  #: "run", "rank" or "trial"
+    summary: dict[str, Any] | None = None  #: the report that goes with it, if one does
+    settings: dict[str, Any] = field(default_factory=dict)  #: a trial's knob settings
+    metrics: dict[str, float] = field(default_factory=dict)  #: a trial's results
+
+
+def _export_records(
+    run_dir: Path,
+) -> tuple[str, list[_ExportRecord], dict[str, list[str]] | None]:
+    """The folder's name, every record of it an export writes, and a sweep's knobs (None for
+    a run): a run's own record, each rank of a run of several (the merged report with the
+    main rank's, or with the launching process's own steps when it trained too, as PyTorch
+    Lightning's DDP launcher does), or each trial of a ``trainprof tune`` folder."""
     name = run_dir.resolve().name
     if (run_dir / TUNE_JSON).is_file() and not (run_dir / RUN_JSON).is_file():
-        written = _tune_to_tensorboard(run_dir, logdir / name)
-    else:
-        summary, main, own, ranks = analyse_folder_records(run_dir)
-        if not ranks:
-            written = [tb.write_run(main, logdir / name, label=name, summary=summary)]
-        else:
-            written = []
-            # the launching process's own record, when it trained too (Lightning's launcher)
-            if own is not None and len(complete_steps(own.steps)):
-                written.append(tb.write_run(own, logdir / name, label=name,
-                                            summary=summary if own.path == main.path else None))
-            for label, rank in ranks.items():
-                written.append(tb.write_run(
-                    rank, logdir / name / f"rank{label}", label=f"{name}/rank{label}",
-                    summary=summary if rank.path == main.path else None))
+        knobs, records = _tune_records(run_dir)
+        return name, records, knobs
+    summary, main, own, ranks = analyse_folder_records(run_dir)
+    if not ranks:
+        return name, [_ExportRecord(main, "", "run", summary)], None
+    records = []
+    if own is not None and len(complete_steps(own.steps)):
+        records.append(_ExportRecord(own, "", "run", summary if own.path == main.path else None))
+    for label, rank in ranks.items():
+        records.append(_ExportRecord(rank, f"rank{label}", "rank",
+                                     summary if rank.path == main.path else None))
+    return name, records, None
+
+
+def _tune_records(tune_dir: Path) -> tuple[dict[str, list[str]], list[_ExportRecord]]:
+    """A sweep's knobs and its trials, each with its settings, results and report."""
+    from trainprof.analysis.scalars import tune_metrics
+
+    try:
+        doc = orjson.loads((tune_dir / TUNE_JSON).read_bytes())
+        knobs = {str(k["name"]): [str(v) for v in k["values"]] for k in doc["knobs"]}
+        arms = list(doc["arms"])
+    except (OSError, orjson.JSONDecodeError, KeyError, TypeError) as exc:
+        raise UsageError(f"unreadable {tune_dir / TUNE_JSON}: {exc}") from exc
+    found = []
+    for arm in arms:
+        for trial in arm.get("trials") or []:
+            recorded = Path(str(trial.get("run_dir", "")))
+            # the folder as recorded, or beside tune.json (the sweep was moved or copied)
+            path = recorded if (recorded / RUN_JSON).is_file() else tune_dir / recorded.name
+            if (path / RUN_JSON).is_file():
+                found.append((arm, trial, path))
+            else:
+                print(f"trainprof: left out trial {trial.get('trial')} of {arm.get('name')}: "
+                      f"no run folder at {recorded}", file=sys.stderr)
+    if not found:
+        raise UsageError(f"{tune_dir}: no trial of this sweep has a run folder to export")
+    records = []
+    for arm, trial, path in found:
+        summary, run = analyse_folder(path)
+        records.append(_ExportRecord(
+            run, path.name, "trial", summary,
+            settings={k: str(v) for k, v in (arm.get("settings") or {}).items()},
+            metrics=tune_metrics(trial, summary)))
+    return knobs, records
+
+
+def _export_tensorboard(name: str, records: list[_ExportRecord],
+                        knobs: dict[str, list[str]] | None, logdir: Path) -> None:
+    """Each record a TensorBoard run in ``logdir/name[/sub]``; a sweep's hparams config."""
+    from trainprof.report import tensorboard as tb
+
+    written = []
+    for rec in records:
+        label = f"{name}/{rec.sub}" if rec.sub else name
+        trial = rec.kind == "trial"
+        written.append(tb.write_run(
+            rec.run, logdir / name / rec.sub if rec.sub else logdir / name,
+            label=rec.sub if trial else label, summary=rec.summary,
+            hparams=rec.settings if trial else None, metrics=rec.metrics or None))
+    if knobs is not None:
+        starts = [r.run.meta.get("wall_origin_s") for r in records]
+        first = min((float(t) for t in starts if isinstance(t, int | float)),
+                    default=time.time())
+        tb.write_tune_config(logdir / name, knobs, first)
     for result in written:
         every = f", means of {result.bucket} steps a point" if result.bucket > 1 else ""
         texts = f", text: {', '.join(result.texts)}" if result.texts else ""
@@ -470,41 +550,28 @@ def _export_tensorboard(run_dir: Path, logdir: Path) -> None:
     print(f"trainprof: open it with: tensorboard --logdir {logdir}", file=sys.stderr)
 
 
-def _tune_to_tensorboard(tune_dir: Path, folder: Path) -> list[Any]:
-    """A tune sweep: each trial a TensorBoard run with its knob settings as hparams."""
-    from trainprof.report import tensorboard as tb
+def _export_wandb(name: str, records: list[_ExportRecord], destination: Any) -> None:
+    """Each record a W&B run; several (ranks, trials) grouped under the folder's name."""
+    from trainprof.report import wandb_export
 
-    try:
-        doc = orjson.loads((tune_dir / TUNE_JSON).read_bytes())
-        knobs = {str(k["name"]): [str(v) for v in k["values"]] for k in doc["knobs"]}
-        arms = list(doc["arms"])
-    except (OSError, orjson.JSONDecodeError, KeyError, TypeError) as exc:
-        raise UsageError(f"unreadable {tune_dir / TUNE_JSON}: {exc}") from exc
-    trials = []
-    for arm in arms:
-        for trial in arm.get("trials") or []:
-            recorded = Path(str(trial.get("run_dir", "")))
-            # the folder as recorded, or beside tune.json (the sweep was moved or copied)
-            path = recorded if (recorded / RUN_JSON).is_file() else tune_dir / recorded.name
-            if (path / RUN_JSON).is_file():
-                trials.append((arm, trial, path))
-            else:
-                print(f"trainprof: left out trial {trial.get('trial')} of {arm.get('name')}: "
-                      f"no run folder at {recorded}", file=sys.stderr)
-    if not trials:
-        raise UsageError(f"{tune_dir}: no trial of this sweep has a run folder to export")
-    written = []
-    starts = []
-    for arm, trial, path in trials:  # each trial read once; the sweep's config after them
-        summary, run = analyse_folder(path)
-        starts.append(run.meta.get("wall_origin_s"))
-        written.append(tb.write_run(
-            run, folder / path.name, label=path.name, summary=summary,
-            hparams={k: str(v) for k, v in (arm.get("settings") or {}).items()},
-            metrics=tb.tune_metrics(trial, summary)))
-    first = min((float(t) for t in starts if isinstance(t, int | float)), default=time.time())
-    tb.write_tune_config(folder, knobs, first)
-    return written
+    group = name if len(records) > 1 or records[0].kind != "run" else None
+    offline = []
+    for i, rec in enumerate(records, 1):
+        label = f"{name}/{rec.sub}" if rec.sub else name
+        result = wandb_export.write_run(
+            rec.run, destination, name=label, group=group, job_type=rec.kind,
+            summary=rec.summary, settings=rec.settings, metrics=rec.metrics)
+        count = f"[{i}/{len(records)}] " if len(records) > 1 else ""
+        every = f", means of {result.bucket} steps a row" if result.bucket > 1 else ""
+        where = result.url or (f"offline, in {result.sync_dir}" if result.sync_dir else
+                               "W&B is disabled (WANDB_MODE=disabled): nothing kept")
+        print(f"trainprof: {count}W&B run {label}: {result.steps:,} steps{every}, "
+              f"{result.samples:,} system samples, {result.rows:,} rows; {where}",
+              file=sys.stderr)
+        if result.url is None and result.sync_dir is not None:
+            offline.append(str(result.sync_dir))
+    if offline:
+        print(f"trainprof: upload with: wandb sync {' '.join(offline)}", file=sys.stderr)
 
 
 def stage_command(source: Path, *, to: Path | None, threads: int, json_out: bool) -> int:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainprof.errors import UsageError
+from trainprof.errors import UsageError, missing_package
 
 #: A job's time limit unless ``timeout_min`` is given (submitit's own default is 5 minutes).
 DEFAULT_TIMEOUT_MIN = 60
@@ -87,7 +87,7 @@ def make_runner(tune_dir: Path, params: dict[str, Any], name: str) -> JobRunner:
     try:
         import submitit
     except ImportError:
-        raise UsageError("--slurm needs submitit: pip install 'trainprof[slurm]'") from None
+        raise missing_package("--slurm", "submitit", "slurm") from None
     params = dict(params)
     cluster = params.pop("cluster", "slurm")
     if cluster == "slurm" and shutil.which("sbatch") is None:
