@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import trainprof
-from trainprof.analysis.steps import step_statistics
+from trainprof.analysis.steps import complete_steps, step_statistics
 from trainprof.store import load_run
 
 
@@ -265,3 +265,65 @@ def test_the_clock_moves_to_another_thread_only_while_nothing_is_measured_yet():
     moved = StepClock()
     moved._close(0)  # a step closed: the clock stays where it is
     assert not moved.adopt_thread(other) and moved.owner == me
+
+
+_COMPILED_LOOP = """
+import sys
+import torch
+import torch._dynamo.utils as dynamo_utils
+from torch import nn
+import trainprof
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+torch.manual_seed(0)
+model = Net()
+opt = torch.optim.SGD(model.parameters(), lr=0.01)  # imports Dynamo before trainprof patches
+how = sys.argv[1]
+if how == "model":
+    step_loss = torch.compile(model, backend="eager")  # Dynamo only: no C++ compiler needed
+elif how == "in_place":
+    model.compile(backend="eager")
+    step_loss = model
+else:  # a compiled function that calls the model
+    step_loss = torch.compile(lambda x: model(x), backend="eager")
+with trainprof.profile(sys.argv[2], report=False):
+    for _ in range(20):
+        loss = step_loss(torch.randn(16, 32)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    wrapped = torch.nn.Module.__call__ is not nn.Module.__dict__.get("_wrapped_call_impl")
+print("frames", dynamo_utils.counters["frames"]["total"],
+      "breaks", sum(dynamo_utils.counters["graph_break"].values()), "wrapped", wrapped)
+"""
+
+
+@pytest.mark.parametrize("how", ["model", "in_place", "function"])
+def test_profiling_a_compiled_model_compiles_it_once(tmp_path, how):
+    """``trainprof.profile()`` after ``torch.compile`` (Dynamo imported before trainprof
+    wraps ``nn.Module.__call__``): Dynamo inlines the wrapper as a plain module call, and
+    the wrapper stays on nn.Module after discovery, so the model is compiled once and the
+    compiled function is not broken into pieces (before: a second compile at discovery's
+    end, and 16 graph breaks in the compiled function)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(_COMPILED_LOOP)
+    res = subprocess.run([sys.executable, str(script), how, str(tmp_path / "r")],
+                         capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["frames", "1", "breaks", "0", "wrapped", "True"]
+    run = load_run(tmp_path / "r")
+    assert len(run.steps) >= 19
+    if how != "function":  # a compiled function that calls the model hides its forward
+        assert (complete_steps(run.steps)["forward_ns"] > 0).all()
+        assert run.meta["forward_roots"][0].endswith("OptimizedModule" if how == "model"
+                                                     else "Net")

@@ -54,6 +54,7 @@ from time import perf_counter_ns
 from typing import Any
 
 import torch
+from torch.compiler import is_compiling
 from torch.utils.data import DataLoader
 from torch.utils.data import dataloader as _dl
 from torch.utils.data._utils.worker import _worker_loop  # a DataLoader worker's target
@@ -68,6 +69,7 @@ from trainprof.capture.device_timer import (
     OPT_BEGIN,
     OPT_END,
 )
+from trainprof.capture.opcount import compiled_frames
 from trainprof.capture.ranks import ChildRuns
 from trainprof.capture.worker import WorkerCapture
 from trainprof.schema import (
@@ -375,6 +377,7 @@ class Instrumentation:
         self._gc_cb: Callable[[str, dict[str, Any]], None] | None = None
         self.installed = False
         self.forward_roots: list[str] = []
+        self._compiled_at_install = 0
         #: DistributedDataParallel.no_sync() contexts the script entered (gradient
         #: accumulation without an all-reduce per micro-batch; diagnosis/distributed.py)
         self.ddp_no_sync_calls = 0
@@ -400,6 +403,7 @@ class Instrumentation:
 
     def install(self) -> None:
         clock = self.clock
+        self._compiled_at_install = compiled_frames()  # see _narrow_forward
         get_ident = threading.get_ident
         enter, exit_ = clock.enter, clock.exit
         Tensor = torch.Tensor  # noqa: N806 - a local alias for the hot path
@@ -487,6 +491,8 @@ class Instrumentation:
                                         dev_begin=FWD_BEGIN, dev_end=FWD_END)
 
             def __call__(module: Any, /, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
+                if is_compiling():  # Dynamo tracing a module inside a compiled one
+                    return orig(module, *args, **kwargs)
                 if clock.current != OTHER or get_ident() != clock.owner:
                     return orig(module, *args, **kwargs)
                 if discovering[0]:
@@ -933,7 +939,19 @@ class Instrumentation:
         Trade-off: a module class first called at top level after discovery
         (say, an EMA copy of another class) is not timed as forward; its time
         shows as "other".
+
+        Not once ``torch.compile`` has compiled a frame while the wrapper was on
+        nn.Module (since :meth:`install`): Dynamo inlined the
+        wrapper into it (as ``return orig(...)``: the wrapper's first test is
+        ``torch.compiler.is_compiling()``) and guards on ``nn.Module.__call__``
+        being that function, so taking it off would recompile every compiled
+        model once more (a second full compile of a large model). The wrapper
+        stays on nn.Module then; inside compiled code it costs nothing, and an
+        eager module call pays its two tests (~0.2 µs).
         """
+        self.forward_roots = [f"{c.__module__}.{c.__qualname__}" for c in root_classes]
+        if compiled_frames() > self._compiled_at_install:
+            return
         for i, (owner, name, original) in enumerate(self._restore):
             if owner is torch.nn.Module and name == "__call__":
                 del self._restore[i]
@@ -942,7 +960,6 @@ class Instrumentation:
         for cls in root_classes:
             if cls is not torch.nn.Module:
                 self._patch(cls, "__call__", make_call)
-        self.forward_roots = [f"{c.__module__}.{c.__qualname__}" for c in root_classes]
 
     def _after_fork_in_child(self) -> None:
         """DataLoader workers (forked) run the original, uninstrumented code."""

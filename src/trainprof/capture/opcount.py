@@ -161,15 +161,21 @@ def tf32_settings() -> dict[str, Any]:
     return out
 
 
-def torch_compile_in_use() -> bool:
-    """True once ``torch.compile`` has compiled a frame in this process (Dynamo's counters)."""
+def compiled_frames() -> int:
+    """How many frames ``torch.compile`` has compiled in this process (Dynamo's counters; 0
+    while Dynamo is not even imported)."""
     dynamo = sys.modules.get("torch._dynamo")
     if dynamo is None:
-        return False
+        return 0
     try:
-        return bool(dynamo.utils.counters["frames"]["ok"])
-    except Exception:  # noqa: BLE001 - a torch without these counters: assume not
-        return False
+        return int(dynamo.utils.counters["frames"]["ok"])
+    except Exception:  # noqa: BLE001 - a torch without these counters: assume none
+        return 0
+
+
+def torch_compile_in_use() -> bool:
+    """True once ``torch.compile`` has compiled a frame in this process."""
+    return compiled_frames() > 0
 
 
 class OpCountTool:
