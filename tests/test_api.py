@@ -11,6 +11,7 @@ from torch import nn
 
 import trainprof
 from trainprof.analysis.steps import complete_steps, step_statistics
+from trainprof.analysis.summary import summarize_run
 from trainprof.store import load_run
 
 
@@ -323,7 +324,14 @@ def test_profiling_a_compiled_model_compiles_it_once(tmp_path, how):
     assert res.stdout.split() == ["frames", "1", "breaks", "0", "wrapped", "True"]
     run = load_run(tmp_path / "r")
     assert len(run.steps) >= 19
-    if how != "function":  # a compiled function that calls the model hides its forward
+    assert run.meta["compiled_frames"] == 1
+    notes = summarize_run(run)["notes"]
+    if how != "function":
         assert (complete_steps(run.steps)["forward_ns"] > 0).all()
         assert run.meta["forward_roots"][0].endswith("OptimizedModule" if how == "model"
                                                      else "Net")
+        assert not any("torch.compile" in n for n in notes)
+    else:  # a compiled function that calls the model hides its forward: the summary says so
+        assert not complete_steps(run.steps)["forward_ns"].any()
+        assert any(n.startswith("torch.compile compiled 1 frame and no forward pass was seen")
+                   for n in notes)

@@ -162,9 +162,25 @@ def summarize_run(run: Run) -> dict[str, Any]:
         # torch.profiler windows (--deep): breakdown, GPU summary, top operators per window
         "deep": analyse_deep_windows(run.path),
         "missing": meta.get("missing", []),
-        "notes": meta.get("notes", []),
+        "notes": [*meta.get("notes", []), *_compile_notes(meta, stats)],
         "findings": [],  # filled by the diagnosis (trainprof.commands.analyse)
     }
     if "recorded_status" in meta:
         summary["recorded_status"] = meta["recorded_status"]
     return summary
+
+
+def _compile_notes(meta: dict[str, Any], stats: dict[str, Any]) -> list[str]:
+    """A run whose forward is hidden in a compiled function: say where its time went.
+
+    A model called inside a ``torch.compile``-d function (a compiled training step) runs in
+    the function's graph, where no module call happens that trainprof could time: its
+    forward counts as "other", which a reader of a 0% forward share should know."""
+    frames = meta.get("compiled_frames")
+    forward = (stats.get("breakdown") or {}).get("forward")
+    if not isinstance(frames, int) or frames <= 0 or forward is None or forward > 0:
+        return []
+    return [f"torch.compile compiled {frames} frame{'s' if frames != 1 else ''} and no "
+            "forward pass was seen: a model called inside a compiled function runs in its "
+            "graph, so its forward counts as \"other\" (compile the model, "
+            "torch.compile(model), to see forward apart)"]

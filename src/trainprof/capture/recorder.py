@@ -30,6 +30,7 @@ from trainprof.capture.fingerprint import collect_fingerprint
 from trainprof.capture.hooks import Instrumentation, LoaderRegistry
 from trainprof.capture.knobs import install_knobs
 from trainprof.capture.loop_stacks import LoopStackSampler
+from trainprof.capture.opcount import compiled_frames
 from trainprof.capture.optimizer_impl import class_name, describe_optimizer
 from trainprof.capture.ranks import MAX_RECORDED, RANKS_DIR, ChildRuns
 from trainprof.capture.sampler_process import SamplerProcess
@@ -297,6 +298,8 @@ class Recorder:
             notes=self._notes(),
             # the module classes whose top-level calls were timed as forward
             forward_roots=self.instrumentation.forward_roots if self.instrumentation else [],
+            # frames torch.compile compiled in this process (a compiled model or function)
+            compiled_frames=compiled_frames(),
             # DDP's no_sync() contexts entered (None: not instrumented)
             ddp_no_sync_calls=(self.instrumentation.ddp_no_sync_calls
                                if self.instrumentation else None),
