@@ -81,6 +81,10 @@ def trainprof(*args: str, cwd: Path, timeout: float = 120, env: dict | None = No
 #: whose value differs from the server's goes to a fresh interpreter.
 _STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "TORCH", "CUDA", "LD_",
                      "TRAINPROF_TEST_FRESH_PYTHON")
+#: Variables torch sets in this (pytest's) process as it goes, and reads only when used, not
+#: at import: a run given them needs no fresh interpreter. (Inductor, used in-process by a
+#: test, sets its cache folder; every later run would otherwise start afresh.)
+_SET_BY_TORCH = frozenset({"TORCHINDUCTOR_CACHE_DIR"})
 
 
 class RunServer:
@@ -100,7 +104,7 @@ class RunServer:
         if self.proc.poll() is not None:
             return False
         keys = set(env) | set(self.env)
-        return not any(env.get(k) != self.env.get(k) for k in keys
+        return not any(env.get(k) != self.env.get(k) for k in keys - _SET_BY_TORCH
                        if k.startswith(_STARTUP_PREFIXES))
 
     def run(self, argv: list[str], cwd: Path, env: dict[str, str],
