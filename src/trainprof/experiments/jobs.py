@@ -5,8 +5,8 @@ once (DESIGN.md: large sweeps run on SLURM through submitit, nothing home-made).
 work keeps tune's noise control: **one round is one job** - every arm once, in the round's
 shuffled order, back to back on one node. A node that is slower than another (its GPU's
 clocks, a neighbour's traffic, a colder page cache) then slows every arm of its round alike:
-node-to-node differences reach the comparison as run-to-run variation between trials, which
-tune's two-level bootstrap already puts into each interval, and never favour one arm.
+tune's interval, paired by round (:func:`trainprof.experiments.stats.ratio_ci`), compares the
+arms within each node, so node-to-node differences cancel instead of favouring one arm.
 
 Inside the job each trial is the very ``trainprof run --max-steps N`` child a local tune
 starts (:func:`trainprof.experiments.tune.run_trial`), writing its Run folder into the tune

@@ -25,6 +25,12 @@ Why both levels: resampling the trials alone would leave a handful of distinct r
 errs the other way (the plug-in between-trial variance is ``(K-1)/K`` of the sample's). More
 trials narrow the interval for good reasons.
 
+``trainprof tune`` runs its arms in rounds (every arm once per round, back to back), and
+when the baseline and an arm each have a usable trial in the same rounds, their interval is
+**paired by round** (:func:`ratio_ci`, ``paired=True``): each resample draws the same rounds
+for both, so a round that was slower for every arm (the machine drifting, a slower node of a
+cluster) cancels in the ratio rather than widening its interval.
+
 Resampling is vectorised (one index array per chunk of resamples) and seeded, so the same
 trials always give the same interval.
 """
@@ -50,9 +56,16 @@ def boot_stats(
     rng: np.random.Generator,
     n_boot: int = N_BOOT,
     stat: str = "mean",
+    drawn: np.ndarray | None = None,
 ) -> np.ndarray:
-    """``stat`` (mean or median) of ``n_boot`` two-level bootstrap resamples of ``trials``."""
+    """``stat`` (mean or median) of ``n_boot`` two-level bootstrap resamples of ``trials``.
+
+    ``drawn``: the trials each resample draws (``n_boot`` rows of ``len(trials)`` indices),
+    to share one draw of rounds between two arms (:func:`ratio_ci`, ``paired``); None draws
+    them here. With ``drawn``, every trial must have steps (its index is its round)."""
     reduce = {"mean": np.mean, "median": np.median}[stat]
+    if drawn is not None and not all(len(t) for t in trials):
+        raise ValueError("paired trials must all have steps")
     trials = [np.asarray(t, dtype=np.float64) for t in trials if len(t)]
     if not trials:
         return np.full(n_boot, math.nan)
@@ -69,9 +82,10 @@ def boot_stats(
     chunk = max(1, 2_000_000 // (k * n_blocks * block))
     for lo in range(0, n_boot, chunk):
         hi = min(n_boot, lo + chunk)
-        drawn = rng.integers(0, k, size=(hi - lo, k))  # level 1: trials
-        span = (lens[drawn] - block + 1)[:, :, None]  # block starts allowed in each trial
-        starts = offsets[drawn][:, :, None] + (
+        picked = (rng.integers(0, k, size=(hi - lo, k)) if drawn is None
+                  else drawn[lo:hi])  # level 1: trials (rounds)
+        span = (lens[picked] - block + 1)[:, :, None]  # block starts allowed in each trial
+        starts = offsets[picked][:, :, None] + (
             rng.random((hi - lo, k, n_blocks)) * span
         ).astype(np.int64)  # level 2: blocks of steps
         idx = (starts[..., None] + steps).reshape(hi - lo, k, n_blocks * block)[:, :, :per_trial]
@@ -87,9 +101,27 @@ def ratio_ci(
     seed: int = SEED,
     confidence: float = CONFIDENCE,
     stat: str = "mean",
+    paired: bool = False,
 ) -> tuple[float, float]:
-    """Percentile interval of stat(arm) / stat(baseline), each side's trials resampled."""
+    """Percentile interval of stat(arm) / stat(baseline), each side's trials resampled.
+
+    ``paired``: ``baseline[i]`` and ``arm[i]`` ran in the same round (a block of ``trainprof
+    tune``'s randomised block design: every arm once, back to back, on one machine or one
+    node). Each resample then draws the same rounds for both sides, so that what a round did
+    to every arm alike (a slower node, the machine drifting between rounds) stays in both
+    sides of the ratio and cancels, instead of widening the interval as noise. This is the
+    two-level bootstrap with rounds as its clusters (Davison & Hinkley 1997, §3.8): level 2
+    (blocks of steps within each trial) stays independent per side. When the trials vary
+    independently of their rounds, pairing changes the interval little: the drawn rounds still
+    carry each side's trial-to-trial differences (tests/test_tune.py checks the coverage of
+    both cases)."""
     rng = np.random.default_rng(seed)
-    mb = boot_stats(baseline, rng, n_boot, stat)
-    ma = boot_stats(arm, rng, n_boot, stat)
+    drawn = None
+    if paired:
+        if len(baseline) != len(arm):
+            raise ValueError(f"paired sides need one trial per round each, got "
+                             f"{len(baseline)} and {len(arm)}")
+        drawn = rng.integers(0, len(baseline), size=(n_boot, len(baseline)))
+    mb = boot_stats(baseline, rng, n_boot, stat, drawn)
+    ma = boot_stats(arm, rng, n_boot, stat, drawn)
     return percentile_ratio_interval(ma, mb, confidence)

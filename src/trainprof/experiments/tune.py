@@ -37,10 +37,13 @@ compare`` does.
 **Ratio, interval, verdict.** ``ratio`` = mean(arm) / mean(baseline); its 95% interval is
 the two-level bootstrap of :mod:`trainprof.experiments.stats` (trials, then blocks of steps):
 unlike a bootstrap of pooled steps it includes the run-to-run variation that repeated trials
-exist to measure. ``faster`` / ``slower`` when the interval excludes 1 and the change is at
-least ``compare``'s practical threshold (2%), else ``no_difference``. The **best arm** is the
-significantly faster arm with the lowest ratio, its speed-up ``1 / ratio``; none when no arm
-beats the baseline.
+exist to measure. It is **paired by round** (``paired`` in the arm's row) when the arm and the
+baseline have a usable trial in the same rounds: each resample draws the same rounds for both,
+so a round that ran slower for every arm cancels in the ratio - the analysis of the rounds'
+block design (with ``--slurm``, a comparison within each node). ``faster`` / ``slower`` when
+the interval excludes 1 and the change is at least ``compare``'s practical threshold (2%),
+else ``no_difference``. The **best arm** is the significantly faster arm with the lowest
+ratio, its speed-up ``1 / ratio``; none when no arm beats the baseline.
 
 The **baseline** is the first arm (the first value of every knob - list the script's own
 setting first, or write ``script`` for "leave it as the script has it"), or ``--baseline``.
@@ -575,7 +578,7 @@ def analyse_tune(
             "samples_per_step": per_step.get(arm.index),
             "samples_per_s": None, "steps_per_s": None,
             "trial_means_s": [float(t.dur_s.mean()) for t in ts],
-            "ratio": None, "ci": None, "change_pct": None, "speedup": None,
+            "ratio": None, "ci": None, "paired": None, "change_pct": None, "speedup": None,
             "samples_per_s_ratio": None,
             "verdict": None,
             "actual": {},
@@ -628,11 +631,26 @@ def analyse_tune(
                        verdict="baseline", samples_per_s_ratio=1.0 if base_sps else None)
             continue
         ratio = float(np.concatenate(values(ts)).mean()) / base_mean
-        lo, hi = ratio_ci(base_values, values(ts), stat="mean")
+        # paired by round when both sides have a usable trial in the same rounds (2 or more)
+        base_rounds = {t.trial: t for t in usable[baseline.index]}
+        arm_rounds = {t.trial: t for t in ts}
+        paired = len(arm_rounds) >= 2 and set(arm_rounds) == set(base_rounds)
+        if paired:
+            order = sorted(arm_rounds)
+            lo, hi = ratio_ci(values([base_rounds[r] for r in order]),
+                              values([arm_rounds[r] for r in order]), stat="mean",
+                              paired=True)
+        else:
+            lo, hi = ratio_ci(base_values, values(ts), stat="mean")
+            if len(ts) >= 2 and len(base_values) >= 2:
+                notes.append(f"{arm.name}: its usable trials and the baseline's ran in "
+                             "different rounds (a trial failed): its interval is not paired "
+                             "by round")
         significant = (lo > 1 or hi < 1) and abs(ratio - 1) >= PRACTICAL_THRESHOLD
         row.update(
             ratio=ratio,
             ci=[lo, hi],
+            paired=paired,
             change_pct=(ratio - 1) * 100,
             speedup=1 / ratio if ratio > 0 else None,
             verdict=("faster" if ratio < 1 else "slower") if significant else "no_difference",
@@ -657,9 +675,10 @@ def analyse_tune(
             "samples_per_s_ratio": best["samples_per_s_ratio"],
         },
         "confidence": CONFIDENCE,
-        "bootstrap": {"resamples": N_BOOT, "seed": SEED,
-                                    "statistic": "mean",
-                      "method": "two-level (trials, then moving blocks of steps) percentile"},
+        "bootstrap": {"resamples": N_BOOT, "seed": SEED, "statistic": "mean",
+                      "method": "two-level percentile: trials (the same rounds for both "
+                                "sides where an arm is paired by round), then moving blocks "
+                                "of steps"},
         "practical_threshold_pct": PRACTICAL_THRESHOLD * 100,
         "notes": list(dict.fromkeys(notes)),
     }

@@ -139,13 +139,15 @@ def render_tune(doc: dict[str, Any], file: IO[str] | None = None) -> None:
             console.print(Text(f"• {note}", style="yellow"), soft_wrap=False)
     console.print()
     threshold = doc.get("practical_threshold_pct")
+    paired = any(a.get("paired") for a in doc.get("arms") or [])
     console.print(Text(
         "recorded: the setting the runs really had; trials: usable/run; steps: steady steps "
         f"pooled; time/{'sample' if doc.get('metric') == 'time_per_sample' else 'step'}: "
         "their mean (what is compared); vs base: its ratio to the baseline's, <1 is faster; "
         "significant: the "
         f"{round(float(doc.get('confidence') or .95) * 100)}% interval (bootstrap over trials "
-        f"and steps) excludes ×1 and the change is at least {threshold:g}%.",
+        f"and steps{', paired by round' if paired else ''}) excludes ×1 and the change is at "
+        f"least {threshold:g}%.",
         style="dim",
     ), soft_wrap=False)
     console.print(Text(f"Runs and tune.json: {doc.get('tune_dir')}", style="dim"))
