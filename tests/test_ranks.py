@@ -527,10 +527,18 @@ class _Ctx:
         self.train_loader = (summary.get("dataloaders") or [None])[0]
 
 
-def _merged(waits: tuple[float, float], medians: tuple[float, float] = (0.02, 0.02)) -> dict:
+def _merged(waits: tuple[float, float], medians: tuple[float, float] = (0.02, 0.02),
+            per_step: tuple[np.ndarray, np.ndarray] | None = None) -> dict:
+    """Two ranks' merged summary: mean data waits ``waits`` (s), each step waiting the mean
+    give or take 5% unless ``per_step`` gives each rank's waits (s)."""
     own = None
     ranks = []
     steps = {str(k): (_steps([m * 1e3] * 50), 0) for k, m in enumerate(medians)}
+    rng = np.random.default_rng(0)
+    for k, (d, _) in steps.items():
+        wait = waits[int(k)]
+        d["data_wait_ns"] = (per_step[int(k)] if per_step is not None
+                             else rng.normal(wait, 0.05 * wait, len(d))) * 1e9
     for label, (wait, median) in enumerate(zip(waits, medians, strict=True)):
         summary = {"run_dir": f"r/{label}", "status": "finished", "exit_code": 0,
                    "steps": {"count": 50, "median_s": median, "mean_s": median,
@@ -556,6 +564,22 @@ def test_distributed_rules_fire_on_uneven_ranks_only():
         merged["dataloaders"] = [{"driven_by": by}]
         fix = uneven_input_pipeline(_Ctx(merged)).fix.snippet
         assert says in fix and "DistributedSampler(" not in fix
+    # a few long waits on one rank of a busy machine: as much extra wait on average, by chance
+    quiet = np.full(50, 0.0003)
+    spiky = quiet.copy()
+    spiky[[7, 31]] = 0.012  # two waits of 12 ms in 50 steps: +0.47 ms a step on average
+    # (of an 8 ms step: 6%, a low finding were it the rank's pace)
+    merged = _merged((float(quiet.mean()), float(spiky.mean())), (0.008, 0.008), (quiet, spiky))
+    lo, hi = merged["rank_spread"]["data_wait_spread_ci_s"]
+    assert lo <= 0 < merged["rank_spread"]["data_wait_spread_s"] < hi
+    assert uneven_input_pipeline(_Ctx(merged)) is None
+    # the same extra wait in every step: the rank's pace, found with its interval
+    steady = quiet + 0.00047
+    merged = _merged((float(quiet.mean()), float(steady.mean())), (0.008, 0.008),
+                     (quiet, steady))
+    found = uneven_input_pipeline(_Ctx(merged))
+    assert found is not None and found.severity == "low"
+    assert found.evidence["difference_ci_s"][0] == pytest.approx(0.00047, rel=0.01)
     slow = straggler_rank(_Ctx(_merged((0.0, 0.0), medians=(0.02, 0.026))))
     assert slow is not None and slow.severity == "medium" and "Rank 1" in slow.title
 

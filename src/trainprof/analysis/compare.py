@@ -135,8 +135,11 @@ PRIMARY_DATALOADER = (
 # --------------------------------------------------------------------------- statistics
 
 
-def _boot_medians(x: np.ndarray, rng: np.random.Generator, n_boot: int) -> np.ndarray:
-    """Medians of ``n_boot`` moving-block bootstrap resamples of ``x`` (see module docstring)."""
+def block_bootstrap(x: np.ndarray, rng: np.random.Generator, n_boot: int,
+                    stat: str = "median") -> np.ndarray:
+    """Medians (or means) of ``n_boot`` moving-block bootstrap resamples of ``x`` (see the
+    module docstring)."""
+    reduce = {"mean": np.mean, "median": np.median}[stat]
     n = len(x)
     m = min(n, MAX_RESAMPLE)
     block = max(1, math.ceil(m ** (1 / 3)))
@@ -150,7 +153,7 @@ def _boot_medians(x: np.ndarray, rng: np.random.Generator, n_boot: int) -> np.nd
         hi = min(n_boot, lo + chunk)
         starts = rng.integers(0, n - block + 1, size=(hi - lo, k))
         idx = (starts[:, :, None] + offsets).reshape(hi - lo, k * block)[:, :m]
-        out[lo:hi] = np.median(x[idx], axis=1)
+        out[lo:hi] = reduce(x[idx], axis=1)
     return out
 
 
@@ -163,8 +166,8 @@ def bootstrap_ratio_ci(
 ) -> tuple[float, float]:
     """Percentile bootstrap interval of median(b) / median(a); both resampled independently."""
     rng = np.random.default_rng(seed)
-    ma = _boot_medians(np.asarray(a, dtype=np.float64), rng, n_boot)
-    mb = _boot_medians(np.asarray(b, dtype=np.float64), rng, n_boot)
+    ma = block_bootstrap(np.asarray(a, dtype=np.float64), rng, n_boot)
+    mb = block_bootstrap(np.asarray(b, dtype=np.float64), rng, n_boot)
     return percentile_ratio_interval(mb, ma, confidence)
 
 

@@ -24,7 +24,10 @@ data-parallel run: every rank runs the same loop) - with, added:
     rank's own steady steps, are left out on purpose: they differ with the shape of
     each distribution and with where each rank's warm-up ended, not with its pace.
     And the spread of data-wait seconds per step: the usual cause of a straggler,
-    which synchronous training hides from step times;
+    which synchronous training hides from step times, with a 95% moving-block bootstrap
+    interval of the difference between the two ranks' mean per-step waits over their steady
+    steps (``data_wait_spread_ci_s``; :func:`data_wait_difference_ci`): a rank whose few
+    waits on a busy machine ran long differs by chance, not in pace;
 ``samples_per_s_all_ranks``
     the run's throughput, the sum over ranks (each rank loads its own share of the data).
 ``rank_data``
@@ -41,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from trainprof.analysis.compare import CONFIDENCE, N_BOOT, SEED, block_bootstrap
 from trainprof.analysis.steps import complete_steps
 from trainprof.analysis.workers import same_data_group
 from trainprof.store import RANKS_DIR, RUN_JSON, Run, load_run
@@ -140,13 +144,33 @@ def common_step_means(steps: dict[str, tuple[np.ndarray, int]]) -> tuple[dict[st
     return means, len(common)
 
 
+def steady_data_waits(steps: dict[str, tuple[np.ndarray, int]]) -> dict[str, np.ndarray]:
+    """Per rank, the seconds each steady step waited for data (complete steps past warm-up)."""
+    return {label: d["data_wait_ns"][w:].astype(np.float64) / 1e9
+            for label, (d, w) in steps.items() if len(d) > w}
+
+
+def data_wait_difference_ci(most: np.ndarray, least: np.ndarray) -> tuple[float, float]:
+    """95% percentile interval of mean(most) - mean(least), each rank's per-step waits
+    resampled in moving blocks (:func:`trainprof.analysis.compare.block_bootstrap`: steps
+    are autocorrelated) and independently of the other's."""
+    rng = np.random.default_rng(SEED)
+    diff = (block_bootstrap(most, rng, N_BOOT, "mean")
+            - block_bootstrap(least, rng, N_BOOT, "mean"))
+    alpha = (1 - CONFIDENCE) / 2
+    lo, hi = np.quantile(diff, [alpha, 1 - alpha])
+    return float(lo), float(hi)
+
+
 def rank_spread(
-    rows: list[dict[str, Any]], step_means: dict[str, float] | None = None, n_common: int = 0
+    rows: list[dict[str, Any]], step_means: dict[str, float] | None = None, n_common: int = 0,
+    waits_per_step: dict[str, np.ndarray] | None = None,
 ) -> dict[str, Any] | None:
     """How far apart the ranks are (see the module docstring).
 
     ``step_means``: from :func:`common_step_means` over ``n_common`` shared steps; the
     step-time spread is left out below :data:`MIN_COMMON_STEPS` of them.
+    ``waits_per_step``: :func:`steady_data_waits`, for the data-wait difference's interval.
     """
     out: dict[str, Any] = {}
     means = step_means or {}
@@ -168,6 +192,10 @@ def rank_spread(
         out["most_data_wait_rank"] = most["label"]
         out["least_data_wait_rank"] = least["label"]
         out["data_wait_spread_s"] = most["data_wait_s"] - least["data_wait_s"]
+        per_step = waits_per_step or {}
+        a, b = per_step.get(most["label"]), per_step.get(least["label"])
+        if a is not None and b is not None and len(a) >= 2 and len(b) >= 2:
+            out["data_wait_spread_ci_s"] = list(data_wait_difference_ci(a, b))
     return out or None
 
 
@@ -268,7 +296,8 @@ def merge_ranks(
     else:
         main["main_rank"] = main_label
     main["ranks"] = rows
-    main["rank_spread"] = rank_spread(rows, *common_step_means(steps or {}))
+    main["rank_spread"] = rank_spread(rows, *common_step_means(steps or {}),
+                                      waits_per_step=steady_data_waits(steps or {}))
     rates = [r["samples_per_s"] for r in rows if r.get("samples_per_s")]
     main["samples_per_s_all_ranks"] = sum(rates) if rates else None
     trained = list(ranks)

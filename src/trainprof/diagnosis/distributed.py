@@ -124,6 +124,9 @@ def uneven_input_pipeline(ctx: Context) -> Finding | None:
     severity = band(share, 0.30, 0.10, 0.05)
     if severity is None:
         return None
+    ci = spread.get("data_wait_spread_ci_s")
+    if isinstance(ci, list) and len(ci) == 2 and not float(ci[0]) > 0:
+        return None  # the ranks' waits differ by chance (a few long waits), not in pace
     most, least = spread.get("most_data_wait_rank"), spread.get("least_data_wait_rank")
     waits = spread.get("data_wait_s") or {}
     return Finding(
@@ -133,6 +136,7 @@ def uneven_input_pipeline(ctx: Context) -> Finding | None:
                f"{least} {_ms(float(waits.get(least, 0.0)))}: every rank waits for rank {most}"),
         severity=severity,
         evidence={"data_wait_s_per_step": waits, "difference_s": float(extra),
+                  **({"difference_ci_s": ci} if isinstance(ci, list) else {}),
                   "step_median_s": float(step), "difference_share": share},
         estimated_gain=min(1.0, share),
         fix=Fix(
