@@ -660,6 +660,7 @@ def test_torchrun_rank_that_crashes_leaves_a_crashed_launch(tmp_path):
     )
     assert proc.returncode != 0
     assert "RuntimeError: rank 1 failed" in proc.stderr
+    assert proc.stdout.strip(), proc.stderr[-4000:]  # rank 0's merged JSON
     doc = json.loads(proc.stdout)
     assert (doc["status"], doc["exit_code"]) == ("crashed", 1)
     rows = {r["label"]: r for r in doc["ranks"]}

@@ -1044,3 +1044,44 @@ def test_a_compiled_model_compiles_once_and_no_dynamo_warning(tp):
     doc = res.json()
     assert doc["steps"]["count"] == 30 and doc["ops"] is None
     assert doc["breakdown"]["forward"] > 0
+
+
+def test_sigterm_after_the_script_still_gets_the_record_closed_and_the_summary(tp):
+    """A launcher stops the ranks that are left as soon as one fails (torchrun: SIGTERM 0.1 s
+    after it sees a worker exit), which can land after the script ended, while trainprof
+    closes the record and writes the summary. Both are finished first, and the exit code
+    stays the script's. Here a thread of the script sends the SIGTERM once the record is
+    closed, while the summary is being made."""
+    body = """
+    import json, os, signal, threading, time
+    import torch
+    from torch import nn
+
+    record = os.path.join(os.getcwd(), "run", "run.json")
+
+    def stop_once_closed():
+        while True:
+            try:
+                with open(record) as f:
+                    if json.load(f)["status"] != "running":
+                        break
+            except (OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.002)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_once_closed, daemon=True).start()
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(20):
+        loss = model(torch.randn(8, 4)).sum()
+        opt.zero_grad(); loss.backward(); opt.step()
+    """
+    res = tp(body, "--json")
+    assert res.returncode == 0, res.stderr
+    assert ("trainprof: SIGTERM arrived after the script ended: the record and the summary "
+            "were finished first") in res.stderr
+    doc = res.json()
+    assert doc["status"] == "finished" and doc["steps"]["count"] == 20
+    meta = json.loads((res.run_dir / "run.json").read_text())
+    assert meta["status"] == "finished" and meta["exit_code"] == 0

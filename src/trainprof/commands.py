@@ -166,6 +166,34 @@ def deferred_sigint() -> Iterator[None]:
         raise KeyboardInterrupt
 
 
+@contextmanager
+def finish_despite_sigterm() -> Iterator[list[int]]:
+    """Hold SIGTERM while trainprof wraps up after the script, then exit as planned.
+
+    The script has ended; what is left is trainprof's own wrap-up: closing the record,
+    waiting for the other ranks' records, merging them, printing the summary. A launcher
+    stops the processes that are left as soon as one rank fails (torchrun's agent sends
+    SIGTERM 0.1 s after it sees a worker exit), so without this rank 0 could die half-way
+    and print no merged view of the very failure it was asked about. The signal is noted
+    (the list yields it) and the process exits with the script's own code right after, well
+    within the launcher's grace period (torchrun's: 30 s before SIGKILL). A handler the script
+    installed stays in charge.
+    """
+    import signal
+    import threading
+
+    pending: list[int] = []
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        yield pending
+        return
+    signal.signal(signal.SIGTERM, lambda signum, frame: pending.append(signum))
+    try:
+        yield pending
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def run_command(
     target: str,
     args: list[str],
@@ -245,22 +273,27 @@ def run_command(
         sys.stdout.flush()
         sys.stderr.flush()
 
+    terminated: list[int] = []  # SIGTERMs held while trainprof wrapped up
+
+    def close(status: str, exit_code: int) -> None:
+        """Close the record, whatever signal arrives meanwhile."""
+        with deferred_sigint(), finish_despite_sigterm() as held:
+            recorder.stop(status, exit_code)
+        terminated.extend(held)
+
     def execute() -> Outcome:
         try:
             recorder.start()
         except KeyboardInterrupt:  # Ctrl-C before the script ran: still a closed record
-            with deferred_sigint():
-                recorder.stop("interrupted", 130)
+            close("interrupted", 130)
             return Outcome("interrupted", 130, "trainprof: interrupted before the script started")
         try:
             with finish_before_os_exit(finish_at_os_exit):
                 outcome = run_target(target, args, module)
         except BaseException:
-            with deferred_sigint():
-                recorder.stop("crashed", 1)
+            close("crashed", 1)
             raise
-        with deferred_sigint():
-            recorder.stop(outcome.status, outcome.exit_code)
+        close(outcome.status, outcome.exit_code)
         return outcome
 
     def nothing_ran() -> bool:
@@ -313,10 +346,15 @@ def run_command(
     if json_out:
         with stdout_to_stderr() as real_stdout:
             outcome = execute()
-            conclude(outcome)
+            with finish_despite_sigterm() as held:
+                conclude(outcome)
     else:
         outcome = execute()
-        conclude(outcome)
+        with finish_despite_sigterm() as held:
+            conclude(outcome)
+    if terminated or held:
+        print("trainprof: SIGTERM arrived after the script ended: the record and the summary "
+              "were finished first", file=sys.stderr)
     settle_daemon_threads()  # the interpreter finalizes next (see there)
     return outcome.exit_code
 
