@@ -528,12 +528,15 @@ class _Ctx:
 
 
 def _merged(waits: tuple[float, float], medians: tuple[float, float] = (0.02, 0.02),
-            per_step: tuple[np.ndarray, np.ndarray] | None = None) -> dict:
+            per_step: tuple[np.ndarray, np.ndarray] | None = None,
+            durations_ms: tuple[list[float], list[float]] | None = None) -> dict:
     """Two ranks' merged summary: mean data waits ``waits`` (s), each step waiting the mean
-    give or take 5% unless ``per_step`` gives each rank's waits (s)."""
+    give or take 5% unless ``per_step`` gives each rank's waits (s); 50 steps of the median
+    each unless ``durations_ms`` gives each rank's."""
     own = None
     ranks = []
-    steps = {str(k): (_steps([m * 1e3] * 50), 0) for k, m in enumerate(medians)}
+    durations_ms = durations_ms or tuple([m * 1e3] * 50 for m in medians)
+    steps = {str(k): (_steps(list(d)), 0) for k, d in enumerate(durations_ms)}
     rng = np.random.default_rng(0)
     for k, (d, _) in steps.items():
         wait = waits[int(k)]
@@ -580,7 +583,15 @@ def test_distributed_rules_fire_on_uneven_ranks_only():
     found = uneven_input_pipeline(_Ctx(merged))
     assert found is not None and found.severity == "low"
     assert found.evidence["difference_ci_s"][0] == pytest.approx(0.00047, rel=0.01)
+    # one rank's two slow steps in 50 (a busy machine): 22% apart on average, by chance
+    spiky_steps = [20.0] * 50
+    spiky_steps[12] = spiky_steps[40] = 160.0
+    merged = _merged((0.0, 0.0), durations_ms=([20.0] * 50, spiky_steps))
+    assert merged["rank_spread"]["spread_pct"] == pytest.approx(21.9, abs=0.1)
+    assert merged["rank_spread"]["spread_ci_pct"][0] <= 0
+    assert straggler_rank(_Ctx(merged)) is None
     slow = straggler_rank(_Ctx(_merged((0.0, 0.0), medians=(0.02, 0.026))))
+    assert slow is not None and slow.evidence["spread_ci_pct"][0] > 20
     assert slow is not None and slow.severity == "medium" and "Rank 1" in slow.title
 
 

@@ -27,7 +27,8 @@ data-parallel run: every rank runs the same loop) - with, added:
     which synchronous training hides from step times, with a 95% moving-block bootstrap
     interval of the difference between the two ranks' mean per-step waits over their steady
     steps (``data_wait_spread_ci_s``; :func:`data_wait_difference_ci`): a rank whose few
-    waits on a busy machine ran long differs by chance, not in pace;
+    waits on a busy machine ran long differs by chance, not in pace. The step-time spread
+    gets one too (``spread_ci_pct``, :func:`step_spread_ci`);
 ``samples_per_s_all_ranks``
     the run's throughput, the sum over ranks (each rank loads its own share of the data).
 ``rank_data``
@@ -123,11 +124,13 @@ def _ddp_exposed_s(summary: dict[str, Any]) -> float | None:
     return sum(values) if values else None
 
 
-def common_step_means(steps: dict[str, tuple[np.ndarray, int]]) -> tuple[dict[str, float], int]:
-    """Mean step time per rank over the step numbers all ranks share past warm-up.
+def common_step_durations(
+    steps: dict[str, tuple[np.ndarray, int]],
+) -> tuple[dict[str, np.ndarray], int]:
+    """Each rank's step times (seconds) over the step numbers all ranks share past warm-up.
 
     ``steps``: per label, the rank's complete step records (``step``, ``dur_ns``) and
-    its warm-up count. Returns the means (seconds) and how many steps they cover.
+    its warm-up count. Returns the durations and how many steps they cover.
     """
     done = {k: (d, w) for k, (d, w) in steps.items() if len(d) > w}
     if len(done) < 2:
@@ -139,9 +142,15 @@ def common_step_means(steps: dict[str, tuple[np.ndarray, int]]) -> tuple[dict[st
         common = numbers if common is None else np.intersect1d(common, numbers)
     if common is None or len(common) == 0:
         return {}, 0
-    means = {k: float(d["dur_ns"][np.isin(d["step"], common)].mean()) / 1e9
-             for k, (d, _) in done.items()}
-    return means, len(common)
+    return ({k: d["dur_ns"][np.isin(d["step"], common)].astype(np.float64) / 1e9
+             for k, (d, _) in done.items()}, len(common))
+
+
+def common_step_means(steps: dict[str, tuple[np.ndarray, int]]) -> tuple[dict[str, float], int]:
+    """Mean step time per rank over the step numbers all ranks share past warm-up
+    (:func:`common_step_durations`), and how many steps they cover."""
+    durations, n = common_step_durations(steps)
+    return {k: float(v.mean()) for k, v in durations.items()}, n
 
 
 def steady_data_waits(steps: dict[str, tuple[np.ndarray, int]]) -> dict[str, np.ndarray]:
@@ -150,27 +159,46 @@ def steady_data_waits(steps: dict[str, tuple[np.ndarray, int]]) -> dict[str, np.
             for label, (d, w) in steps.items() if len(d) > w}
 
 
-def data_wait_difference_ci(most: np.ndarray, least: np.ndarray) -> tuple[float, float]:
-    """95% percentile interval of mean(most) - mean(least), each rank's per-step waits
-    resampled in moving blocks (:func:`trainprof.analysis.compare.block_bootstrap`: steps
-    are autocorrelated) and independently of the other's."""
+def _boot_means(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Bootstrap means of two ranks' per-step series, each resampled in moving blocks
+    (:func:`trainprof.analysis.compare.block_bootstrap`: steps are autocorrelated) and
+    independently of the other's."""
     rng = np.random.default_rng(SEED)
-    diff = (block_bootstrap(most, rng, N_BOOT, "mean")
-            - block_bootstrap(least, rng, N_BOOT, "mean"))
+    return block_bootstrap(a, rng, N_BOOT, "mean"), block_bootstrap(b, rng, N_BOOT, "mean")
+
+
+def _interval(values: np.ndarray) -> tuple[float, float]:
     alpha = (1 - CONFIDENCE) / 2
-    lo, hi = np.quantile(diff, [alpha, 1 - alpha])
+    lo, hi = np.quantile(values[np.isfinite(values)], [alpha, 1 - alpha])
     return float(lo), float(hi)
+
+
+def data_wait_difference_ci(most: np.ndarray, least: np.ndarray) -> tuple[float, float]:
+    """95% percentile interval of mean(most) - mean(least), per-step data waits (seconds)."""
+    a, b = _boot_means(most, least)
+    return _interval(a - b)
+
+
+def step_spread_ci(slow: np.ndarray, fast: np.ndarray) -> tuple[float, float]:
+    """95% percentile interval of the step-time spread (mean(slow) - mean(fast)) / mean(slow)
+    in percent, over the steps the ranks share."""
+    a, b = _boot_means(slow, fast)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lo, hi = _interval((a - b) / a * 100.0)
+    return lo, hi
 
 
 def rank_spread(
     rows: list[dict[str, Any]], step_means: dict[str, float] | None = None, n_common: int = 0,
     waits_per_step: dict[str, np.ndarray] | None = None,
+    step_durations: dict[str, np.ndarray] | None = None,
 ) -> dict[str, Any] | None:
     """How far apart the ranks are (see the module docstring).
 
     ``step_means``: from :func:`common_step_means` over ``n_common`` shared steps; the
     step-time spread is left out below :data:`MIN_COMMON_STEPS` of them.
-    ``waits_per_step``: :func:`steady_data_waits`, for the data-wait difference's interval.
+    ``waits_per_step``: :func:`steady_data_waits`, for the data-wait difference's interval;
+    ``step_durations``: :func:`common_step_durations`, for the step-time spread's.
     """
     out: dict[str, Any] = {}
     means = step_means or {}
@@ -184,6 +212,9 @@ def rank_spread(
             "fastest_rank": fast,
             "spread_pct": (means[slow] - means[fast]) / means[slow] * 100.0,
         })
+        durations = step_durations or {}
+        if slow in durations and fast in durations:
+            out["spread_ci_pct"] = list(step_spread_ci(durations[slow], durations[fast]))
     waits = [r for r in rows if r.get("mean_s") and r.get("data_wait_s") is not None]
     if len(waits) >= 2:
         most = max(waits, key=lambda r: r["data_wait_s"])
@@ -296,8 +327,10 @@ def merge_ranks(
     else:
         main["main_rank"] = main_label
     main["ranks"] = rows
-    main["rank_spread"] = rank_spread(rows, *common_step_means(steps or {}),
-                                      waits_per_step=steady_data_waits(steps or {}))
+    durations, n_common = common_step_durations(steps or {})
+    main["rank_spread"] = rank_spread(
+        rows, {k: float(v.mean()) for k, v in durations.items()}, n_common,
+        waits_per_step=steady_data_waits(steps or {}), step_durations=durations)
     rates = [r["samples_per_s"] for r in rows if r.get("samples_per_s")]
     main["samples_per_s_all_ranks"] = sum(rates) if rates else None
     trained = list(ranks)

@@ -65,6 +65,9 @@ def straggler_rank(ctx: Context) -> Finding | None:
     severity = band(pct, 0.30, 0.10)
     if severity is None:
         return None
+    ci = spread.get("spread_ci_pct")
+    if isinstance(ci, list) and len(ci) == 2 and not float(ci[0]) > 0:
+        return None  # a few slow steps of one rank, by chance: not its pace
     slow, fast = spread.get("slowest_rank"), spread.get("fastest_rank")
     return Finding(
         category="distributed",
@@ -72,7 +75,8 @@ def straggler_rank(ctx: Context) -> Finding | None:
         title=(f"Rank {slow} takes {pct * 100:.0f}% longer per step than rank {fast}: "
                "the ranks do not keep in step"),
         severity=severity,
-        evidence={"mean_step_s": spread.get("mean_step_s"), "spread": pct},
+        evidence={"mean_step_s": spread.get("mean_step_s"), "spread": pct,
+                  **({"spread_ci_pct": ci} if isinstance(ci, list) else {})},
         estimated_gain=pct,
         fix=Fix(
             text=(
