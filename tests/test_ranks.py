@@ -22,6 +22,7 @@ import pytest
 from conftest import trainprof, write_script
 
 from trainprof.analysis.ranks import (
+    common_step_durations,
     common_step_means,
     load_ranks,
     merge_ranks,
@@ -498,7 +499,8 @@ def _steps(durations_ms: list[float], first: int = 0) -> np.ndarray:
 def test_rank_spread_follows_the_trace_definition_over_shared_steps():
     # rank 0 has a slow warm-up of 3 steps, rank 1 of 1: the means cover steps 3..32 of both
     steps = {"0": (_steps([50.0] * 3 + [10.0] * 30), 3), "1": (_steps([90.0] + [8.0] * 40), 1)}
-    means, n = common_step_means(steps)
+    durations, n = common_step_durations(steps)
+    means = common_step_means(durations)
     assert n == 30 and means == pytest.approx({"0": 0.010, "1": 0.008})
     rows = [_row("0", 0.010, 0.001), _row("1", 0.008, 0.004), _row("2", 0.0, 0)]
     spread = rank_spread(rows, means, n)
@@ -509,7 +511,8 @@ def test_rank_spread_follows_the_trace_definition_over_shared_steps():
     assert spread["data_wait_spread_s"] == pytest.approx(0.003)
     assert spread["most_data_wait_rank"] == "1"
     # too few shared steps: no step-time spread (a spike would decide it)
-    few = rank_spread(rows, *common_step_means({k: (d[:15], w) for k, (d, w) in steps.items()}))
+    short, n_short = common_step_durations({k: (d[:15], w) for k, (d, w) in steps.items()})
+    few = rank_spread(rows, common_step_means(short), n_short)
     assert few is not None and "spread_pct" not in few
     assert rank_spread([_row("0", 0.01, 0.0)]) is None
 

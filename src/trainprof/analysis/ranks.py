@@ -146,11 +146,9 @@ def common_step_durations(
              for k, (d, _) in done.items()}, len(common))
 
 
-def common_step_means(steps: dict[str, tuple[np.ndarray, int]]) -> tuple[dict[str, float], int]:
-    """Mean step time per rank over the step numbers all ranks share past warm-up
-    (:func:`common_step_durations`), and how many steps they cover."""
-    durations, n = common_step_durations(steps)
-    return {k: float(v.mean()) for k, v in durations.items()}, n
+def common_step_means(durations: dict[str, np.ndarray]) -> dict[str, float]:
+    """Each rank's mean step time over the steps they share (:func:`common_step_durations`)."""
+    return {k: float(v.mean()) for k, v in durations.items()}
 
 
 def steady_data_waits(steps: dict[str, tuple[np.ndarray, int]]) -> dict[str, np.ndarray]:
@@ -329,7 +327,7 @@ def merge_ranks(
     main["ranks"] = rows
     durations, n_common = common_step_durations(steps or {})
     main["rank_spread"] = rank_spread(
-        rows, {k: float(v.mean()) for k, v in durations.items()}, n_common,
+        rows, common_step_means(durations), n_common,
         waits_per_step=steady_data_waits(steps or {}), step_durations=durations)
     rates = [r["samples_per_s"] for r in rows if r.get("samples_per_s")]
     main["samples_per_s_all_ranks"] = sum(rates) if rates else None

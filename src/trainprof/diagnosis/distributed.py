@@ -58,6 +58,13 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms"
 
 
+def _by_chance(ci: Any) -> bool:
+    """A difference between ranks whose 95% interval (``rank_spread``'s ``*_ci_*``) reaches
+    zero: a few long steps or waits of one rank on a busy machine, not its pace. Records
+    analysed before the intervals existed have none: judged on the difference alone."""
+    return isinstance(ci, list) and len(ci) == 2 and not float(ci[0]) > 0
+
+
 @rule("distributed.straggler_rank")
 def straggler_rank(ctx: Context) -> Finding | None:
     spread = ctx.summary.get("rank_spread") or {}
@@ -66,8 +73,8 @@ def straggler_rank(ctx: Context) -> Finding | None:
     if severity is None:
         return None
     ci = spread.get("spread_ci_pct")
-    if isinstance(ci, list) and len(ci) == 2 and not float(ci[0]) > 0:
-        return None  # a few slow steps of one rank, by chance: not its pace
+    if _by_chance(ci):
+        return None  # a few slow steps of one rank: not its pace
     slow, fast = spread.get("slowest_rank"), spread.get("fastest_rank")
     return Finding(
         category="distributed",
@@ -129,8 +136,8 @@ def uneven_input_pipeline(ctx: Context) -> Finding | None:
     if severity is None:
         return None
     ci = spread.get("data_wait_spread_ci_s")
-    if isinstance(ci, list) and len(ci) == 2 and not float(ci[0]) > 0:
-        return None  # the ranks' waits differ by chance (a few long waits), not in pace
+    if _by_chance(ci):
+        return None  # a few long waits of one rank: not its pace
     most, least = spread.get("most_data_wait_rank"), spread.get("least_data_wait_rank")
     waits = spread.get("data_wait_s") or {}
     return Finding(

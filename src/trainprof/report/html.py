@@ -890,6 +890,12 @@ def render_html(summary: dict[str, Any], run: Run, path: Path) -> Path:
 
     Returns the path written. The file is self-contained (see the module docstring).
     """
+    return _write(path, html_page(summary, run))
+
+
+def html_page(summary: dict[str, Any], run: Run) -> str:
+    """The HTML report of ``run`` as one self-contained page (what :func:`render_html`
+    writes; the W&B export logs it as it is)."""
     s = summary
     steps = step_series(run, MAX_POINTS)
     samples = sample_series(run, MAX_POINTS)
@@ -958,7 +964,7 @@ def render_html(summary: dict[str, Any], run: Run, path: Path) -> Path:
     body = "".join(sec for _, _, sec in sections) + run_dir
     nav = [(a, t) for a, t, _ in sections]
     title = f"trainprof · {s.get('name') or 'run'}"
-    return _write(path, _page(title, nav, _header(s), body, data))
+    return _page(title, nav, _header(s), body, data)
 
 
 # -- compare -----------------------------------------------------------------------------------

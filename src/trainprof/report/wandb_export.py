@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import functools
 import math
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -61,6 +60,7 @@ from typing import Any
 
 from trainprof.analysis.scalars import MAX_POINTS, ScalarSeries, scalar_series
 from trainprof.errors import UsageError, missing_package
+from trainprof.report.html import html_page
 from trainprof.store import Run
 
 __all__ = ["Destination", "WandbExport", "parse_project", "write_run"]
@@ -262,7 +262,7 @@ def write_run(
         if summary is not None:
             last["trainprof/findings"] = wandb.Table(
                 columns=_FINDING_COLUMNS, data=findings_rows(summary.get("findings") or []))
-            last["trainprof/report"] = wandb.Html(_html_report(summary, run), inject=False)
+            last["trainprof/report"] = wandb.Html(html_page(summary, run), inject=False)
         if len(last) > 3:
             wb.log(last)
             rows.append(last)
@@ -281,15 +281,6 @@ def write_run(
     finally:
         wb.finish(exit_code=0 if ok else 1)
     return result
-
-
-def _html_report(summary: dict[str, Any], run: Run) -> str:
-    """The run's self-contained HTML report, as ``trainprof report --html`` writes it."""
-    from trainprof.report.html import render_html
-
-    with tempfile.TemporaryDirectory(prefix="trainprof-wandb-") as tmp:
-        path = render_html(summary, run, Path(tmp) / "report.html")
-        return path.read_text(encoding="utf-8")
 
 
 def _one_line(exc: BaseException) -> str:
