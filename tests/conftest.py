@@ -61,7 +61,8 @@ def trainprof(*args: str, cwd: Path, timeout: float = 120, env: dict | None = No
     if argv and argv[0] == "run" and "--out" not in argv:
         argv = ["run", "--out", str(run_dir), *argv[1:]]
     # only commands that run a script import torch: the others start faster afresh
-    server = _run_server(full_env) if argv and argv[0] in ("run", "rerun") else None
+    server = (_run_server(full_env, dynamo=_dynamo_safe(argv, cwd))
+              if argv and argv[0] in ("run", "rerun") else None)
     if server is not None:
         code, out, err = server.run(argv, cwd, full_env, timeout)
         return Result(code, out, err, run_dir)
@@ -77,24 +78,46 @@ def trainprof(*args: str, cwd: Path, timeout: float = 120, env: dict | None = No
     return Result(proc.returncode, proc.stdout, proc.stderr, run_dir)
 
 
-#: Variables read as an interpreter or torch starts (or by our own test switch): a request
+#: Variables read as an interpreter or torch starts, or as trainprof is imported (our test
+#: switch; ``TRAINPROF_PURE_PYTHON``, which picks the step clock's hot path): a request
 #: whose value differs from the server's goes to a fresh interpreter.
 _STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "TORCH", "CUDA", "LD_",
-                     "TRAINPROF_TEST_FRESH_PYTHON")
+                     "TRAINPROF_TEST_FRESH_PYTHON", "TRAINPROF_PURE_PYTHON")
 #: Variables torch sets in this (pytest's) process as it goes, and reads only when used, not
 #: at import: a run given them needs no fresh interpreter. (Inductor, used in-process by a
 #: test, sets its cache folder; every later run would otherwise start afresh.)
 _SET_BY_TORCH = frozenset({"TORCHINDUCTOR_CACHE_DIR"})
 
 
+#: Words that keep a script off the server with Dynamo already imported: it compiles, or it
+#: uses ``torch.distributed`` (``run_server.py`` says why). Read loosely: a false match
+#: only costs the script its Dynamo import.
+_DYNAMO_SENSITIVE = ("compile", "_dynamo", "distributed", "DistributedDataParallel")
+
+
+def _dynamo_safe(argv: list[str], cwd: Path) -> bool:
+    """Whether the script a ``run`` request runs may start with ``torch._dynamo`` imported:
+    a ``.py`` file named in ``argv`` whose text has none of ``_DYNAMO_SENSITIVE`` (not a
+    module, a rerun or an inline command: their code is not read here)."""
+    if argv[0] != "run" or "-m" in argv or "-c" in argv:
+        return False
+    for arg in argv[1:]:
+        path = cwd / arg
+        if arg.endswith(".py") and path.is_file():
+            text = path.read_text(errors="replace")
+            return not any(word in text for word in _DYNAMO_SENSITIVE)
+    return False
+
+
 class RunServer:
     """The client end of ``run_server.py``: one request at a time, as ``subprocess.run``."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], dynamo: bool = False) -> None:
         self.env = dict(env)
         self.sock, theirs = socket.socketpair()
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("run_server.py")), str(theirs.fileno())],
+            [sys.executable, str(Path(__file__).with_name("run_server.py")), str(theirs.fileno()),
+             *(["--dynamo"] if dynamo else [])],
             pass_fds=(theirs.fileno(),), env=self.env, stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL)
         theirs.close()
@@ -165,17 +188,19 @@ class RunServer:
             self.proc.kill()
 
 
-_SERVER: list[RunServer] = []
+#: The session's run servers, started when first needed: without and with Dynamo imported.
+_SERVERS: dict[bool, RunServer] = {}
 
 
-def _run_server(env: dict[str, str]) -> RunServer | None:
-    """The session's run server if it can run a process with ``env``, else None."""
+def _run_server(env: dict[str, str], dynamo: bool = False) -> RunServer | None:
+    """The session's run server (``dynamo``: the one with ``torch._dynamo`` imported) if it
+    can run a process with ``env``, else None."""
     if os.environ.get("TRAINPROF_TEST_FRESH_PYTHON", "") not in ("", "0"):
         return None
-    if not _SERVER or _SERVER[0].proc.poll() is not None:
-        _SERVER[:] = [RunServer({**os.environ, "PYTHONUNBUFFERED": "1"})]
-        atexit.register(_SERVER[0].close)
-    server = _SERVER[0]
+    server = _SERVERS.get(dynamo)
+    if server is None or server.proc.poll() is not None:
+        server = _SERVERS[dynamo] = RunServer({**os.environ, "PYTHONUNBUFFERED": "1"}, dynamo)
+        atexit.register(server.close)
     return server if server.serves(env) else None
 
 

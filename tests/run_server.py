@@ -8,25 +8,31 @@ stdout/stderr (pipes the test holds, passed over a socket), so the run is still 
 process with its own exit code, signals and children, running the real command-line entry
 point, from the state a fresh ``trainprof run`` is in when the script starts.
 
-Only what ``trainprof run`` itself imports before the script is imported here. Not
-``torch._dynamo`` (another ~1.1 s, which the script's first optimizer imports): imported
-before the script, it changes what the script does - Dynamo then traces into trainprof's
-``Module.__call__`` wrapper and recompiles once it is narrowed; and with
+Only what ``trainprof run`` itself imports before the script is imported here, and, in the
+second of the two servers the client keeps (``--dynamo``), ``torch._dynamo``: the first
+``torch.optim`` optimizer a script makes imports it (~1.0 s), and a child that imported it
+also spends ~0.3 s more at exit freeing it, where here it is frozen in the shared heap: ~1.2 s
+of a typical ~2.5 s test run. That server runs only scripts that neither compile nor use
+``torch.distributed`` (the client reads the script): imported before the script, Dynamo
+changes what such a script does. Dynamo once traced into trainprof's ``Module.__call__``
+wrapper and recompiled when it was narrowed (fixed since, but compiled runs are tested as a
+fresh ``trainprof run`` has them: trainprof installed first). And with
 ``torch.distributed.tensor`` (which it imports) loaded before a Gloo process group, a
 two-rank DDP script deadlocked at exit in 2 of 8 runs (3 of 10 with
 ``torch.distributed.tensor`` alone; 4 of 8 without trainprof, Dynamo imported first:
 ``ProcessGroupGloo``'s destructor joins its workers holding the GIL while a worker needs it
-to free a finished work): forked runs must not be where such differences come from.
+to free a finished work): forked runs must not be where such differences come from. For
+every other script, Dynamo imported before or during the script is the same module.
 
 What a fork cannot give, the client (``conftest.trainprof``) leaves to a fresh
 interpreter: a request whose environment differs from the server's in a variable read at
 interpreter or torch start-up (``PYTHON*``, thread-pool and CUDA variables).
 ``TRAINPROF_TEST_FRESH_PYTHON=1`` sends every run to a fresh interpreter.
 
-Protocol, over the socket given as fd ``argv[1]``: the client sends one JSON request
-({argv, cwd, env}) with the write ends of its stdout and stderr pipes (SCM_RIGHTS); the
-server answers ``{"pid": N}`` once the child runs and ``{"status": code}`` when it ends
-(``-signal`` if killed, as ``subprocess`` reports it).
+Protocol, over the socket given as fd ``argv[1]`` (then ``--dynamo``, optional): the client
+sends one JSON request ({argv, cwd, env}) with the write ends of its stdout and stderr pipes
+(SCM_RIGHTS); the server answers ``{"pid": N}`` once the child runs and ``{"status": code}``
+when it ends (``-signal`` if killed, as ``subprocess`` reports it).
 """
 
 from __future__ import annotations
@@ -97,6 +103,8 @@ def serve(sock: socket.socket) -> None:
 
 if __name__ == "__main__":
     server_socket = socket.socket(fileno=int(sys.argv[1]))
+    if "--dynamo" in sys.argv[2:]:
+        import torch._dynamo  # noqa: F401 - what a script's first optimizer imports
     gc.collect()
     gc.freeze()  # the imported heap stays shared with the children (no copy-on-write by GC)
     serve(server_socket)

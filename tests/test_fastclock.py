@@ -18,6 +18,7 @@ from array import array
 from statistics import median
 
 import pytest
+from conftest import trainprof
 
 from trainprof.capture import clock as clock_mod
 from trainprof.schema import (
@@ -364,16 +365,18 @@ def test_c_core_rejects_partial_records_and_bad_phases():
 
 
 def _run_json(tmp_path, path: str, body: str, *args: str) -> dict:
-    """``trainprof run --json`` of ``body`` on one hot path; its JSON document."""
+    """``trainprof run --json`` of ``body`` on one hot path; its JSON document.
+
+    The C path is the default one, so its run may be forked from the test run server;
+    ``TRAINPROF_PURE_PYTHON=1`` is read as trainprof is imported, so the Python path's
+    run gets a fresh interpreter (``conftest.trainprof`` sees to both)."""
     script = tmp_path / "train.py"
     script.write_text(body)
-    env = {**os.environ, "TRAINPROF_PURE_PYTHON": "1" if path == "python" else "0"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainprof", "run", "--json", "--out", str(tmp_path / "run"),
-         str(script), *args], capture_output=True, text=True, timeout=120, env=env,
-        cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
+    env = {"TRAINPROF_PURE_PYTHON": "1"} if path == "python" else {}
+    res = trainprof("run", "--json", "--out", str(tmp_path / "run"), str(script), *args,
+                    cwd=tmp_path, env=env)
+    assert res.returncode == 0, res.stderr
+    return res.json()
 
 
 CLOSURE_LOOP = r"""
