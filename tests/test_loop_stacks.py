@@ -21,7 +21,7 @@ from conftest import trainprof
 from trainprof.analysis.loop_stacks import summarize_loop_stacks
 from trainprof.capture.clock import FAST
 from trainprof.report.terminal import render_summary
-from trainprof.schema import BACKWARD, FORWARD, OTHER
+from trainprof.schema import BACKWARD, FORWARD, OPTIMIZER, OTHER
 from trainprof.store import STACKS_JSONL, STEP_DTYPE
 
 needs_c = pytest.mark.skipif(not FAST, reason="the stack timer is part of the C fast path")
@@ -303,6 +303,45 @@ def test_a_library_frame_wins_the_loop_only_below_the_users_deepest_loop(tmp_pat
     (row,) = out["other"]["lines"]
     assert (row["line"], row["library_call"]["name"]) == (12, "json.dumps")
     assert "user_lines" not in out["other"]
+
+
+def test_ticks_in_torchs_optimizer_step_wrapper_are_the_optimizers_not_loop_code(tmp_path):
+    """``opt.step()``: torch's wrapper around every optimizer's step (record_function, a
+    Dynamo guard) runs before the pre-hook that starts the clock's optimizer phase, so on a
+    small model the line gets "other" ticks - inside ``torch/optim/``. They count as the
+    optimizer's on that line, and no loop-code finding names it (one did, 10% of the step,
+    "outside the model and the optimizer", in a full test run)."""
+    from trainprof.diagnosis.context import Context
+    from trainprof.diagnosis.loop_code import loop_code
+
+    def at(line: int) -> list:
+        return ["/u/train.py", line, "<module>", True]
+
+    wrapper = ["/lib/site-packages/torch/optim/optimizer.py", 510, "wrapper", False]
+    stacks = {
+        0: [at(26), wrapper, ["/lib/site-packages/torch/_ops.py", 1, "__call__", False]],
+        1: [at(26), wrapper, ["/lib/site-packages/torch/optim/sgd.py", 80, "step", False]],
+        2: [at(22), ["/lib/site-packages/torch/nn/modules/module.py", 1, "_call_impl", False]],
+        3: [at(30), ["/usr/lib/python3.11/json/__init__.py", 231, "dumps", False]],
+    }
+    samples = [[s, OTHER, 0, 1] for s in range(1, 13)]  # the wrapper, outside the hooks
+    samples += [[s, OPTIMIZER, 1, 1] for s in range(1, 3)]  # the step itself: rarely sampled
+    samples += [[s, FORWARD, 2, 1] for s in range(1, 30)]
+    samples += [[s, OTHER, 3, 1] for s in range(1, 4)]  # a log line: too few to name
+    _write(tmp_path, stacks, samples)
+    out = summarize_loop_stacks(tmp_path, _steps(30, 4.0), warmup=0)
+    step_row = next(r for r in out["other"]["lines"] if r["line"] == 26)
+    assert (step_row["samples"], step_row["phase_samples"]) == (12, 2 + 12)
+    assert step_row["share"] == pytest.approx(12 / 15)  # still the line's share of "other"
+    summary = {"loop_stacks": out, "breakdown": {"other": 0.8, "forward": 0.2},
+               "steps": {"median_s": 0.005, "warmup": 0}}
+    assert loop_code(Context(summary, None)) is None
+    # the same ticks outside torch.optim (the user's own code on that line) are named
+    stacks[0] = [at(26), ["/u/train.py", 5, "log_step", True]]
+    _write(tmp_path, stacks, samples)
+    summary["loop_stacks"] = summarize_loop_stacks(tmp_path, _steps(30, 4.0), warmup=0)
+    finding = loop_code(Context(summary, None))
+    assert finding is not None and finding.evidence["line"] == "/u/train.py:26"
 
 
 def test_analysis_of_a_run_without_samples(tmp_path):
