@@ -104,6 +104,11 @@ def test_steps_phases_samples_and_text_match_the_record(run_dir: Path, tmp_path:
     assert report.startswith("```") and "steps" in report and "data wait" in report.lower()
     findings = _text(acc, "trainprof/findings")
     assert findings.startswith("### 1. ") and "**verify**" in findings
+    from trainprof.commands import analyse_folder
+
+    first = analyse_folder(run_dir)[0]["findings"][0]  # its evidence as the terminal shows it
+    key, value = next((k, v) for k, v in first["evidence"].items() if isinstance(v, float))
+    assert f"`{key}`={value:.3g}" in findings
     assert "train.py" in _text(acc, "trainprof/environment")
 
     # a second export replaces the first one's file rather than adding a copy

@@ -133,6 +133,14 @@ def test_summary_config_findings_and_report_come_from_the_runs_report(exported) 
     assert [row[1] for row in table["data"]] == [f["severity"] for f in findings]
     verify = table["columns"].index("verify")
     assert [row[verify] for row in table["data"]] == [f.get("verify") or "" for f in findings]
+    # the evidence as the terminal report writes it: every key, floats to 3 digits
+    column = table["columns"].index("evidence")
+    for row, f in zip(table["data"], findings, strict=True):
+        pairs = row[column].split("; ")
+        assert [p.split("=", 1)[0] for p in pairs] == list(f["evidence"]), row[column]
+        for key, value in f["evidence"].items():
+            if isinstance(value, float):
+                assert f"{key}={value:.3g}" in pairs
     html = run.media("trainprof/report").read_text()
     assert html.lstrip().lower().startswith("<!doctype html") and "Verdict" in html
 

@@ -49,6 +49,7 @@ from typing import Any
 
 from trainprof.analysis.scalars import MAX_POINTS, TUNE_METRICS, describe, scalar_series
 from trainprof.errors import missing_package
+from trainprof.report.terminal import fmt_evidence_value
 from trainprof.store import Run
 
 __all__ = ["MAX_POINTS", "FILE_SUFFIX", "TensorBoardExport", "write_run", "write_tune_config"]
@@ -149,7 +150,8 @@ def report_text(summary: dict[str, Any]) -> str:
 
 
 def findings_markdown(findings: list[dict[str, Any]]) -> str:
-    """Each finding: title, severity and gain, evidence, fix with its snippet, verify."""
+    """Each finding: title, severity and gain, evidence (as the terminal report shows it),
+    fix with its snippet, verify."""
     if not findings:
         return "No finding: nothing in this run's measurements points at a change to make."
     parts = []
@@ -162,8 +164,8 @@ def findings_markdown(findings: list[dict[str, Any]]) -> str:
                  + (f" / `{f['cause']}`" if f.get("cause") else "") + f" · {gain_txt}", ""]
         evidence = f.get("evidence") or {}
         if evidence:
-            lines.append("evidence: " + ", ".join(
-                f"`{k}`={_short(v)}" for k, v in evidence.items() if not isinstance(v, dict)))
+            lines.append("evidence: " + "; ".join(
+                f"`{k}`={_cell(fmt_evidence_value(v))}" for k, v in evidence.items()))
             lines.append("")
         fix = f.get("fix") or {}
         if fix.get("text"):

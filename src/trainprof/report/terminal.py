@@ -537,14 +537,16 @@ def _deep_rows(deep: list[dict[str, Any]] | None) -> list[tuple[str, str]]:
 _SEVERITY_STYLE = {"high": "bold red", "medium": "bold yellow", "low": "bold blue"}
 
 
-def _fmt_evidence_value(value: Any) -> str:
+def fmt_evidence_value(value: Any) -> str:
+    """A finding's evidence value as every report shows it (the terminal, the TensorBoard
+    and W&B exports): floats to 3 significant digits, nested values inline."""
     if isinstance(value, float):
         return f"{value:.3g}"
     if isinstance(value, dict):
-        inner = (f"{k}={_fmt_evidence_value(v)}" for k, v in value.items() if v is not None)
+        inner = (f"{k}={fmt_evidence_value(v)}" for k, v in value.items() if v is not None)
         return "{" + ", ".join(inner) + "}"
     if isinstance(value, list):
-        return "[" + ", ".join(_fmt_evidence_value(v) for v in value) + "]"
+        return "[" + ", ".join(fmt_evidence_value(v) for v in value) + "]"
     return str(value)
 
 
@@ -559,7 +561,7 @@ def _print_finding(console: Console, i: int, f: dict[str, Any]) -> None:
     console.print(Padding(Text(kind), (0, 0, 0, 3)), soft_wrap=False)
     evidence = f.get("evidence") or {}
     if evidence:
-        ev = "; ".join(f"{k}={_fmt_evidence_value(v)}" for k, v in evidence.items())
+        ev = "; ".join(f"{k}={fmt_evidence_value(v)}" for k, v in evidence.items())
         console.print(Padding(Text(f"evidence: {ev}", style="dim"), (0, 0, 0, 3)), soft_wrap=False)
     fix = f.get("fix") or {}
     if fix.get("text"):

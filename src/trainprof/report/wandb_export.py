@@ -61,6 +61,7 @@ from typing import Any
 from trainprof.analysis.scalars import MAX_POINTS, ScalarSeries, scalar_series
 from trainprof.errors import UsageError, missing_package
 from trainprof.report.html import html_page
+from trainprof.report.terminal import fmt_evidence_value
 from trainprof.store import Run
 
 __all__ = ["Destination", "WandbExport", "parse_project", "write_run"]
@@ -172,7 +173,8 @@ _FINDING_COLUMNS = ["rank", "severity", "category", "cause", "title", "estimated
 
 
 def findings_rows(findings: list[dict[str, Any]]) -> list[list[Any]]:
-    """Each finding as a row of :data:`_FINDING_COLUMNS` (evidence as ``key=value`` pairs)."""
+    """Each finding as a row of :data:`_FINDING_COLUMNS` (evidence as ``key=value`` pairs,
+    as the terminal report writes them)."""
     rows = []
     for i, f in enumerate(findings, 1):
         evidence = f.get("evidence") or {}
@@ -180,8 +182,7 @@ def findings_rows(findings: list[dict[str, Any]]) -> list[list[Any]]:
         rows.append([
             i, str(f.get("severity", "")), str(f.get("category", "")), str(f.get("cause") or ""),
             str(f.get("title", "")), _number(f.get("estimated_gain")),
-            ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                      for k, v in evidence.items() if not isinstance(v, dict | list)),
+            "; ".join(f"{k}={fmt_evidence_value(v)}" for k, v in evidence.items()),
             str(fix.get("text") or ""), str(fix.get("snippet") or ""), str(f.get("verify") or ""),
         ])
     return rows
