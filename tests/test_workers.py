@@ -668,6 +668,36 @@ def test_cheap_samples_in_idle_workers_are_a_handoff_and_in_process_an_overhead(
     assert f["cause"] == "too_few_workers"
 
 
+def test_idle_workers_and_a_batch_cheaper_than_the_wait_are_a_handoff_whatever_the_mean():
+    """An IterableDataset of 16 floats a sample (run on this machine): 9.5 µs a typical
+    sample, but a 25 µs mean from a few first samples of each worker (above the 20 µs
+    "cheap" line), 2 workers idle 75% of the time, 0.35 ms of collate, and a 1.8 ms wait.
+    A batch would take ~0.65 ms in the training process: the wait is the hand-over.
+    ``trainprof tune --knob num_workers=0,2`` measured num_workers=0 ×4.6 faster; the
+    finding had said "undetermined" and suggested a third worker."""
+    w = entry(0.0, 0.0, 0.0095, 0.35, busy=0.25)
+    w["sample_blocked_ms"]["mean"] = 0.011  # a few slow first samples
+    f, _, _ = diagnose_with(w, loader_kw={"iterable_dataset": True, "sampler": None,
+                                          "batch_sampler": None}, data_ms=1.8)
+    assert f["cause"] == "worker_handoff", (f["cause"], f["evidence"])
+    assert f["evidence"]["in_process_batch_s"] == pytest.approx((32 * 0.0095 + 0.35) / 1e3)
+    assert "A sample costs the workers 10 µs (typically), a batch 0.65 ms" in f["fix"]["text"]
+    snippet = f["fix"]["snippet"]
+    assert "num_workers=0,  # was 2: samples cost 10 µs" in snippet
+    # an IterableDataset yields whole batches: no indices, no BatchSampler
+    assert "def __iter__(self):" in snippet and "BatchSampler" not in snippet
+    assert "batch_size=None,  # each item is a batch already" in snippet
+    share = f["evidence"]["data_wait_share"]  # bound: the samples stay, hand-over and collate go
+    assert f["estimated_gain"] == pytest.approx(share * (1 - 32 * 0.0095 / 1.8), rel=0.02)
+    # a batch that costs more than half the wait to make: not shown to be the hand-over;
+    # the workers are idle, so no more of them either
+    f, _, _ = diagnose_with(entry(0.0, 0.0, 0.03, 0.5, busy=0.25), data_ms=1.8)
+    assert f["cause"] == "undetermined", f["cause"]
+    assert "num_workers=2,  # unchanged: busy only 25% of the time" in f["fix"]["snippet"]
+    assert "more of them would not help" in f["fix"]["text"]
+    assert f["verify"].startswith("trainprof tune --knob num_workers=0,2,4 ")
+
+
 CHEAP = """
 import numpy as np
 from torch.utils.data import BatchSampler, RandomSampler

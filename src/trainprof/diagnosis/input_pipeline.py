@@ -37,10 +37,12 @@ are not counted here. The ladder:
    shortage. Only when the workers are busy (at least :data:`BUSY` of their time
    since their first batch) and measured :data:`MIN_SAMPLES` samples. Measured
    workers that are mostly idle are not what the loop waits for: ``worker_handoff``
-   when their samples cost less than :data:`CHEAP_SAMPLE_MS` (the batches' trip
+   when their samples cost less than :data:`CHEAP_SAMPLE_MS`, or a batch would take
+   under :data:`HANDOFF` of the wait to make in the training process (the batches' trip
    through shared memory is what the loop waits for; data-loading.md §2: 925k samples/s
    with no worker, 113k with 2), else ``undetermined``, and the fix points at how
-   batches reach the training process (their low CPU use is idleness, not blocked reads).
+   batches reach the training process, with as many workers as now (their low CPU use
+   is idleness, not blocked reads).
 4. Without them (fewer samples, a run recorded by an older trainprof, a trace),
    "blocked vs CPU" is estimated from the workers' CPU use sampled from outside.
 """
@@ -66,6 +68,14 @@ SATURATED, BLOCKED = 0.80, 0.50
 #: memmap) and 17 µs (h5py) loaded no faster with 2 workers than with none (99k vs 89k,
 #: 56k vs 57k samples/s); PNG decoding at 70-100 µs gained 1.5-1.7× from 2 workers.
 CHEAP_SAMPLE_MS = 0.02
+#: Idle workers, and a batch that would take under this fraction of the loop's median wait
+#: to load in the training process (a typical sample's cost times the batch, plus collate,
+#: as the workers measured them): the wait is the hand-over, not the loading, whatever
+#: the samples cost. Seen on an IterableDataset of 16 floats a sample (9.5 µs typical,
+#: but a 25 µs mean from a few first samples): 2 workers idle 75% of the time, the loop
+#: waiting 1.8 ms a step for batches that cost ~0.65 ms to make; num_workers=0 ran
+#: ×4.6 faster (``trainprof tune``, 3 trials each).
+HANDOFF = 0.5
 
 #: What removes per-file reads (data-loading.md §4): the pack tool, in a finding's words.
 PACK_HINT = (
@@ -318,6 +328,25 @@ def _cheap_samples_finding(ctx: Context, cause: str, loader: dict[str, Any] | No
         "    num_workers=0,  # samples this cheap do not pay for a worker\n"
         ")"
     )
+    if (loader or {}).get("iterable_dataset"):
+        # an IterableDataset has no indices to hand over: it yields whole batches itself
+        read_at_once = (
+            "Yield whole batches instead: make each batch in `__iter__` (slices of arrays, "
+            f"or one stack) and pass batch_size=None: one `next` a batch instead of "
+            f"{batch_txt}`next` calls and a collate."
+        )
+        batched = (
+            f"class {dataset}(IterableDataset):  # your dataset, yielding batches:\n"
+            "    def __iter__(self):\n"
+            f"        for start in range(0, len(self.x), {batch or 32}):  # e.g. arrays\n"
+            f"            yield self.x[start:start + {batch or 32}], "
+            f"self.y[start:start + {batch or 32}]\n\n"
+            "loader = DataLoader(\n"
+            f"    {dataset}(...),\n"
+            "    batch_size=None,  # each item is a batch already\n"
+            "    num_workers=0,  # samples this cheap do not pay for a worker\n"
+            ")"
+        )
     if cause == "per_sample_overhead":
         title = (f"Training waits for data {pct} of step time: batches of samples that cost "
                  f"{us:.0f} µs each, loaded one sample at a time (collate {collate_ms:.2f} ms "
@@ -335,16 +364,26 @@ def _cheap_samples_finding(ctx: Context, cause: str, loader: dict[str, Any] | No
                   "workers help")
         gain = share
     else:
-        batch_s = sample_ms / 1000 * (batch or 1)
-        # in the training process the samples still cost their time; the hand-over goes
-        gain = share * max(0.0, 1.0 - batch_s / float(wait_s)) if wait_s else share
+        # what a batch costs to make (a typical sample's cost times the batch, collate
+        # included), as the workers measured it
+        batch_s = evidence.get("in_process_batch_s")
+        if batch_s is None:
+            batch_s = (sample_ms * (batch or 1) + collate_ms) / 1000
+        else:
+            us = 1000 * (_ms(evidence.get("sample_cpu_ms"), "median")
+                         + _ms(evidence.get("sample_blocked_ms"), "median"))
+        # the gain's bound: in the training process the samples still cost their time; the
+        # hand-over goes, and the collate too once batches are read at once
+        samples_s = us / 1e6 * (batch or 1)
+        gain = share * max(0.0, 1.0 - samples_s / float(wait_s)) if wait_s else share
         wait_txt = f"{float(wait_s) * 1000:.2f} ms" if wait_s else "a share of each step"
         title = (f"Training waits for data {pct} of step time while the {nw} DataLoader "
                  f"workers are idle {(1 - (worker_busy or 0)) * 100:.0f}% of the time: "
                  "handing batches over costs more than loading them")
         text = (
-            f"Each sample costs the workers {us:.0f} µs ({batch_s * 1000:.2f} ms a batch, "
-            f"collate {collate_ms:.2f} ms), they are busy only {(worker_busy or 0) * 100:.0f}% "
+            f"A sample costs the workers {us:.0f} µs (typically), a batch "
+            f"{batch_s * 1000:.2f} ms with its collate; they are busy only "
+            f"{(worker_busy or 0) * 100:.0f}% "
             f"of the time, and yet the loop waits {wait_txt} per step: the time goes to "
             "handing each batch over (written to shared memory by a worker, unpickled in the "
             "training process), not to loading it. Samples this cheap load faster in the "
@@ -397,6 +436,21 @@ def _stage(split: dict[str, float]) -> str:
     cpu = float(split.get("cpu") or 0.0) + float(split.get("waiting_for_cpu") or 0.0)
     collate = float(split.get("collate") or 0.0)
     return max((reads, "reads"), (cpu, "cpu"), (collate, "collate"))[1]
+
+
+def _in_process_batch_s(measured: dict[str, Any] | None,
+                        loader: dict[str, Any] | None) -> float | None:
+    """What a batch would take to load in the training process, from what the workers
+    measured: a typical sample (median CPU + median blocked) times the batch size, plus
+    the median collate. Medians: a worker's first sample or two (its iterator starting)
+    can take milliseconds and lift the mean many times over, but is paid once, not per
+    batch. None without the measurements or a batch size."""
+    batch = (loader or {}).get("batch_size")
+    if not measured or not isinstance(batch, int) or batch <= 0:
+        return None
+    sample_ms = (_ms(measured.get("sample_cpu_ms"), "median")
+                 + _ms(measured.get("sample_blocked_ms"), "median"))
+    return (sample_ms * batch + _ms(measured.get("collate_ms_per_batch"), "median")) / 1000
 
 
 def _measured_startup(ctx: Context, w: dict[str, Any] | None) -> tuple[float, float | None]:
@@ -527,6 +581,12 @@ def _data_wait(ctx: Context) -> Finding | None:
             sample_ms = sample_ms / per_step if per_step else None
             evidence["samples_per_step"] = per_step
     cheap = sample_ms is not None and sample_ms < CHEAP_SAMPLE_MS
+    in_process_s = _in_process_batch_s(measured, loader) if nw > 0 else None
+    wait_median = evidence.get("data_wait_median_s")
+    if in_process_s is not None:
+        evidence["in_process_batch_s"] = in_process_s
+    handoff_bound = (in_process_s is not None and isinstance(wait_median, float)
+                     and in_process_s < HANDOFF * wait_median)
 
     if nw > 0 and not persistent and startup_share >= 0.5 * share:
         cause = "worker_startup_per_epoch"
@@ -534,7 +594,7 @@ def _data_wait(ctx: Context) -> Finding | None:
         cause = "batched_read" if batched_reads else "per_sample_overhead"
     elif nw == 0:
         cause = "too_few_workers"
-    elif cheap and worker_busy is not None and worker_busy < BUSY:
+    elif (cheap or handoff_bound) and worker_busy is not None and worker_busy < BUSY:
         # idle workers, samples that cost microseconds, and still a wait: the loop waits
         # for the hand-over of each batch, not for its loading
         cause = "worker_handoff"
@@ -568,7 +628,9 @@ def _data_wait(ctx: Context) -> Finding | None:
         blocked = (blocked_min is not None and blocked_min >= 0.5) or (
             per_worker is not None and per_worker < BLOCKED
         )
-    if cause in ("worker_startup_per_epoch", "cpu_transforms", "collate"):
+    idle_workers = (cause == "undetermined" and nw > 0 and worker_busy is not None
+                    and worker_busy < BUSY)
+    if cause in ("worker_startup_per_epoch", "cpu_transforms", "collate") or idle_workers:
         suggested = nw
     else:
         suggested = suggest_workers(nw, cores, gpus, blocked, ctx.on_cuda)
@@ -579,7 +641,9 @@ def _data_wait(ctx: Context) -> Finding | None:
     pin = ctx.on_cuda and not (loader or {}).get("pin_memory")
     pct = f"{share * 100:.0f}%"
     core_txt = f"{cores} usable cores" if cores else "the usable cores"
-    knob = f"trainprof tune --knob num_workers={','.join(map(str, sweep(nw, suggested)))}"
+    # idle workers: whether fewer or more change anything at all
+    counts = [0, nw, 2 * nw] if idle_workers else sweep(nw, suggested)
+    knob = f"trainprof tune --knob num_workers={','.join(map(str, counts))}"
     verify = f"{knob} {ctx.script}"
     # per-sample costs as measured in the workers (means: they add up to the fetch time)
     blocked_ms = cpu_ms = collate_ms = reads_ms = 0.0
@@ -769,14 +833,16 @@ def _data_wait(ctx: Context) -> Finding | None:
             "(num_workers), keep them across epochs (persistent_workers=True) and measure "
             "which stage is slow: reading, transforming or collating."
         )
-        if measured and worker_busy is not None and worker_busy < BUSY:
-            text += (
-                f" The workers are busy only {worker_busy * 100:.0f}% of the time, so their "
-                "speed is not what the loop waits for: look at how batches reach the training "
-                "process (batch size in bytes, pin_memory, a slow batch holding the in-order "
-                "queue: in_order=False, a larger prefetch_factor)."
-            )
         comment = f"was {nw}"
+        if idle_workers:
+            text += (
+                f" The workers are busy only {(worker_busy or 0) * 100:.0f}% of the time, so "
+                "their speed is not what the loop waits for, and more of them would not help: "
+                "look at how batches reach the training process (batch size in bytes, "
+                "pin_memory, a slow batch holding the in-order queue: in_order=False, a "
+                "larger prefetch_factor)."
+            )
+            comment = f"unchanged: busy only {(worker_busy or 0) * 100:.0f}% of the time"
     if pin:
         text += " Pin host memory (pin_memory=True) so copies to the GPU run asynchronously."
     snippet = loader_snippet(loader, num_workers=suggested, pin_memory=pin, comment=comment)
