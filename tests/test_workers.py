@@ -698,6 +698,33 @@ def test_idle_workers_and_a_batch_cheaper_than_the_wait_are_a_handoff_whatever_t
     assert f["verify"].startswith("trainprof tune --knob num_workers=0,2,4 ")
 
 
+def test_a_handoff_finding_withdraws_the_workers_contention_finding_it_makes_moot():
+    """"num_workers=0" (the hand-over) and "keep the 2 workers, they use 0.6 cores"
+    (cpu_contention) would contradict each other; with no workers left there is no
+    contention, so that finding goes and the hand-over names it."""
+    from test_diagnosis import MS, loader, make_steps, make_summary
+
+    from trainprof.diagnosis import diagnose
+
+    def findings(w):
+        steps = make_steps(60, data=1.8 * MS)
+        summary = make_summary(
+            steps, dataloaders=[loader(num_workers=2, persistent_workers=True)],
+            system={"n_samples": 20, "proc_cpu_pct": 120.0, "workers_cpu_pct": 60.0,
+                    "sys_cpu_pct": 95.0},
+            workers={"loaders": [w]})
+        return {(f["category"], f["cause"]): f for f in diagnose(summary, steps)}
+
+    # workers that are busy (no hand-over): both findings stand
+    both = findings(entry(0.0, 0.0, 0.03, 0.5, busy=0.9))
+    assert ("cpu_contention", "workers_oversubscribe_cores") in both, list(both)
+    # idle workers and cheap batches: the hand-over, and no contention finding
+    found = findings(entry(0.0, 0.0, 0.0095, 0.35, busy=0.25))
+    handoff = found[("input_pipeline", "worker_handoff")]
+    assert ("cpu_contention", "workers_oversubscribe_cores") not in found, list(found)
+    assert handoff["evidence"]["supersedes"] == ["cpu_contention/workers_oversubscribe_cores"]
+
+
 CHEAP = """
 import numpy as np
 from torch.utils.data import BatchSampler, RandomSampler

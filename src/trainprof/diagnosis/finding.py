@@ -80,6 +80,10 @@ class Finding:
     #: The registered rule that produced it (filled in by the registry); not part of the
     #: contract, but it tells a maintainer which module to read.
     rule: str = field(default="")
+    #: (category, cause) of findings this one's fix makes moot, whose advice would
+    #: contradict it (the registry drops them and names them in this one's evidence):
+    #: "num_workers=0" leaves no workers to compete for cores.
+    supersedes: tuple[tuple[str, str], ...] = field(default=())
 
     def __post_init__(self) -> None:
         if self.category not in CATEGORIES:

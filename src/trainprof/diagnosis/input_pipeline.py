@@ -400,6 +400,9 @@ def _cheap_samples_finding(ctx: Context, cause: str, loader: dict[str, Any] | No
         category="input_pipeline", cause=cause, title=title, severity=severity,
         evidence=evidence, estimated_gain=gain, fix=Fix(text=text, snippet=snippet),
         verify=verify,
+        # no workers left to compete with the model's threads for the cores
+        supersedes=((("cpu_contention", "workers_oversubscribe_cores"),)
+                    if cause == "worker_handoff" else ()),
     )
 
 

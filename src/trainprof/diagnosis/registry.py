@@ -109,6 +109,20 @@ def merge(findings: list[Finding]) -> list[Finding]:
     return list(by_key.values())
 
 
+def drop_superseded(findings: list[Finding]) -> list[Finding]:
+    """Findings whose advice another finding's fix makes moot are dropped, and named in
+    that finding's evidence (``supersedes``): two snippets that contradict each other
+    ("num_workers=0" and "keep the 2 workers") leave a reader with neither."""
+    present = {(f.category, f.cause) for f in findings}
+    dropped: set[tuple[str, str]] = set()
+    for f in findings:
+        moot = [key for key in f.supersedes if key in present and key != (f.category, f.cause)]
+        if moot:
+            f.evidence["supersedes"] = [f"{c}/{cause}" for c, cause in moot]
+            dropped.update(moot)
+    return [f for f in findings if (f.category, f.cause) not in dropped]
+
+
 def rank(findings: list[Finding]) -> list[Finding]:
     """Highest estimated gain first; ties by severity, then by name for a stable order."""
     return sorted(
@@ -144,4 +158,4 @@ def diagnose(
         for f in produced:
             f.rule = name
         found.extend(produced)
-    return [f.to_dict() for f in rank(merge(found))]
+    return [f.to_dict() for f in rank(drop_superseded(merge(found)))]
