@@ -689,6 +689,11 @@ def test_idle_workers_and_a_batch_cheaper_than_the_wait_are_a_handoff_whatever_t
     assert "batch_size=None,  # each item is a batch already" in snippet
     share = f["evidence"]["data_wait_share"]  # bound: the samples stay, hand-over and collate go
     assert f["estimated_gain"] == pytest.approx(share * (1 - 32 * 0.0095 / 1.8), rel=0.02)
+    # a TensorDataset reads a batch from a list of indices as it is: no class to write
+    f, _, _ = diagnose_with(w, loader_kw={"dataset": "torch.utils.data.dataset.TensorDataset"},
+                            data_ms=1.8)
+    assert "dataset = TensorDataset(...)  # as now" in f["fix"]["snippet"]
+    assert "def __getitem__" not in f["fix"]["snippet"] and "BatchSampler(" in f["fix"]["snippet"]
     # a batch that costs more than half the wait to make: not shown to be the hand-over;
     # the workers are idle, so no more of them either
     f, _, _ = diagnose_with(entry(0.0, 0.0, 0.03, 0.5, busy=0.25), data_ms=1.8)

@@ -328,6 +328,15 @@ def _cheap_samples_finding(ctx: Context, cause: str, loader: dict[str, Any] | No
         "    num_workers=0,  # samples this cheap do not pay for a worker\n"
         ")"
     )
+    if str((loader or {}).get("dataset") or "") == "torch.utils.data.dataset.TensorDataset":
+        # its __getitem__ indexes every tensor with the index given: a list reads a batch
+        batched = batched.replace(
+            f"class {dataset}(...):  # your dataset, plus a batched read:\n"
+            "    def __getitem__(self, indices):  # a list of indices: the whole batch\n"
+            "        return self.images[indices], self.labels[indices]  # e.g. numpy or tensors"
+            "\n\n",
+            "dataset = TensorDataset(...)  # as now: it indexes its tensors with a list of "
+            "indices, a whole batch at once\n\n")
     if (loader or {}).get("iterable_dataset"):
         # an IterableDataset has no indices to hand over: it yields whole batches itself
         read_at_once = (
