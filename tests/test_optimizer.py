@@ -231,6 +231,19 @@ def test_a_for_loop_optimizer_gets_fused_with_its_share():
     assert f["verify"].startswith("trainprof tune --knob optimizer=script,fused train.py")
 
 
+def test_every_optimizer_the_script_builds_is_named_in_the_fix():
+    """A GAN's two Adams step in every step: the share is both steps', and the fix (like
+    the knob, which sets every optimizer) names the second too."""
+    second = _opt(**{"class": "torch.optim.adam.Adam", "primary": False, "param_tensors": 4})
+    (f,) = _findings(5e-3, _opt(), second)
+    assert f["evidence"]["other_optimizers"] == {"Adam": 1}
+    assert "more optimizers that could run faster (Adam ×1): pass fused=True to each" in (
+        f["fix"]["text"])
+    assert f["fix"]["snippet"].endswith("# and fused=True for every other optimizer: Adam ×1")
+    (f,) = _findings(5e-3, _opt())
+    assert "every other optimizer" not in f["fix"]["snippet"]
+
+
 def test_the_optimizer_finding_bands_and_alternatives():
     assert _findings(0.15e-3, _opt()) == []  # 1.5% of the step: below the lowest band
     (f,) = _findings(0.25e-3, _opt())  # 2.7%

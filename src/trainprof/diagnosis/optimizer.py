@@ -122,6 +122,13 @@ def optimizer_implementation(ctx: Context) -> Finding | None:
     else:
         snippet = (f"opt = torch.optim.{name}(model.parameters(), lr=lr, ..., {flag})"
                    f"  # was the {impl} implementation")
+    others = evidence.get("other_optimizers")
+    if others:
+        # a GAN's two, or one built per epoch: the share is every optimizer's step
+        listed = ", ".join(f"{cls} ×{k}" for cls, k in others.items())
+        text += (f" The script builds more optimizers that could run faster ({listed}): "
+                 f"pass {flag} to each; the knob below changes them all.")
+        snippet += f"\n# and {flag} for every other optimizer: {listed}"
     verify = (f"trainprof tune --knob optimizer=script,{target} {ctx.script}  (the optimizer "
               f"share, now {share * 100:.1f}%, should fall)")
     return Finding(
