@@ -908,3 +908,36 @@ def test_an_iterable_dataset_every_worker_reads_whole_is_found(tmp_path):
     assert m["title"].startswith("All 2 DataLoader workers load the same data: "
                                  "Lines.__getitem__ ignores its index")
     assert "def __getitem__(self, index)" in m["fix"]["snippet"]
+
+
+# -- several loaders feeding one loop ---------------------------------------------------------
+
+
+def test_of_two_loaders_zipped_in_one_loop_the_slower_ones_wait_is_diagnosed(tp):
+    """``zip(labeled, unlabeled)``: both shuffled, both feed every step; the wait is the
+    unlabelled one's reads (0.3 ms a sample), not the in-memory labelled set's. The
+    finding named the first shuffled loader: "samples that cost 6 µs, read a batch at
+    once" for a wait that was all the other loader's."""
+    res = tp("""
+        import time, torch, torch.nn as nn
+        from torch.utils.data import DataLoader, Dataset, TensorDataset
+        class Slow(Dataset):
+            def __len__(self): return 1024
+            def __getitem__(self, i):
+                time.sleep(0.0003); return torch.randn(32)
+        labeled = DataLoader(TensorDataset(torch.randn(1024, 32), torch.randint(0, 2, (1024,))),
+                             batch_size=32, shuffle=True)
+        unlabeled = DataLoader(Slow(), batch_size=32, shuffle=True)
+        model = nn.Linear(32, 2); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for (x, y), u in zip(labeled, unlabeled):
+            loss = nn.functional.cross_entropy(model(x), y) + model(u).pow(2).mean() * 0.1
+            opt.zero_grad(); loss.backward(); opt.step()
+    """, "--json", "--no-html")
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = res.json()
+    assert doc["breakdown"]["data_wait"] > 0.5, doc["breakdown"]
+    f = input_finding(doc)
+    assert f["evidence"]["loader"]["index"] == 1, f["evidence"]["loader"]
+    assert f["cause"] == "too_few_workers", f["cause"]
+    assert "Slow(...),  # your dataset, unchanged" in f["fix"]["snippet"]
+    assert f["evidence"]["sample_blocked_ms"]["median"] > 0.25

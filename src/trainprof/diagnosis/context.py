@@ -269,19 +269,42 @@ class Context:
 
     @cached_property
     def train_loader(self) -> dict[str, Any] | None:
-        """The DataLoader that feeds training: the first shuffled one, else the first one seen.
+        """The DataLoader that feeds training: the first shuffled one, else the first one seen;
+        of several shuffled ones, the one whose loading took the longest.
 
         Evaluation loaders are usually sequential and created or iterated after the
-        training loader, so this picks the training loader in the common layouts.
+        training loader, so this picks the training loader in the common layouts. Two
+        shuffled loaders zipped in one loop (labelled and unlabelled data) both feed every
+        step, and the wait is mostly the slower one's: its fix is the one to give.
         """
         if not self.loaders:
             return None
-        for d in self.loaders:
-            if "RandomSampler" in str(d.get("sampler") or "") or "Distributed" in str(
-                d.get("sampler") or ""
-            ):
-                return d
-        return self.loaders[0]
+        shuffled = [d for d in self.loaders
+                    if "RandomSampler" in str(d.get("sampler") or "")
+                    or "Distributed" in str(d.get("sampler") or "")]
+        candidates = shuffled or self.loaders[:1]
+        if len(candidates) > 1:
+            # several loaders feed each step (zip(labeled, unlabeled)): the one whose
+            # loading takes the most time, where every one of them was measured
+            costs = [self._loading_seconds(d) for d in candidates]
+            if all(c is not None for c in costs):
+                return candidates[max(range(len(costs)), key=lambda i: (costs[i], -i))]
+        return candidates[0]
+
+    def _loading_seconds(self, loader: dict[str, Any]) -> float | None:
+        """The time ``loader``'s samples and collates took, as measured where they were
+        loaded (the training process, or spread over its workers); None if unmeasured."""
+        w = self.worker_stats(loader)
+        if not w or not isinstance(w.get("samples"), int | float):
+            return None
+
+        def mean_ms(key: str) -> float:
+            v = (w.get(key) or {}).get("mean") if isinstance(w.get(key), dict) else None
+            return float(v) if isinstance(v, int | float) else 0.0
+
+        total_ms = (float(w["samples"]) * (mean_ms("sample_cpu_ms") + mean_ms("sample_blocked_ms"))
+                    + float(w.get("batches") or 0) * mean_ms("collate_ms"))
+        return total_ms / 1e3 / max(1, int(w.get("num_workers") or 0))
 
     @cached_property
     def worker_loaders(self) -> list[dict[str, Any]]:
