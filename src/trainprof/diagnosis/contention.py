@@ -19,8 +19,10 @@ on the device and the host needs about one thread to launch it, so ``T = 1`` the
 OpenMP pools that lose a thread to the scheduler can stall at every barrier, so the
 real loss can exceed this estimate; the verify sweep measures it.
 
-Caveat: ``torch_num_threads`` is read when the run starts, before the script runs;
-a later ``torch.set_num_threads`` in the script is not seen yet.
+``torch_num_threads`` is the count the training thread had when the script ended (the
+recorder reads it there: a ``torch.set_num_threads`` in the script counts), else the
+fingerprint's, read before the script ran. A script that changes it mid-run is judged
+by its last value.
 """
 
 from __future__ import annotations

@@ -440,7 +440,8 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
             "Environment",
             f"Python {env.get('python')} · torch {env.get('torch')}"
             + (f" · CUDA {env['cuda']} · {env['gpu']}" if env.get("gpu") else " · CPU only")
-            + (f" · {env['torch_num_threads']} intra-op threads"
+            + (f" · {env['torch_num_threads']} intra-op thread"
+               + ("" if env["torch_num_threads"] == 1 else "s")
                if env.get("torch_num_threads") else ""),
         )
     ops = summary.get("ops")
