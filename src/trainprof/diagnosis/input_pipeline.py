@@ -847,12 +847,13 @@ def _data_wait(ctx: Context) -> Finding | None:
         )
         comment = f"was {nw}"
         if idle_workers:
-            text += (
-                f" The workers are busy only {(worker_busy or 0) * 100:.0f}% of the time, so "
-                "their speed is not what the loop waits for, and more of them would not help: "
-                "look at how batches reach the training process (batch size in bytes, "
-                "pin_memory, a slow batch holding the in-order queue: in_order=False, a "
-                "larger prefetch_factor)."
+            text = (
+                f"The loop waits for its input while its {nw} DataLoader workers are busy "
+                f"only {(worker_busy or 0) * 100:.0f}% of the time, so their speed is not "
+                "what the loop waits for, and more of them would not help: look at how "
+                "batches reach the training process (batch size in bytes, pin_memory, a "
+                "slow batch holding the in-order queue: in_order=False, a larger "
+                f"prefetch_factor).{stage_txt}"
             )
             comment = f"unchanged: busy only {(worker_busy or 0) * 100:.0f}% of the time"
     if pin:
