@@ -295,6 +295,49 @@ def _batched_read_finding(ctx: Context, evidence: dict[str, Any], share: float,
     )
 
 
+def _read_at_once(loader: dict[str, Any] | None, dataset: str,
+                  batch: int | None) -> tuple[str, str]:
+    """(the advice, the snippet) for reading a whole batch in one go, as fits the dataset:
+    a map-style one indexed with the batch's list of indices (a ``TensorDataset`` already
+    is: its ``__getitem__`` indexes its tensors with whatever it is given), an
+    ``IterableDataset`` yielding whole batches (it has no indices to take)."""
+    batch_txt = f"{batch} " if batch else ""
+    size = batch or 32
+    done_by_loader = "    num_workers=0,  # samples this cheap do not pay for a worker\n)"
+    if (loader or {}).get("iterable_dataset"):
+        return (
+            "Yield whole batches instead: make each batch in `__iter__` (slices of arrays, "
+            "or one stack) and pass batch_size=None: one `next` a batch instead of "
+            f"{batch_txt}`next` calls and a collate.",
+            f"class {dataset}(IterableDataset):  # your dataset, yielding batches:\n"
+            "    def __iter__(self):\n"
+            f"        for start in range(0, len(self.x), {size}):  # e.g. arrays\n"
+            f"            yield self.x[start:start + {size}], self.y[start:start + {size}]\n\n"
+            f"loader = DataLoader(\n    {dataset}(...),\n"
+            "    batch_size=None,  # each item is a batch already\n" + done_by_loader)
+    if str((loader or {}).get("dataset") or "") == "torch.utils.data.dataset.TensorDataset":
+        dataset_code = ("dataset = TensorDataset(...)  # as now: it indexes its tensors with a "
+                        "list of indices, a whole batch at once\n\n")
+    else:
+        dataset_code = (
+            f"class {dataset}(...):  # your dataset, plus a batched read:\n"
+            "    def __getitem__(self, indices):  # a list of indices: the whole batch\n"
+            "        return self.images[indices], self.labels[indices]  # e.g. numpy or tensors"
+            "\n\n")
+    sampler = ("RandomSampler(dataset)" if str((loader or {}).get("sampler") or "")
+               .endswith("RandomSampler") else "SequentialSampler(dataset)")
+    return (
+        "Read a batch at once instead: give the dataset the whole list of indices "
+        "(batch_size=None and a BatchSampler) and index its arrays with it, one vectorised "
+        f"read instead of {batch_txt}`__getitem__` calls and a collate.",
+        "from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler\n\n"
+        + dataset_code
+        + "loader = DataLoader(\n    dataset,\n"
+        "    batch_size=None,  # the sampler below makes the batches\n"
+        f"    sampler=BatchSampler({sampler}, batch_size={size}, drop_last=False),\n"
+        + done_by_loader)
+
+
 def _cheap_samples_finding(ctx: Context, cause: str, loader: dict[str, Any] | None,
                            evidence: dict[str, Any], share: float, severity: str, nw: int,
                            sample_ms: float, collate_ms: float, worker_busy: float | None,
@@ -309,53 +352,7 @@ def _cheap_samples_finding(ctx: Context, cause: str, loader: dict[str, Any] | No
     dataset = _short((loader or {}).get("dataset"), "Dataset")
     wait_s = evidence.get("data_wait_median_s")
     batch_txt = f"{batch} " if batch else ""
-    read_at_once = (
-        f"Read a batch at once instead: give the dataset the whole list of indices "
-        f"(batch_size=None and a BatchSampler) and index its arrays with it, one vectorised "
-        f"read instead of {batch_txt}`__getitem__` calls and a collate."
-    )
-    sampler = ("RandomSampler(dataset)" if str((loader or {}).get("sampler") or "")
-               .endswith("RandomSampler") else "SequentialSampler(dataset)")
-    batched = (
-        "from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler\n\n"
-        f"class {dataset}(...):  # your dataset, plus a batched read:\n"
-        "    def __getitem__(self, indices):  # a list of indices: the whole batch\n"
-        "        return self.images[indices], self.labels[indices]  # e.g. numpy or tensors\n\n"
-        "loader = DataLoader(\n"
-        "    dataset,\n"
-        "    batch_size=None,  # the sampler below makes the batches\n"
-        f"    sampler=BatchSampler({sampler}, batch_size={batch or 32}, drop_last=False),\n"
-        "    num_workers=0,  # samples this cheap do not pay for a worker\n"
-        ")"
-    )
-    if str((loader or {}).get("dataset") or "") == "torch.utils.data.dataset.TensorDataset":
-        # its __getitem__ indexes every tensor with the index given: a list reads a batch
-        batched = batched.replace(
-            f"class {dataset}(...):  # your dataset, plus a batched read:\n"
-            "    def __getitem__(self, indices):  # a list of indices: the whole batch\n"
-            "        return self.images[indices], self.labels[indices]  # e.g. numpy or tensors"
-            "\n\n",
-            "dataset = TensorDataset(...)  # as now: it indexes its tensors with a list of "
-            "indices, a whole batch at once\n\n")
-    if (loader or {}).get("iterable_dataset"):
-        # an IterableDataset has no indices to hand over: it yields whole batches itself
-        read_at_once = (
-            "Yield whole batches instead: make each batch in `__iter__` (slices of arrays, "
-            f"or one stack) and pass batch_size=None: one `next` a batch instead of "
-            f"{batch_txt}`next` calls and a collate."
-        )
-        batched = (
-            f"class {dataset}(IterableDataset):  # your dataset, yielding batches:\n"
-            "    def __iter__(self):\n"
-            f"        for start in range(0, len(self.x), {batch or 32}):  # e.g. arrays\n"
-            f"            yield self.x[start:start + {batch or 32}], "
-            f"self.y[start:start + {batch or 32}]\n\n"
-            "loader = DataLoader(\n"
-            f"    {dataset}(...),\n"
-            "    batch_size=None,  # each item is a batch already\n"
-            "    num_workers=0,  # samples this cheap do not pay for a worker\n"
-            ")"
-        )
+    read_at_once, batched = _read_at_once(loader, dataset, batch)
     if cause == "per_sample_overhead":
         title = (f"Training waits for data {pct} of step time: batches of samples that cost "
                  f"{us:.0f} µs each, loaded one sample at a time (collate {collate_ms:.2f} ms "
