@@ -123,6 +123,27 @@ def test_reverse_is_faster_and_self_is_no_difference(runs: dict[str, Path]) -> N
     assert compare_runs(a, b)["ci"] == forward["ci"]
 
 
+def test_no_difference_shows_no_shares_of_the_change(runs: dict[str, Path], tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture) -> None:
+    """Phases that moved against each other under a total that did not (gradient
+    accumulation: the optimizer -62% a sample, the rest +20-33%) made "shares of the
+    change" of +1025% and -1734%: with no difference there is no change to share out."""
+    from trainprof.report.html import render_compare_html
+
+    result = compare_runs(load_run(runs["a"]), load_run(runs["b"]))
+    result["verdict"] = "no_difference"
+    for phase, share in zip(result["phases"], (10.25, -17.34, 4.0, 3.0, 0.0, 1.09),
+                            strict=False):
+        result["phases"][phase]["share_of_change"] = share
+    render_compare(result)
+    out = capsys.readouterr().out
+    table = out[out.index("Phases"):out.index("What changed")]
+    assert "%" in table and "1025%" not in table and "-1734%" not in table
+    assert all(line.rstrip().endswith("—") for line in table.splitlines()[2:] if line.strip())
+    page = render_compare_html(result, tmp_path / "c.html").read_text()
+    assert "1025%" not in page and "-1734%" not in page
+
+
 def test_terminal_rendering(runs: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
     render_compare(compare_runs(load_run(runs["a"]), load_run(runs["b"])))
     out = capsys.readouterr().out

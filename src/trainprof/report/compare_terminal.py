@@ -145,10 +145,12 @@ def _phases_table(result: dict[str, Any]) -> Table:
     table.add_column("Δ%", justify="right")
     table.add_column("share of change", justify="right")
     explains = result.get("explains")
+    # no difference: phase deltas that nearly cancel make "shares" of thousands of percent
+    changed = result.get("verdict") != "no_difference"
     for ph, v in (result.get("phases") or {}).items():
-        style = "bold" if ph == explains and result.get("verdict") != "no_difference" else None
+        style = "bold" if ph == explains and changed else None
         pct = v.get("delta_pct")
-        share = v.get("share_of_change")
+        share = v.get("share_of_change") if changed else None
         table.add_row(
             _PHASE_LABEL.get(ph, ph),
             fmt_time(v.get("a")),

@@ -1022,9 +1022,11 @@ def _compare_phases(result: dict[str, Any]) -> str:
     if not isinstance(phases, dict) or not all(isinstance(v, dict) for v in phases.values()):
         return render_generic(phases, "phases")
     explains = result.get("explains")
+    # no difference: phase deltas that nearly cancel make "shares" of thousands of percent
+    changed = result.get("verdict") != "no_difference"
     rows = []
     for ph, v in phases.items():
-        pct, share = v.get("delta_pct"), v.get("share_of_change")
+        pct, share = v.get("delta_pct"), v.get("share_of_change") if changed else None
         bold = ' class="explains"' if ph == explains else ""
         rows.append(
             f"<tr{bold}><th>{esc(ph)}</th><td class=\"num\">{esc(fmt_time(_number(v.get('a'))))}"
