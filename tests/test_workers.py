@@ -703,6 +703,29 @@ def test_idle_workers_and_a_batch_cheaper_than_the_wait_are_a_handoff_whatever_t
     assert f["verify"].startswith("trainprof tune --knob num_workers=0,2,4 ")
 
 
+def test_a_collate_that_does_the_work_in_a_busy_training_process_gets_no_worker():
+    """A collate_fn that tokenises (1.15 ms a batch of 32 sentences that cost 2 µs each to
+    fetch) in a CPU run whose training process keeps both cores busy (181%). The finding
+    said "per-sample overhead: read a batch at once", which leaves the collate's work;
+    a worker would take a core from the model: ``trainprof tune --knob num_workers=0,1``
+    measured one worker ×2.0 slower. Now: make the batch cheaper, the collate named."""
+    w = entry(0.0001, 0.0, 0.0017, 1.15, busy=None)
+    w.update(mode="main", num_workers=0, busy_share_active=None)
+    busy = {"n_samples": 20, "proc_cpu_pct": 181.0, "workers_cpu_pct": 0.0,
+            "sys_cpu_pct": 92.0}
+    f, _, _ = diagnose_with(w, loader_kw={"num_workers": 0, "persistent_workers": False},
+                            system=busy, data_ms=1.0)
+    assert f["cause"] == "cpu_transforms", f["cause"]
+    assert "in the training process" in f["title"] and "keeps every core busy" in f["title"]
+    assert "collate_fn takes 95% of the loading" in f["fix"]["text"]
+    assert "num_workers=0,  # unchanged" in f["fix"]["snippet"]
+    assert "--knob num_workers=0,1 --knob torch_threads=1,2" in f["verify"]
+    # the same loading with a core free: a worker overlaps it
+    f, _, _ = diagnose_with(w, loader_kw={"num_workers": 0, "persistent_workers": False},
+                            data_ms=1.0)
+    assert f["cause"] == "too_few_workers", f["cause"]
+
+
 def test_a_handoff_finding_withdraws_the_workers_contention_finding_it_makes_moot():
     """"num_workers=0" (the hand-over) and "keep the 2 workers, they use 0.6 cores"
     (cpu_contention) would contradict each other; with no workers left there is no

@@ -62,11 +62,12 @@ HIGH, MEDIUM = 0.20, 0.05  # TF input-pipeline analyzer bands (I1)
 #: Per-worker CPU above which a worker counts as saturated (CPU-bound), below which as
 #: mostly blocked (waiting on reads, sleeps, the network).
 SATURATED, BLOCKED = 0.80, 0.50
-#: Per-sample loading cost (CPU + blocked, means, ms) below which a worker process costs
-#: more than it saves: handing a batch over (shared memory, unpickling in the training
-#: process) outweighs the loading. data-loading.md §2: pre-decoded samples at 8 µs (npy
-#: memmap) and 17 µs (h5py) loaded no faster with 2 workers than with none (99k vs 89k,
-#: 56k vs 57k samples/s); PNG decoding at 70-100 µs gained 1.5-1.7× from 2 workers.
+#: Per-sample loading cost (CPU + blocked, means, ms; in the training process the
+#: collate's share of a sample too) below which a worker process costs more than it saves:
+#: handing a batch over (shared memory, unpickling in the training process) outweighs the
+#: loading. data-loading.md §2: pre-decoded samples at 8 µs (npy memmap) and 17 µs (h5py)
+#: loaded no faster with 2 workers than with none (99k vs 89k, 56k vs 57k samples/s); PNG
+#: decoding at 70-100 µs gained 1.5-1.7× from 2 workers.
 CHEAP_SAMPLE_MS = 0.02
 #: Idle workers, and a batch that would take under this fraction of the loop's median wait
 #: to load in the training process (a typical sample's cost times the batch, plus collate,
@@ -590,6 +591,13 @@ def _data_wait(ctx: Context) -> Finding | None:
             sample_ms = sample_ms / per_step if per_step else None
             evidence["samples_per_step"] = per_step
     cheap = sample_ms is not None and sample_ms < CHEAP_SAMPLE_MS
+    # in the training process, a collate_fn that does the work (tokenising a batch of
+    # sentences: 1.15 ms for 32 samples of 2 µs each) is loading, not per-sample overhead
+    # that a batched read removes (idle workers: the hand-over test weighs the collate)
+    batch = (loader or {}).get("batch_size")
+    collate_per_sample_ms = (_ms(measured.get("collate_ms_per_batch")) / batch
+                             if measured and isinstance(batch, int) and batch > 0 else 0.0)
+    cheap_in_process = cheap and collate_per_sample_ms < CHEAP_SAMPLE_MS
     in_process_s = _in_process_batch_s(measured, loader) if nw > 0 else None
     wait_median = evidence.get("data_wait_median_s")
     if in_process_s is not None:
@@ -599,10 +607,16 @@ def _data_wait(ctx: Context) -> Finding | None:
 
     if nw > 0 and not persistent and startup_share >= 0.5 * share:
         cause = "worker_startup_per_epoch"
-    elif nw == 0 and cheap:
+    elif nw == 0 and cheap_in_process:
         cause = "batched_read" if batched_reads else "per_sample_overhead"
     elif nw == 0:
-        cause = "too_few_workers"
+        # CPU work in a training process that already keeps every core busy (a CPU run's
+        # intra-op threads): a worker would take a core from the model, not overlap with it
+        # (a tokenising collate_fn, 1.15 ms a batch, the process at 181% of 2 cores: one
+        # worker made the step ×2.0 slower, `trainprof tune`, 3 trials each)
+        busy_host = (not ctx.on_cuda and stage in ("cpu", "collate") and idle_cores is not None
+                     and idle_cores < 0.5)
+        cause = "cpu_transforms" if busy_host else "too_few_workers"
     elif (cheap or handoff_bound) and worker_busy is not None and worker_busy < BUSY:
         # idle workers, samples that cost microseconds, and still a wait: the loop waits
         # for the hand-over of each batch, not for its loading
@@ -737,7 +751,26 @@ def _data_wait(ctx: Context) -> Finding | None:
             )
         comment = f"was {nw}; {core_txt}"
     elif cause == "cpu_transforms":
-        if decisive:
+        if nw == 0:
+            title = (
+                f"Training waits for data {pct} of step time: batches are made on the CPU in "
+                f"the training process (collate_fn {collate_ms:.2f} ms a batch, "
+                f"{cpu_ms * 1000:.1f} µs a sample), which keeps every core busy"
+            )
+            why = (
+                "With num_workers=0 the loading runs in the training process, which already "
+                f"keeps the {core_txt} busy ({sysinfo.get('proc_cpu_pct') or 0:.0f}% CPU, 100% "
+                "= one core): a worker process would take a core from the model's threads "
+                "rather than overlap with it. Make each batch cheaper."
+            )
+            if stage == "collate":
+                why += (
+                    f" collate_fn takes {float((split or {}).get('collate') or 0) * 100:.0f}% "
+                    "of the loading: per-sample work it does (tokenising, decoding) belongs in "
+                    "the dataset, where it can be done once, and the collate then only stacks "
+                    "or pads."
+                )
+        elif decisive:
             title = (
                 f"Training waits for data {pct} of step time: each sample takes {cpu_ms:.2f} ms "
                 "of CPU in the DataLoader workers (decode, transforms) and no core is free"
@@ -776,6 +809,11 @@ def _data_wait(ctx: Context) -> Finding | None:
             f"cache), then trainprof compare {run_dir} <the new run>: the data wait share "
             f"(now {pct}) should fall"
         )
+        threads = ctx.environment.get("torch_num_threads")
+        if nw == 0 and isinstance(threads, int) and threads > 1:
+            # the trade a worker would make: a core from the model's threads
+            verify += (f"; a worker for a thread: trainprof tune --knob num_workers=0,1 "
+                       f"--knob torch_threads={threads - 1},{threads} {ctx.script}")
     elif cause in ("per_sample_overhead", "worker_handoff", "batched_read"):
         return _cheap_samples_finding(ctx, cause, loader, evidence, share, severity, nw,
                                       sample_ms or 0.0, collate_ms, worker_busy, pct)
