@@ -717,7 +717,8 @@ def _data_wait(ctx: Context) -> Finding | None:
             text = (
                 f"With num_workers=0 every sample is read and transformed in the training "
                 f"process while the model waits.{stage_txt} Load in {suggested} worker "
-                f"processes so the next batches are prepared while the model computes "
+                f"process{'' if suggested == 1 else 'es'} so the next batches are prepared "
+                "while the model computes "
                 f"({core_txt})."
             )
             if blocked and (measured or (blocked_min is not None and blocked_min >= 0.5)):
