@@ -176,6 +176,13 @@ class SpikeGroup:
         return max(self.excess_s, key=lambda k: self.excess_s[k])
 
 
+def stat(stats: Any, key: str = "mean") -> float:
+    """One statistic (``mean``, ``median``, ``p90``) of a ``{median, p90, mean}`` summary
+    the analysis wrote, 0.0 where it is missing."""
+    v = stats.get(key) if isinstance(stats, dict) else None
+    return float(v) if isinstance(v, int | float) else 0.0
+
+
 class Context:
     """The inputs of every rule; derived quantities are computed lazily and cached."""
 
@@ -298,12 +305,9 @@ class Context:
         if not w or not isinstance(w.get("samples"), int | float):
             return None
 
-        def mean_ms(key: str) -> float:
-            v = (w.get(key) or {}).get("mean") if isinstance(w.get(key), dict) else None
-            return float(v) if isinstance(v, int | float) else 0.0
-
-        total_ms = (float(w["samples"]) * (mean_ms("sample_cpu_ms") + mean_ms("sample_blocked_ms"))
-                    + float(w.get("batches") or 0) * mean_ms("collate_ms"))
+        total_ms = (float(w["samples"]) * (stat(w.get("sample_cpu_ms"))
+                                           + stat(w.get("sample_blocked_ms")))
+                    + float(w.get("batches") or 0) * stat(w.get("collate_ms")))
         return total_ms / 1e3 / max(1, int(w.get("num_workers") or 0))
 
     @cached_property

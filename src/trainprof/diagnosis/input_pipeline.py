@@ -55,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from trainprof.diagnosis.context import Context
+from trainprof.diagnosis.context import stat as _ms
 from trainprof.diagnosis.finding import Finding, Fix, band, sweep
 from trainprof.diagnosis.registry import rule
 
@@ -250,11 +251,6 @@ def _blocked_share_min(ctx: Context, share: float) -> float | None:
     return max(0.0, min(1.0, 1 - loading_cpu / share))
 
 
-def _ms(stats: Any, key: str = "mean") -> float:
-    v = stats.get(key) if isinstance(stats, dict) else None
-    return float(v) if isinstance(v, int | float) else 0.0
-
-
 def _samples_per_step(ctx: Context) -> float | None:
     """The median batch of the steady steps (the records count samples per step)."""
     if ctx.has_steps():
@@ -448,19 +444,22 @@ def _stage(split: dict[str, float]) -> str:
     return max((reads, "reads"), (cpu, "cpu"), (collate, "collate"))[1]
 
 
-def _in_process_batch_s(measured: dict[str, Any] | None,
-                        loader: dict[str, Any] | None) -> float | None:
-    """What a batch would take to load in the training process, from what the workers
-    measured: a typical sample (median CPU + median blocked) times the batch size, plus
-    the median collate. Medians: a worker's first sample or two (its iterator starting)
-    can take milliseconds and lift the mean many times over, but is paid once, not per
-    batch. None without the measurements or a batch size."""
-    batch = (loader or {}).get("batch_size")
-    if not measured or not isinstance(batch, int) or batch <= 0:
+def batch_cost_s(loader: dict[str, Any] | None, w: dict[str, Any] | None,
+                 key: str = "mean") -> float | None:
+    """Seconds one batch costs to load where it is loaded (a worker, or the training process
+    with ``num_workers=0``): the batch size times a sample's blocked and CPU time, plus the
+    collate, each by the statistic ``key`` of what the workers measured. ``median`` gives a
+    typical batch: a worker's first sample or two (its iterator starting) can take
+    milliseconds and lift the mean many times over, but is paid once, not per batch. None
+    without enough measured samples or a batch size."""
+    if not w or int(w.get("samples") or 0) < MIN_SAMPLES:
         return None
-    sample_ms = (_ms(measured.get("sample_cpu_ms"), "median")
-                 + _ms(measured.get("sample_blocked_ms"), "median"))
-    return (sample_ms * batch + _ms(measured.get("collate_ms_per_batch"), "median")) / 1000
+    loader = loader or {}
+    batch = loader.get("batch_size") or loader.get("batch_sampler_batch_size")
+    if not isinstance(batch, int) or batch <= 0:
+        return None
+    per_sample = _ms(w.get("sample_blocked_ms"), key) + _ms(w.get("sample_cpu_ms"), key)
+    return (batch * per_sample + _ms(w.get("collate_ms"), key)) / 1e3
 
 
 def _measured_startup(ctx: Context, w: dict[str, Any] | None) -> tuple[float, float | None]:
@@ -598,7 +597,8 @@ def _data_wait(ctx: Context) -> Finding | None:
     collate_per_sample_ms = (_ms(measured.get("collate_ms_per_batch")) / batch
                              if measured and isinstance(batch, int) and batch > 0 else 0.0)
     cheap_in_process = cheap and collate_per_sample_ms < CHEAP_SAMPLE_MS
-    in_process_s = _in_process_batch_s(measured, loader) if nw > 0 else None
+    # what a typical batch would take to make in the training process
+    in_process_s = batch_cost_s(loader, w, "median") if nw > 0 and measured else None
     wait_median = evidence.get("data_wait_median_s")
     if in_process_s is not None:
         evidence["in_process_batch_s"] = in_process_s

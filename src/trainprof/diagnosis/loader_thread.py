@@ -33,23 +33,11 @@ from trainprof.diagnosis.finding import Finding, Fix, band, sweep
 from trainprof.diagnosis.input_pipeline import (
     HIGH,
     MEDIUM,
-    MIN_SAMPLES,
-    _ms,
+    batch_cost_s,
     loader_snippet,
     suggest_workers,
 )
 from trainprof.diagnosis.registry import rule
-
-
-def _batch_cost_s(loader: dict[str, Any], w: dict[str, Any] | None) -> float | None:
-    """Seconds one batch costs to load where it is loaded (``num_workers=0``: that thread)."""
-    if not w or int(w.get("samples") or 0) < MIN_SAMPLES:
-        return None
-    batch = loader.get("batch_size") or loader.get("batch_sampler_batch_size")
-    if not isinstance(batch, int) or batch <= 0:
-        return None
-    per_sample = _ms(w.get("sample_blocked_ms")) + _ms(w.get("sample_cpu_ms"))
-    return (batch * per_sample + _ms(w.get("collate_ms"))) / 1e3
 
 
 @rule("input_pipeline.loader_in_thread")
@@ -65,7 +53,7 @@ def loader_in_thread(ctx: Context) -> Finding | None:
     thread = str(loader["iterated_in_thread"])
     nw = int(loader.get("num_workers") or 0)
     w = ctx.worker_stats(loader)
-    batch_s = _batch_cost_s(loader, w) if nw == 0 else None
+    batch_s = batch_cost_s(loader, w) if nw == 0 else None
     split = (w or {}).get("fetch_split") or {}
     # loading mostly blocked (reads, latency): workers overlap it beyond the core count
     blocked = float(split.get("blocked") or 0.0) >= 0.5
