@@ -98,8 +98,8 @@ _DYNAMO_SENSITIVE = ("compile", "_dynamo", "distributed", "DistributedDataParall
 def _dynamo_safe(argv: list[str], cwd: Path) -> bool:
     """Whether the script a ``run`` request runs may start with ``torch._dynamo`` imported:
     a ``.py`` file named in ``argv`` whose text has none of ``_DYNAMO_SENSITIVE`` (not a
-    module, a rerun or an inline command: their code is not read here)."""
-    if argv[0] != "run" or "-m" in argv or "-c" in argv:
+    module or a rerun: their code is not read here)."""
+    if argv[0] != "run" or "-m" in argv:
         return False
     for arg in argv[1:]:
         path = cwd / arg
