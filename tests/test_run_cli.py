@@ -603,6 +603,46 @@ def test_backward_delimited_steps_without_optimizer(tp):
     assert doc["steps"]["count"] == 90
 
 
+@pytest.mark.parametrize("delimiter", ["optimizer", "backward"])
+def test_making_a_loaders_iterator_is_data_wait(tp, delimiter):
+    """``iter(loader)`` is the pipeline's time: with workers that are not persistent it
+    forks them every epoch. Here a batch sampler takes 30 ms to start each epoch; that
+    time is the epoch's first step's data wait, not "other"."""
+    update = ("opt.step(); opt.zero_grad()" if delimiter == "optimizer" else
+              "w.data.add_(w.grad, alpha=-0.1); w.grad = None")
+    body = f"""
+    import time
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class SlowStart:
+        def __len__(self):
+            return 8
+        def __iter__(self):  # a plain function: runs inside iter(loader)
+            time.sleep(0.03)
+            return iter([list(range(i * 4, i * 4 + 4)) for i in range(8)])
+
+    loader = DataLoader(TensorDataset(torch.randn(32, 4)), batch_sampler=SlowStart())
+    w = torch.zeros(4, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1)
+    for epoch in range(6):
+        for (x,) in loader:
+            (w * x).sum().backward()
+            {update}
+    """
+    res = tp(body, "--json")
+    assert res.returncode == 0, res.stderr
+    doc = res.json()
+    assert doc["steps"]["delimiter"] == delimiter
+    assert doc["steps"]["count"] == 48
+    steps = load_run(res.run_dir).steps[:48]  # (a partial 49th closes the record)
+    first_of_epoch = steps[8::8]  # epochs 2-6 (the first step of the run may be warm-up)
+    assert (first_of_epoch["data_wait_ns"] >= 30e6).all(), first_of_epoch["data_wait_ns"]
+    assert (first_of_epoch["other_ns"] < 5e6).all(), first_of_epoch["other_ns"]
+    rest = np.delete(steps, np.s_[::8])
+    assert np.median(rest["data_wait_ns"]) < 2e6
+
+
 def test_gradient_accumulation_is_one_step_per_optimizer_step(tp):
     body = """
     import torch
