@@ -498,6 +498,25 @@ def test_workers_competing_with_intra_op_threads():
     assert not [g for g in diagnose(summary, steps) if g["category"] == "cpu_contention"]
 
 
+def test_workers_at_half_a_core_that_the_loop_waits_for_get_both_ways_out():
+    """Measured on a script decoding PNGs in 2 workers, 2 intra-op threads, 2 cores:
+    workers at 0.49 cores, data wait 14%. Rounding kept both counts, and the fix once
+    said to change nothing; `trainprof tune` measured num_workers=0 at x0.77."""
+    steps = make_steps(60, data=1.6 * MS)  # ~14% of the step
+    summary = make_summary(
+        steps, dataloaders=[loader(num_workers=2, persistent_workers=True)],
+        system={"n_samples": 20, "proc_cpu_pct": 140.0, "workers_cpu_pct": 49.0},
+    )
+    f = [g for g in diagnose(summary, steps) if g["category"] == "cpu_contention"][0]
+    assert f["cause"] == "workers_oversubscribe_cores"
+    snippet = f["fix"]["snippet"]
+    assert "torch.set_num_threads(1)" in snippet and "num_workers=0" in snippet
+    assert "num_workers=2" not in snippet and "keep torch's" not in snippet
+    assert "Measure both ways out" in f["fix"]["text"]
+    assert f["verify"] == (
+        "trainprof tune --knob torch_threads=1,2 --knob num_workers=0,1,2 train.py")
+
+
 def test_more_intra_op_threads_than_cores():
     steps = make_steps(60)
     summary = make_summary(steps, environment={"usable_cores": 2, "torch_num_threads": 8,
