@@ -13,6 +13,7 @@ from typing import Any
 from trainprof.analysis.ddp import summarize_ddp
 from trainprof.analysis.deep import analyse_deep_windows
 from trainprof.analysis.device import device_statistics
+from trainprof.analysis.handoff import summarize_handoff
 from trainprof.analysis.loop_stacks import summarize_loop_stacks
 from trainprof.analysis.memory_growth import memory_growth
 from trainprof.analysis.ops import load_ops
@@ -108,6 +109,7 @@ def summarize_run(run: Run) -> dict[str, Any]:
         steady = done[warm:]
         t_start = origin + float(steady["t_start_ns"][0]) / 1e9
         t_end = origin + float(steady["t_start_ns"][-1] + steady["dur_ns"][-1]) / 1e9
+    workers = summarize_workers(run.path, meta.get("clock_origin_s"))
     samples = load_samples(run.samples_path)
     system = summarize_system(samples, t_start, t_end)
     if system.get("n_samples", 0) == 0 and samples:
@@ -138,7 +140,10 @@ def summarize_run(run: Run) -> dict[str, Any]:
             samples, t_start, t_end, stats.get("steps_per_s"),
             ((meta.get("fingerprint") or {}).get("cpu") or {}).get("memory_total_bytes")),
         # inside the DataLoader workers: blocked vs CPU per sample, collate, start-up
-        "workers": summarize_workers(run.path, meta.get("clock_origin_s")),
+        "workers": workers,
+        # receiving the workers' batches in the training process (capture/handoff.py)
+        "batch_handoff": summarize_handoff(meta.get("batch_handoff"), workers,
+                                           float(done["dur_ns"].sum()) / 1e9),
         "device": device_statistics(
             run.device, int(done["step"][warm]) if len(done) > warm else 0
         ),

@@ -95,7 +95,8 @@ def bin_index(v: int) -> int:
     return v if k <= 5 else ((k - 5) << 4) + (v >> (k - 5))
 
 
-def _sparse(hist: list[int]) -> list[list[int]]:
+def sparse_hist(hist: list[int]) -> list[list[int]]:
+    """A histogram as its non-empty [bin, count] pairs (what the run folder stores)."""
     return [[i, c] for i, c in enumerate(hist) if c]
 
 
@@ -229,9 +230,9 @@ class Stream:
             "runq_measured": self._fd >= 0,
             "capture_off": self.off,
             "hist": {
-                "blocked": _sparse(list(self.h_blocked)),
-                "cpu": _sparse(list(self.h_cpu)),
-                "collate": _sparse(list(self.h_collate)),
+                "blocked": sparse_hist(list(self.h_blocked)),
+                "cpu": sparse_hist(list(self.h_cpu)),
+                "collate": sparse_hist(list(self.h_collate)),
             },
         }
 

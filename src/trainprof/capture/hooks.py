@@ -69,6 +69,7 @@ from trainprof.capture.device_timer import (
     OPT_BEGIN,
     OPT_END,
 )
+from trainprof.capture.handoff import REBUILDERS, HandoffTimer
 from trainprof.capture.opcount import compiled_frames
 from trainprof.capture.ranks import ChildRuns
 from trainprof.capture.worker import WorkerCapture
@@ -383,6 +384,8 @@ class Instrumentation:
         self.ddp_no_sync_calls = 0
         #: the DistributedDataParallel models built, and what their reducers measured
         self.ddp_stats = DDPStats()
+        #: the workers' batches received through shared memory (capture/handoff.py)
+        self.handoff = HandoffTimer(lambda: clock.owner)
         #: (pid, name) of the processes the script started, DataLoader workers aside
         self.started_processes: list[tuple[int, str]] = []
         #: records the processes that may train, one run folder each (None: none recorded)
@@ -482,6 +485,12 @@ class Instrumentation:
             return __iter__
 
         self._patch(DataLoader, "__iter__", make_iter)
+        # -- the hand-over of workers' batches (capture/handoff.py) ---------
+        import torch.multiprocessing.reductions as reductions
+
+        for name in REBUILDERS:
+            if callable(getattr(reductions, name, None)):
+                self._patch(reductions, name, self.handoff.wrap)
         if self.workers is not None:
             # what the workers (or, with num_workers=0, this process) spend on each sample
             self.workers.install(self._patch, loaders.index_of)

@@ -43,7 +43,9 @@ Two kinds of knobs (:data:`KNOBS`):
   set-up chose) and ``ddp_bucket_cap_mb`` / ``ddp_find_unused_parameters`` /
   ``ddp_comm_hook`` (every DistributedDataParallel model's bucket size, its search for
   unused parameters, and a gradient compression hook for its all-reduce - ``fp16``,
-  ``bf16`` or ``none`` - whatever the script passes or registers). While a thread knob is
+  ``bf16`` or ``none`` - whatever the script passes or registers) and
+  ``sharing_strategy`` (``torch.multiprocessing``'s: how workers' batches reach the
+  training process, :mod:`trainprof.capture.handoff`). While a thread knob is
   set, the script's own ``torch.set_num_threads`` / ``set_num_interop_threads`` calls are
   ignored (and recorded): a script that pins its thread count must not silently undo the
   value under test.
@@ -117,6 +119,16 @@ def _comm_hook(text: str) -> str:
     return value
 
 
+SHARING_STRATEGIES = ("file_descriptor", "file_system")
+
+
+def _sharing_strategy(text: str) -> str:
+    value = text.strip().lower().replace("-", "_")
+    if value not in SHARING_STRATEGIES:
+        raise ValueError(f"expected {' or '.join(SHARING_STRATEGIES)}")
+    return value
+
+
 def _implementation(text: str) -> str:
     from trainprof.capture.optimizer_impl import KNOB_VALUES
 
@@ -176,6 +188,9 @@ KNOBS: dict[str, KnobSpec] = {
                  "DDP gradient compression for the all-reduce: fp16, bf16 (NCCL) or none"),
         KnobSpec("ddp_find_unused_parameters", "process", _bool,
                  "DistributedDataParallel's find_unused_parameters"),
+        KnobSpec("sharing_strategy", "process", _sharing_strategy,
+                 "how workers' batches reach the training process: file_descriptor "
+                 "(Linux's default) or file_system (torch.multiprocessing)"),
     )
 }
 
@@ -297,6 +312,8 @@ class Knobs:
             self._install_tf32(bool(self.overrides["tf32"]))
         if any(self.overrides.get(k) is not None for k in DDP_KNOBS):
             self._install_ddp()
+        if self.overrides.get("sharing_strategy"):
+            self._install_sharing_strategy(str(self.overrides["sharing_strategy"]))
         return self
 
     def uninstall(self) -> dict[str, Any]:
@@ -383,6 +400,30 @@ class Knobs:
         def undo() -> None:
             torch.set_anomaly_enabled = original
             original(*before)
+
+        self._restore.append(undo)
+
+    def _install_sharing_strategy(self, value: str) -> None:
+        """``torch.multiprocessing.set_sharing_strategy(value)`` before the script runs;
+        the script's own calls that ask otherwise are recorded as ignored. Workers started
+        later (every DataLoader's) pickle their batches the way the strategy says."""
+        import torch.multiprocessing as tmp
+
+        original = tmp.set_sharing_strategy
+        before = tmp.get_sharing_strategy()
+        original(value)
+        self.process["sharing_strategy"] = tmp.get_sharing_strategy()
+        ignored = self.ignored_calls
+
+        def set_sharing_strategy(new_strategy: str) -> None:
+            if new_strategy != value:
+                ignored[f"torch.multiprocessing.set_sharing_strategy({new_strategy!r})"] = None
+
+        tmp.set_sharing_strategy = set_sharing_strategy
+
+        def undo() -> None:
+            tmp.set_sharing_strategy = original
+            original(before)
 
         self._restore.append(undo)
 

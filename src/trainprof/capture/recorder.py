@@ -350,6 +350,7 @@ class Recorder:
         self.worker_capture.flush()  # num_workers=0 loading timed in this process
         self._record_optimizers()
         self._record_eval_autograd()
+        self._record_handoff()
         self.loop_stacks.flush()
         self._note_distributed()
         self._record_ddp()
@@ -363,6 +364,14 @@ class Recorder:
         if rec is not None and rec != self._eval_autograd:
             self._eval_autograd = rec
             self.writer.update_meta(eval_autograd=rec)
+
+    def _record_handoff(self) -> None:
+        """The workers' batches received (trainprof.capture.handoff), written when changed."""
+        if self.instrumentation is None:
+            return
+        rec = self.instrumentation.handoff.record()
+        if rec is not None and rec != self.writer.meta.get("batch_handoff"):
+            self.writer.update_meta(batch_handoff=rec)
 
     def _sample_debug_modes(self) -> None:
         """Sample the debugging switches (trainprof.capture.debug_modes) while steps are

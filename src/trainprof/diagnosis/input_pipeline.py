@@ -40,9 +40,12 @@ are not counted here. The ladder:
    when their samples cost less than :data:`CHEAP_SAMPLE_MS`, or a batch would take
    under :data:`HANDOFF` of the wait to make in the training process (the batches' trip
    through shared memory is what the loop waits for; data-loading.md §2: 925k samples/s
-   with no worker, 113k with 2), else ``undetermined``, and the fix points at how
-   batches reach the training process, with as many workers as now (their low CPU use
-   is idleness, not blocked reads).
+   with no worker, 113k with 2); else ``shared_memory_handoff`` when the training
+   thread was measured receiving the batches' tensors for at least :data:`HANDOFF` of
+   the wait (:mod:`trainprof.capture.handoff`, :mod:`trainprof.diagnosis.handoff`);
+   else ``undetermined``, and the fix points at how batches reach the training
+   process, with as many workers as now (their low CPU use is idleness, not blocked
+   reads).
 4. Without them (fewer samples, a run recorded by an older trainprof, a trace),
    "blocked vs CPU" is estimated from the workers' CPU use sampled from outside.
 """
@@ -57,6 +60,11 @@ import numpy as np
 from trainprof.diagnosis.context import Context
 from trainprof.diagnosis.context import stat as _ms
 from trainprof.diagnosis.finding import Finding, Fix, band, sweep
+from trainprof.diagnosis.handoff import (
+    handoff_evidence,
+    handoff_sentence,
+    shared_memory_handoff_finding,
+)
 from trainprof.diagnosis.registry import rule
 
 HIGH, MEDIUM = 0.20, 0.05  # TF input-pipeline analyzer bands (I1)
@@ -392,6 +400,8 @@ def _cheap_samples_finding(ctx: Context, cause: str, loader: dict[str, Any] | No
             "training process), not to loading it. Samples this cheap load faster in the "
             f"training process: num_workers=0. {read_at_once}"
         )
+        if evidence.get("batch_handoff"):
+            text += " " + handoff_sentence(evidence["batch_handoff"])
         verify = f"trainprof tune --knob num_workers=0,{nw} {ctx.script}"
         severity = band(gain, HIGH, MEDIUM) or "low"
     snippet = (loader_snippet(loader, num_workers=0, pin_memory=False,
@@ -531,6 +541,12 @@ def _data_wait(ctx: Context) -> Finding | None:
     measured = _worker_evidence(w)
     if measured:
         evidence.update(measured)
+    # receiving the workers' batches, timed in the training process (capture/handoff.py)
+    handoff = handoff_evidence(ctx.summary.get("batch_handoff")) if nw > 0 else None
+    handoff_share = 0.0
+    if handoff:
+        evidence["batch_handoff"] = handoff
+        handoff_share = float(handoff.get("training_thread_share") or 0.0)
 
     # Start-up per epoch: data-wait spikes at the epoch length, or measured in the workers.
     startup_share = 0.0
@@ -632,6 +648,12 @@ def _data_wait(ctx: Context) -> Finding | None:
             cause = "too_few_workers"
         else:
             cause = "cpu_transforms"
+    elif handoff_share >= HANDOFF * share:
+        # workers not busy, and most of the wait is the training thread receiving the
+        # batches' tensors. (Busy workers come first: a worker busy in Python holds its
+        # GIL, and the receive, which needs a thread of the worker, waits for the
+        # batch being made: 4.9 ms a tensor behind a 15 ms collate_fn, still the cause.)
+        cause = "shared_memory_handoff"
     elif stage is not None and nw > 0:
         # measured, but the workers mostly wait to be asked: their speed is not what the
         # loop waits for, and their low CPU use says nothing about reads
@@ -815,6 +837,8 @@ def _data_wait(ctx: Context) -> Finding | None:
             # the trade a worker would make: a core from the model's threads
             verify += (f"; a worker for a thread: trainprof tune --knob num_workers=0,1 "
                        f"--knob torch_threads={threads - 1},{threads} {ctx.script}")
+    elif cause == "shared_memory_handoff":
+        return shared_memory_handoff_finding(ctx, loader, evidence, share, pct)
     elif cause in ("per_sample_overhead", "worker_handoff", "batched_read"):
         return _cheap_samples_finding(ctx, cause, loader, evidence, share, severity, nw,
                                       sample_ms or 0.0, collate_ms, worker_busy, pct)

@@ -416,6 +416,10 @@ def _actual(knob: str, meta: dict[str, Any]) -> str:
             n = int(value.get("batches_cached") or 0)
             return f"true ({_plural(n, 'loader')})" if n else "true (no batch read)"
         return "false"
+    if knob == "sharing_strategy":
+        # how the workers' batches really came over (trainprof.capture.handoff)
+        strategies = (meta.get("batch_handoff") or {}).get("strategies") or []
+        return "/".join(strategies) or "no worker batch"
     if knob == "cudnn_benchmark":
         # as the fingerprint read it, after the script's own setting (its first step)
         value = ((meta.get("fingerprint") or {}).get("torch") or {}).get("cudnn_benchmark")

@@ -7,6 +7,9 @@
   the first time an item is read and kept on disk; random augmentations after it.
 * :func:`stage` — a dataset on network storage copied once per node (and version) to
   local disk, the ranks of a node sharing the copy; ``trainprof stage`` on the command line.
+* :class:`PackedCollate` — a ``collate_fn`` whose batches cross from a DataLoader worker
+  as one tensor per dtype, rebuilt as they were in the training process (each tensor
+  of a batch otherwise pays its own hand-over).
 * :class:`DevicePrefetcher` — batches copied to the device ahead of use (a side stream
   on CUDA), uint8 images turned into floats, augmented and normalised there, batched.
 
@@ -23,6 +26,7 @@ _WHERE = {
     "CachedDataset": "trainprof.fixes.cached_dataset",
     "DevicePrefetcher": "trainprof.fixes.device_prefetcher",
     "PackError": "trainprof.fixes.pack_format",
+    "PackedCollate": "trainprof.fixes.packed_collate",
     "PackedDataset": "trainprof.fixes.packed_dataset",
     "pack_dataset": "trainprof.fixes.pack_writer",
     "pack_folder": "trainprof.fixes.folder",

@@ -85,7 +85,7 @@ _KNOWN_KEYS = frozenset(
         "syncs", "gc", "regions", "dataloaders", "system", "device", "environment", "missing",
         "notes", "findings", "recorded_status", "deep", "python_profile", "line_profile",
         "telemetry", "workers", "ranks", "rank_spread", "samples_per_s_all_ranks", "main_rank",
-        "ddp",
+        "ddp", "batch_handoff",
     }
 )
 
@@ -510,6 +510,10 @@ def _dataloader_section(s: dict[str, Any]) -> str:
     workers = s.get("workers")
     if workers:
         parts.append("<h3>Worker analysis</h3>" + render_generic(workers))
+    handoff = s.get("batch_handoff")
+    if handoff:  # receiving the workers' batches in the training process (capture/handoff.py)
+        parts.append("<h3>Hand-over of the workers' batches</h3>" + render_generic(
+            {k: v for k, v in handoff.items() if k != "hist"}))
     return "".join(parts)
 
 

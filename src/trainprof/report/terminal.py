@@ -170,8 +170,10 @@ def _ms_txt(stats: dict[str, Any] | None) -> str:
 
 
 def _worker_rows(workers: dict[str, Any] | None,
-                 loaders: list[dict[str, Any]] | None = None) -> list[tuple[str, str]]:
-    """What the DataLoader workers (or the training process, num_workers=0) spent time on."""
+                 loaders: list[dict[str, Any]] | None = None,
+                 handoff: dict[str, Any] | None = None) -> list[tuple[str, str]]:
+    """What the DataLoader workers (or the training process, num_workers=0) spent time on,
+    and what receiving their batches cost the training process (all loaders together)."""
     rows: list[tuple[str, str]] = []
     threads = {d.get("index"): d.get("iterated_in_thread") for d in loaders or []}
     for w in (workers or {}).get("loaders") or []:
@@ -208,6 +210,17 @@ def _worker_rows(workers: dict[str, Any] | None,
             rows.append(("  hot spots", " · ".join(
                 f"{f['function']} ({f['where']}) {(f.get('self_share') or 0) * 100:.0f}%"
                 for f in top[:4])))
+    if handoff and handoff.get("tensors"):
+        per_batch = handoff.get("tensors_per_batch")
+        parts = [f"{handoff['tensors']:,} tensors"
+                 + (f" ({per_batch:.1f} a batch)" if per_batch else ""),
+                 f"{fmt_time(float(handoff.get('mean_ms') or 0) / 1e3)} each (median "
+                 f"{fmt_time(float(handoff.get('median_ms') or 0) / 1e3)})"]
+        share = handoff.get("training_thread_share")
+        if share is not None:
+            parts.append(f"training thread {share * 100:.1f}% of step time")
+        parts.append("/".join(handoff.get("strategies") or []) or "—")
+        rows.append(("Hand-over", _PART_SEP.join(parts)))
     return rows
 
 
@@ -419,7 +432,8 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
             )
     for dl in summary.get("dataloaders") or []:
         table.add_row("DataLoader", _dataloader_line(dl))
-    for label, line in _worker_rows(summary.get("workers"), summary.get("dataloaders")):
+    for label, line in _worker_rows(summary.get("workers"), summary.get("dataloaders"),
+                                    summary.get("batch_handoff")):
         table.add_row(label, line)
     for line in _optimizer_rows(summary.get("optimizers") or []):
         table.add_row("Optimizer", line)

@@ -1,0 +1,43 @@
+"""The hand-over of workers' batches, summarised: what receiving each tensor cost.
+
+From run.json's ``batch_handoff`` (:mod:`trainprof.capture.handoff`: every
+shared-memory storage the training process rebuilt, timed) and the workers' own
+batch counts (:mod:`trainprof.analysis.workers`). Percentiles come from the same
+log-linear histograms as the workers' (:func:`trainprof.analysis.workers.hist_quantile`).
+
+``training_thread_share`` is the training thread's receiving time over the time of
+all complete steps (warm-up included: the record keeps run totals, not per-step
+ones), so it is the share of step time the loop itself spent receiving tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainprof.analysis.workers import hist_quantile
+
+
+def summarize_handoff(rec: dict[str, Any] | None, workers: dict[str, Any] | None,
+                      steps_total_s: float) -> dict[str, Any] | None:
+    """``batch_handoff`` of the summary; None when no worker's batch was received."""
+    if not rec or not rec.get("tensors"):
+        return None
+    n = int(rec["tensors"])
+    hist = {int(i): int(c) for i, c in rec.get("hist") or []}
+    thread = rec.get("training_thread") or {}
+    thread_s = float(thread.get("total_s") or 0.0)
+    batches = sum(int(ld.get("batches") or 0) for ld in (workers or {}).get("loaders") or []
+                  if ld.get("mode") == "workers")
+    median, p90 = hist_quantile(hist, 0.5), hist_quantile(hist, 0.9)
+    return {
+        "strategies": rec.get("strategies") or [],
+        "tensors": n,
+        "total_s": float(rec.get("total_s") or 0.0),
+        "mean_ms": float(rec.get("total_s") or 0.0) / n * 1e3,
+        "median_ms": median / 1e6 if median is not None else None,
+        "p90_ms": p90 / 1e6 if p90 is not None else None,
+        # batches the workers made: each batch's tensors are received one by one
+        "tensors_per_batch": n / batches if batches else None,
+        "training_thread_s": thread_s,
+        "training_thread_share": thread_s / steps_total_s if steps_total_s > 0 else None,
+    }
