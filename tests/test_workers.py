@@ -229,6 +229,9 @@ def test_the_slowest_stage_in_the_workers_names_the_cause():
     f, _, _ = diagnose_with(entry(0.1, 0.3, 0.6, 0.5))
     assert f["cause"] == "cpu_transforms" and "num_workers=2,  # unchanged" in f["fix"]["snippet"]
     assert "33% of that time they wait for a core" in f["fix"]["text"]  # 0.3 of 0.9 ms
+    # a CPU run: the workers may take more from the model than they give, so verify
+    # measures loading in the training process too
+    assert "trainprof tune --knob num_workers=0,2 train.py" in f["verify"]
     # the whole machine busy (other processes): cpu_transforms too
     f, _, _ = diagnose_with(entry(0.1, 0.0, 0.9, 0.5), system={
         "n_samples": 20, "proc_cpu_pct": 40.0, "workers_cpu_pct": 60.0, "sys_cpu_pct": 100.0})

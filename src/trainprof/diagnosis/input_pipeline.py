@@ -837,6 +837,12 @@ def _data_wait(ctx: Context) -> Finding | None:
             # the trade a worker would make: a core from the model's threads
             verify += (f"; a worker for a thread: trainprof tune --knob num_workers=0,1 "
                        f"--knob torch_threads={threads - 1},{threads} {ctx.script}")
+        elif nw > 0 and not ctx.on_cuda:
+            # the reverse trade on a CPU run: workers that take cores from the model's
+            # threads and add a hand-over (a dataset building samples in Python, 1 worker
+            # on 2 cores: num_workers=0 ran ×0.59 of the step, `trainprof tune`, 3 trials)
+            verify += (f"; with no core free the workers may cost the model more than they "
+                       f"give: trainprof tune --knob num_workers=0,{nw} {ctx.script}")
     elif cause == "shared_memory_handoff":
         return shared_memory_handoff_finding(ctx, loader, evidence, share, pct)
     elif cause in ("per_sample_overhead", "worker_handoff", "batched_read"):
