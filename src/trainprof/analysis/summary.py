@@ -97,6 +97,17 @@ def _environment(fp: dict[str, Any] | None, training: dict[str, Any] | None) -> 
     }
 
 
+def _explicit_gc(rec: dict[str, Any], steps_total_s: float) -> dict[str, Any]:
+    """The script's gc.collect() calls (capture/explicit_gc.py): their share of the time
+    of all complete steps, and how many steps apart they come."""
+    calls = int(rec.get("calls") or 0)
+    first, last = rec.get("first_step"), rec.get("last_step")
+    every = ((last - first) / (calls - 1) if calls > 1 and isinstance(first, int)
+             and isinstance(last, int) else None)
+    return {**rec, "share": float(rec.get("total_s") or 0) / steps_total_s
+            if steps_total_s > 0 else None, "every_steps": every}
+
+
 def summarize_run(run: Run) -> dict[str, Any]:
     """The summary document of a Run, in whatever status it is."""
     meta = run.meta
@@ -114,6 +125,9 @@ def summarize_run(run: Run) -> dict[str, Any]:
     system = summarize_system(samples, t_start, t_end)
     if system.get("n_samples", 0) == 0 and samples:
         system = summarize_system(samples)  # run too short for a steady window
+    explicit = meta.get("explicit_gc")
+    if explicit and isinstance(stats.get("gc"), dict):
+        stats["gc"]["explicit"] = _explicit_gc(explicit, float(done["dur_ns"].sum()) / 1e9)
     summary: dict[str, Any] = {
         "run_dir": str(run.path),
         "name": meta.get("name"),

@@ -69,6 +69,7 @@ from trainprof.capture.device_timer import (
     OPT_BEGIN,
     OPT_END,
 )
+from trainprof.capture.explicit_gc import ExplicitCollects
 from trainprof.capture.handoff import REBUILDERS, HandoffTimer
 from trainprof.capture.opcount import compiled_frames
 from trainprof.capture.ranks import ChildRuns
@@ -386,6 +387,8 @@ class Instrumentation:
         self.ddp_stats = DDPStats()
         #: the workers' batches received through shared memory (capture/handoff.py)
         self.handoff = HandoffTimer(lambda: clock.owner)
+        #: the training thread's own gc.collect() calls (capture/explicit_gc.py)
+        self.explicit_gc = ExplicitCollects()
         #: (pid, name) of the processes the script started, DataLoader workers aside
         self.started_processes: list[tuple[int, str]] = []
         #: records the processes that may train, one run folder each (None: none recorded)
@@ -942,6 +945,30 @@ class Instrumentation:
 
         self._gc_cb = on_gc
         gc.callbacks.append(on_gc)
+
+        explicit = self.explicit_gc
+
+        def make_collect(orig: Callable[..., int]) -> Callable[..., int]:
+            def collect(*args: Any, **kwargs: Any) -> int:
+                # a call of the training thread's, not trainprof's own: timed, by line
+                if get_ident() != clock.owner or not clock.started:
+                    return orig(*args, **kwargs)
+                frame = explicit.caller()
+                code = frame.f_code
+                if explicit.is_own(code.co_filename):
+                    return orig(*args, **kwargs)
+                lineno = frame.f_lineno
+                t0 = perf_counter_ns()
+                try:
+                    return orig(*args, **kwargs)
+                finally:
+                    explicit.add(code.co_filename, lineno, perf_counter_ns() - t0,
+                                 clock.n_steps)
+
+            collect.__doc__ = orig.__doc__
+            return collect
+
+        self._patch(gc, "collect", make_collect)
         self.installed = True
         global _FORK_HOOK
         _INSTALLED.add(self)

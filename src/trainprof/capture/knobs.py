@@ -28,7 +28,8 @@ Two kinds of knobs (:data:`KNOBS`):
   generation-0 threshold; 0 turns automatic collection off) and
   ``gc_freeze`` (``gc.collect(); gc.freeze()`` after the first optimizer
   step, when the model, optimizer and dataset exist: the usual advice is to
-  freeze "after set-up, before the loop"), ``optimizer`` (the implementation every
+  freeze "after set-up, before the loop"), ``explicit_gc`` (``false``: the
+  script's own ``gc.collect()`` calls do nothing, counted), ``optimizer`` (the implementation every
   torch.optim optimizer runs: for-loop, foreach or fused,
   :mod:`trainprof.capture.optimizer_impl`), ``anomaly_detection`` (autograd's,
   whatever the script asks) and ``synthetic_data`` (every DataLoader repeats its
@@ -73,10 +74,15 @@ from typing import Any
 
 import orjson
 
+from trainprof.capture.explicit_gc import ExplicitCollects
 from trainprof.errors import UsageError
 
 #: The environment variable ``trainprof tune`` sets for each child ``trainprof run``.
 ENV_VAR = "TRAINPROF_KNOBS"
+
+#: gc.collect as CPython has it (the ``explicit_gc`` knob and the hooks replace the
+#: module attribute; the ``gc_freeze`` knob's own collection must still collect)
+_REAL_COLLECT = gc.collect
 
 #: A knob value meaning "leave the script's own setting" (``--knob num_workers=script,2``).
 SCRIPT_VALUE = "script"
@@ -168,6 +174,8 @@ KNOBS: dict[str, KnobSpec] = {
                  "CPython's generation-0 GC threshold (default 700; 0: no automatic GC)"),
         KnobSpec("gc_freeze", "process", _bool,
                  "gc.collect(); gc.freeze() after the first optimizer step"),
+        KnobSpec("explicit_gc", "process", _bool,
+                 "the script's own gc.collect() calls (false: they do nothing, counted)"),
         KnobSpec("optimizer", "process", _implementation,
                  "the optimizer step's implementation: for-loop, foreach or fused"),
         KnobSpec("anomaly_detection", "process", _bool,
@@ -293,6 +301,10 @@ class Knobs:
             self._install_gc_freeze()
         elif "gc_freeze" in self.overrides:
             self.process["gc_freeze"] = False
+        if self.overrides.get("explicit_gc") is False:
+            self._install_no_explicit_gc()
+        elif "explicit_gc" in self.overrides and self.overrides["explicit_gc"] is not None:
+            self.process["explicit_gc"] = {"value": True}
         if self.overrides.get("optimizer"):
             self._install_optimizer(self.overrides["optimizer"])
         if self.overrides.get("synthetic_data"):
@@ -361,7 +373,7 @@ class Knobs:
             # would change torch's hook dict while torch iterates over it
             if pending[0]:
                 pending[0] = False
-                gc.collect()
+                _REAL_COLLECT()
                 gc.freeze()
                 process["gc_freeze"] = {
                     "frozen_objects": gc.get_freeze_count() - frozen_before}
@@ -374,6 +386,23 @@ class Knobs:
                 gc.unfreeze()
 
         self._restore.append(undo)
+
+    def _install_no_explicit_gc(self) -> None:
+        """The script's ``gc.collect()`` calls (the module attribute) do nothing and
+        return 0, counted: what the run would cost without them. CPython's automatic
+        collections go on as before."""
+        entry = self.process["explicit_gc"] = {"value": False, "skipped": 0}
+
+        def collect(generation: int = 2) -> int:
+            if ExplicitCollects.is_own(ExplicitCollects.caller().f_code.co_filename):
+                return _REAL_COLLECT(generation)  # trainprof's own (the launcher's)
+            entry["skipped"] += 1
+            return 0
+
+        collect.__doc__ = "trainprof tune: explicit_gc=false; this call does nothing."
+        original = gc.collect
+        gc.collect = collect
+        self._restore.append(lambda: setattr(gc, "collect", original))
 
     def _install_anomaly(self, value: bool) -> None:
         """Autograd anomaly detection fixed at ``value``: ``torch.set_anomaly_enabled``,

@@ -190,6 +190,7 @@ class Recorder:
         self.pid = os.getpid()
         self._distributed_seen = False
         self._ddp_written = 0  # the DDP record version last written (capture/ddp_stats.py)
+        self._explicit_gc_written = 0  # the explicit_gc version last written
         self.sampler = SamplerProcess(run_dir / SAMPLES_JSONL, interval_s=sample_interval_s,
                                       pid=os.getpid())
         self.loaders.on_workers = self.sampler.set_worker_pids
@@ -366,12 +367,17 @@ class Recorder:
             self.writer.update_meta(eval_autograd=rec)
 
     def _record_handoff(self) -> None:
-        """The workers' batches received (trainprof.capture.handoff), written when changed."""
+        """The workers' batches received (trainprof.capture.handoff) and the script's
+        gc.collect() calls (trainprof.capture.explicit_gc), written when changed."""
         if self.instrumentation is None:
             return
         rec = self.instrumentation.handoff.record()
         if rec is not None and rec != self.writer.meta.get("batch_handoff"):
             self.writer.update_meta(batch_handoff=rec)
+        explicit = self.instrumentation.explicit_gc
+        if explicit.version != self._explicit_gc_written:
+            self._explicit_gc_written = explicit.version
+            self.writer.update_meta(explicit_gc=explicit.record())
 
     def _sample_debug_modes(self) -> None:
         """Sample the debugging switches (trainprof.capture.debug_modes) while steps are

@@ -8,17 +8,26 @@ the rest of the breakdown. The remedy is CPython's own: ``gc.freeze()`` (Python 
 moves every object alive at that point into a permanent generation that collections
 never scan again (the model, the dataset index, imported modules), which makes full
 (generation-2) collections cheap; ``gc.set_threshold`` makes young collections rarer.
+When the script's own ``gc.collect()`` calls (:mod:`trainprof.capture.explicit_gc`) take
+at least :data:`EXPLICIT` of the run's GC time, they are the finding instead
+(``explicit_collect``): thresholds do not make them rarer, and each is a full collection.
 Bands: >= 10% high, >= 3% medium, >= 1% low (the same order as TF's "All Others"
 overhead bands, H5, scaled down because GC has a single, cheap fix).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from trainprof.diagnosis.context import Context
 from trainprof.diagnosis.finding import Finding, Fix, band
 from trainprof.diagnosis.registry import rule
 
 HIGH, MEDIUM, LOW = 0.10, 0.03, 0.01
+#: Share of the run's GC time in the script's own gc.collect() calls from which those
+#: calls are the finding (capture/explicit_gc.py): freezing and thresholds do not stop
+#: them.
+EXPLICIT = 0.5
 
 
 @rule("gc.collector_time")
@@ -47,6 +56,11 @@ def collector_time(ctx: Context) -> Finding | None:
         group = ctx.spike_groups.get("gc")
         if group is not None:
             evidence["gc_spike_steps"] = ctx.step_numbers(group.indices)[:10]
+    explicit = info.get("explicit") or {}
+    explicit_s = float(explicit.get("total_s") or 0.0)
+    run_gc_s = float(ctx.steps["gc_ns"].sum()) / 1e9 if ctx.has_steps() else 0.0
+    if explicit_s > 0 and run_gc_s > 0 and explicit_s >= EXPLICIT * run_gc_s:
+        return _explicit_finding(ctx, share, severity, evidence, explicit)
     if gen2_fraction is not None and gen2_fraction >= 0.5:
         cause = "full_collections"
         title = (
@@ -91,5 +105,57 @@ def collector_time(ctx: Context) -> Finding | None:
         evidence=evidence,
         estimated_gain=share,
         fix=Fix(text=text, snippet=snippet),
+        verify=verify,
+    )
+
+
+def _explicit_finding(ctx: Context, share: float, severity: str, evidence: dict[str, object],
+                      explicit: dict[str, Any]) -> Finding:
+    """The script's own gc.collect() calls: each a full collection (measured at the call)."""
+    calls = int(explicit.get("calls") or 0)
+    total_s = float(explicit.get("total_s") or 0.0)
+    sites = sorted((explicit.get("sites") or {}).items(),
+                   key=lambda kv: -float(kv[1].get("total_s") or 0))
+    every = explicit.get("every_steps")
+    evidence["explicit_collect"] = {
+        "calls": calls, "total_s": total_s, "every_steps": every,
+        "sites": [site for site, _ in sites[:5]],
+    }
+    where = ""
+    if sites:
+        site, entry = sites[0]
+        short = site.rsplit("/", 1)[-1]
+        code = entry.get("code")
+        where = f" at {short}" + (f" (`{code}`)" if code else "")
+    pace = f", every {every:.0f} steps" if isinstance(every, int | float) and every >= 1 else ""
+    each_ms = total_s / calls * 1e3 if calls else 0.0
+    title = (f"gc.collect() called by the script takes {share * 100:.1f}% of step time "
+             f"({calls} call{'' if calls == 1 else 's'}{pace}, {each_ms:.0f} ms "
+             f"{'' if calls == 1 else 'each'}{where})").replace(" ms  at", " ms at").replace(
+                 " ms )", " ms)")
+    text = (
+        f"The script calls gc.collect() itself{where}: each call is a full collection, which "
+        f"walks every tracked Python object (torch's modules, the model, the dataset index), "
+        f"{each_ms:.0f} ms here. A tensor is freed when its last reference goes; a "
+        "collection frees only objects caught in reference cycles, which CPython's own "
+        "collections reach too. Remove the call, or make it rare (once per epoch); where "
+        "one must stay, "
+        "gc.freeze() after set-up keeps the objects alive then out of every later "
+        "collection, which makes each call cheap."
+    )
+    snippet = (
+        "import gc\n\n"
+        "# after the model, optimizer and dataset are built, before the training loop:\n"
+        "gc.collect()\n"
+        "gc.freeze()  # set-up objects are never scanned again, by any collection\n\n"
+        "# in the loop: no gc.collect() (or once per epoch)"
+    )
+    verify = (f"trainprof tune --knob explicit_gc=true,false {ctx.script}  (false: the "
+              "script's gc.collect() calls do nothing; the gc share, now "
+              f"{share * 100:.1f}%, should fall below 1%); with the calls kept: trainprof "
+              f"tune --knob gc_freeze=false,true {ctx.script}")
+    return Finding(
+        category="gc", cause="explicit_collect", title=title, severity=severity,
+        evidence=evidence, estimated_gain=share, fix=Fix(text=text, snippet=snippet),
         verify=verify,
     )

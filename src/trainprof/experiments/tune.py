@@ -416,6 +416,13 @@ def _actual(knob: str, meta: dict[str, Any]) -> str:
             n = int(value.get("batches_cached") or 0)
             return f"true ({_plural(n, 'loader')})" if n else "true (no batch read)"
         return "false"
+    if knob == "explicit_gc":
+        # the knob's count of the calls it skipped, else the calls the capture timed
+        rec = process.get("explicit_gc")
+        if isinstance(rec, dict) and rec.get("value") is False:
+            return f"false ({_plural(int(rec.get('skipped') or 0), 'call')} skipped)"
+        calls = int((meta.get("explicit_gc") or {}).get("calls") or 0)
+        return f"true ({_plural(calls, 'call')})"
     if knob == "sharing_strategy":
         # how the workers' batches really came over (trainprof.capture.handoff)
         strategies = (meta.get("batch_handoff") or {}).get("strategies") or []

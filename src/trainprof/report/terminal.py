@@ -160,6 +160,15 @@ def _batch_size_txt(dl: dict[str, Any]) -> str:
     return f"batch_size={size}"
 
 
+def _explicit_gc_txt(explicit: dict[str, Any] | None) -> str:
+    """`` · the script's gc.collect(): 12 calls, 2.09 s`` (capture/explicit_gc.py)."""
+    if not explicit or not explicit.get("calls"):
+        return ""
+    n = int(explicit["calls"])
+    return (f" · the script's gc.collect(): {n} call{'' if n == 1 else 's'}, "
+            f"{fmt_time(float(explicit.get('total_s') or 0))}")
+
+
 def _ms_txt(stats: dict[str, Any] | None) -> str:
     stats = stats or {}
     med, p90 = stats.get("median"), stats.get("p90")
@@ -405,7 +414,7 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
         table.add_row(
             "GC",
             f"{gc_info['collections_per_step']:.2f} collections/step "
-            f"({gc_info['gen2_per_step']:.3f} full)",
+            f"({gc_info['gen2_per_step']:.3f} full)" + _explicit_gc_txt(gc_info.get("explicit")),
         )
     for name, reg in (summary.get("regions") or {}).items():
         table.add_row(f"Region {name}", f"{reg['count']}× · {fmt_time(reg['total_s'])} total")
