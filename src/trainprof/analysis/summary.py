@@ -67,6 +67,11 @@ def _debug_modes(meta: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: The environment variables that size torch's intra-op pool (capture/fingerprint.py
+#: records them when set).
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
 def _environment(fp: dict[str, Any] | None, training: dict[str, Any] | None) -> dict[str, Any]:
     """The few fingerprint facts worth a line in the summary (the rest stays in run.json).
 
@@ -91,9 +96,14 @@ def _environment(fp: dict[str, Any] | None, training: dict[str, Any] | None) -> 
         "gpu_count": len(gpus),
         "cpu_model": cpu.get("model"),
         "usable_cores": cpu.get("usable_cores"),
+        "physical_cores": cpu.get("physical_cores"),
+        "logical_cores": cpu.get("logical_cores"),
         "torch_num_threads": (training or {}).get("torch_num_threads")
         or threads.get("torch_num_threads"),
         "cgroup_cpu_limit": cpu.get("cgroup_cpu_limit"),
+        # thread-count variables the environment set (a launcher's OMP_NUM_THREADS=1)
+        "thread_env": {k: v for k, v in (threads.get("env") or {}).items()
+                       if k in THREAD_ENV} or None,
     }
 
 

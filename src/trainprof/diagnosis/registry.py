@@ -42,6 +42,7 @@ FAMILIES: tuple[str, ...] = (
     "eval_autograd",
     "memory_growth",
     "contention",
+    "cpu_threads",
     "sync",
     "noise",
     "python_loop",
