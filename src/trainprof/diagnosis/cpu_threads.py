@@ -35,7 +35,7 @@ HIGH, MEDIUM, LOW = 0.20, 0.05, 0.02
 MIN_IDLE_CORES = 0.75
 
 
-@rule("compute.too_few_threads")
+@rule("cpu_threads.too_few_threads")
 def too_few_threads(ctx: Context) -> Finding | None:
     cores = ctx.cores
     threads = ctx.environment.get("torch_num_threads")
