@@ -352,6 +352,7 @@ class Recorder:
         self._record_optimizers()
         self._record_eval_autograd()
         self._record_handoff()
+        self._record_explicit_gc()
         self.loop_stacks.flush()
         self._note_distributed()
         self._record_ddp()
@@ -367,13 +368,17 @@ class Recorder:
             self.writer.update_meta(eval_autograd=rec)
 
     def _record_handoff(self) -> None:
-        """The workers' batches received (trainprof.capture.handoff) and the script's
-        gc.collect() calls (trainprof.capture.explicit_gc), written when changed."""
+        """The workers' batches received (trainprof.capture.handoff), written when changed."""
         if self.instrumentation is None:
             return
         rec = self.instrumentation.handoff.record()
         if rec is not None and rec != self.writer.meta.get("batch_handoff"):
             self.writer.update_meta(batch_handoff=rec)
+
+    def _record_explicit_gc(self) -> None:
+        """The script's gc.collect() calls (trainprof.capture.explicit_gc), when changed."""
+        if self.instrumentation is None:
+            return
         explicit = self.instrumentation.explicit_gc
         if explicit.version != self._explicit_gc_written:
             self._explicit_gc_written = explicit.version
