@@ -75,3 +75,76 @@ def test_a_script_that_pins_one_thread_is_told(tp):
     f = next(f for f in doc["findings"] if f["cause"] == "too_few_threads")
     assert f["evidence"]["torch_num_threads"] == 1
     assert f["evidence"]["proposed_threads"] >= 2
+
+
+# -- idle intra-op threads that spin while the loop waits (contention.spinning_threads) --
+
+def _spin_finding(proc: float = 124.0, threads: int = 2, num_workers: int = 1,
+                  thread_env: dict | None = None, cuda: str | None = None):
+    """Measured: a loop waiting 71% of its step for 1 worker (a dataset building its
+    samples in Python), the process at 124% CPU, the worker at 60%; with
+    OMP_WAIT_POLICY=PASSIVE the process used 48% and `trainprof tune --knob
+    omp_wait_policy=script,passive` measured x0.75 of the step."""
+    from test_diagnosis import MS, loader
+
+    steps = make_steps(60, data=7.1 * MS, forward=1.0 * MS, backward=1.0 * MS,
+                       optimizer=0.3 * MS, other=0.6 * MS)
+    summary = make_summary(
+        steps, dataloaders=[loader(num_workers=num_workers, persistent_workers=True)],
+        system={"n_samples": 20, "proc_cpu_pct": proc, "workers_cpu_pct": 60.0,
+                "sys_cpu_pct": 93.0})
+    summary["environment"] = {"usable_cores": 2, "torch_num_threads": threads,
+                              "cuda": cuda, "gpu_count": 1 if cuda else 0,
+                              "thread_env": thread_env}
+    found = [f for f in diagnose(summary, steps) if f["cause"] == "spinning_threads"]
+    return (found[0] if found else None), summary
+
+
+def test_threads_spinning_while_the_loop_waits_for_workers_are_named():
+    f, summary = _spin_finding()
+    assert f is not None and f["category"] == "cpu_contention"
+    b = summary["breakdown"]
+    needed = (b["forward"] + b["backward"] + b["optimizer"]) * 2 + b["other"] + b["gc"]
+    # (evidence is rounded to 4 significant digits)
+    assert f["evidence"]["cores_needed"] == pytest.approx(needed, abs=1e-3)
+    spin = 1.24 - needed
+    assert f["evidence"]["cores_spun"] == pytest.approx(spin, abs=1e-3)
+    assert f["estimated_gain"] == pytest.approx(b["data_wait"] * spin / (spin + 0.6), abs=1e-3)
+    assert "OMP_WAIT_POLICY=PASSIVE python train.py" in f["fix"]["snippet"]
+    assert f["verify"] == "trainprof tune --knob omp_wait_policy=script,passive train.py"
+
+
+def test_no_spinning_finding_where_it_cannot_be():
+    assert _spin_finding(proc=48.0)[0] is None  # measured with OMP_WAIT_POLICY=PASSIVE
+    assert _spin_finding(thread_env={"OMP_WAIT_POLICY": "passive"})[0] is None
+    assert _spin_finding(threads=1)[0] is None  # no pool to spin
+    assert _spin_finding(num_workers=0)[0] is None  # nothing waits for a worker
+    assert _spin_finding(cuda="12.4")[0] is None
+
+
+def test_the_wait_policy_knob_is_the_childs_environment():
+    from trainprof.capture.knobs import knob_environment, parse_value
+    from trainprof.errors import UsageError
+    from trainprof.experiments import tune as tune_mod
+
+    assert knob_environment({"omp_wait_policy": "passive", "num_workers": 2}) == {
+        "OMP_WAIT_POLICY": "PASSIVE"}
+    assert knob_environment({"omp_wait_policy": None}) == {}  # "script": the parent's
+    with pytest.raises((UsageError, ValueError)):
+        parse_value("omp_wait_policy", "sometimes")
+    meta = {"fingerprint": {"threads": {"env": {"OMP_WAIT_POLICY": "PASSIVE"}}}}
+    assert tune_mod._actual("omp_wait_policy", meta) == "passive"
+    assert tune_mod._actual("omp_wait_policy", {"fingerprint": {}}) == "unset (spin, then sleep)"
+
+
+def test_a_passive_wait_policy_is_recorded_and_read(tp):
+    body = """
+    import torch
+    w = torch.zeros(8, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1)
+    for _ in range(20):
+        (w * torch.randn(8)).sum().backward(); opt.step(); opt.zero_grad()
+    """
+    res = tp(body, "--json", env={"OMP_WAIT_POLICY": "PASSIVE"})
+    assert res.returncode == 0, res.stderr
+    assert res.json()["environment"]["thread_env"] == {"OMP_WAIT_POLICY": "PASSIVE"}

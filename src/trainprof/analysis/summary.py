@@ -67,9 +67,10 @@ def _debug_modes(meta: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-#: The environment variables that size torch's intra-op pool (capture/fingerprint.py
-#: records them when set).
-THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+#: The environment variables that size torch's intra-op pool and say how its idle
+#: threads wait (capture/fingerprint.py records them when set).
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
+              "KMP_BLOCKTIME")
 
 
 def _environment(fp: dict[str, Any] | None, training: dict[str, Any] | None) -> dict[str, Any]:

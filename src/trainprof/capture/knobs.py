@@ -46,7 +46,11 @@ Two kinds of knobs (:data:`KNOBS`):
   unused parameters, and a gradient compression hook for its all-reduce - ``fp16``,
   ``bf16`` or ``none`` - whatever the script passes or registers) and
   ``sharing_strategy`` (``torch.multiprocessing``'s: how workers' batches reach the
-  training process, :mod:`trainprof.capture.handoff`). While a thread knob is
+  training process, :mod:`trainprof.capture.handoff`).
+* **Environment knobs** (:data:`ENV_KNOBS`): ``omp_wait_policy`` sets
+  ``OMP_WAIT_POLICY`` in the child's environment (``trainprof tune`` does, when it
+  starts the child): OpenMP reads it when torch loads its runtime, before anything in
+  the process could change it. The child records the value it found. While a thread knob is
   set, the script's own ``torch.set_num_threads`` / ``set_num_interop_threads`` calls are
   ignored (and recorded): a script that pins its thread count must not silently undo the
   value under test.
@@ -135,6 +139,13 @@ def _sharing_strategy(text: str) -> str:
     return value
 
 
+def _wait_policy(text: str) -> str:
+    value = text.strip().lower()
+    if value not in ("active", "passive"):
+        raise ValueError("expected active or passive")
+    return value
+
+
 def _implementation(text: str) -> str:
     from trainprof.capture.optimizer_impl import KNOB_VALUES
 
@@ -196,6 +207,9 @@ KNOBS: dict[str, KnobSpec] = {
                  "DDP gradient compression for the all-reduce: fp16, bf16 (NCCL) or none"),
         KnobSpec("ddp_find_unused_parameters", "process", _bool,
                  "DistributedDataParallel's find_unused_parameters"),
+        KnobSpec("omp_wait_policy", "env", _wait_policy,
+                 "OMP_WAIT_POLICY for torch's intra-op threads: active (idle threads spin, "
+                 "the default) or passive (they sleep); set before the run starts"),
         KnobSpec("sharing_strategy", "process", _sharing_strategy,
                  "how workers' batches reach the training process: file_descriptor "
                  "(Linux's default) or file_system (torch.multiprocessing)"),
@@ -203,6 +217,15 @@ KNOBS: dict[str, KnobSpec] = {
 }
 
 DATALOADER_KNOBS = tuple(n for n, s in KNOBS.items() if s.kind == "dataloader")
+#: Knobs that are environment variables of the child process (read by a library as it
+#: loads, before any knob could act in the process): ``trainprof tune`` sets them.
+ENV_KNOBS = {"omp_wait_policy": "OMP_WAIT_POLICY"}
+
+
+def knob_environment(overrides: dict[str, Any]) -> dict[str, str]:
+    """The environment variables the ``env`` knobs among ``overrides`` set."""
+    return {var: str(overrides[name]).upper() for name, var in ENV_KNOBS.items()
+            if overrides.get(name) is not None}
 #: Arguments of every DistributedDataParallel the script builds (:meth:`Knobs._install_ddp`).
 DDP_ARGUMENTS = {"ddp_bucket_cap_mb": "bucket_cap_mb",
                  "ddp_find_unused_parameters": "find_unused_parameters"}
@@ -324,6 +347,9 @@ class Knobs:
             self._install_tf32(bool(self.overrides["tf32"]))
         if any(self.overrides.get(k) is not None for k in DDP_KNOBS):
             self._install_ddp()
+        for name, var in ENV_KNOBS.items():
+            if self.overrides.get(name) is not None:  # set by tune before the process started
+                self.process[name] = os.environ.get(var)
         if self.overrides.get("sharing_strategy"):
             self._install_sharing_strategy(str(self.overrides["sharing_strategy"]))
         return self

@@ -312,12 +312,12 @@ def run_trial(trial: Trial, command: list[str], overrides: dict[str, Any]) -> Tr
     The child's JSON summary is not read from its stdout: ``trainprof run`` also stores it
     in the Run folder, and a pipe nobody reads while the child is being stopped could block it.
     """
-    from trainprof.capture.knobs import ENV_VAR, encode
+    from trainprof.capture.knobs import ENV_VAR, encode, knob_environment
     from trainprof.store import STEPS_BIN
 
     trial.run_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, ENV_VAR: encode(overrides) if any(
-        v is not None for v in overrides.values()) else ""}
+        v is not None for v in overrides.values()) else "", **knob_environment(overrides)}
     t0 = time.perf_counter()
     with open(trial.log, "wb") as log:
         # its own session: a Ctrl-C at the terminal reaches tune only, which then stops the
@@ -416,6 +416,11 @@ def _actual(knob: str, meta: dict[str, Any]) -> str:
             n = int(value.get("batches_cached") or 0)
             return f"true ({_plural(n, 'loader')})" if n else "true (no batch read)"
         return "false"
+    if knob == "omp_wait_policy":
+        # as the fingerprint read the environment (unset: the OpenMP runtime's default)
+        env = ((meta.get("fingerprint") or {}).get("threads") or {}).get("env") or {}
+        value = env.get("OMP_WAIT_POLICY")
+        return str(value).lower() if value else "unset (spin, then sleep)"
     if knob == "explicit_gc":
         # the knob's count of the calls it skipped, else the calls the capture timed
         rec = process.get("explicit_gc")
