@@ -755,6 +755,24 @@ def test_a_handoff_finding_withdraws_the_workers_contention_finding_it_makes_moo
     assert ("cpu_contention", "workers_oversubscribe_cores") not in found, list(found)
     assert handoff["evidence"]["supersedes"] == ["cpu_contention/workers_oversubscribe_cores"]
 
+    # a loop mostly waiting, the process's idle threads spinning (138% CPU where its work
+    # needs 67%): without the workers nothing is left to spin against either
+    def waiting(w):
+        steps = make_steps(60, data=20 * MS)
+        summary = make_summary(
+            steps, dataloaders=[loader(num_workers=2, persistent_workers=True)],
+            system={"n_samples": 20, "proc_cpu_pct": 138.0, "workers_cpu_pct": 48.0,
+                    "sys_cpu_pct": 95.0},
+            workers={"loaders": [w]})
+        return {(f["category"], f["cause"]): f for f in diagnose(summary, steps)}
+
+    busy = waiting(entry(0.0, 0.0, 0.3, 0.5, busy=0.9))
+    assert ("cpu_contention", "spinning_threads") in busy, list(busy)
+    found = waiting(entry(0.0, 0.0, 0.0095, 0.35, busy=0.25))
+    assert ("cpu_contention", "spinning_threads") not in found, list(found)
+    assert "cpu_contention/spinning_threads" in found[
+        ("input_pipeline", "worker_handoff")]["evidence"]["supersedes"]
+
 
 CHEAP = """
 import numpy as np

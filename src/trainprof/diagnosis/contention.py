@@ -96,11 +96,13 @@ def oversubscribed_cores(ctx: Context) -> Finding | None:
         # when the input keeps up; otherwise the input pipeline needs them all.
         new_workers = min(nw, max(1, math.ceil(w + 0.5))) if data_share < 0.05 else nw
         title = (
-            f"{nw} DataLoader workers and {pool} intra-op threads share {cores} cores: "
+            f"{nw} DataLoader worker{'' if nw == 1 else 's'} and {pool} intra-op "
+            f"thread{'' if pool == 1 else 's'} share {cores} cores: "
             f"the model's math waits for a core (up to {gain * 100:.0f}% of step time)"
         )
         text = (
-            f"The {nw} workers keep {w:.1f} of the {cores} usable cores busy while PyTorch runs "
+            f"The {nw} worker{'' if nw == 1 else 's'} keep{'s' if nw == 1 else ''} {w:.1f} of "
+            f"the {cores} usable cores busy while PyTorch runs "
             f"the model's ops on {pool} threads: {pool + nw} runnable threads for {cores} cores, "
             "so the op threads wait for a core and then for each other."
         )

@@ -414,7 +414,8 @@ def _cheap_samples_finding(ctx: Context, cause: str, loader: dict[str, Any] | No
         evidence=evidence, estimated_gain=gain, fix=Fix(text=text, snippet=snippet),
         verify=verify,
         # no workers left to compete with the model's threads for the cores
-        supersedes=((("cpu_contention", "workers_oversubscribe_cores"),)
+        supersedes=((("cpu_contention", "workers_oversubscribe_cores"),
+                     ("cpu_contention", "spinning_threads"))
                     if cause == "worker_handoff" else ()),
     )
 
