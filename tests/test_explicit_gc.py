@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from test_diagnosis import MS, make_steps, make_summary
 
 from trainprof.capture.knobs import ENV_VAR
@@ -102,3 +103,22 @@ def test_a_single_call_has_no_pace():
     summary["gc"]["explicit"].update(calls=1, every_steps=None)
     f = [g for g in diagnose(summary, steps) if g["category"] == "gc"][0]
     assert "(1 call, 55 ms at train.py:42" in f["title"]
+
+
+@pytest.mark.parametrize("knob", [None, False])
+def test_a_collect_no_python_code_called_runs_as_ever(tp, knob):
+    """``atexit.register(gc.collect)``: called from C at exit, with no caller frame to
+    name (the wrapper once raised "call stack is not deep enough" there)."""
+    body = """
+    import atexit, gc
+    import torch
+    atexit.register(gc.collect)
+    w = torch.zeros(4, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1)
+    for _ in range(10):
+        (w * torch.randn(4)).sum().backward(); opt.step(); opt.zero_grad()
+    """
+    env = {ENV_VAR: json.dumps({"explicit_gc": knob})} if knob is not None else None
+    res = tp(body, env=env)
+    assert res.returncode == 0, res.stderr
+    assert "Exception ignored" not in res.stderr and "Traceback" not in res.stderr, res.stderr

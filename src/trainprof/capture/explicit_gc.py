@@ -44,10 +44,16 @@ class ExplicitCollects:
     @staticmethod
     def caller(depth: int = 1) -> Any:
         """The frame that called ``gc.collect``, past trainprof's own ``collect`` wrappers
-        (the hooks' timing one around the ``explicit_gc`` knob's, or the reverse)."""
-        frame = sys._getframe(depth + 1)
-        while (frame.f_back is not None and frame.f_code.co_name == "collect"
+        (the hooks' timing one around the ``explicit_gc`` knob's, or the reverse); None
+        when no Python code called it (``atexit.register(gc.collect)``: called from C)."""
+        try:
+            frame = sys._getframe(depth + 1)
+        except ValueError:  # the call stack is not that deep
+            return None
+        while (frame.f_code.co_name == "collect"
                and frame.f_code.co_filename.startswith(_OWN)):
+            if frame.f_back is None:
+                return None
             frame = frame.f_back
         return frame
 

@@ -954,9 +954,9 @@ class Instrumentation:
                 if get_ident() != clock.owner or not clock.started:
                     return orig(*args, **kwargs)
                 frame = explicit.caller()
-                code = frame.f_code
-                if explicit.is_own(code.co_filename):
+                if frame is None or explicit.is_own(frame.f_code.co_filename):
                     return orig(*args, **kwargs)
+                code = frame.f_code
                 lineno = frame.f_lineno
                 t0 = perf_counter_ns()
                 try:

@@ -420,8 +420,10 @@ class Knobs:
         entry = self.process["explicit_gc"] = {"value": False, "skipped": 0}
 
         def collect(generation: int = 2) -> int:
-            if ExplicitCollects.is_own(ExplicitCollects.caller().f_code.co_filename):
-                return _REAL_COLLECT(generation)  # trainprof's own (the launcher's)
+            frame = ExplicitCollects.caller()
+            if frame is None or ExplicitCollects.is_own(frame.f_code.co_filename):
+                # trainprof's own (the launcher's), or one no script line made
+                return _REAL_COLLECT(generation)
             entry["skipped"] += 1
             return 0
 
