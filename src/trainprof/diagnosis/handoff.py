@@ -100,7 +100,8 @@ def shared_memory_handoff_finding(ctx: Context, loader: dict[str, Any] | None,
             'torch.multiprocessing.set_sharing_strategy("file_system")',
         ]
     else:
-        text += "; the file_system strategy is already in use, so the count is what is left."
+        text += ("; the file_system strategy is already in use, so what is left to cut is "
+                 "the number of tensors per batch.")
     if many or not by_fd:
         text += (
             " Fewer tensors per batch pay the receive fewer times: "
