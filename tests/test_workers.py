@@ -737,11 +737,11 @@ def test_a_handoff_finding_withdraws_the_workers_contention_finding_it_makes_moo
 
     from trainprof.diagnosis import diagnose
 
-    def findings(w):
-        steps = make_steps(60, data=1.8 * MS)
+    def findings(w, data_ms=1.8, proc=120.0, workers_cpu=60.0):
+        steps = make_steps(60, data=data_ms * MS)
         summary = make_summary(
             steps, dataloaders=[loader(num_workers=2, persistent_workers=True)],
-            system={"n_samples": 20, "proc_cpu_pct": 120.0, "workers_cpu_pct": 60.0,
+            system={"n_samples": 20, "proc_cpu_pct": proc, "workers_cpu_pct": workers_cpu,
                     "sys_cpu_pct": 95.0},
             workers={"loaders": [w]})
         return {(f["category"], f["cause"]): f for f in diagnose(summary, steps)}
@@ -758,13 +758,7 @@ def test_a_handoff_finding_withdraws_the_workers_contention_finding_it_makes_moo
     # a loop mostly waiting, the process's idle threads spinning (138% CPU where its work
     # needs 67%): without the workers nothing is left to spin against either
     def waiting(w):
-        steps = make_steps(60, data=20 * MS)
-        summary = make_summary(
-            steps, dataloaders=[loader(num_workers=2, persistent_workers=True)],
-            system={"n_samples": 20, "proc_cpu_pct": 138.0, "workers_cpu_pct": 48.0,
-                    "sys_cpu_pct": 95.0},
-            workers={"loaders": [w]})
-        return {(f["category"], f["cause"]): f for f in diagnose(summary, steps)}
+        return findings(w, data_ms=20, proc=138.0, workers_cpu=48.0)
 
     busy = waiting(entry(0.0, 0.0, 0.3, 0.5, busy=0.9))
     assert ("cpu_contention", "spinning_threads") in busy, list(busy)
