@@ -979,3 +979,29 @@ def test_of_two_loaders_zipped_in_one_loop_the_slower_ones_wait_is_diagnosed(tp)
     assert f["cause"] == "too_few_workers", f["cause"]
     assert "Slow(...),  # your dataset, unchanged" in f["fix"]["snippet"]
     assert f["evidence"]["sample_blocked_ms"]["median"] > 0.25
+
+
+def test_the_split_reminder_is_left_out_where_the_workers_streams_were_seen_to_differ():
+    """An IterableDataset with 2 idle workers: the snippet reminds to split the stream by
+    worker, unless the workers' first batches were compared and differed."""
+    from test_diagnosis import MS, loader, make_steps, make_summary
+
+    from trainprof.diagnosis import diagnose
+
+    def snippet(same_stream):
+        w = entry(0.0, 0.0, 0.2, 0.5, busy=0.2)  # idle workers, samples not cheap
+        w["same_stream"] = same_stream
+        steps = make_steps(60, data=5 * MS)
+        summary = make_summary(
+            steps, dataloaders=[loader(num_workers=2, iterable_dataset=True, len=None,
+                                       sampler=None, batch_sampler=None)],
+            system={"n_samples": 20, "proc_cpu_pct": 100.0, "workers_cpu_pct": 30.0,
+                    "sys_cpu_pct": 70.0},
+            workers={"loaders": [w]})
+        f = next(f for f in diagnose(summary, steps) if f["category"] == "input_pipeline")
+        return f["fix"]["snippet"]
+
+    reminder = "split the stream by torch.utils.data.get_worker_info()"
+    assert reminder in snippet(None)  # not compared
+    assert reminder not in snippet(
+        {"generation": 1, "identical_workers": 1, "workers_compared": 2})

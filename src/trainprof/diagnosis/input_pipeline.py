@@ -153,7 +153,7 @@ def suggest_workers(
 
 def loader_snippet(
     loader: dict[str, Any] | None, *, num_workers: int, pin_memory: bool, comment: str,
-    collate_fn: str | None = None,
+    collate_fn: str | None = None, split_verified: bool = False,
 ) -> str:
     """The user's DataLoader call, rewritten with the suggested settings.
 
@@ -196,8 +196,9 @@ def loader_snippet(
     elif collate and not collate.endswith("default_collate"):
         lines.append(f"    collate_fn={_short(collate, 'collate_fn')},")
     lines.append(f"    num_workers={num_workers},  # {comment}")
-    if loader.get("iterable_dataset") and num_workers > 1:
+    if loader.get("iterable_dataset") and num_workers > 1 and not split_verified:
         # each worker runs the dataset's own __iter__: unsplit, every sample comes N times
+        # (not said where the workers' first batches were measured to differ)
         lines.append("    # an IterableDataset: split the stream by torch.utils.data."
                      "get_worker_info()")
         lines.append("    # in __iter__, or each of the workers yields all of it")
@@ -418,6 +419,14 @@ def _cheap_samples_finding(ctx: Context, cause: str, loader: dict[str, Any] | No
                      ("cpu_contention", "spinning_threads"))
                     if cause == "worker_handoff" else ()),
     )
+
+
+def _split_verified(w: dict[str, Any] | None) -> bool:
+    """The workers' first batches were compared and no two were the same: an
+    ``IterableDataset`` that splits its stream (analysis/workers.py, ``same_stream``)."""
+    same = (w or {}).get("same_stream")
+    return (isinstance(same, dict) and same.get("identical_workers") == 1
+            and int(same.get("workers_compared") or 0) >= 2)
 
 
 def _worker_evidence(w: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -868,6 +877,7 @@ def _data_wait(ctx: Context) -> Finding | None:
             "    labels = torch.tensor([label for _, label in batch])\n"
             "    return images, labels\n\n"
             + loader_snippet(loader, num_workers=nw, pin_memory=pin, comment="unchanged",
+                             split_verified=_split_verified(w),
                              collate_fn="fast_collate")
             + "\n# after the copy: x = x.to(device, non_blocking=True).float().sub_(mean)"
             ".div_(std)"
@@ -925,7 +935,8 @@ def _data_wait(ctx: Context) -> Finding | None:
             comment = f"unchanged: busy only {(worker_busy or 0) * 100:.0f}% of the time"
     if pin:
         text += " Pin host memory (pin_memory=True) so copies to the GPU run asynchronously."
-    snippet = loader_snippet(loader, num_workers=suggested, pin_memory=pin, comment=comment)
+    snippet = loader_snippet(loader, num_workers=suggested, pin_memory=pin, comment=comment,
+                             split_verified=_split_verified(w))
     if cause == "slow_reads" or (cause == "too_few_workers" and nw == 0 and blocked):
         snippet += "\n\n" + PACK_SNIPPET
     if cause == "cpu_transforms":
