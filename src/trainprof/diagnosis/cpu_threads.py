@@ -62,8 +62,10 @@ def too_few_threads(ctx: Context) -> Finding | None:
         idle = min(idle, cores * (1 - sysinfo["sys_cpu_pct"] / 100))
     if idle < MIN_IDLE_CORES:
         return None
-    target = min(cap - math.ceil(workers - 0.25) if workers > 0.25 else cap,
-                 threads + math.floor(idle + 0.25))
+    # the workers keep the cores they use (a quarter of a core is not one); the pool
+    # grows by the idle cores, rounded up from three quarters
+    workers_keep = math.ceil(workers - 0.25) if workers > 0.25 else 0
+    target = min(cap - workers_keep, threads + math.floor(idle + 0.25))
     if target <= threads:
         return None
     compute = ctx.compute_share
