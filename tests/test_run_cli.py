@@ -698,9 +698,13 @@ class Slow(Dataset):
         time.sleep(0.01)
         return torch.randn(4)
 
+def note_pid(worker_id):  # each worker says who it is: the tests check that none survives
+    here = os.path.dirname(os.path.abspath(__file__))
+    open(os.path.join(here, f"worker-{os.getpid()}.pid"), "w").close()
+
 w = torch.zeros(4, requires_grad=True)
 opt = torch.optim.SGD([w], lr=0.1)
-loader = DataLoader(Slow(), batch_size=2, num_workers=2)
+loader = DataLoader(Slow(), batch_size=2, num_workers=2, worker_init_fn=note_pid)
 for step, x in enumerate(loader):
     (w * x).sum().backward(); opt.step(); opt.zero_grad()
     if step == 3:
@@ -710,7 +714,13 @@ for step, x in enumerate(loader):
 """
 
 
-def _worker_pids(run_dir: Path) -> set[int]:
+def _worker_pids(script_dir: Path) -> set[int]:
+    """The pids WORKERS_FOREVER's workers wrote down as they started."""
+    return {int(p.stem.removeprefix("worker-")) for p in script_dir.glob("worker-*.pid")}
+
+
+def _sampled_worker_pids(run_dir: Path) -> set[int]:
+    """The worker pids the system sampler recorded."""
     pids = set()
     for line in (run_dir / "samples.jsonl").read_text().splitlines():
         with contextlib.suppress(json.JSONDecodeError):
@@ -729,11 +739,13 @@ def _gone(pids: set[int], within: float = 5.0) -> bool:
     return False
 
 
-def test_crash_with_workers_leaves_no_worker_alive(tp):
+def test_crash_with_workers_leaves_no_worker_alive(tp, tmp_path):
     res = tp(WORKERS_FOREVER, "--sample-interval", "0.05", args=("crash",))
     assert res.returncode == 1, res.stderr
-    pids = _worker_pids(res.run_dir)
+    pids = _worker_pids(tmp_path)
     assert len(pids) == 2
+    # the sampler may not yet have a CPU reading of both when the script crashes this early
+    assert _sampled_worker_pids(res.run_dir) <= pids
     assert _gone(pids)
 
 
@@ -784,7 +796,9 @@ def test_ctrl_c_interrupts_with_summary_and_exit_130(tmp_path):
     assert meta["status"] == "interrupted" and meta["exit_code"] == 130
     assert meta["summary"]["steps"]["count"] >= 4
     assert meta["summary"]["system"]["n_samples"] > 0
-    assert _gone(_worker_pids(run_dir)) and _gone(sampler, within=1)
+    pids = _worker_pids(tmp_path)
+    assert len(pids) == 2 and _sampled_worker_pids(run_dir) == pids
+    assert _gone(pids) and _gone(sampler, within=1)
 
 
 def test_sigterm_is_an_interruption(tmp_path):
@@ -801,7 +815,8 @@ def test_kill_9_leaves_a_readable_record(tmp_path):
     time.sleep(1.5)  # > one flush period
     proc.kill()
     proc.communicate(timeout=30)
-    pids = _worker_pids(run_dir)
+    pids = _worker_pids(tmp_path)
+    assert len(pids) == 2
     res = trainprof("report", str(run_dir), "--json", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     doc = res.json()
