@@ -313,3 +313,24 @@ def test_cli_json_and_fail_if_slower(runs: dict[str, Path], tmp_path: Path) -> N
     assert res.returncode == 2
     assert res.stderr.strip().startswith("error: no such run folder")
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_a_batch_sampler_of_the_same_size_is_not_a_batch_size_change(tmp_path: Path) -> None:
+    """``LengthGroupedBatchSampler(lengths, batch_size=32)`` in place of ``batch_size=32,
+    shuffle=True``: the loader's own batch_size becomes None, its batches hold 32 as before.
+    Named as a batch-size change it took the cause from the sampler (seen on
+    examples/padded_text.py --group)."""
+    from trainprof.analysis.compare import _facts
+    from trainprof.store import Run
+
+    def facts(**loader):
+        run = Run(path=tmp_path, meta={"dataloaders": [{"index": 0, **loader}]},
+                  steps=np.zeros(0, dtype=STEP_DTYPE), events=[], samples_path=tmp_path)
+        return _facts(run)[0]
+
+    before = facts(batch_size=32, batch_sampler="torch.utils.data.sampler.BatchSampler")
+    after = facts(batch_size=None, batch_sampler_batch_size=32,
+                  batch_sampler="trainprof.fixes.length_grouped.LengthGroupedBatchSampler")
+    assert before["dataloader[0].batch_size"] == after["dataloader[0].batch_size"]
+    assert "dataloader[0].batch_sampler_batch_size" not in after
+    assert before["dataloader[0].batch_sampler"] != after["dataloader[0].batch_sampler"]

@@ -294,6 +294,12 @@ def _facts(run: Run) -> tuple[dict[str, tuple[str, Any]], bool]:
     for i, dl in enumerate(_dataloaders(run)):
         idx = dl.get("index", i)
         for field, value in dl.items():
+            if field == "batch_sampler_batch_size":
+                continue  # folded into batch_size below
+            if field == "batch_size" and value is None:
+                # a batch_sampler makes the batches: its batch size is the loader's, so a
+                # change to a batch sampler of the same size is not a batch-size change
+                value = dl.get("batch_sampler_batch_size")
             if field not in DATALOADER_SKIP:
                 put(f"dataloader[{idx}].{field}", "dataloader", value)
     put("dataloader count", "dataloader", len(_dataloaders(run)))

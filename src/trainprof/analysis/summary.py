@@ -17,6 +17,7 @@ from trainprof.analysis.handoff import summarize_handoff
 from trainprof.analysis.loop_stacks import summarize_loop_stacks
 from trainprof.analysis.memory_growth import memory_growth
 from trainprof.analysis.ops import load_ops
+from trainprof.analysis.padding import summarize_padding
 from trainprof.analysis.python_profile import summarize_python_profile
 from trainprof.analysis.steps import complete_steps, step_statistics
 from trainprof.analysis.system import load_samples, summarize_system
@@ -169,6 +170,8 @@ def summarize_run(run: Run) -> dict[str, Any]:
         # receiving the workers' batches in the training process (capture/handoff.py)
         "batch_handoff": summarize_handoff(meta.get("batch_handoff"), workers,
                                            float(done["dur_ns"].sum()) / 1e9),
+        # how much of the first batches' sequences is padding (capture/padding.py)
+        "padding": summarize_padding(meta.get("padding")),
         "device": device_statistics(
             run.device, int(done["step"][warm]) if len(done) > warm else 0
         ),

@@ -72,6 +72,7 @@ from trainprof.capture.device_timer import (
 from trainprof.capture.explicit_gc import ExplicitCollects
 from trainprof.capture.handoff import REBUILDERS, HandoffTimer
 from trainprof.capture.opcount import compiled_frames
+from trainprof.capture.padding import PaddingProbe
 from trainprof.capture.ranks import ChildRuns
 from trainprof.capture.worker import WorkerCapture
 from trainprof.schema import (
@@ -276,6 +277,8 @@ class LoaderRegistry:
         self._on_new_loader = on_new_loader
         self._ids: dict[int, tuple[Callable[[], Any], int]] = {}
         self._iterators: weakref.WeakSet[Any] = weakref.WeakSet()
+        #: the loader index of each live iterator
+        self._iterator_index: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self.configs: list[dict[str, Any]] = []
         self.worker_pids: tuple[int, ...] = ()
         self.all_worker_pids: set[int] = set()
@@ -325,7 +328,16 @@ class LoaderRegistry:
         if ident not in threads:  # once per thread: a name lookup per epoch at most
             threads[ident] = threading.current_thread().name
         self._iterators.add(it)
+        with contextlib.suppress(TypeError):
+            self._iterator_index[it] = index
         self._refresh_pids()
+
+    def index_of_iterator(self, it: Any) -> int | None:
+        """The index of the loader ``it`` iterates (None: an iterator made unseen)."""
+        try:
+            return self._iterator_index.get(it)
+        except TypeError:
+            return None
 
     def note_threads(self, training_thread: int) -> None:
         """At the end: name, in each loader's configuration, a thread other than the
@@ -389,6 +401,8 @@ class Instrumentation:
         self.handoff = HandoffTimer(lambda: clock.owner)
         #: the training thread's own gc.collect() calls (capture/explicit_gc.py)
         self.explicit_gc = ExplicitCollects()
+        #: how much of the first batches is padding (capture/padding.py)
+        self.padding = PaddingProbe(loaders.index_of_iterator)
         #: (pid, name) of the processes the script started, DataLoader workers aside
         self.started_processes: list[tuple[int, str]] = []
         #: records the processes that may train, one run folder each (None: none recorded)
@@ -494,6 +508,8 @@ class Instrumentation:
         for name in REBUILDERS:
             if callable(getattr(reductions, name, None)):
                 self._patch(reductions, name, self.handoff.wrap)
+        # -- how much of the batches is padding (capture/padding.py) --------
+        self.padding.install(self._patch)
         if self.workers is not None:
             # what the workers (or, with num_workers=0, this process) spend on each sample
             self.workers.install(self._patch, loaders.index_of)

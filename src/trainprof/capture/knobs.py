@@ -46,7 +46,9 @@ Two kinds of knobs (:data:`KNOBS`):
   unused parameters, and a gradient compression hook for its all-reduce - ``fp16``,
   ``bf16`` or ``none`` - whatever the script passes or registers) and
   ``sharing_strategy`` (``torch.multiprocessing``'s: how workers' batches reach the
-  training process, :mod:`trainprof.capture.handoff`).
+  training process, :mod:`trainprof.capture.handoff`) and ``trim_padding`` (every
+  DataLoader's batches lose the columns that are padding in every row, as
+  :class:`trainprof.fixes.TrimPadding` would cut them: :mod:`trainprof.capture.padding`).
 * **Environment knobs** (:data:`ENV_KNOBS`): ``omp_wait_policy`` sets
   ``OMP_WAIT_POLICY`` in the child's environment (``trainprof tune`` does, when it
   starts the child): OpenMP reads it when torch loads its runtime, before anything in
@@ -213,6 +215,9 @@ KNOBS: dict[str, KnobSpec] = {
         KnobSpec("sharing_strategy", "process", _sharing_strategy,
                  "how workers' batches reach the training process: file_descriptor "
                  "(Linux's default) or file_system (torch.multiprocessing)"),
+        KnobSpec("trim_padding", "process", _bool,
+                 "every batch padded only to its longest sequence (the columns that are "
+                 "padding in every row cut, as trainprof.fixes.TrimPadding does)"),
     )
 }
 
@@ -352,6 +357,10 @@ class Knobs:
                 self.process[name] = os.environ.get(var)
         if self.overrides.get("sharing_strategy"):
             self._install_sharing_strategy(str(self.overrides["sharing_strategy"]))
+        if self.overrides.get("trim_padding"):
+            self._install_trim_padding()
+        elif "trim_padding" in self.overrides and self.overrides["trim_padding"] is not None:
+            self.process["trim_padding"] = False
         return self
 
     def uninstall(self) -> dict[str, Any]:
@@ -459,6 +468,39 @@ class Knobs:
             original(*before)
 
         self._restore.append(undo)
+
+    def _install_trim_padding(self) -> None:
+        """Every batch that leaves a DataLoader iterator is trimmed (``_next_data`` of both
+        of torch's iterators, in the training process: what TrimPadding does in the
+        collate, minus where it runs). The record counts the batches and the positions
+        before and after."""
+        from torch.utils.data.dataloader import (
+            _MultiProcessingDataLoaderIter,
+            _SingleProcessDataLoaderIter,
+        )
+
+        from trainprof.fixes.padding import trimmed
+
+        entry = self.process["trim_padding"] = {"batches": 0, "trimmed": 0,
+                                                "positions_before": 0, "positions_after": 0}
+
+        def wrap(orig: Callable[[Any], Any]) -> Callable[[Any], Any]:
+            def _next_data(it: Any) -> Any:
+                batch, found, keep = trimmed(orig(it))
+                entry["batches"] += 1
+                if found is not None:
+                    entry["trimmed"] += keep < found.length
+                    entry["positions_before"] += found.positions
+                    entry["positions_after"] += found.rows * keep
+                return batch
+
+            return _next_data
+
+        for cls in (_SingleProcessDataLoaderIter, _MultiProcessingDataLoaderIter):
+            original = cls.__dict__["_next_data"]
+            cls._next_data = wrap(original)  # type: ignore[method-assign]
+            self._restore.append(lambda cls=cls, original=original: setattr(
+                cls, "_next_data", original))
 
     def _install_sharing_strategy(self, value: str) -> None:
         """``torch.multiprocessing.set_sharing_strategy(value)`` before the script runs;

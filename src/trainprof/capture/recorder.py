@@ -352,6 +352,7 @@ class Recorder:
         self._record_optimizers()
         self._record_eval_autograd()
         self._record_handoff()
+        self._record_padding()
         self._record_explicit_gc()
         self.loop_stacks.flush()
         self._note_distributed()
@@ -374,6 +375,14 @@ class Recorder:
         rec = self.instrumentation.handoff.record()
         if rec is not None and rec != self.writer.meta.get("batch_handoff"):
             self.writer.update_meta(batch_handoff=rec)
+
+    def _record_padding(self) -> None:
+        """The padding of the first batches (trainprof.capture.padding), written when changed."""
+        if self.instrumentation is None:
+            return
+        rec = self.instrumentation.padding.record()
+        if rec is not None and rec != self.writer.meta.get("padding"):
+            self.writer.update_meta(padding=rec)
 
     def _record_explicit_gc(self) -> None:
         """The script's gc.collect() calls (trainprof.capture.explicit_gc), when changed."""

@@ -43,6 +43,7 @@ FAMILIES: tuple[str, ...] = (
     "memory_growth",
     "contention",
     "cpu_threads",
+    "padding",
     "sync",
     "noise",
     "python_loop",

@@ -432,6 +432,24 @@ def _actual(knob: str, meta: dict[str, Any]) -> str:
         # how the workers' batches really came over (trainprof.capture.handoff)
         strategies = (meta.get("batch_handoff") or {}).get("strategies") or []
         return "/".join(strategies) or "no worker batch"
+    if knob == "trim_padding":
+        # the knob's count of what it cut, else the padding the probe read
+        # (trainprof.capture.padding), all loaders together
+        rec = process.get("trim_padding")
+        if isinstance(rec, dict):
+            before = int(rec.get("positions_before") or 0)
+            after = int(rec.get("positions_after") or 0)
+            n = int(rec.get("trimmed") or 0)
+            if not before:
+                return "true (no padded batch)"
+            return (f"true ({n} {'batch' if n == 1 else 'batches'} cut to "
+                    f"×{after / before:.2f} of the positions)")
+        loaders = (meta.get("padding") or {}).get("loaders") or []
+        positions = sum(int(ld.get("positions") or 0) for ld in loaders)
+        real = sum(int(ld.get("real") or 0) for ld in loaders)
+        if not positions:
+            return "false (no padded batch)"
+        return f"false ({(1 - real / positions) * 100:.0f}% padding)"
     if knob == "cudnn_benchmark":
         # as the fingerprint read it, after the script's own setting (its first step)
         value = ((meta.get("fingerprint") or {}).get("torch") or {}).get("cudnn_benchmark")

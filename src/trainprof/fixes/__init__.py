@@ -10,6 +10,11 @@
 * :class:`PackedCollate` — a ``collate_fn`` whose batches cross from a DataLoader worker
   as one tensor per dtype, rebuilt as they were in the training process (each tensor
   of a batch otherwise pays its own hand-over).
+* :class:`TrimPadding` — a ``collate_fn`` wrapper that cuts the columns that are padding
+  in every row of a batch of token sequences (padded to a fixed length): each batch only
+  as long as its longest sequence.
+* :class:`LengthGroupedBatchSampler` — batches of sequences of similar length (Hugging
+  Face's ``group_by_length``), so that little of each batch is padding.
 * :class:`DevicePrefetcher` — batches copied to the device ahead of use (a side stream
   on CUDA), uint8 images turned into floats, augmented and normalised there, batched.
 
@@ -25,12 +30,15 @@ from typing import Any
 _WHERE = {
     "CachedDataset": "trainprof.fixes.cached_dataset",
     "DevicePrefetcher": "trainprof.fixes.device_prefetcher",
+    "LengthGroupedBatchSampler": "trainprof.fixes.length_grouped",
     "PackError": "trainprof.fixes.pack_format",
     "PackedCollate": "trainprof.fixes.packed_collate",
     "PackedDataset": "trainprof.fixes.packed_dataset",
     "pack_dataset": "trainprof.fixes.pack_writer",
     "pack_folder": "trainprof.fixes.folder",
     "stage": "trainprof.fixes.staging",
+    "TrimPadding": "trainprof.fixes.padding",
+    "trim_padding": "trainprof.fixes.padding",
 }
 
 __all__ = sorted(_WHERE)

@@ -85,7 +85,7 @@ _KNOWN_KEYS = frozenset(
         "syncs", "gc", "regions", "dataloaders", "system", "device", "environment", "missing",
         "notes", "findings", "recorded_status", "deep", "python_profile", "line_profile",
         "telemetry", "workers", "ranks", "rank_spread", "samples_per_s_all_ranks", "main_rank",
-        "ddp", "batch_handoff",
+        "ddp", "batch_handoff", "padding",
     }
 )
 
@@ -514,6 +514,9 @@ def _dataloader_section(s: dict[str, Any]) -> str:
     if handoff:  # receiving the workers' batches in the training process (capture/handoff.py)
         parts.append("<h3>Hand-over of the workers' batches</h3>" + render_generic(
             {k: v for k, v in handoff.items() if k != "hist"}))
+    for entry in s.get("padding") or []:  # the batches' padded sequences (capture/padding.py)
+        parts.append(f"<h3>Padding of loader #{esc(entry.get('loader_index'))}'s sequences</h3>"
+                     + render_generic(entry))
     return "".join(parts)
 
 

@@ -178,6 +178,17 @@ def _ms_txt(stats: dict[str, Any] | None) -> str:
         fmt_time(med / 1e3))
 
 
+def _padding_line(entry: dict[str, Any]) -> str:
+    """One loader's padded sequences (trainprof.analysis.padding) in one line."""
+    lo, hi = entry.get("length_min"), entry.get("length_max")
+    length = f"{hi}" if lo == hi else f"{lo}-{hi}"
+    return (f"{entry.get('tensor')}: {float(entry.get('pad_share') or 0) * 100:.0f}% of "
+            f"{length} positions a row are padding · "
+            f"{float(entry.get('mean_real') or 0):.0f} real tokens a row, the longest of a "
+            f"batch {float(entry.get('mean_longest') or 0):.0f} · {entry.get('batches')} "
+            "batches read")
+
+
 def _worker_rows(workers: dict[str, Any] | None,
                  loaders: list[dict[str, Any]] | None = None,
                  handoff: dict[str, Any] | None = None) -> list[tuple[str, str]]:
@@ -444,6 +455,10 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
     for label, line in _worker_rows(summary.get("workers"), summary.get("dataloaders"),
                                     summary.get("batch_handoff")):
         table.add_row(label, line)
+    for entry in summary.get("padding") or []:
+        if float(entry.get("pad_share") or 0) < 0.01:  # sequences without padding
+            continue
+        table.add_row(f"Padding #{entry.get('loader_index')}", _padding_line(entry))
     for line in _optimizer_rows(summary.get("optimizers") or []):
         table.add_row("Optimizer", line)
     if summary.get("optimizers_not_described"):
