@@ -94,6 +94,11 @@ def test_trimming_cuts_the_all_padding_columns_from_every_tensor_of_that_shape()
     full = [torch.arange(1, 65).repeat(2, 1)]
     assert trim_padding(full) is full
     assert trim_padding([ids], min_length=50)[0].shape == (6, 50)
+    assert trim_padding([ids], multiple_of=16)[0].shape == (6, 48)  # 40 rounded up
+    assert trim_padding([ids], multiple_of=48)[0].shape == (6, 48)
+    assert trim_padding([ids], multiple_of=100)[0] is ids  # never past the padded length
+    with pytest.raises(ValueError, match="multiple_of"):
+        TrimPadding(multiple_of=0)
     # pad value and side given: the first candidate tensor is read with them
     assert trim_padding([ids + 5], pad_value=5)[0].shape == (6, 40)
     with pytest.raises(ValueError, match="side"):
@@ -264,6 +269,36 @@ def test_the_trim_padding_knob_gives_the_model_trimmed_batches(tp):
         "true (40 batches cut to ×0.62 of the positions)")
 
 
+#: TEXT with an LSTM given packed sequences in place of the MLP
+PACKED = TEXT.replace(TEXT[TEXT.index("class Model"):TEXT.index("model = Model()")], """
+from torch.nn.utils.rnn import pack_padded_sequence
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.rnn = nn.LSTM(32, 64, batch_first=True)
+        self.head = nn.Linear(64, 2)
+
+    def forward(self, ids, mask):
+        packed = pack_padded_sequence(self.embed(ids), mask.sum(1), batch_first=True,
+                                      enforce_sorted=False)
+        return self.head(self.rnn(packed)[1][0][-1])
+
+""")
+
+
+def test_an_rnn_given_packed_sequences_gets_no_padding_finding(tp):
+    """The LSTM skips the padding already: the op count's window sees the packing."""
+    assert "pack_padded_sequence(self.embed" in PACKED
+    res = tp(PACKED, "--json")
+    assert res.returncode == 0, res.stderr
+    doc = res.json()
+    assert doc["padding"][0]["pad_share"] == pytest.approx(1 - 103 / 384)
+    assert doc["ops"]["packed_sequences_per_step"] == 1.0
+    assert not [f for f in doc["findings"] if f["cause"] == "padding"]
+
+
 def test_the_knob_is_undone_and_its_off_value_reports_the_padding_read():
     from torch.utils.data.dataloader import (
         _MultiProcessingDataLoaderIter,
@@ -333,10 +368,15 @@ def test_little_padding_or_a_step_not_spent_in_the_model_gets_no_finding():
     assert not _padding_findings(summary, steps)  # 1% of the step in the model: < 2%
 
 
-def test_no_padding_read_leaves_the_rule_silent():
+def test_no_padding_read_or_packed_sequences_leave_the_rule_silent():
     summary, steps = _summary(0.8, 0.6)
     summary["padding"] = None
     assert not _padding_findings(summary, steps)
+    summary, steps = _summary(0.8, 0.6)
+    summary["ops"] = {"packed_sequences_per_step": 1.0}
+    assert not _padding_findings(summary, steps)
+    summary["ops"] = {"packed_sequences_per_step": 0.0}
+    assert _padding_findings(summary, steps)
 
 
 def test_trim_padding_default_collate_is_the_inner_default():

@@ -101,6 +101,9 @@ def load_ops(run_dir: Path) -> dict[str, Any] | None:
         "cudnn_allow_tf32": doc.get("cudnn_allow_tf32"),
         # backward() calls a step: gradient accumulation when > 1 (diagnosis/distributed.py)
         "backward_per_step": doc.get("backward_per_step"),
+        # sequences packed for an RNN (pack_padded_sequence): padding it skips already,
+        # for diagnosis/padding.py (records before this field: None, not known)
+        "packed_sequences_per_step": doc.get("packed_sequences_per_step"),
         # zeros written into gradients by zero_grad(set_to_none=False), for
         # diagnosis/zero_grad.py (records before this field: None, not known)
         "zero_grad_zeroing_calls_per_step": doc.get("zero_grad_zeroing_calls_per_step"),

@@ -84,6 +84,10 @@ _MATMULS = frozenset({
 
 #: backward() as scripts call it
 _BACKWARDS = frozenset({"Tensor.backward", "backward"})
+#: The op every ``pack_padded_sequence`` / ``pack_sequence`` runs: an RNN given a
+#: PackedSequence computes on the real positions only (diagnosis/padding.py).
+_PACKING = frozenset({"_VariableFunctionsClass._pack_padded_sequence",
+                      "_pack_padded_sequence"})
 
 
 def _autocast_on(device_type: str) -> bool:
@@ -206,6 +210,8 @@ class OpCountTool:
         #: backward() calls: more than one a step is gradient accumulation (or several
         #: losses), where DDP all-reduces at each (diagnosis/distributed.py)
         self.backward = 0
+        #: sequences packed for an RNN (pack_padded_sequence): padding it does not compute on
+        self.packed_sequences = 0
         #: the script's TF32 settings when the window opened (after its set-up)
         self.tf32_settings: dict[str, Any] = {}
 
@@ -243,6 +249,8 @@ class OpCountTool:
                         tool.matmuls[1] += 1
                 elif called in _BACKWARDS:
                     tool.backward += 1
+                elif called in _PACKING:
+                    tool.packed_sequences += 1
                 f = getframe(1)
                 library = None
                 if f.f_code.co_name == "zero_grad" and is_torch(f.f_code.co_filename):
@@ -333,6 +341,7 @@ class OpCountTool:
             "cuda_fp32_matmul_per_step": self.matmuls[1] / self.steps,
             "cuda_fp32_conv2d_per_step": self.cuda_fp32_conv2d / self.steps,
             "backward_per_step": self.backward / self.steps,
+            "packed_sequences_per_step": self.packed_sequences / self.steps,
             **self.tf32_settings,
             # zero_grad(set_to_none=False): zeros written into the gradients
             "zero_grad_zeroing_calls_per_step": self.zeroing[0] / self.steps,

@@ -35,24 +35,32 @@ from trainprof.capture.padding import Padding, candidates, find_padding, measure
 
 
 def trim_padding(batch: Any, *, pad_value: int | None = None, side: str | None = None,
-                 min_length: int = 1) -> Any:
+                 min_length: int = 1, multiple_of: int = 1) -> Any:
     """``batch`` with the columns that are padding in every row cut from its sequence tensors.
 
     The padded tensor and its padding are found by :func:`find_padding` unless
     ``pad_value`` (and ``side``: ``"right"``, the default, or ``"left"``) are given, in
     which case the first 2-D integer or boolean tensor is the one read. At least
-    ``min_length`` columns are kept. A batch with nothing to cut is returned as it is.
+    ``min_length`` columns are kept, and a multiple of ``multiple_of`` (up to the padded
+    length): few distinct lengths for ``torch.compile`` or CUDA graphs, which compile
+    again for each new one, and lengths that suit tensor cores (8 for 16-bit math, as
+    Hugging Face's ``pad_to_multiple_of`` advises). A batch with nothing to cut is
+    returned as it is.
     """
-    return trimmed(batch, pad_value=pad_value, side=side, min_length=min_length)[0]
+    return trimmed(batch, pad_value=pad_value, side=side, min_length=min_length,
+                   multiple_of=multiple_of)[0]
 
 
 def trimmed(batch: Any, *, pad_value: int | None = None, side: str | None = None,
-            min_length: int = 1) -> tuple[Any, Padding | None, int]:
+            min_length: int = 1, multiple_of: int = 1) -> tuple[Any, Padding | None, int]:
     """:func:`trim_padding`, with the padding found (None: none) and the columns kept."""
+    if multiple_of < 1:
+        raise ValueError(f"multiple_of must be at least 1, not {multiple_of}")
     found = find_padding(batch) if pad_value is None else _given(batch, pad_value, side)
     if found is None:
         return batch, None, 0
     keep = max(found.length - found.trimmable, min(min_length, found.length))
+    keep = min(found.length, -(-keep // multiple_of) * multiple_of)
     if keep >= found.length:
         return batch, found, found.length
     return _cut(batch, found.rows, found.length, keep, found.side == "left"), found, keep
@@ -94,27 +102,32 @@ class TrimPadding:
     """``collate_fn(samples)``, with the columns that are padding in every row cut.
 
     ``DataLoader(dataset, ..., collate_fn=TrimPadding())``, or
-    ``TrimPadding(my_collate, pad_value=tokenizer.pad_token_id)``. Picklable (workers
+    ``TrimPadding(my_collate, pad_value=tokenizer.pad_token_id, multiple_of=8)``
+    (see :func:`trim_padding` for the arguments). Picklable (workers
     started by ``spawn``) when ``collate_fn`` is.
     """
 
     def __init__(self, collate_fn: Callable[[list[Any]], Any] | None = None, *,
                  pad_value: int | None = None, side: str | None = None,
-                 min_length: int = 1) -> None:
+                 min_length: int = 1, multiple_of: int = 1) -> None:
         if collate_fn is None:
             from torch.utils.data import default_collate
 
             collate_fn = default_collate
         if side not in (None, "right", "left"):
             raise ValueError(f"side must be 'right' or 'left', not {side!r}")
+        if multiple_of < 1:
+            raise ValueError(f"multiple_of must be at least 1, not {multiple_of}")
         self.collate_fn = collate_fn
+        self.multiple_of = multiple_of
         self.pad_value = pad_value
         self.side = side
         self.min_length = min_length
 
     def __call__(self, samples: list[Any]) -> Any:
         return trim_padding(self.collate_fn(samples), pad_value=self.pad_value,
-                            side=self.side, min_length=self.min_length)
+                            side=self.side, min_length=self.min_length,
+                            multiple_of=self.multiple_of)
 
     def __repr__(self) -> str:
         return f"TrimPadding({getattr(self.collate_fn, '__name__', self.collate_fn)!r})"
