@@ -10,6 +10,7 @@ from collections import defaultdict
 from datetime import datetime
 from typing import Any
 
+from trainprof.analysis.checkpointing import summarize_checkpointing
 from trainprof.analysis.ddp import summarize_ddp
 from trainprof.analysis.deep import analyse_deep_windows
 from trainprof.analysis.device import device_statistics
@@ -100,6 +101,7 @@ def _environment(fp: dict[str, Any] | None, training: dict[str, Any] | None) -> 
         "usable_cores": cpu.get("usable_cores"),
         "physical_cores": cpu.get("physical_cores"),
         "logical_cores": cpu.get("logical_cores"),
+        "memory_total_bytes": cpu.get("memory_total_bytes"),
         "torch_num_threads": (training or {}).get("torch_num_threads")
         or threads.get("torch_num_threads"),
         "cgroup_cpu_limit": cpu.get("cgroup_cpu_limit"),
@@ -170,6 +172,9 @@ def summarize_run(run: Run) -> dict[str, Any]:
         # receiving the workers' batches in the training process (capture/handoff.py)
         "batch_handoff": summarize_handoff(meta.get("batch_handoff"), workers,
                                            float(done["dur_ns"].sum()) / 1e9),
+        # the first pass of activation-checkpointed regions: what the backward recomputes
+        "activation_checkpointing": summarize_checkpointing(
+            meta.get("activation_checkpointing"), float(done["dur_ns"].sum()) / 1e9, len(done)),
         # how much of the first batches' sequences is padding (capture/padding.py)
         "padding": summarize_padding(meta.get("padding")),
         "device": device_statistics(

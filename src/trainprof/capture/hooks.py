@@ -59,6 +59,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data import dataloader as _dl
 from torch.utils.data._utils.worker import _worker_loop  # a DataLoader worker's target
 
+from trainprof.capture.checkpointing import CheckpointCalls
 from trainprof.capture.clock import FAST, StepClock
 from trainprof.capture.ddp_stats import DDPStats
 from trainprof.capture.device_timer import (
@@ -401,6 +402,8 @@ class Instrumentation:
         self.handoff = HandoffTimer(lambda: clock.owner)
         #: the training thread's own gc.collect() calls (capture/explicit_gc.py)
         self.explicit_gc = ExplicitCollects()
+        #: the training thread's activation-checkpointing calls (capture/checkpointing.py)
+        self.checkpointing = CheckpointCalls()
         #: how much of the first batches is padding (capture/padding.py)
         self.padding = PaddingProbe(loaders.index_of_iterator)
         #: (pid, name) of the processes the script started, DataLoader workers aside
@@ -985,6 +988,33 @@ class Instrumentation:
             return collect
 
         self._patch(gc, "collect", make_collect)
+
+        # -- activation checkpointing (capture/checkpointing.py) -------------
+        import torch.utils.checkpoint as checkpoint_module
+
+        ckpt = self.checkpointing
+
+        def make_checkpoint(orig: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(orig)
+            def checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
+                # the outermost call of the training thread: its first pass, timed (a
+                # reentrant region's recomputation calls the checkpoints inside it again,
+                # in backward: not counted twice)
+                if (ckpt.depth or get_ident() != clock.owner or clock.current == BACKWARD
+                        or is_compiling()):
+                    return orig(function, *args, **kwargs)
+                ckpt.depth += 1
+                t0 = perf_counter_ns()
+                try:
+                    return orig(function, *args, **kwargs)
+                finally:
+                    ckpt.depth -= 1
+                    ckpt.add(perf_counter_ns() - t0, clock.n_steps, kwargs.get("use_reentrant"))
+
+            return checkpoint
+
+        if callable(getattr(checkpoint_module, "checkpoint", None)):
+            self._patch(checkpoint_module, "checkpoint", make_checkpoint)
         self.installed = True
         global _FORK_HOOK
         _INSTALLED.add(self)

@@ -48,7 +48,10 @@ Two kinds of knobs (:data:`KNOBS`):
   ``sharing_strategy`` (``torch.multiprocessing``'s: how workers' batches reach the
   training process, :mod:`trainprof.capture.handoff`) and ``trim_padding`` (every
   DataLoader's batches lose the columns that are padding in every row, as
-  :class:`trainprof.fixes.TrimPadding` would cut them: :mod:`trainprof.capture.padding`).
+  :class:`trainprof.fixes.TrimPadding` would cut them: :mod:`trainprof.capture.padding`)
+  and ``activation_checkpointing`` (``false``: ``torch.utils.checkpoint.checkpoint``
+  runs its function directly, activations kept, no recomputation in backward;
+  :mod:`trainprof.capture.checkpointing`).
 * **Environment knobs** (:data:`ENV_KNOBS`): ``omp_wait_policy`` sets
   ``OMP_WAIT_POLICY`` in the child's environment (``trainprof tune`` does, when it
   starts the child): OpenMP reads it when torch loads its runtime, before anything in
@@ -218,6 +221,9 @@ KNOBS: dict[str, KnobSpec] = {
         KnobSpec("trim_padding", "process", _bool,
                  "every batch padded only to its longest sequence (the columns that are "
                  "padding in every row cut, as trainprof.fixes.TrimPadding does)"),
+        KnobSpec("activation_checkpointing", "process", _bool,
+                 "torch.utils.checkpoint (false: each checkpointed function runs directly, "
+                 "its activations kept: no recomputation in backward, more memory)"),
     )
 }
 
@@ -357,6 +363,10 @@ class Knobs:
                 self.process[name] = os.environ.get(var)
         if self.overrides.get("sharing_strategy"):
             self._install_sharing_strategy(str(self.overrides["sharing_strategy"]))
+        if self.overrides.get("activation_checkpointing") is False:
+            self._install_no_checkpointing()
+        elif self.overrides.get("activation_checkpointing") is not None:
+            self.process["activation_checkpointing"] = {"value": True}
         if self.overrides.get("trim_padding"):
             self._install_trim_padding()
         elif "trim_padding" in self.overrides and self.overrides["trim_padding"] is not None:
@@ -468,6 +478,31 @@ class Knobs:
             original(*before)
 
         self._restore.append(undo)
+
+    def _install_no_checkpointing(self) -> None:
+        """``torch.utils.checkpoint.checkpoint`` calls its function directly (the arguments
+        that only steer checkpointing dropped): the regions keep their activations and the
+        backward pass recomputes nothing. ``checkpoint_sequential`` and partials made of
+        ``checkpoint`` after this (Hugging Face's, at ``gradient_checkpointing_enable()``)
+        go through it; the record counts the calls."""
+        import functools
+
+        import torch.utils.checkpoint as checkpoint_module
+
+        original = checkpoint_module.checkpoint
+        entry = self.process["activation_checkpointing"] = {"value": False, "calls": 0}
+        steering = ("use_reentrant", "context_fn", "determinism_check", "debug", "early_stop",
+                    "preserve_rng_state")
+
+        @functools.wraps(original)
+        def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+            entry["calls"] += 1
+            for name in steering:
+                kwargs.pop(name, None)
+            return function(*args, **kwargs)
+
+        checkpoint_module.checkpoint = checkpoint  # type: ignore[assignment]
+        self._restore.append(lambda: setattr(checkpoint_module, "checkpoint", original))
 
     def _install_trim_padding(self) -> None:
         """Every batch that leaves a DataLoader iterator is trimmed (``_next_data`` of both

@@ -191,6 +191,7 @@ class Recorder:
         self._distributed_seen = False
         self._ddp_written = 0  # the DDP record version last written (capture/ddp_stats.py)
         self._explicit_gc_written = 0  # the explicit_gc version last written
+        self._checkpointing_written = 0  # the activation-checkpointing version last written
         self.sampler = SamplerProcess(run_dir / SAMPLES_JSONL, interval_s=sample_interval_s,
                                       pid=os.getpid())
         self.loaders.on_workers = self.sampler.set_worker_pids
@@ -353,6 +354,7 @@ class Recorder:
         self._record_eval_autograd()
         self._record_handoff()
         self._record_padding()
+        self._record_checkpointing()
         self._record_explicit_gc()
         self.loop_stacks.flush()
         self._note_distributed()
@@ -383,6 +385,15 @@ class Recorder:
         rec = self.instrumentation.padding.record()
         if rec is not None and rec != self.writer.meta.get("padding"):
             self.writer.update_meta(padding=rec)
+
+    def _record_checkpointing(self) -> None:
+        """Activation-checkpointing calls (trainprof.capture.checkpointing), when changed."""
+        if self.instrumentation is None:
+            return
+        calls = self.instrumentation.checkpointing
+        if calls.version != self._checkpointing_written:
+            self._checkpointing_written = calls.version
+            self.writer.update_meta(activation_checkpointing=calls.record())
 
     def _record_explicit_gc(self) -> None:
         """The script's gc.collect() calls (trainprof.capture.explicit_gc), when changed."""

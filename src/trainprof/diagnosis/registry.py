@@ -44,6 +44,7 @@ FAMILIES: tuple[str, ...] = (
     "contention",
     "cpu_threads",
     "padding",
+    "checkpointing",
     "sync",
     "noise",
     "python_loop",

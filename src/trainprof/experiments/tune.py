@@ -422,16 +422,13 @@ def _actual(knob: str, meta: dict[str, Any]) -> str:
         value = env.get("OMP_WAIT_POLICY")
         return str(value).lower() if value else "unset (spin, then sleep)"
     if knob == "explicit_gc":
-        # the knob's count of the calls it skipped, else the calls the capture timed
-        rec = process.get("explicit_gc")
-        if isinstance(rec, dict) and rec.get("value") is False:
-            return f"false ({_plural(int(rec.get('skipped') or 0), 'call')} skipped)"
-        calls = int((meta.get("explicit_gc") or {}).get("calls") or 0)
-        return f"true ({_plural(calls, 'call')})"
+        return _calls_knob(knob, meta, "skipped", "skipped")
     if knob == "sharing_strategy":
         # how the workers' batches really came over (trainprof.capture.handoff)
         strategies = (meta.get("batch_handoff") or {}).get("strategies") or []
         return "/".join(strategies) or "no worker batch"
+    if knob == "activation_checkpointing":
+        return _calls_knob(knob, meta, "calls", "run directly")
     if knob == "trim_padding":
         # the knob's count of what it cut, else the padding the probe read
         # (trainprof.capture.padding), all loaders together
@@ -510,6 +507,17 @@ def _actual(knob: str, meta: dict[str, Any]) -> str:
         impl = opts[0].get("implementation")
         return str(impl) if isinstance(impl, str) else "custom step"
     return "—"
+
+
+def _calls_knob(knob: str, meta: dict[str, Any], count: str, done: str) -> str:
+    """A knob whose ``false`` stops calls the capture times (explicit_gc,
+    activation_checkpointing): with it, the calls it stopped (its record's ``count``);
+    without, the calls the capture timed (run.json's entry of the knob's name)."""
+    rec = ((meta.get("knobs") or {}).get("process") or {}).get(knob)
+    if isinstance(rec, dict) and rec.get("value") is False:
+        return f"false ({_plural(int(rec.get(count) or 0), 'call')} {done})"
+    calls = int((meta.get(knob) or {}).get("calls") or 0)
+    return f"true ({_plural(calls, 'call')})"
 
 
 def _loader_setting(loader: dict[str, Any], knob: str) -> Any:

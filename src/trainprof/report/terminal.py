@@ -455,6 +455,13 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
     for label, line in _worker_rows(summary.get("workers"), summary.get("dataloaders"),
                                     summary.get("batch_handoff")):
         table.add_row(label, line)
+    ckpt = summary.get("activation_checkpointing") or {}
+    if ckpt.get("calls"):
+        per_step = ckpt.get("calls_per_step")
+        regions = f"{per_step:.0f} regions a step" if per_step else f"{ckpt['calls']:,} regions"
+        share = fmt_pct(100 * float(ckpt.get("share") or 0))
+        table.add_row("Checkpoint", f"{regions} (torch.utils.checkpoint) · first pass {share} "
+                                    "of step time, run again in backward")
     for entry in summary.get("padding") or []:
         if float(entry.get("pad_share") or 0) < 0.01:  # sequences without padding
             continue
