@@ -137,7 +137,8 @@ def test_every_family_is_registered():
     assert {n.split(".")[0] for n in names} == {
         "input_pipeline", "periodic", "gc", "contention", "sync", "noise", "python_loop",
         "device", "distributed", "host_launch", "optimizer", "debug_modes", "memory_growth",
-        "eval_autograd", "host_to_device", "zero_grad", "tf32", "cpu_threads", "padding", "checkpointing"}
+        "eval_autograd", "host_to_device", "zero_grad", "tf32", "cpu_threads", "padding",
+        "checkpointing"}
 
 
 def test_a_failing_rule_is_skipped_and_ranking_is_by_gain():

@@ -352,6 +352,17 @@ def test_fixed_length_padding_gets_trimming_first_and_grouping_for_the_rest():
     assert f"up to {model * 0.6 * 100:.0f}%" in f["verify"]
 
 
+def test_a_loader_of_whole_batches_gets_the_cut_in_the_loop():
+    """batch_size=None: collate_fn sees each of the dataset's batches as one sample, so
+    TrimPadding there would wrap them in another batch dimension."""
+    summary, steps = _summary(0.8, 0.6)
+    summary["dataloaders"] = [loader(dataset="__main__.Batches", batch_size=None,
+                                     batch_sampler=None)]
+    (f,) = _padding_findings(summary, steps)
+    assert "batch = trim_padding(batch)" in f["fix"]["snippet"]
+    assert "TrimPadding" not in f["fix"]["snippet"]
+
+
 def test_padding_left_after_per_batch_padding_gets_grouping_only():
     (f,) = _padding_findings(*_summary(0.45, 0.02, fixed=False))
     assert "TrimPadding" not in f["fix"]["snippet"]

@@ -114,7 +114,10 @@ def padded_sequences(ctx: Context) -> Finding | None:
     collate = str(loader.get("collate_fn") or "")
     inner = ("" if not collate or collate.endswith("default_collate")
              else collate.rsplit(".", 1)[-1])
-    batch_size = loader.get("batch_size") or loader.get("batch_sampler_batch_size") or 32
+    batch_size = loader.get("batch_size") or loader.get("batch_sampler_batch_size")
+    # automatic batching off (batch_size=None and no batch sampler): the dataset batches
+    unbatched = bool(loader) and batch_size is None
+    batch_size = batch_size or 32
     if trims:
         text += (
             f" Padding each batch only to its longest sequence removes {trim * 100:.0f}% of "
@@ -127,12 +130,22 @@ def padded_sequences(ctx: Context) -> Finding | None:
             "again: TrimPadding(multiple_of=64) keeps the lengths to a few (multiple_of=8 "
             "suits tensor cores)."
         )
-        lines += [
-            "from trainprof.fixes import TrimPadding",
-            "",
-            f"loader = DataLoader(..., collate_fn=TrimPadding({inner}))  # each batch only as "
-            "long as its longest sequence",
-        ]
+        if unbatched:
+            # batch_size=None: the dataset yields whole batches, and collate_fn sees one
+            # batch at a time as a sample; the batch is cut where the loop receives it
+            lines += [
+                "from trainprof.fixes import trim_padding",
+                "",
+                "for batch in loader:",
+                "    batch = trim_padding(batch)  # only as long as its longest sequence",
+            ]
+        else:
+            lines += [
+                "from trainprof.fixes import TrimPadding",
+                "",
+                f"loader = DataLoader(..., collate_fn=TrimPadding({inner}))  # each batch only "
+                "as long as its longest sequence",
+            ]
     if group:
         text += (
             (" Batching sequences of similar length as well" if trims else
@@ -144,7 +157,8 @@ def padded_sequences(ctx: Context) -> Finding | None:
             "and shuffles the batches (Hugging Face Trainer's group_by_length=True does the "
             "same)."
         )
-        collate_arg = f", collate_fn=TrimPadding({inner})" if trims else ", ..."
+        collate_arg = (f", collate_fn=TrimPadding({inner})" if trims and not unbatched
+                       else ", ...")
         lines += [
             *(["", "# and, to batch sequences of similar length:"] if lines else []),
             "from trainprof.fixes import LengthGroupedBatchSampler",
