@@ -330,6 +330,20 @@ def test_float32_matmuls_without_tf32_are_counted_and_found_on_ampere(tp):
     assert res.json()["ops"]["float32_matmul_precision"] == "high"
 
 
+def test_the_autocast_knob_runs_a_cuda_models_calls_in_bfloat16(tp):
+    """``--knob autocast=bf16`` enters autocast for the model's device at its outermost
+    call, inside the script's own (which turns it off every other step here): no float32
+    product is left."""
+    from trainprof.store import load_run
+
+    res = tp(FP32_MATMULS, "--json", "--no-html", timeout=300,
+             env={"TRAINPROF_KNOBS": json.dumps({"autocast": "bf16"})})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.json()["ops"]["cuda_fp32_matmul_per_step"] == 0.0
+    rec = load_run(res.run_dir).meta["knobs"]["process"]["autocast"]
+    assert rec == {"value": "bf16", "calls": 60, "device_types": {"cuda": 60}}
+
+
 def test_ddp_timing_on_cuda_comes_from_its_cuda_timer(tmp_path):
     """DDP's reducer times a CUDA model with CUDA events (its CudaTimer): one NCCL rank
     in this process (a HashStore), 130 iterations, so that iteration 100 is sampled."""

@@ -96,6 +96,10 @@ def load_ops(run_dir: Path) -> dict[str, Any] | None:
         # diagnosis/tf32.py (records before these fields: None, not known)
         "matmul_per_step": doc.get("matmul_per_step"),
         "cuda_fp32_matmul_per_step": doc.get("cuda_fp32_matmul_per_step"),
+        # float32 on the CPU outside autocast: what bfloat16 could run (diagnosis/precision.py)
+        "cpu_fp32_matmul_per_step": doc.get("cpu_fp32_matmul_per_step"),
+        "cpu_fp32_matmul_flops_per_step": doc.get("cpu_fp32_matmul_flops_per_step"),
+        "cpu_fp32_big_matmul_flops_per_step": doc.get("cpu_fp32_big_matmul_flops_per_step"),
         "cuda_fp32_conv2d_per_step": doc.get("cuda_fp32_conv2d_per_step"),
         "float32_matmul_precision": doc.get("float32_matmul_precision"),
         "cudnn_allow_tf32": doc.get("cudnn_allow_tf32"),

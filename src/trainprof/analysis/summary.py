@@ -102,6 +102,8 @@ def _environment(fp: dict[str, Any] | None, training: dict[str, Any] | None) -> 
         "physical_cores": cpu.get("physical_cores"),
         "logical_cores": cpu.get("logical_cores"),
         "memory_total_bytes": cpu.get("memory_total_bytes"),
+        # native bfloat16 instructions (amx_bf16, avx512_bf16; diagnosis/precision.py)
+        "cpu_bf16": cpu.get("bf16"),
         "torch_num_threads": (training or {}).get("torch_num_threads")
         or threads.get("torch_num_threads"),
         "cgroup_cpu_limit": cpu.get("cgroup_cpu_limit"),

@@ -310,6 +310,29 @@ def _cpu_model() -> str | None:
     return platform.processor() or None
 
 
+#: Native bfloat16 instructions, best first (Linux's /proc/cpuinfo flag names): AMX tiles
+#: (Sapphire Rapids on), AVX-512 BF16 dot products (Cooper Lake, AMD Zen 4 on).
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def _cpu_bf16(cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """The CPU's best native bfloat16 instructions (a ``BF16_FLAGS`` name), or None.
+
+    Without them torch computes bfloat16 on the CPU by conversions, often slower than
+    float32 (diagnosis/precision.py asks for them before proposing autocast). Linux only:
+    elsewhere None, unknown.
+    """
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return next((f for f in BF16_FLAGS if f in flags), None)
+    except OSError:
+        pass
+    return None
+
+
 def _usable_cores() -> int | None:
     """CPUs in the affinity mask: taskset/Slurm/containers can hide cores from dataloaders."""
     if not hasattr(os, "sched_getaffinity"):
@@ -379,6 +402,7 @@ def _cpu_info(notes: _Notes) -> dict[str, Any]:
         "usable_cores": notes.run("cpu.usable_cores", _usable_cores),
         "cgroup_cpu_limit": notes.run("cpu.cgroup_cpu_limit", _cgroup_cpu_limit),
         "memory_total_bytes": notes.run("cpu.memory_total_bytes", _memory_total),
+        "bf16": notes.run("cpu.bf16", _cpu_bf16),
     }
 
 

@@ -51,7 +51,9 @@ Two kinds of knobs (:data:`KNOBS`):
   :class:`trainprof.fixes.TrimPadding` would cut them: :mod:`trainprof.capture.padding`)
   and ``activation_checkpointing`` (``false``: ``torch.utils.checkpoint.checkpoint``
   runs its function directly, activations kept, no recomputation in backward;
-  :mod:`trainprof.capture.checkpointing`).
+  :mod:`trainprof.capture.checkpointing`) and ``autocast`` (``bf16``: the model's
+  calls run under ``torch.autocast`` in bfloat16; ``off``: the same wrapper, autocast
+  disabled; :mod:`trainprof.capture.autocast_knob`).
 * **Environment knobs** (:data:`ENV_KNOBS`): ``omp_wait_policy`` sets
   ``OMP_WAIT_POLICY`` in the child's environment (``trainprof tune`` does, when it
   starts the child): OpenMP reads it when torch loads its runtime, before anything in
@@ -83,6 +85,7 @@ from typing import Any
 
 import orjson
 
+from trainprof.capture import autocast_knob
 from trainprof.capture.explicit_gc import ExplicitCollects
 from trainprof.errors import UsageError
 
@@ -221,6 +224,9 @@ KNOBS: dict[str, KnobSpec] = {
         KnobSpec("trim_padding", "process", _bool,
                  "every batch padded only to its longest sequence (the columns that are "
                  "padding in every row cut, as trainprof.fixes.TrimPadding does)"),
+        KnobSpec("autocast", "process", autocast_knob.parse,
+                 "the model's calls under torch.autocast: bf16 (mixed precision, no loss "
+                 "scaling needed) or off (the same wrapper, full precision)"),
         KnobSpec("activation_checkpointing", "process", _bool,
                  "torch.utils.checkpoint (false: each checkpointed function runs directly, "
                  "its activations kept: no recomputation in backward, more memory)"),
@@ -363,6 +369,9 @@ class Knobs:
                 self.process[name] = os.environ.get(var)
         if self.overrides.get("sharing_strategy"):
             self._install_sharing_strategy(str(self.overrides["sharing_strategy"]))
+        if self.overrides.get("autocast"):
+            entry = self.process["autocast"] = {}
+            self._restore.append(autocast_knob.install(str(self.overrides["autocast"]), entry))
         if self.overrides.get("activation_checkpointing") is False:
             self._install_no_checkpointing()
         elif self.overrides.get("activation_checkpointing") is not None:

@@ -90,6 +90,31 @@ _PACKING = frozenset({"_VariableFunctionsClass._pack_padded_sequence",
                       "_pack_padded_sequence"})
 
 
+#: A matrix product of at least this many FLOPs (forward) is large enough for bfloat16 to
+#: beat float32 on a CPU with AVX-512 BF16. Measured on this project's VM (3 Linear
+#: layers, forward and backward, autocast against float32): 0.3 MFLOP a product ran 1.9x
+#: slower in bfloat16 (the casts), 4 MFLOP 1.4x slower, 34 MFLOP x0.83-x0.97, 134 MFLOP
+#: x0.84, 537 MFLOP x0.47.
+BIG_MATMUL_FLOPS = 32e6
+
+
+def _matmul_flops(called: str, args: tuple[Any, ...]) -> float | None:
+    """2 M N K of a matrix product from its arguments' shapes; None when not told."""
+    try:
+        if called == "linear":  # F.linear(input, weight, bias): weight is (N, K)
+            return 2.0 * args[0].numel() * args[1].shape[0]
+        if called in ("addmm", "Tensor.addmm", "baddbmm", "Tensor.baddbmm"):
+            a, b = args[1], args[2]  # addmm(bias, a, b)
+        elif called in ("matmul", "mm", "bmm", "Tensor.matmul", "Tensor.__matmul__",
+                        "Tensor.mm", "Tensor.bmm"):
+            a, b = args[0], args[1]
+        else:
+            return None
+        return 2.0 * a.numel() * (b.shape[-1] if b.dim() > 1 else 1)
+    except (AttributeError, IndexError, TypeError):
+        return None
+
+
 def _autocast_on(device_type: str) -> bool:
     """Autocast is on for ``device_type`` here (its matmuls run in 16 bits, not TF32)."""
     import torch
@@ -205,11 +230,15 @@ class OpCountTool:
         #: matrix products, those in float32 on CUDA outside autocast, and float32 CUDA
         #: conv2d calls outside autocast: what TF32 would run on tensor cores
         #: (diagnosis/tf32.py)
-        self.matmuls = [0, 0]
+        #: ... and those in float32 on the CPU outside CPU autocast (diagnosis/precision.py)
+        self.matmuls = [0, 0, 0]
         self.cuda_fp32_conv2d = 0
         #: backward() calls: more than one a step is gradient accumulation (or several
         #: losses), where DDP all-reduces at each (diagnosis/distributed.py)
         self.backward = 0
+        #: FLOPs of those CPU float32 products (where the shapes tell them), and of those of
+        #: at least BIG_MATMUL_FLOPS each: only large products gain from bfloat16 on a CPU
+        self.cpu_fp32_flops = [0.0, 0.0]
         #: sequences packed for an RNN (pack_padded_sequence): padding it does not compute on
         self.packed_sequences = 0
         #: the script's TF32 settings when the window opened (after its set-up)
@@ -231,6 +260,10 @@ class OpCountTool:
             return (isinstance(t, torch.Tensor) and t.dtype is float32 and t.is_cuda
                     and not _autocast_on("cuda"))
 
+        def _is_cpu_fp32(t: Any) -> bool:
+            return (isinstance(t, torch.Tensor) and t.dtype is float32
+                    and t.device.type == "cpu" and not _autocast_on("cpu"))
+
         class _Count(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
                 tool.total += 1
@@ -247,6 +280,13 @@ class OpCountTool:
                     arg = _first_tensor(args)
                     if arg is not None and _is_cuda_fp32(arg):
                         tool.matmuls[1] += 1
+                    elif arg is not None and _is_cpu_fp32(arg):
+                        tool.matmuls[2] += 1
+                        flops = _matmul_flops(called, args)
+                        if flops is not None:
+                            tool.cpu_fp32_flops[0] += flops
+                            if flops >= BIG_MATMUL_FLOPS:
+                                tool.cpu_fp32_flops[1] += flops
                 elif called in _BACKWARDS:
                     tool.backward += 1
                 elif called in _PACKING:
@@ -339,6 +379,9 @@ class OpCountTool:
             # matrix products, and those TF32 could run (float32 on CUDA, no autocast)
             "matmul_per_step": self.matmuls[0] / self.steps,
             "cuda_fp32_matmul_per_step": self.matmuls[1] / self.steps,
+            "cpu_fp32_matmul_per_step": self.matmuls[2] / self.steps,
+            "cpu_fp32_matmul_flops_per_step": self.cpu_fp32_flops[0] / self.steps,
+            "cpu_fp32_big_matmul_flops_per_step": self.cpu_fp32_flops[1] / self.steps,
             "cuda_fp32_conv2d_per_step": self.cuda_fp32_conv2d / self.steps,
             "backward_per_step": self.backward / self.steps,
             "packed_sequences_per_step": self.packed_sequences / self.steps,

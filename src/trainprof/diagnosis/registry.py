@@ -45,6 +45,7 @@ FAMILIES: tuple[str, ...] = (
     "cpu_threads",
     "padding",
     "checkpointing",
+    "precision",
     "sync",
     "noise",
     "python_loop",

@@ -427,6 +427,14 @@ def _actual(knob: str, meta: dict[str, Any]) -> str:
         # how the workers' batches really came over (trainprof.capture.handoff)
         strategies = (meta.get("batch_handoff") or {}).get("strategies") or []
         return "/".join(strategies) or "no worker batch"
+    if knob == "autocast":
+        # the knob's own count of the model calls it ran (trainprof.capture.autocast_knob)
+        rec = process.get("autocast")
+        if not isinstance(rec, dict):
+            return "script's"
+        n, where = int(rec.get("calls") or 0), "/".join(rec.get("device_types") or {})
+        return (f"{rec.get('value')} ({_plural(n, 'model call')}{', ' + where if where else ''})"
+                if n else f"{rec.get('value')} (no model call)")
     if knob == "activation_checkpointing":
         return _calls_knob(knob, meta, "calls", "run directly")
     if knob == "trim_padding":

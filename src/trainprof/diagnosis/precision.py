@@ -1,0 +1,96 @@
+"""Float32 math on a CPU that computes bfloat16 natively: mixed precision left unused.
+
+A CPU with AVX-512 BF16 (Intel Cooper Lake, AMD Zen 4 and later) multiplies bfloat16
+pairs at twice its float32 rate ("Bfloat16 theoretical compute throughput is doubled
+over float32", PyTorch's blog "Empowering PyTorch on Intel Xeon Scalable processors
+with Bfloat16", which measured 1.4-1.6x on DLRM and ResNets); one with AMX (Sapphire
+Rapids on) runs 1,024 bfloat16 operations a cycle a core in its matrix tiles, against
+AVX-512's 64 float32 (two 16-wide FMAs): 16x. ``torch.autocast("cpu",
+dtype=torch.bfloat16)`` runs a model's matrix products and convolutions in bfloat16 and
+keeps float32 where precision matters, with no loss scaling (bfloat16 has float32's
+exponent range); the parameters and the optimizer stay float32.
+
+Evidence: the CPU's flags (the fingerprint's ``cpu.bf16``: ``amx_bf16`` or
+``avx512_bf16``), and the op count's window, which counts matrix products called from
+Python in float32 on the CPU outside CPU autocast, with their FLOPs. Small products lose:
+the casts cost more than the math saves (on this project's VM 0.3-4 MFLOP products ran
+1.4-1.9x slower in bfloat16; from ~32 MFLOP on they gained:
+:data:`trainprof.capture.opcount.BIG_MATMUL_FLOPS`). The gain bound is the model's share
+of the step (forward and backward) times ``1 - 1/16`` with AMX, ``1 - 1/2`` with
+AVX-512 BF16, times the large products' share of the FLOPs; without a large product
+nothing is said. Element-wise ops and the Python between them gain less, which the
+verify line measures. Seen here (AVX-512 BF16, 2 cores): a 3-layer MLP of 2048-wide layers,
+``trainprof tune --knob autocast=off,bf16`` x0.58 of the step (3 trials each, 95% CI
+x0.53-x0.62).
+
+Not on CUDA runs (the TF32 and device rules speak for GPUs), nor where the matrix
+products are not mostly float32 outside autocast.
+"""
+
+from __future__ import annotations
+
+from trainprof.diagnosis.context import Context, number
+from trainprof.diagnosis.finding import Finding, Fix, band
+from trainprof.diagnosis.registry import rule
+
+HIGH, MEDIUM, LOW = 0.20, 0.05, 0.02
+#: Peak bfloat16 throughput over float32's, by the CPU's best bfloat16 instructions.
+SPEEDUP = {"amx_bf16": 16.0, "avx512_bf16": 2.0}
+#: Float32 matrix products outside autocast, as a share of all, from which the rule speaks.
+MOSTLY_FP32 = 0.5
+
+
+@rule("precision.cpu_float32")
+def cpu_float32(ctx: Context) -> Finding | None:
+    flag = ctx.environment.get("cpu_bf16")
+    if ctx.on_cuda or flag not in SPEEDUP:
+        return None
+    ops = ctx.summary.get("ops")
+    if not isinstance(ops, dict):
+        return None
+    matmuls, fp32 = number(ops.get("matmul_per_step")), number(ops.get("cpu_fp32_matmul_per_step"))
+    if not matmuls or fp32 is None or fp32 < MOSTLY_FP32 * matmuls:
+        return None
+    flops = number(ops.get("cpu_fp32_matmul_flops_per_step"))
+    big = number(ops.get("cpu_fp32_big_matmul_flops_per_step"))
+    if not flops or not big:
+        return None  # no product large enough to gain (or their sizes unknown)
+    big_share = big / flops
+    shares = ctx.breakdown
+    model = float(shares.get("forward") or 0.0) + float(shares.get("backward") or 0.0)
+    gain = model * (1.0 - 1.0 / SPEEDUP[flag]) * big_share
+    severity = band(gain, HIGH, MEDIUM, LOW)
+    if severity is None:
+        return None
+    unit = "AMX tiles" if flag == "amx_bf16" else "AVX-512 BF16 instructions"
+    title = (f"The model computes in float32 on a CPU with {unit}: bfloat16 autocast could "
+             f"save up to {gain * 100:.0f}% of step time")
+    text = (
+        f"This CPU has {unit} ({flag}): it computes bfloat16 matrix products "
+        f"{SPEEDUP[flag]:.0f}x as fast as float32 at its peak. The model's "
+        f"{fp32:.0f} matrix products a step (of {matmuls:.0f}) run in float32, "
+        f"{flops / fp32 / 1e6:.0f} MFLOP each on average, {big_share * 100:.0f}% of their "
+        "FLOPs in products large enough for bfloat16 to gain (smaller ones lose to the "
+        f"casts), and its forward and backward passes are {model * 100:.0f}% of the step. "
+        "Run the forward "
+        "(model and loss) under torch.autocast(\"cpu\", dtype=torch.bfloat16): matrix "
+        "products and convolutions in bfloat16, reductions and losses kept in float32, the "
+        "parameters and the optimizer unchanged, and no loss scaling (bfloat16 has "
+        "float32's range). Check that the loss curve follows the float32 one."
+    )
+    snippet = "\n".join([
+        'with torch.autocast("cpu", dtype=torch.bfloat16):',
+        "    loss = loss_fn(model(x), y)",
+        "loss.backward()  # outside: each op's backward runs in its forward's dtype",
+        "opt.step()",
+    ])
+    evidence = {"cpu_bf16": flag, "peak_speedup": SPEEDUP[flag], "model_share": model,
+                "matmul_per_step": matmuls, "cpu_fp32_matmul_per_step": fp32,
+                "mflop_per_product": flops / fp32 / 1e6, "large_product_flop_share": big_share,
+                "step_median_s": ctx.median_step_s}
+    return Finding(
+        category="compute", cause="float32_on_bf16_cpu", title=title, severity=severity,
+        evidence=evidence, estimated_gain=gain, fix=Fix(text=text, snippet=snippet),
+        verify=(f"trainprof tune --knob autocast=off,bf16 {ctx.script}  (the model's calls "
+                "under bfloat16 autocast, the script unchanged)"),
+    )
