@@ -91,11 +91,14 @@ _PACKING = frozenset({"_VariableFunctionsClass._pack_padded_sequence",
 
 
 #: A matrix product of at least this many FLOPs (forward) is large enough for bfloat16 to
-#: beat float32 on a CPU with AVX-512 BF16. Measured on this project's VM (3 Linear
-#: layers, forward and backward, autocast against float32): 0.3 MFLOP a product ran 1.9x
-#: slower in bfloat16 (the casts), 4 MFLOP 1.4x slower, 34 MFLOP x0.83-x0.97, 134 MFLOP
-#: x0.84, 537 MFLOP x0.47.
-BIG_MATMUL_FLOPS = 32e6
+#: beat float32 on a CPU with AVX-512 BF16. Measured on this project's VM (autocast
+#: against float32, forward and backward): 3 Linear layers with 0.3 MFLOP products ran
+#: 1.9x slower in bfloat16 (the casts), 4 MFLOP 1.4x slower, 34 MFLOP x0.83-x0.97, 134
+#: MFLOP x0.84, 537 MFLOP x0.47; examples/healthy.py (302 MFLOP) x0.57; and
+#: examples/eval_every.py, a tiny GPT whose largest products are 34 MFLOP, amid layer
+#: norms and softmaxes that autocast casts back and forth, ran 1.56x *slower*
+#: (``trainprof tune --knob autocast=off,bf16``, 3 trials each, 95% CI x1.17-x2.06).
+BIG_MATMUL_FLOPS = 128e6
 
 
 def _matmul_flops(called: str, args: tuple[Any, ...]) -> float | None:
