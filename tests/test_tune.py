@@ -633,3 +633,15 @@ def test_alternating_step_times_are_compared_by_their_mean(tmp_path: Path) -> No
     lo, hi = row["ci"]
     assert row["verdict"] == "faster" and hi - lo < 0.15
     assert not any("differ by" in n for n in doc["notes"])  # the trials agree
+
+
+def test_the_help_lists_every_knob_with_its_text_apart(tmp_path):
+    """A name longer than the column ran into its text ("activation_checkpointingtorch...")."""
+    import re
+
+    from trainprof.capture.knobs import KNOBS
+
+    res = trainprof("tune", "--help", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    for name, spec in KNOBS.items():
+        assert re.search(rf"^  {name}  +{re.escape(spec.help[:20])}", res.stdout, re.M), name

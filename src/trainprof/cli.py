@@ -195,7 +195,8 @@ def build_parser() -> _Parser:
         help="run the script with settings changed (knobs) and measure which is faster",
         usage="trainprof tune [OPTIONS] (SCRIPT | -m MODULE) [ARGS...]",
         epilog=TUNE_EPILOG.format(knobs="\n".join(
-            f"  {spec.name:<20}{spec.help}" for spec in KNOBS.values())),
+            # the names' column as wide as the longest name, two spaces after it
+            f"  {spec.name:<{max(map(len, KNOBS)) + 2}}{spec.help}" for spec in KNOBS.values())),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     tune.add_argument("script", nargs="?", metavar="SCRIPT", help="the training script")
