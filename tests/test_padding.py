@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from conftest import trainprof
-from test_diagnosis import MS, loader, make_steps, make_summary
+from test_diagnosis import EXAMPLES, MS, loader, make_steps, make_summary
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from trainprof.capture import padding as padding_mod
@@ -319,6 +319,33 @@ def test_the_knob_is_undone_and_its_off_value_reports_the_padding_read():
     meta = {"knobs": {"process": {"trim_padding": False}},
             "padding": {"loaders": [{"positions": 400, "real": 100}]}}
     assert tune_mod._actual("trim_padding", meta) == "false (75% padding)"
+
+
+def test_example_padded_text_and_its_two_fixes(tmp_path):
+    """examples/padded_text.py: sentences of 8-40 tokens padded to 128. As it is, the
+    padding finding leads; --trim leaves the sentences of a batch padded to its longest
+    (grouping proposed, no trimming); --trim --group leaves next to no padding."""
+    def run(*args):
+        res = trainprof("run", "--json", "--out", str(tmp_path / "-".join(args or ["plain"])),
+                        str(EXAMPLES / "padded_text.py"), "--epochs", "1", *args, cwd=tmp_path)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return res.json()
+
+    plain = run()
+    top = plain["findings"][0]
+    assert (top["category"], top["cause"]) == ("compute", "padding"), plain["findings"]
+    # uniform lengths 8-40 in 128 positions: 24 real a row, 81% padding (16 batches read)
+    assert top["evidence"]["pad_share"] == pytest.approx(1 - 24 / 128, abs=0.03)
+    assert "TrimPadding()" in top["fix"]["snippet"]
+    trimmed = run("--trim")
+    entry = trimmed["padding"][0]
+    assert not entry["fixed_length"] and entry["length_max"] <= 40
+    (f,) = [f for f in trimmed["findings"] if f["cause"] == "padding"]
+    assert "TrimPadding" not in f["fix"]["snippet"]
+    assert "LengthGroupedBatchSampler" in f["fix"]["snippet"]
+    grouped = run("--trim", "--group")
+    assert grouped["padding"][0]["pad_share"] < 0.05
+    assert not [f for f in grouped["findings"] if f["cause"] == "padding"]
 
 
 # -- the rule, on summaries -----------------------------------------------------------
