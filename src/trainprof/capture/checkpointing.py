@@ -34,7 +34,6 @@ class CheckpointCalls:
         #: calls by their use_reentrant argument ("true", "false", "default")
         self.reentrant: dict[str, int] = {}
         self.depth = 0  # a checkpoint() inside a checkpointed region is not counted again
-        self.version = 0
 
     def add(self, ns: int, step: int, use_reentrant: Any) -> None:
         self.calls += 1
@@ -44,7 +43,6 @@ class CheckpointCalls:
         self.last_step = step
         key = "default" if use_reentrant is None else str(bool(use_reentrant)).lower()
         self.reentrant[key] = self.reentrant.get(key, 0) + 1
-        self.version += 1
 
     def record(self) -> dict[str, Any] | None:
         """run.json's ``activation_checkpointing``; None while no call was made."""

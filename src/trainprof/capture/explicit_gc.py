@@ -36,7 +36,6 @@ class ExplicitCollects:
         self.first_step: int | None = None
         self.last_step: int | None = None
         self.sites: dict[str, dict[str, Any]] = {}
-        self.version = 0  # bumped at each call: the recorder writes when it changes
 
     @staticmethod
     def is_own(filename: str) -> bool:
@@ -74,7 +73,6 @@ class ExplicitCollects:
         if entry is not None:
             entry["calls"] += 1
             entry["total_s"] += ns / 1e9
-        self.version += 1
 
     def record(self) -> dict[str, Any] | None:
         """run.json's ``explicit_gc``; None while no call was made."""

@@ -72,12 +72,15 @@ class Padding:
     length: int  # positions per row (the padded length)
     real: int  # real positions, all rows
     longest: int  # the longest row's real positions
-    #: columns that are padding in every row (what trimming the batch removes)
-    trimmable: int
 
     @property
     def positions(self) -> int:
         return self.rows * self.length
+
+    @property
+    def trimmable(self) -> int:
+        """Columns that are padding in every row (what trimming the batch removes)."""
+        return self.length - self.longest
 
 
 def candidates(batch: Any, path: str = "batch", depth: int = 0) -> Iterator[tuple[str, Any]]:
@@ -112,9 +115,9 @@ def measure(x: Any, path: str, pad_value: int, side: str,
     None when every position is padding, or when the value is found inside the rows'
     real parts at more than ``interior_max`` of them; no padding at all when no row
     has more than one of it at its edge (rows that all end with one end-of-sequence
-    token). ``interior_max=None`` (a value the caller knows is padding) checks neither. ``x`` is a
-    CPU tensor or a NumPy array (read as an array: NumPy's small-array operations cost
-    a fraction of torch's dispatch).
+    token). ``interior_max=None`` (a value the caller knows is padding) checks neither.
+    ``x`` is a CPU tensor or a NumPy array (read as an array: NumPy's small-array
+    operations cost a fraction of torch's dispatch).
     """
     import numpy as np
 
@@ -137,10 +140,10 @@ def measure(x: Any, path: str, pad_value: int, side: str,
             # no row has more than one of the value at its edge: every row ending with
             # the same token (an end-of-sequence mark) is not padding
             return Padding(path=path, side=side, pad_value=int(pad_value), rows=rows,
-                           length=length, real=rows * length, longest=length, trimmable=0)
+                           length=length, real=rows * length, longest=length)
     longest = int(lengths.max())
     return Padding(path=path, side=side, pad_value=int(pad_value), rows=rows, length=length,
-                   real=real, longest=longest, trimmable=length - longest)
+                   real=real, longest=longest)
 
 
 def _array(x: Any) -> Any:

@@ -190,8 +190,6 @@ class Recorder:
         self.pid = os.getpid()
         self._distributed_seen = False
         self._ddp_written = 0  # the DDP record version last written (capture/ddp_stats.py)
-        self._explicit_gc_written = 0  # the explicit_gc version last written
-        self._checkpointing_written = 0  # the activation-checkpointing version last written
         self.sampler = SamplerProcess(run_dir / SAMPLES_JSONL, interval_s=sample_interval_s,
                                       pid=os.getpid())
         self.loaders.on_workers = self.sampler.set_worker_pids
@@ -352,10 +350,7 @@ class Recorder:
         self.worker_capture.flush()  # num_workers=0 loading timed in this process
         self._record_optimizers()
         self._record_eval_autograd()
-        self._record_handoff()
-        self._record_padding()
-        self._record_checkpointing()
-        self._record_explicit_gc()
+        self._record_captures()
         self.loop_stacks.flush()
         self._note_distributed()
         self._record_ddp()
@@ -370,39 +365,22 @@ class Recorder:
             self._eval_autograd = rec
             self.writer.update_meta(eval_autograd=rec)
 
-    def _record_handoff(self) -> None:
-        """The workers' batches received (trainprof.capture.handoff), written when changed."""
-        if self.instrumentation is None:
+    def _record_captures(self) -> None:
+        """What the hooks count beside the steps, each written to run.json when it changed:
+        the workers' batches received (capture/handoff.py), the first batches' padding
+        (capture/padding.py), activation checkpointing (capture/checkpointing.py) and the
+        script's gc.collect() calls (capture/explicit_gc.py). Each record is a few small
+        dicts, built once a second."""
+        inst = self.instrumentation
+        if inst is None:
             return
-        rec = self.instrumentation.handoff.record()
-        if rec is not None and rec != self.writer.meta.get("batch_handoff"):
-            self.writer.update_meta(batch_handoff=rec)
-
-    def _record_padding(self) -> None:
-        """The padding of the first batches (trainprof.capture.padding), written when changed."""
-        if self.instrumentation is None:
-            return
-        rec = self.instrumentation.padding.record()
-        if rec is not None and rec != self.writer.meta.get("padding"):
-            self.writer.update_meta(padding=rec)
-
-    def _record_checkpointing(self) -> None:
-        """Activation-checkpointing calls (trainprof.capture.checkpointing), when changed."""
-        if self.instrumentation is None:
-            return
-        calls = self.instrumentation.checkpointing
-        if calls.version != self._checkpointing_written:
-            self._checkpointing_written = calls.version
-            self.writer.update_meta(activation_checkpointing=calls.record())
-
-    def _record_explicit_gc(self) -> None:
-        """The script's gc.collect() calls (trainprof.capture.explicit_gc), when changed."""
-        if self.instrumentation is None:
-            return
-        explicit = self.instrumentation.explicit_gc
-        if explicit.version != self._explicit_gc_written:
-            self._explicit_gc_written = explicit.version
-            self.writer.update_meta(explicit_gc=explicit.record())
+        for key, record in (("batch_handoff", inst.handoff.record),
+                            ("padding", inst.padding.record),
+                            ("activation_checkpointing", inst.checkpointing.record),
+                            ("explicit_gc", inst.explicit_gc.record)):
+            rec = record()
+            if rec is not None and rec != self.writer.meta.get(key):
+                self.writer.update_meta(**{key: rec})
 
     def _sample_debug_modes(self) -> None:
         """Sample the debugging switches (trainprof.capture.debug_modes) while steps are

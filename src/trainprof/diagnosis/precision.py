@@ -13,9 +13,9 @@ exponent range); the parameters and the optimizer stay float32.
 Evidence: the CPU's flags (the fingerprint's ``cpu.bf16``: ``amx_bf16`` or
 ``avx512_bf16``), and the op count's window, which counts matrix products called from
 Python in float32 on the CPU outside CPU autocast, with their FLOPs. Small products lose:
-the casts cost more than the math saves (on this project's VM 0.3-4 MFLOP products ran
-1.4-1.9x slower in bfloat16, and a tiny GPT of 34 MFLOP products 1.56x slower; only
-products of 128 MFLOP or more count:
+the casts cost more than the math saves (``benchmarks/cpu_bf16.py`` on this project's
+VM: 0.3-4 MFLOP products x1.28-x1.81 in bfloat16; a tiny GPT of 34 MFLOP products ran
+1.56x slower); only products of 128 MFLOP or more count:
 :data:`trainprof.capture.opcount.BIG_MATMUL_FLOPS`). The gain bound is the model's share
 of the step (forward and backward) times ``1 - 1/16`` with AMX, ``1 - 1/2`` with
 AVX-512 BF16, times the large products' share of the FLOPs; without a large product

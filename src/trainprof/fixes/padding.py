@@ -59,7 +59,7 @@ def trimmed(batch: Any, *, pad_value: int | None = None, side: str | None = None
     found = find_padding(batch) if pad_value is None else _given(batch, pad_value, side)
     if found is None:
         return batch, None, 0
-    keep = max(found.length - found.trimmable, min(min_length, found.length))
+    keep = max(found.longest, min(min_length, found.length))
     keep = min(found.length, -(-keep // multiple_of) * multiple_of)
     if keep >= found.length:
         return batch, found, found.length
