@@ -508,8 +508,11 @@ def test_samples_inside_a_sync_are_the_syncs_not_the_loops(tmp_path):
     # ~2 in-sync samples to 1 outside (4 ms of sync, 2 ms of the loop's own), 45:21 here;
     # 26:31 once in a full CI-style run: what tells them apart is the top line, below
     assert other["in_syncs"] >= 10 and other["samples"] >= 10, other
+    # the loop's own line holds most of the samples outside the syncs; a few land on the
+    # .item() line around its sync (a stack is read a moment after the tick that finds
+    # the thread outside a sync): 4 to 2 of 6 in one CI-style run, so a majority, not 80%
     top = other["lines"][0]
-    assert top["line"] == 26 and top["share"] > 0.8, other["lines"]
+    assert top["line"] == 26 and top["share"] > 0.5, other["lines"]
     # of the whole step, over all "other" ticks, those in syncs included (over the rest
     # it would be ~0.9): a share of ~70 ticks (20 a second), binomial SE ~0.055; 0.38 and
     # 0.145 seen in CI-style runs on a busy host, so a wide margin
