@@ -243,3 +243,49 @@ def test_find_unused_parameters_that_found_none_is_named_and_its_knob_turns_it_o
                                          "find_unused_parameters": False}]
     assert _actual("ddp_find_unused_parameters",
                    {"ddp": [{"settings": {"find_unused_parameters": 0}}]}) == "false"
+
+
+class _ModelDroppedWhileRead:
+    """Stands in for a DDP model that the script lets go of while the flush thread reads it
+    (a rank whose all-reduce failed: its frames go as the exception leaves the script)."""
+
+    def __init__(self) -> None:
+        import threading
+        from types import SimpleNamespace
+
+        self.reading, self.dropped = threading.Event(), threading.Event()
+        data = SimpleNamespace(strs_map={"backend_name": "gloo"}, ints_map={"world_size": 2})
+        self.logger = SimpleNamespace(_get_ddp_logging_data=lambda: data)
+
+    def _get_ddp_logging_data(self) -> dict:
+        self.reading.set()
+        self.dropped.wait(5)
+        return {"backend_name": "gloo", "world_size": 2, "iteration": 3,
+                "forward_compute_time": 5, "backward_compute_time": 7}
+
+
+def test_a_model_dropped_while_it_is_read_does_not_deadlock_the_poll():
+    """The poller's reference is then the last one: the model goes, and its callback reads
+    it once more, on the polling thread. That used to wait forever on the lock the poll
+    held, and the record of the run never closed."""
+    import threading
+
+    from trainprof.capture.ddp_stats import DDPStats
+
+    stats = DDPStats()
+    model = _ModelDroppedWhileRead()
+    reading, dropped = model.reading, model.dropped
+    stats.add(model)
+    result: list[bool] = []
+    poller = threading.Thread(target=lambda: result.append(stats.poll()), daemon=True)
+    poller.start()
+    assert reading.wait(5)
+    del model  # the script's reference goes while the poll holds the only other one
+    dropped.set()
+    poller.join(5)
+    assert not poller.is_alive(), "the poll deadlocked on its own lock"
+    assert result == [True]
+    entry = stats.record()[0]
+    assert entry["settings"] == {"backend_name": "gloo", "world_size": 2}
+    assert entry["samples"] == [[3, 5, 7, 0, 0]]
+    assert not stats.poll()  # gone: nothing more to read

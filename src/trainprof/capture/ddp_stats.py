@@ -56,7 +56,13 @@ class DDPStats:
 
     def __init__(self) -> None:
         self._models: list[tuple[weakref.ref[Any], dict[str, Any]]] = []
-        self._lock = threading.Lock()  # polled by the flush thread and the training thread
+        # Polled by the flush thread and the training thread. Reentrant, and never held
+        # across DDP's own calls: a model the script has dropped goes when the poller lets
+        # go of it, or in a garbage collection any allocation may start, on whichever thread
+        # that is - and its callback (``gone``) takes this lock again. With a plain lock, a
+        # run whose model went while the flush thread read it hung at its end (the record
+        # never closed; torchrun killed the rank after 30 s).
+        self._lock = threading.RLock()
         #: how many times something new was kept (the recorder writes when it changes)
         self.version = 0
 
@@ -74,34 +80,44 @@ class DDPStats:
         def gone(_ref: Any, logger: Any = logger, entry: dict[str, Any] = entry) -> None:
             if logger is None:
                 return
-            with contextlib.suppress(Exception), self._lock:
+            try:
                 data = logger._get_ddp_logging_data()
-                changed = self._keep(entry, {**data.strs_map, **data.ints_map})
-                self.version += changed
+                figures = {**data.strs_map, **data.ints_map}
+            except Exception:  # noqa: BLE001 - a reducer torn down: its last poll stands
+                return
+            with self._lock:
+                self.version += self._keep(entry, figures)
 
         with contextlib.suppress(TypeError):  # not weak-referenceable: not followed
             self._models.append((weakref.ref(model, gone), entry))
 
     def poll(self) -> bool:
-        """Read every live model's latest figures; True when something new was kept."""
-        with self._lock:
-            changed = self._poll()
-            self.version += changed
-        return changed
+        """Read every live model's latest figures; True when something new was kept.
 
-    def _poll(self) -> bool:
+        DDP is read outside the lock, and the strong reference to each model is let go
+        outside it too (see ``__init__``).
+        """
         changed = False
         for ref, entry in list(self._models):
-            model = ref()
-            if model is None:
-                continue
-            try:
-                data = model._get_ddp_logging_data()
-            except Exception:  # noqa: BLE001 - an older torch, or a model torn down
-                continue
-            if isinstance(data, dict):
-                changed |= self._keep(entry, data)
+            data = self._read(ref)
+            if data is not None:
+                with self._lock:
+                    kept = self._keep(entry, data)
+                    self.version += kept
+                changed |= kept
         return changed
+
+    @staticmethod
+    def _read(ref: weakref.ref[Any]) -> dict[str, Any] | None:
+        """A live model's logging data (None: gone, torn down, or an older torch)."""
+        model = ref()
+        if model is None:
+            return None
+        try:
+            data = model._get_ddp_logging_data()
+        except Exception:  # noqa: BLE001 - an older torch, or a model torn down
+            return None
+        return data if isinstance(data, dict) else None
 
     @staticmethod
     def _keep(entry: dict[str, Any], data: dict[str, Any]) -> bool:
