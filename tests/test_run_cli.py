@@ -1101,6 +1101,47 @@ def test_a_compiled_model_compiles_once_and_no_dynamo_warning(tp):
     assert doc["breakdown"]["forward"] > 0
 
 
+def test_a_wrap_up_that_hangs_after_sigterm_is_given_up_with_the_threads_stacks(tmp_path):
+    """SIGTERM is held while the record closes, but a close that hangs must not make the
+    process unkillable (torchrun would wait 30 s and SIGKILL it): once the give-up time has
+    passed, trainprof says so with every thread's stack and exits 143. The steps flushed
+    before stay readable. Here the script makes the close hang: it replaces a torch function
+    that the recorder calls while closing with one that sends SIGTERM and sleeps."""
+    write_script(tmp_path, "train.py", """
+        import os, signal, time
+        import torch
+        from torch import nn
+
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for step in range(20):
+            loss = model(torch.randn(8, 4)).sum()
+            opt.zero_grad(); loss.backward(); opt.step()
+        time.sleep(1.5)  # the steps reach the disk (flushed once a second)
+
+        def hang():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(60)
+
+        torch.get_num_threads = hang  # read by trainprof as it closes the record
+    """)
+    launcher = ("import sys, trainprof.held_signals as h; h.GIVE_UP_AFTER_S = 1.0; "
+                "from trainprof.cli import main; sys.exit(main())")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", launcher, "run", "--out", "run", "train.py"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - t0
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert took < 30, took
+    assert ("trainprof: closing the record did not finish within 1 s of SIGTERM; exiting "
+            "without it - where each thread was (a bug: please report it):") in proc.stderr
+    assert "in hang" in proc.stderr and "_training_thread_settings" in proc.stderr  # the stack
+    report = trainprof("report", "--json", "run", cwd=tmp_path)
+    assert report.returncode == 0, report.stderr
+    doc = report.json()  # (left "running" by a process that is gone: read as crashed)
+    assert doc["status"] == "crashed" and doc["steps"]["count"] == 20
+
+
 def test_sigterm_after_the_script_still_gets_the_record_closed_and_the_summary(tp):
     """A launcher stops the ranks that are left as soon as one fails (torchrun: SIGTERM 0.1 s
     after it sees a worker exit), which can land after the script ended, while trainprof

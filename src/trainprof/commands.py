@@ -24,6 +24,7 @@ from trainprof.analysis.steps import complete_steps
 from trainprof.analysis.summary import summarize_run
 from trainprof.capture.tools import build_windows
 from trainprof.errors import UsageError
+from trainprof.held_signals import deferred_sigint, finish_despite_sigterm
 from trainprof.report.json_report import render_json
 from trainprof.report.terminal import render_summary
 from trainprof.store import (
@@ -139,59 +140,6 @@ def stdout_to_stderr() -> Iterator[int]:
         sys.stdout.flush()
         os.dup2(saved, 1)
         os.close(saved)
-
-
-@contextmanager
-def deferred_sigint() -> Iterator[None]:
-    """Hold Ctrl-C while the record is closed, then deliver it.
-
-    A second Ctrl-C (people press it twice) must not leave ``run.json`` half
-    written with status ``running``: closing takes well under a second, so the
-    interrupt waits for it and is raised right after, where the run's record is
-    complete and ``trainprof report`` can read it.
-    """
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    pending: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
-    try:
-        yield
-    finally:  # None: a handler not set from Python; the default is what it did
-        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
-    if pending:
-        raise KeyboardInterrupt
-
-
-@contextmanager
-def finish_despite_sigterm() -> Iterator[list[int]]:
-    """Hold SIGTERM while trainprof wraps up after the script, then exit as planned.
-
-    The script has ended; what is left is trainprof's own wrap-up: closing the record,
-    waiting for the other ranks' records, merging them, printing the summary. A launcher
-    stops the processes that are left as soon as one rank fails (torchrun's agent sends
-    SIGTERM 0.1 s after it sees a worker exit), so without this rank 0 could die half-way
-    and print no merged view of the very failure it was asked about. The signal is noted
-    (the list yields it) and the process exits with the script's own code right after, well
-    within the launcher's grace period (torchrun's: 30 s before SIGKILL). A handler the script
-    installed stays in charge.
-    """
-    import signal
-    import threading
-
-    pending: list[int] = []
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
-        yield pending
-        return
-    signal.signal(signal.SIGTERM, lambda signum, frame: pending.append(signum))
-    try:
-        yield pending
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def run_command(
@@ -343,14 +291,16 @@ def run_command(
         elif summary is not None:
             render_summary(summary)
 
+    # (waiting for other ranks may take a while; a hang there is no bug of the record's)
+    summary_stage = f"the summary (the record is closed: `trainprof report {run_dir}`)"
     if json_out:
         with stdout_to_stderr() as real_stdout:
             outcome = execute()
-            with finish_despite_sigterm() as held:
+            with finish_despite_sigterm(summary_stage, stacks=False) as held:
                 conclude(outcome)
     else:
         outcome = execute()
-        with finish_despite_sigterm() as held:
+        with finish_despite_sigterm(summary_stage, stacks=False) as held:
             conclude(outcome)
     if terminated or held:
         print("trainprof: SIGTERM arrived after the script ended: the record and the summary "
