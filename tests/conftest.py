@@ -181,6 +181,9 @@ class RunServer:
         return json.loads(line)
 
     def close(self) -> None:
+        # the reader made from the socket holds it open too: both, or the server never sees
+        # the end and each session's end waited out the 10 s below per server
+        self.replies.close()
         self.sock.close()
         try:
             self.proc.wait(timeout=10)
@@ -188,18 +191,36 @@ class RunServer:
             self.proc.kill()
 
 
-#: The session's run servers, started when first needed: without and with Dynamo imported.
-_SERVERS: dict[bool, RunServer] = {}
+#: The session's run servers, started when first needed: one per Dynamo import (without,
+#: with) and set of start-up variables (those ``_STARTUP_PREFIXES`` name, as a request's
+#: environment has them).
+_SERVERS: dict[tuple[bool, tuple[tuple[str, str], ...]], RunServer] = {}
+#: Start-up environments asked for once so far: a fresh interpreter served them. A second
+#: request with the same gets a server of its own (the pure-Python clock's tests, say: seven
+#: runs, each otherwise paying an interpreter start and torch's import, about 3 s).
+_ASKED_ONCE: set[tuple[bool, tuple[tuple[str, str], ...]]] = set()
+
+
+def _startup(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((k, v) for k, v in env.items()
+                        if k.startswith(_STARTUP_PREFIXES) and k not in _SET_BY_TORCH))
 
 
 def _run_server(env: dict[str, str], dynamo: bool = False) -> RunServer | None:
-    """The session's run server (``dynamo``: the one with ``torch._dynamo`` imported) if it
-    can run a process with ``env``, else None."""
+    """A run server (``dynamo``: with ``torch._dynamo`` imported) that can run a process with
+    ``env``, or None: the request goes to a fresh interpreter."""
     if os.environ.get("TRAINPROF_TEST_FRESH_PYTHON", "") not in ("", "0"):
         return None
-    server = _SERVERS.get(dynamo)
+    base = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    key = (dynamo, _startup(env))
+    if key[1] != _startup(base):
+        if key not in _SERVERS and key not in _ASKED_ONCE:
+            _ASKED_ONCE.add(key)
+            return None
+        base = env
+    server = _SERVERS.get(key)
     if server is None or server.proc.poll() is not None:
-        server = _SERVERS[dynamo] = RunServer({**os.environ, "PYTHONUNBUFFERED": "1"}, dynamo)
+        server = _SERVERS[key] = RunServer(base, dynamo)
         atexit.register(server.close)
     return server if server.serves(env) else None
 
