@@ -289,3 +289,21 @@ def test_a_model_dropped_while_it_is_read_does_not_deadlock_the_poll():
     assert entry["settings"] == {"backend_name": "gloo", "world_size": 2}
     assert entry["samples"] == [[3, 5, 7, 0, 0]]
     assert not stats.poll()  # gone: nothing more to read
+
+
+def test_the_channels_last_knob_leaves_a_ddp_model_as_built(one_rank):
+    """DDP laid its gradient buckets out for the parameters as they were when it was built:
+    the knob converts neither the wrapper nor the module inside it, and says so."""
+    knobs = Knobs({"channels_last": True}).install()
+    try:
+        model = DDP(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(144, 1)))
+        for _ in range(2):
+            model(torch.randn(2, 3, 8, 8)).sum().backward()
+    finally:
+        record = knobs.uninstall()
+    assert model.module[0].weight.is_contiguous()  # NCHW, as built
+    assert record["process"]["channels_last"] == {
+        "value": True, "modules": 0, "calls": 0, "inputs": 0,
+        "skipped": {"DistributedDataParallel": 2}}
+    meta = {"knobs": {"process": record["process"]}}
+    assert _actual("channels_last", meta) == "true (not applied: DistributedDataParallel)"

@@ -101,6 +101,9 @@ def load_ops(run_dir: Path) -> dict[str, Any] | None:
         "cpu_fp32_matmul_flops_per_step": doc.get("cpu_fp32_matmul_flops_per_step"),
         "cpu_fp32_big_matmul_flops_per_step": doc.get("cpu_fp32_big_matmul_flops_per_step"),
         "cuda_fp32_conv2d_per_step": doc.get("cuda_fp32_conv2d_per_step"),
+        # the CPU's convolution FLOPs, all and NCHW (diagnosis/channels_last_cpu.py)
+        "cpu_conv2d_flops_per_step": doc.get("cpu_conv2d_flops_per_step"),
+        "cpu_nchw_conv2d_flops_per_step": doc.get("cpu_nchw_conv2d_flops_per_step"),
         "float32_matmul_precision": doc.get("float32_matmul_precision"),
         "cudnn_allow_tf32": doc.get("cudnn_allow_tf32"),
         # backward() calls a step: gradient accumulation when > 1 (diagnosis/distributed.py)

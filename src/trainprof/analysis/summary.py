@@ -104,6 +104,9 @@ def _environment(fp: dict[str, Any] | None, training: dict[str, Any] | None) -> 
         "memory_total_bytes": cpu.get("memory_total_bytes"),
         # native bfloat16 instructions (amx_bf16, avx512_bf16; diagnosis/precision.py)
         "cpu_bf16": cpu.get("bf16"),
+        # oneDNN for CPU convolutions (diagnosis/channels_last_cpu.py); "x86_64", "aarch64"
+        "cpu_onednn": torch_info.get("mkldnn"),
+        "machine": (fp.get("platform") or {}).get("machine"),
         "torch_num_threads": (training or {}).get("torch_num_threads")
         or threads.get("torch_num_threads"),
         "cgroup_cpu_limit": cpu.get("cgroup_cpu_limit"),

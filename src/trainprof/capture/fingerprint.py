@@ -187,6 +187,10 @@ def _torch_info(torch: ModuleType, notes: _Notes) -> dict[str, Any]:
         backend = torch.backends.cudnn
         return int(backend.version()) if backend.is_available() else None
 
+    def onednn() -> bool | None:
+        backend = getattr(getattr(torch, "backends", None), "mkldnn", None)
+        return None if backend is None else bool(backend.is_available() and backend.enabled)
+
     return {
         "version": notes.run("torch.version", lambda: str(torch.__version__)),
         "cuda": getattr(version, "cuda", None),
@@ -200,6 +204,8 @@ def _torch_info(torch: ModuleType, notes: _Notes) -> dict[str, Any]:
             "torch.cudnn_benchmark", lambda: bool(torch.backends.cudnn.benchmark)),
         "cudnn_deterministic": notes.run(
             "torch.cudnn_deterministic", lambda: bool(torch.backends.cudnn.deterministic)),
+        # oneDNN, which runs CPU convolutions (and prefers NHWC: diagnosis/channels_last_cpu.py)
+        "mkldnn": notes.run("torch.mkldnn", onednn),
         "hip": getattr(version, "hip", None),
         "debug": getattr(version, "debug", None),
         "git_version": getattr(version, "git_version", None),

@@ -53,7 +53,9 @@ Two kinds of knobs (:data:`KNOBS`):
   runs its function directly, activations kept, no recomputation in backward;
   :mod:`trainprof.capture.checkpointing`) and ``autocast`` (``bf16``: the model's
   calls run under ``torch.autocast`` in bfloat16; ``off``: the same wrapper, autocast
-  disabled; :mod:`trainprof.capture.autocast_knob`).
+  disabled; :mod:`trainprof.capture.autocast_knob`) and ``channels_last`` (the model
+  and its 4-D inputs converted to NHWC, or to NCHW with ``false``, at its outermost
+  calls; :mod:`trainprof.capture.channels_last_knob`).
 * **Environment knobs** (:data:`ENV_KNOBS`): ``omp_wait_policy`` sets
   ``OMP_WAIT_POLICY`` in the child's environment (``trainprof tune`` does, when it
   starts the child): OpenMP reads it when torch loads its runtime, before anything in
@@ -85,7 +87,7 @@ from typing import Any
 
 import orjson
 
-from trainprof.capture import autocast_knob
+from trainprof.capture import autocast_knob, channels_last_knob
 from trainprof.capture.explicit_gc import ExplicitCollects
 from trainprof.errors import UsageError
 
@@ -227,6 +229,9 @@ KNOBS: dict[str, KnobSpec] = {
         KnobSpec("autocast", "process", autocast_knob.parse,
                  "the model's calls under torch.autocast: bf16 (mixed precision, no loss "
                  "scaling needed) or off (the same wrapper, full precision)"),
+        KnobSpec("channels_last", "process", _bool,
+                 "the model and its 4-D inputs in NHWC memory format at its outermost calls "
+                 "(false: NCHW, the same wrapper)"),
         KnobSpec("activation_checkpointing", "process", _bool,
                  "torch.utils.checkpoint (false: each checkpointed function runs directly, "
                  "its activations kept: no recomputation in backward, more memory)"),
@@ -372,6 +377,10 @@ class Knobs:
         if self.overrides.get("autocast"):
             entry = self.process["autocast"] = {}
             self._restore.append(autocast_knob.install(str(self.overrides["autocast"]), entry))
+        if self.overrides.get("channels_last") is not None:
+            entry = self.process["channels_last"] = {}
+            self._restore.append(channels_last_knob.install(
+                bool(self.overrides["channels_last"]), entry))
         if self.overrides.get("activation_checkpointing") is False:
             self._install_no_checkpointing()
         elif self.overrides.get("activation_checkpointing") is not None:

@@ -119,6 +119,37 @@ def _matmul_flops(called: str, args: tuple[Any, ...]) -> float | None:
         return None
 
 
+def _pair(value: Any) -> tuple[int, int]:
+    return (int(value[0]), int(value[1])) if isinstance(value, list | tuple) else (
+        int(value), int(value))
+
+
+def _conv2d_flops(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> float | None:
+    """2 N H_out W_out x (the weight's elements) of a ``torch.conv2d`` call: its
+    multiply-adds, from the shapes (torch's Conv2d documentation gives H_out); None when not
+    told (a string padding other than "same"/"valid", a batch-less input)."""
+    kw = kwargs or {}
+    names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+    given = dict(zip(names, args, strict=False)) | kw
+    try:
+        x, w = given["input"], given["weight"]
+        if x.dim() != 4:
+            return None
+        stride, dilation = _pair(given.get("stride", 1)), _pair(given.get("dilation", 1))
+        padding = given.get("padding", 0)
+        kh, kw_ = int(w.shape[2]), int(w.shape[3])
+        h, wd = int(x.shape[2]), int(x.shape[3])
+        if padding == "same":
+            h_out, w_out = h, wd
+        else:
+            ph, pw = (0, 0) if padding == "valid" else _pair(padding)
+            h_out = (h + 2 * ph - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+            w_out = (wd + 2 * pw - dilation[1] * (kw_ - 1) - 1) // stride[1] + 1
+        return 2.0 * int(x.shape[0]) * max(h_out, 0) * max(w_out, 0) * w.numel()
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError):
+        return None
+
+
 def _autocast_on(device_type: str) -> bool:
     """Autocast is on for ``device_type`` here (its matmuls run in 16 bits, not TF32)."""
     import torch
@@ -228,6 +259,8 @@ class OpCountTool:
         self._started_at: int | None = None
         #: conv2d calls, and those with a channels_last input or weight (diagnosis/device.py)
         self.conv2d = [0, 0]
+        #: FLOPs of the CPU's conv2d calls, and of those in NCHW (diagnosis/channels_last_cpu.py)
+        self.cpu_conv2d_flops = [0.0, 0.0]
         #: calls writing zeros into gradients inside a zero_grad, and their bytes
         #: (diagnosis/zero_grad.py)
         self.zeroing = [0, 0]
@@ -274,11 +307,17 @@ class OpCountTool:
                 called = _func_name(func)
                 if func is conv2d:  # F.conv2d is torch.conv2d: NCHW or NHWC (channels_last)?
                     tool.conv2d[0] += 1
-                    tool.conv2d[1] += any(
+                    nhwc = any(
                         isinstance(t, torch.Tensor) and t.dim() == 4 and not t.is_contiguous()
                         and t.is_contiguous(memory_format=channels_last) for t in args[:2])
+                    tool.conv2d[1] += nhwc
                     if args and _is_cuda_fp32(args[0]):
                         tool.cuda_fp32_conv2d += 1
+                    elif args and isinstance(args[0], torch.Tensor) and not args[0].is_cuda:
+                        flops = _conv2d_flops(args, kwargs)
+                        if flops is not None:
+                            tool.cpu_conv2d_flops[0] += flops
+                            tool.cpu_conv2d_flops[1] += 0.0 if nhwc else flops
                 elif called in _MATMULS:
                     tool.matmuls[0] += 1
                     arg = _first_tensor(args)
@@ -387,6 +426,9 @@ class OpCountTool:
             "cpu_fp32_matmul_flops_per_step": self.cpu_fp32_flops[0] / self.steps,
             "cpu_fp32_big_matmul_flops_per_step": self.cpu_fp32_flops[1] / self.steps,
             "cuda_fp32_conv2d_per_step": self.cuda_fp32_conv2d / self.steps,
+            # forward FLOPs of the CPU's convolutions, and of those in NCHW
+            "cpu_conv2d_flops_per_step": self.cpu_conv2d_flops[0] / self.steps,
+            "cpu_nchw_conv2d_flops_per_step": self.cpu_conv2d_flops[1] / self.steps,
             "backward_per_step": self.backward / self.steps,
             "packed_sequences_per_step": self.packed_sequences / self.steps,
             **self.tf32_settings,

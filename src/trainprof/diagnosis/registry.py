@@ -46,6 +46,7 @@ FAMILIES: tuple[str, ...] = (
     "padding",
     "checkpointing",
     "precision",
+    "channels_last_cpu",
     "sync",
     "noise",
     "python_loop",
