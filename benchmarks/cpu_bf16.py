@@ -15,7 +15,6 @@ interval. Run it on a CPU with AVX-512 BF16 or AMX (``grep -o 'avx512_bf16\\|amx
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import interleaved, ratio_line  # noqa: E402
+from overhead import arm_arguments, compare_arms  # noqa: E402
 
 #: (width, batch): forward products from 0.3 to 1,074 MFLOP
 CASES = ((64, 32), (256, 32), (256, 256), (512, 64), (1024, 64), (1024, 256), (2048, 128))
@@ -44,13 +43,7 @@ def step_time(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=12)
-    ap.add_argument("--steps", type=int, default=5, help="training steps per block")
-    ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's)")
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = arm_arguments(__doc__)
     flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
     native = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), native bfloat16: "
@@ -61,16 +54,11 @@ def main() -> None:
                               nn.ReLU(), nn.Linear(width, 10))
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         x, y = torch.randn(batch, width), torch.randint(0, 10, (batch,))
-        for bf16 in (False, True):
-            step_time(model, opt, x, y, bf16, 2)  # warm
-        times = interleaved(
-            ["float32", "bf16"], args.rounds,
-            lambda arm, m=model, o=opt, x=x, y=y: step_time(m, o, x, y, arm == "bf16",
-                                                           args.steps))
-        base = sorted(times["float32"])[len(times["float32"]) // 2]
-        print(f"W={width:<5} B={batch:<4} {2 * batch * width * width / 1e6:7.1f} MFLOP a "
-              f"product, float32 {base * 1e3:.2f} ms a step")
-        print(ratio_line("bf16", times, "float32", "float32"))
+        compare_arms(
+            f"W={width} B={batch}, {2 * batch * width * width / 1e6:.1f} MFLOP a product",
+            {"float32": lambda n, m=model, o=opt, x=x, y=y: step_time(m, o, x, y, False, n),
+             "bf16": lambda n, m=model, o=opt, x=x, y=y: step_time(m, o, x, y, True, n)},
+            args)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,7 @@ as the median per-round ratio to NCHW with a 95% bootstrap interval.
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,7 +22,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import interleaved, ratio_line  # noqa: E402
+from overhead import arm_arguments, compare_arms, training_steps  # noqa: E402
 
 
 def plain(c: int) -> nn.Module:
@@ -68,41 +66,19 @@ def arm(make: Callable[[int], nn.Module], c: int, side: int, batch: int,
     model = make(c).to(memory_format=fmt)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(batch, 3, side, side).contiguous(memory_format=fmt)
-    y = torch.randint(0, 10, (batch,))
-
-    def run(steps: int) -> float:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            loss = nn.functional.cross_entropy(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        return (time.perf_counter() - t0) / steps
-
-    return run
+    return training_steps(model, opt, x, torch.randint(0, 10, (batch,)))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=12)
-    ap.add_argument("--steps", type=int, default=5, help="training steps per block")
-    ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's)")
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = arm_arguments(__doc__)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), oneDNN "
           f"{'on' if torch.backends.mkldnn.is_available() else 'off'}; {args.rounds} rounds of "
           f"{args.steps} steps per arm")
     for make, c, side, batch in CASES:
-        arms = {"NCHW": arm(make, c, side, batch, False), "NHWC": arm(make, c, side, batch, True)}
-        for run in arms.values():
-            run(2)  # warm: oneDNN builds its primitives on the first calls
-        times = interleaved(["NCHW", "NHWC"], args.rounds,
-                            lambda name, arms=arms: arms[name](args.steps))
-        base = sorted(times["NCHW"])[len(times["NCHW"]) // 2]
-        print(f"{make.__name__:<9} C={c:<4} {side}x{side} B={batch:<3} NCHW "
-              f"{base * 1e3:.2f} ms a step")
-        print(ratio_line("NHWC", times, "NCHW", "NCHW"))
+        # (warm: oneDNN builds its primitives on the first calls)
+        compare_arms(f"{make.__name__} C={c} {side}x{side} B={batch}",
+                     {"NCHW": arm(make, c, side, batch, False),
+                      "NHWC": arm(make, c, side, batch, True)}, args)
 
 
 if __name__ == "__main__":

@@ -135,6 +135,49 @@ def ratio_line(arm: str, times: dict[str, list[float]], base: str, label: str) -
             f"(95% CI ×{1 + lo / 100:.2f}–×{1 + hi / 100:.2f})")
 
 
+def arm_arguments(doc: str, rounds: int = 12, steps: int = 5) -> argparse.Namespace:
+    """``--rounds``, ``--steps`` and ``--threads`` of the side-by-side benchmarks (the
+    thread count is set here); the description is the docstring's first line."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--steps", type=int, default=steps, help="training steps per block")
+    ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args
+
+
+def training_steps(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+                   y: torch.Tensor) -> Callable[[int], float]:
+    """``steps -> mean seconds per step`` of a cross-entropy training step on one batch."""
+
+    def run(steps: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return (time.perf_counter() - t0) / steps
+
+    return run
+
+
+def compare_arms(title: str, arms: dict[str, Callable[[int], float]], args: argparse.Namespace,
+                 warm: int = 2) -> None:
+    """Warm each arm, time them side by side in shuffled rounds, and print the first arm's
+    median step under ``title``, then every other arm's ratio to it."""
+    base = next(iter(arms))
+    for run in arms.values():
+        run(warm)
+    times = interleaved(list(arms), args.rounds, lambda name: arms[name](args.steps))
+    median = sorted(times[base])[len(times[base]) // 2]
+    print(f"{title}: {base} {median * 1e3:.2f} ms a step")
+    for name in list(arms)[1:]:
+        print(ratio_line(name, times, base, base))
+
+
 def start_recorder(run_dir: Path, *, workers: bool = True, sampler: bool = True) -> Recorder:
     """The always-on capture as ``trainprof run`` starts it (less the one-off fingerprint).
 

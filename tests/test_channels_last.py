@@ -177,3 +177,22 @@ def test_nhwc_no_onednn_cuda_or_an_input_bound_loop_get_nothing():
     summary, steps = _summary()
     summary["ops"] = None  # no op-count window
     assert not _findings(summary, steps)
+
+
+def test_model_knobs_stack_and_come_off_in_order():
+    """autocast, channels_last and float32 each wrap the outermost calls: set together, a
+    call goes through all three, and uninstalling restores torch's own __call__."""
+    call = nn.Module.__dict__["__call__"]
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).double()
+    knobs = Knobs({"autocast": "bf16", "channels_last": True, "float32": True}).install()
+    try:
+        out = model(torch.randn(2, 3, 8, 8, dtype=torch.float64))
+    finally:
+        record = knobs.uninstall()
+    assert nn.Module.__dict__["__call__"] is call
+    assert out.dtype is torch.bfloat16 and out.is_contiguous(memory_format=torch.channels_last)
+    assert model[0].weight.dtype is torch.float32
+    process = record["process"]
+    assert process["autocast"]["calls"] == process["channels_last"]["calls"] == 1
+    assert process["float32"] == {"value": True, "modules": 1, "calls": 1, "inputs": 1,
+                                  "skipped": {}}

@@ -101,6 +101,11 @@ def load_ops(run_dir: Path) -> dict[str, Any] | None:
         "cpu_fp32_matmul_flops_per_step": doc.get("cpu_fp32_matmul_flops_per_step"),
         "cpu_fp32_big_matmul_flops_per_step": doc.get("cpu_fp32_big_matmul_flops_per_step"),
         "cuda_fp32_conv2d_per_step": doc.get("cuda_fp32_conv2d_per_step"),
+        # products' and convolutions' FLOPs, all and float64 (diagnosis/float64.py)
+        "matmul_conv_flops_per_step": doc.get("matmul_conv_flops_per_step"),
+        "float64_matmul_flops_per_step": doc.get("float64_matmul_flops_per_step"),
+        "float64_conv_flops_per_step": doc.get("float64_conv_flops_per_step"),
+        "float64_matmul_conv_per_step": doc.get("float64_matmul_conv_per_step"),
         # the CPU's convolution FLOPs, all and NCHW (diagnosis/channels_last_cpu.py)
         "cpu_conv2d_flops_per_step": doc.get("cpu_conv2d_flops_per_step"),
         "cpu_nchw_conv2d_flops_per_step": doc.get("cpu_nchw_conv2d_flops_per_step"),

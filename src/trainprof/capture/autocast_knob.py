@@ -8,26 +8,26 @@ and the optimizer step, which no knob can add to a script safely, so it is not
 offered). Hardware decides the gain: tensor cores on a GPU (Ampere or newer for bf16),
 AVX-512 BF16 or AMX on a CPU (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``).
 
-How: ``nn.Module.__call__`` is wrapped. An outermost module call (no module call of
-the same thread under way) enters ``torch.autocast(device_type, dtype=torch.bfloat16)``
-for the device of the module's first parameter (the CPU for a module without one), so
-the model's forward and the loss modules called beside it run as under ``with
-torch.autocast(...)``; the backward runs each op in the dtype its forward chose, as
-autocast's own documentation asks. A loss computed by a function outside any module
-(``F.cross_entropy(model(x), y)``) sees bfloat16 outputs. The parameters, gradients
-and optimizer stay float32.
+How: an outermost module call (no module call of the same thread under way;
+:mod:`trainprof.capture.outermost_calls`) enters ``torch.autocast(device_type,
+dtype=torch.bfloat16)`` for the device of the module's first parameter (the CPU for a
+module without one), so the model's forward and the loss modules called beside it run as
+under ``with torch.autocast(...)``; the backward runs each op in the dtype its forward
+chose, as autocast's own documentation asks. A loss computed by a function outside any
+module (``F.cross_entropy(model(x), y)``) sees bfloat16 outputs. The parameters,
+gradients and optimizer stay float32.
 
 ``off`` installs the same wrapper with autocast disabled: the Python it adds to every
 module call (a thread-local read, about a microsecond for the outermost call) is paid
-by both arms, so ``--knob autocast=off,bf16`` compares the precision alone. Calls made
-while Dynamo compiles go straight through.
+by both arms, so ``--knob autocast=off,bf16`` compares the precision alone.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
+
+from trainprof.capture import outermost_calls
 
 #: Values of the knob: autocast disabled (same wrapper), bfloat16.
 VALUES = ("off", "bf16")
@@ -43,40 +43,29 @@ def parse(text: str) -> str:
 
 
 def install(value: str, record: dict[str, Any]) -> Callable[[], None]:
-    """Wrap ``nn.Module.__call__``; returns the function that undoes it.
+    """Hook the model's outermost calls (:mod:`trainprof.capture.outermost_calls`); returns
+    the function that undoes it.
 
     ``record`` (the knob's entry in run.json) gets ``value``, ``calls`` (outermost module
     calls made under the knob) and ``device_types`` (their count per device type).
     """
     import torch
-    from torch import nn
-    from torch.compiler import is_compiling
 
-    original = nn.Module.__dict__["__call__"]
     enabled = value == "bf16"
-    local = threading.local()
     record.update(value=value, calls=0, device_types={})
     devices: dict[str, int] = record["device_types"]
 
-    def __call__(module: Any, /, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
-        if getattr(local, "depth", 0) or is_compiling():
-            return original(module, *args, **kwargs)
+    def hook(module: Any, call: Callable[..., Any], args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> Any:
         param = next(module.parameters(), None)
         device = param.device.type if param is not None else "cpu"
-        local.depth = 1
         try:
             if device not in _AUTOCAST_DEVICES:
-                return original(module, *args, **kwargs)
+                return call(*args, **kwargs)
             with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=enabled):
-                return original(module, *args, **kwargs)
+                return call(*args, **kwargs)
         finally:
-            local.depth = 0
             record["calls"] += 1
             devices[device] = devices.get(device, 0) + 1
 
-    nn.Module.__call__ = __call__  # type: ignore[method-assign]
-
-    def undo() -> None:
-        nn.Module.__call__ = original  # type: ignore[method-assign]
-
-    return undo
+    return outermost_calls.install(hook)

@@ -55,7 +55,9 @@ Two kinds of knobs (:data:`KNOBS`):
   calls run under ``torch.autocast`` in bfloat16; ``off``: the same wrapper, autocast
   disabled; :mod:`trainprof.capture.autocast_knob`) and ``channels_last`` (the model
   and its 4-D inputs converted to NHWC, or to NCHW with ``false``, at its outermost
-  calls; :mod:`trainprof.capture.channels_last_knob`).
+  calls; :mod:`trainprof.capture.channels_last_knob`) and ``float32`` (a float64 model and
+  its float64 inputs converted to float32 at its outermost calls;
+  :mod:`trainprof.capture.float32_knob`).
 * **Environment knobs** (:data:`ENV_KNOBS`): ``omp_wait_policy`` sets
   ``OMP_WAIT_POLICY`` in the child's environment (``trainprof tune`` does, when it
   starts the child): OpenMP reads it when torch loads its runtime, before anything in
@@ -87,7 +89,7 @@ from typing import Any
 
 import orjson
 
-from trainprof.capture import autocast_knob, channels_last_knob
+from trainprof.capture import autocast_knob, channels_last_knob, float32_knob
 from trainprof.capture.explicit_gc import ExplicitCollects
 from trainprof.errors import UsageError
 
@@ -232,6 +234,9 @@ KNOBS: dict[str, KnobSpec] = {
         KnobSpec("channels_last", "process", _bool,
                  "the model and its 4-D inputs in NHWC memory format at its outermost calls "
                  "(false: NCHW, the same wrapper)"),
+        KnobSpec("float32", "process", _bool,
+                 "a float64 model and its float64 inputs in float32 at its outermost calls "
+                 "(false: the same wrapper, nothing converted)"),
         KnobSpec("activation_checkpointing", "process", _bool,
                  "torch.utils.checkpoint (false: each checkpointed function runs directly, "
                  "its activations kept: no recomputation in backward, more memory)"),
@@ -381,6 +386,9 @@ class Knobs:
             entry = self.process["channels_last"] = {}
             self._restore.append(channels_last_knob.install(
                 bool(self.overrides["channels_last"]), entry))
+        if self.overrides.get("float32") is not None:
+            entry = self.process["float32"] = {}
+            self._restore.append(float32_knob.install(bool(self.overrides["float32"]), entry))
         if self.overrides.get("activation_checkpointing") is False:
             self._install_no_checkpointing()
         elif self.overrides.get("activation_checkpointing") is not None:

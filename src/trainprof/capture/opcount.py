@@ -261,6 +261,11 @@ class OpCountTool:
         self.conv2d = [0, 0]
         #: FLOPs of the CPU's conv2d calls, and of those in NCHW (diagnosis/channels_last_cpu.py)
         self.cpu_conv2d_flops = [0.0, 0.0]
+        #: FLOPs of every matrix product and convolution whose shapes tell them, and of the
+        #: products and the convolutions in float64 (diagnosis/float64.py); the float64 calls
+        self.flops = [0.0, 0.0, 0.0]
+        self.float64_calls = 0
+        self._float64: Any = None  # torch.float64, once torch is imported
         #: calls writing zeros into gradients inside a zero_grad, and their bytes
         #: (diagnosis/zero_grad.py)
         self.zeroing = [0, 0]
@@ -292,6 +297,7 @@ class OpCountTool:
 
         conv2d, channels_last = torch.conv2d, torch.channels_last
         float32 = torch.float32
+        tool._float64 = torch.float64
 
         def _is_cuda_fp32(t: Any) -> bool:
             return (isinstance(t, torch.Tensor) and t.dtype is float32 and t.is_cuda
@@ -311,21 +317,23 @@ class OpCountTool:
                         isinstance(t, torch.Tensor) and t.dim() == 4 and not t.is_contiguous()
                         and t.is_contiguous(memory_format=channels_last) for t in args[:2])
                     tool.conv2d[1] += nhwc
+                    flops = _conv2d_flops(args, kwargs)
+                    tool.count_flops(args[0] if args else None, flops, True)
                     if args and _is_cuda_fp32(args[0]):
                         tool.cuda_fp32_conv2d += 1
-                    elif args and isinstance(args[0], torch.Tensor) and not args[0].is_cuda:
-                        flops = _conv2d_flops(args, kwargs)
-                        if flops is not None:
-                            tool.cpu_conv2d_flops[0] += flops
-                            tool.cpu_conv2d_flops[1] += 0.0 if nhwc else flops
+                    elif (flops is not None and isinstance(args[0], torch.Tensor)
+                          and not args[0].is_cuda):
+                        tool.cpu_conv2d_flops[0] += flops
+                        tool.cpu_conv2d_flops[1] += 0.0 if nhwc else flops
                 elif called in _MATMULS:
                     tool.matmuls[0] += 1
                     arg = _first_tensor(args)
+                    flops = _matmul_flops(called, args)
+                    tool.count_flops(arg, flops, False)
                     if arg is not None and _is_cuda_fp32(arg):
                         tool.matmuls[1] += 1
                     elif arg is not None and _is_cpu_fp32(arg):
                         tool.matmuls[2] += 1
-                        flops = _matmul_flops(called, args)
                         if flops is not None:
                             tool.cpu_fp32_flops[0] += flops
                             if flops >= BIG_MATMUL_FLOPS:
@@ -381,6 +389,16 @@ class OpCountTool:
         return _Count()
 
     # -- WindowTool ------------------------------------------------------------
+    def count_flops(self, first: Any, flops: float | None, conv: bool) -> None:
+        """A product's or convolution's FLOPs (None: its shapes did not tell them), and
+        whether it ran in float64 (its first tensor's dtype)."""
+        if getattr(first, "dtype", None) is self._float64:
+            self.float64_calls += 1
+            if flops is not None:
+                self.flops[2 if conv else 1] += flops
+        if flops is not None:
+            self.flops[0] += flops
+
     def start(self, step: int) -> None:
         if torch_compile_in_use():
             # A compiled model would recompile for the mode (Dynamo guards on the mode
@@ -426,6 +444,11 @@ class OpCountTool:
             "cpu_fp32_matmul_flops_per_step": self.cpu_fp32_flops[0] / self.steps,
             "cpu_fp32_big_matmul_flops_per_step": self.cpu_fp32_flops[1] / self.steps,
             "cuda_fp32_conv2d_per_step": self.cuda_fp32_conv2d / self.steps,
+            # forward FLOPs of the products and convolutions, all and float64 ones
+            "matmul_conv_flops_per_step": self.flops[0] / self.steps,
+            "float64_matmul_flops_per_step": self.flops[1] / self.steps,
+            "float64_conv_flops_per_step": self.flops[2] / self.steps,
+            "float64_matmul_conv_per_step": self.float64_calls / self.steps,
             # forward FLOPs of the CPU's convolutions, and of those in NCHW
             "cpu_conv2d_flops_per_step": self.cpu_conv2d_flops[0] / self.steps,
             "cpu_nchw_conv2d_flops_per_step": self.cpu_conv2d_flops[1] / self.steps,

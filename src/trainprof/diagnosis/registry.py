@@ -47,6 +47,7 @@ FAMILIES: tuple[str, ...] = (
     "checkpointing",
     "precision",
     "channels_last_cpu",
+    "float64",
     "sync",
     "noise",
     "python_loop",

@@ -435,15 +435,19 @@ def _actual(knob: str, meta: dict[str, Any]) -> str:
         n, where = int(rec.get("calls") or 0), "/".join(rec.get("device_types") or {})
         return (f"{rec.get('value')} ({_plural(n, 'model call')}{', ' + where if where else ''})"
                 if n else f"{rec.get('value')} (no model call)")
-    if knob == "channels_last":
-        # the knob's own count (trainprof.capture.channels_last_knob)
-        rec = process.get("channels_last")
+    if knob in ("channels_last", "float32"):
+        # the knob's own count (trainprof.capture.channels_last_knob, float32_knob)
+        rec = process.get(knob)
         if not isinstance(rec, dict):
             return "script's"
         value = _text(rec.get("value"))
         if not rec.get("modules"):
             skipped = ", ".join(rec.get("skipped") or {})
-            return f"{value} (not applied: {skipped})" if skipped else f"{value} (no model call)"
+            if skipped:
+                return f"{value} (not applied: {skipped})"
+            if knob == "float32" and rec.get("calls"):
+                return f"{value} (no float64 model)" if rec.get("value") else value
+            return f"{value} (no model call)"
         return (f"{value} ({_plural(int(rec['modules']), 'module')} converted, "
                 f"{_plural(int(rec.get('inputs') or 0), 'input')})")
     if knob == "activation_checkpointing":
