@@ -10,6 +10,7 @@ import torch
 from test_diagnosis import MS, make_steps, make_summary
 from torch import nn
 
+from trainprof.analysis.compare import compare_runs
 from trainprof.capture import channels_last_knob
 from trainprof.capture.knobs import ENV_VAR, Knobs, parse_value
 from trainprof.capture.opcount import _conv2d_flops
@@ -81,6 +82,11 @@ def test_a_cpu_conv_net_in_nchw_gets_channels_last_and_the_knob_clears_it(tp):
     assert meta["knobs"]["process"]["channels_last"] == {
         "value": True, "modules": 1, "calls": 30, "inputs": 30, "skipped": {}}
     assert tune_mod._actual("channels_last", meta) == "true (1 module converted, 30 inputs)"
+    # trainprof compare names the change in how the model computed
+    diff = compare_runs(load_run(res.run_dir), load_run(knobbed.run_dir))["environment_diff"]
+    (fact,) = [d for d in diff if d["key"] == "model.convolutions_nhwc"]
+    assert (fact["a"], fact["b"], fact["acts_on"] in ("forward", "backward")) == (
+        "0%", "100%", True)
 
 
 def test_the_knob_converts_in_place_both_ways_and_is_undone():

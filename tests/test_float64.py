@@ -10,6 +10,7 @@ import torch
 from test_diagnosis import MS, make_steps, make_summary
 from torch import nn
 
+from trainprof.analysis.compare import compare_runs
 from trainprof.capture.knobs import ENV_VAR, Knobs, parse_value
 from trainprof.diagnosis import diagnose
 from trainprof.diagnosis.float64 import CPU_SPEEDUP
@@ -77,6 +78,11 @@ def test_a_float64_model_is_found_and_the_knob_runs_it_in_float32(tp):
     assert meta["knobs"]["process"]["float32"] == {
         "value": True, "modules": 1, "calls": 60, "inputs": 60, "skipped": {}}
     assert tune_mod._actual("float32", meta) == "true (1 module converted, 60 inputs)"
+    # trainprof compare names the change in how the model computed
+    diff = compare_runs(load_run(res.run_dir), load_run(knobbed.run_dir))["environment_diff"]
+    (fact,) = [d for d in diff if d["key"] == "model.flops_float64"]
+    assert (fact["a"], fact["b"], fact["category"]) == ("100%", "0%", "model")
+    assert not [d for d in diff if d["key"] == "model.convolutions_nhwc"]  # (none: no conv)
 
 
 def test_the_knob_leaves_other_dtypes_and_false_converts_nothing():

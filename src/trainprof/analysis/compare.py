@@ -57,6 +57,7 @@ from __future__ import annotations
 import difflib
 import math
 import shlex
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -94,6 +95,7 @@ COMPUTE = ("forward", "backward", "optimizer")
 CATEGORIES = (
     "dataloader",
     "optimizer",
+    "model",
     "eval",
     "torch_cuda",
     "gpu",
@@ -278,6 +280,35 @@ def _eval_autograd(rec: Any) -> str | None:
     return "off" if on or off else None
 
 
+def _pct_of(part: Any, whole: Any) -> str | None:
+    if not isinstance(part, int | float) or not isinstance(whole, int | float) or whole <= 0:
+        return None
+    return f"{part / whole * 100:.0f}%"
+
+
+def _model_facts(run: Run) -> dict[str, str]:
+    """How the model computed, from the op count's window (``ops.json``): the shares that
+    the model-level fixes change - convolutions in NHWC (channels_last), FLOPs in float64,
+    matrix products in float32 outside autocast. Empty without a window."""
+    from trainprof.analysis.ops import load_ops
+
+    ops = load_ops(Path(run.path))
+    if not ops:
+        return {}
+    facts = {
+        "model.convolutions_nhwc": _pct_of(ops.get("conv2d_channels_last_per_step"),
+                                           ops.get("conv2d_per_step")),
+        "model.flops_float64": _pct_of(
+            (ops.get("float64_matmul_flops_per_step") or 0.0)
+            + (ops.get("float64_conv_flops_per_step") or 0.0),
+            ops.get("matmul_conv_flops_per_step")),
+        "model.matmuls_float32_outside_autocast": _pct_of(
+            (ops.get("cpu_fp32_matmul_per_step") or 0.0)
+            + (ops.get("cuda_fp32_matmul_per_step") or 0.0), ops.get("matmul_per_step")),
+    }
+    return {k: v for k, v in facts.items() if v is not None}
+
+
 def _facts(run: Run) -> tuple[dict[str, tuple[str, Any]], bool]:
     """Flat ``key -> (category, value)`` of everything about a run that could change its speed.
 
@@ -313,6 +344,8 @@ def _facts(run: Run) -> tuple[dict[str, tuple[str, Any]], bool]:
     mode = _eval_autograd(meta.get("eval_autograd"))
     if mode is not None:
         put("eval_mode.autograd", "eval", mode)
+    for key, value in _model_facts(run).items():
+        put(key, "model", value)
     command = meta.get("command") or fp.get("command")
     if command:
         # The interpreter path is python.executable; the rest is what the user typed.
@@ -391,6 +424,10 @@ def _weights(category: str, key: str, cpu_compute: bool) -> dict[str, float]:
             p["data_wait"] = 1.0
         elif key.endswith(".num_workers") and cpu_compute:
             setp(0.4, *COMPUTE)  # workers compete with the model's threads for cores
+    elif category == "model":
+        setp(0.1, *BREAKDOWN_KEYS)
+        setp(1.0, "forward", "backward")  # the model's own math
+        p["optimizer"] = 0.5 if key.endswith("float64") else 0.1  # (the parameters' bytes)
     elif category == "eval":
         setp(0.1, *BREAKDOWN_KEYS)
         p["forward"] = 1.0  # the eval calls are timed as forward
@@ -471,6 +508,8 @@ def environment_diff(
     notes = [f"run {side} has no environment fingerprint: only its settings and command line "
              "are compared" for side, has in (("A", fp_a), ("B", fp_b)) if not has]
     keys = set(fa) | set(fb) if fp_a and fp_b else set(fa) & set(fb)
+    # how the model computed is known only where both runs had an op-count window
+    keys = {k for k in keys if not k.startswith("model.") or (k in fa and k in fb)}
     items = []
     for key in sorted(keys):
         cat_a, va = fa.get(key, (None, None))
