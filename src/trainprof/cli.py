@@ -222,6 +222,30 @@ def build_parser() -> _Parser:
                            "machine, one after another. Needs trainprof[slurm] and a folder "
                            "the nodes share")
 
+    verify = sub.add_parser(
+        "verify",
+        help="measure a run's finding: its fix's knob under trainprof tune, on the run's "
+             "own command, against the finding's estimate",
+        epilog="examples:\n  trainprof verify trainprof-runs/20261127-170000-train"
+               "          # the first finding with a knob\n"
+               "  trainprof verify RUN_DIR --finding 2 --trials 5\n\n"
+               "The verdict: confirmed (significantly faster, within the finding's bound), "
+               "beyond the bound\n(faster than the estimate allowed), not confirmed (no "
+               "significant difference) or refuted\n(slower). The trials and verify.json go "
+               "to --out (default: ./trainprof-runs/<time>-verify-<name>/).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    verify.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run folder")
+    verify.add_argument("--finding", type=_positive_int, metavar="N",
+                        help="the finding's number as printed (default: the first whose "
+                             "verify line has a knob)")
+    verify.add_argument("--steps", type=_positive_int, metavar="N",
+                        help="steps per trial (default: the verify line's, else 60)")
+    verify.add_argument("--trials", type=_positive_int, default=3, metavar="K",
+                        help="trials per value, run in shuffled rounds (default: 3)")
+    verify.add_argument("--out", type=Path, metavar="DIR", help="the trials' runs")
+    verify.add_argument("--json", action="store_true", help="print one JSON document")
+
     export = sub.add_parser("export", help="export a run for other tools")
     export.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run folder")
     export.add_argument("--perfetto", type=Path, metavar="PATH",
@@ -392,6 +416,11 @@ def _dispatch(argv: list[str]) -> int:
 
         return compare_command(ns.run_a, ns.run_b, json_out=ns.json, html=ns.html,
                                fail_if_slower=ns.fail_if_slower)
+    if ns.command == "verify":
+        from trainprof.experiments.verify import verify_command
+
+        return verify_command(ns.run_dir, finding=ns.finding, steps=ns.steps,
+                              trials=ns.trials, out=ns.out, json_out=ns.json)
     if ns.command == "export":
         from trainprof.commands import export_command
 

@@ -520,6 +520,23 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
     # Findings go below the table, at full width: fix snippets must not wrap inside a cell.
     for i, f in enumerate(findings, 1):
         _print_finding(console, i, f)
+    _print_verify_hint(console, summary, findings)
+
+
+def _print_verify_hint(console: Console, summary: dict[str, Any],
+                       findings: list[dict[str, Any]]) -> None:
+    """The command that measures the first fix a knob can apply (``trainprof verify``), for
+    a single-process run (a launch's command is one rank's)."""
+    run_dir = summary.get("run_dir")
+    if not run_dir or summary.get("ranks"):
+        return
+    for i, f in enumerate(findings, 1):
+        if "trainprof tune --knob" in str(f.get("verify") or ""):
+            which = "" if i == 1 else f" --finding {i}"
+            console.print(Text(f"\nMeasure finding {i}'s fix: trainprof verify {run_dir}{which}"
+                               "  (its knob on this script, against its estimate)",
+                               style="bold cyan"), soft_wrap=False)
+            return
 
 
 _TB_LABELS = {"Kernel": "kernel", "Memcpy": "memcpy", "Memset": "memset",

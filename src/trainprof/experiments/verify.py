@@ -1,0 +1,173 @@
+"""``trainprof verify RUN_DIR``: measure a finding's fix on the run's own command.
+
+Every finding ends with a way to prove it, usually a ``trainprof tune --knob ...`` line: the
+knob applies the fix to the unmodified script (more workers, channels_last, float32, ...).
+``verify`` takes that line from a recorded run's finding, runs the run's own command (its
+script or module, its arguments, from the folder it ran in) under ``trainprof tune`` with
+those knobs, and then sets what was measured against what the finding estimated:
+
+* ``confirmed``: the fix arm is significantly faster, and its saving is within the
+  finding's bound (an upper bound: "could save up to X%");
+* ``beyond the bound``: significantly faster by more than the bound's interval allows - the
+  estimate was too low, which is worth knowing (and reporting);
+* ``not confirmed``: no significant difference: the fix does not matter here, or more
+  ``--trials`` are needed (the interval says which);
+* ``refuted``: significantly slower: keep the current setting.
+
+The first value of a knob is the baseline (the findings write the current setting first:
+``channels_last=false,true``); with several values or knobs, the fastest arm is the one
+judged. Launch folders (torchrun, srun: ``ranks/`` without a record of their own) are
+refused: their command is one rank's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from trainprof.errors import UsageError
+
+#: ``--knob NAME=V1,V2`` and ``--steps N`` in a verify line's tune command.
+_KNOB = re.compile(r"--knob\s+([a-z_0-9]+=[A-Za-z0-9_.,\-]+)")
+_STEPS = re.compile(r"--steps\s+(\d+)")
+
+
+def knob_specs(verify: str) -> tuple[list[str], int | None]:
+    """The ``--knob`` specs and ``--steps`` of the first ``trainprof tune`` command in a
+    finding's verify line (``[]`` when it has none)."""
+    start = verify.find("trainprof tune")
+    if start < 0:
+        return [], None
+    command = verify[start:].split(";", 1)[0]
+    steps = _STEPS.search(command)
+    return _KNOB.findall(command), int(steps.group(1)) if steps else None
+
+
+def pick_finding(findings: list[dict[str, Any]], number: int | None
+                 ) -> tuple[int, dict[str, Any], list[str], int | None]:
+    """The finding to verify: ``number`` (1-based, as printed) or the first with a knob."""
+    if not findings:
+        raise UsageError("the run has no finding to verify")
+    if number is not None:
+        if not 1 <= number <= len(findings):
+            raise UsageError(f"--finding {number}: the run has {len(findings)} "
+                             f"finding{'s' if len(findings) != 1 else ''}")
+        finding = findings[number - 1]
+        specs, steps = knob_specs(str(finding.get("verify") or ""))
+        if not specs:
+            raise UsageError(f"finding {number} ({finding.get('category')}/"
+                             f"{finding.get('cause')}) has no knob to measure; its verify "
+                             f"line says: {finding.get('verify')}")
+        return number, finding, specs, steps
+    for i, finding in enumerate(findings, 1):
+        specs, steps = knob_specs(str(finding.get("verify") or ""))
+        if specs:
+            return i, finding, specs, steps
+    raise UsageError("no finding of the run has a knob to measure (see each verify line)")
+
+
+def original_command(meta: dict[str, Any]) -> tuple[str, list[str], bool, Path | None]:
+    """The run's target, its arguments, whether it is a module, and the folder it ran in."""
+    command = meta.get("command")
+    if not isinstance(command, list) or len(command) < 2:
+        raise UsageError("the run's record has no command line to run again")
+    rest = [str(c) for c in command[1:]]  # (the first is the interpreter)
+    module = rest[0] == "-m"
+    if module and len(rest) < 2:
+        raise UsageError("the run's record has no module to run again")
+    target, args = (rest[1], rest[2:]) if module else (rest[0], rest[1:])
+    cwd = (meta.get("fingerprint") or {}).get("cwd")
+    return target, args, module, Path(cwd) if cwd else None
+
+
+def judge(finding: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
+    """What the tune result says of the finding's estimate (module docstring)."""
+    arms = [a for a in doc.get("arms") or [] if not a.get("baseline")]
+    measured = [a for a in arms if a.get("ratio") is not None]
+    bound = float(finding.get("estimated_gain") or 0.0)
+    unknown = bool((finding.get("evidence") or {}).get("gain_unknown"))
+    out: dict[str, Any] = {"estimated_gain": bound, "gain_unknown": unknown}
+    if not measured:
+        return {**out, "verdict": "no data", "arm": None}
+    best = min(measured, key=lambda a: a["ratio"])
+    ratio, (lo, hi) = best["ratio"], best.get("ci") or (None, None)
+    saving = 1.0 - ratio
+    out.update(arm=best["name"], ratio=ratio, ci=[lo, hi], saving=saving,
+               saving_ci=[None if hi is None else 1.0 - hi, None if lo is None else 1.0 - lo])
+    if best.get("verdict") == "faster":
+        least = out["saving_ci"][0]  # the interval must clear the bound, not the estimate
+        beyond = not unknown and bound > 0 and least is not None and least > bound
+        verdict = "beyond the bound" if beyond else "confirmed"
+    elif best.get("verdict") == "slower":  # even the fastest arm: all of them are
+        verdict = "refuted"
+    else:
+        verdict = "not confirmed"
+    return {**out, "verdict": verdict}
+
+
+def verify_command(run_dir: Path, *, finding: int | None, steps: int | None, trials: int,
+                   out: Path | None, json_out: bool) -> int:
+    """``trainprof verify``: pick the finding, tune its knobs on the run's command, judge.
+
+    Returns tune's exit code (0; 130 when stopped; 1 when the baseline had no usable trial).
+    """
+    from trainprof.commands import analyse_folder
+    from trainprof.experiments.tune import tune_command
+    from trainprof.store import RANKS_DIR, RUN_JSON, default_run_dir, load_run
+
+    run_dir = Path(run_dir)
+    if not (run_dir / RUN_JSON).is_file():
+        if (run_dir / RANKS_DIR).is_dir():
+            raise UsageError(f"{run_dir} is a launch of several ranks: verify runs one "
+                             "process; run the finding's tune line under your launcher")
+        raise UsageError(f"{run_dir} is not a run folder (no {RUN_JSON})")
+    run = load_run(run_dir)
+    summary, _ = analyse_folder(run_dir)
+    number, chosen, specs, verify_steps = pick_finding(summary.get("findings") or [], finding)
+    target, args, module, cwd = original_command(run.meta)
+    tune_dir = (out if out is not None else default_run_dir(
+        f"verify-{Path(target).stem if not module else target.rsplit('.', 1)[-1]}")).resolve()
+    head = {"run_dir": str(run_dir), "finding_number": number,
+            "finding": {k: chosen.get(k) for k in ("category", "cause", "title", "severity",
+                                                   "estimated_gain", "verify")},
+            "knobs": specs, "cwd": str(cwd) if cwd else None}
+    if not json_out:
+        print(f"trainprof verify: finding {number} of {run_dir}: {chosen.get('title')}\n"
+              f"  measuring {' '.join('--knob ' + s for s in specs)} on "
+              f"{' '.join([('-m ' if module else '') + target, *args])}"
+              + (f" (in {cwd})" if cwd else ""), flush=True)
+    here = Path.cwd()
+    if cwd is not None:
+        try:
+            os.chdir(cwd)
+        except OSError as exc:
+            raise UsageError(f"cannot enter the folder the run ran in, {cwd}: "
+                             f"{exc.strerror}") from None
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(captured) if json_out else contextlib.nullcontext():
+            code = tune_command(target, args, module=module, knobs=specs,
+                                steps=steps or verify_steps or 60, trials=trials,
+                                json_out=False, out=tune_dir, baseline=None)
+    finally:
+        os.chdir(here)
+    import orjson
+
+    doc = orjson.loads((tune_dir / "tune.json").read_bytes())
+    result = {**head, "tune_dir": str(tune_dir), "status": doc.get("status"),
+              "metric": doc.get("metric"), **judge(chosen, doc)}
+    with contextlib.suppress(OSError):
+        (tune_dir / "verify.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    if json_out:
+        from trainprof.report.json_report import render_json
+
+        render_json(result)
+    else:
+        from trainprof.report.verify_terminal import render_verdict
+
+        render_verdict(result)
+    return code

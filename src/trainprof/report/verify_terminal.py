@@ -1,0 +1,62 @@
+"""The terminal view of ``trainprof verify``'s verdict (rich). It renders; it computes nothing.
+
+Printed after tune's own table: one line that sets the saving measured (with its interval)
+against the finding's estimate, and what to do about it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import IO, Any
+
+from rich.text import Text
+
+from trainprof.report.console import make_console
+
+_STYLE = {"confirmed": "bold green", "beyond the bound": "bold green",
+          "not confirmed": "bold yellow", "refuted": "bold red", "no data": "bold yellow"}
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{x * 100:.0f}%"
+
+
+def _ratio(x: float | None) -> str:
+    return "—" if x is None else f"×{x:.2f}"
+
+
+def verdict_line(result: dict[str, Any]) -> Text:
+    """``Verdict: confirmed - ARM ran at ×0.75 of the baseline's step time (95% CI
+    ×0.68–×0.85), 25% saved; the finding said up to 34%: apply the fix`` and the like."""
+    verdict = str(result.get("verdict"))
+    line = Text()
+    line.append(f"Verdict: {verdict}", style=_STYLE.get(verdict, "bold"))
+    estimate = ("its gain was not estimated" if result.get("gain_unknown")
+                else f"the finding said up to {_pct(result.get('estimated_gain'))}")
+    if result.get("arm") is None:
+        line.append(f" - no arm has a usable measurement; {estimate}")
+        return line
+    lo, hi = result.get("ci") or (None, None)
+    per = "time per sample" if result.get("metric") == "time_per_sample" else "step time"
+    measured = (f"{result['arm']} ran at ×{result['ratio']:.2f} of the baseline's {per} "
+                f"(95% CI {_ratio(lo)}–{_ratio(hi)})")
+    if verdict in ("confirmed", "beyond the bound"):
+        measured += f", {_pct(result.get('saving'))} saved"
+    advice = {
+        "confirmed": "apply the fix",
+        "beyond the bound": "apply the fix; the estimate was too low (worth reporting)",
+        "not confirmed": "no significant difference: more --trials, or the fix does not "
+                         "matter here",
+        "refuted": "keep the current setting",
+    }.get(verdict, "")
+    line.append(f" - {measured}; {estimate}" + (f": {advice}" if advice else ""))
+    return line
+
+
+def render_verdict(result: dict[str, Any], file: IO[str] | None = None) -> None:
+    """Print the verdict line and where the trials are."""
+    console = make_console(file if file is not None else sys.stdout)
+    console.print()
+    console.print(verdict_line(result))
+    console.print(Text(f"trials and verify.json: {result.get('tune_dir')}", style="dim"),
+                  soft_wrap=False)

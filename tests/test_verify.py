@@ -1,0 +1,138 @@
+"""``trainprof verify``: a finding's knob measured on the run's own command, and the verdict
+set against the finding's estimate."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import trainprof, write_script
+
+from trainprof.errors import UsageError
+from trainprof.experiments.verify import judge, knob_specs, original_command, pick_finding
+from trainprof.report.verify_terminal import verdict_line
+
+#: A model in float64 (NumPy's default): the float64 finding comes first, with a large gain.
+DOUBLE = """
+import numpy as np
+import torch
+from torch import nn
+
+x = torch.from_numpy(np.random.default_rng(0).standard_normal((128, 512)))
+y = torch.from_numpy(np.random.default_rng(1).integers(0, 10, 128))
+model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)).double()
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+loss_fn = nn.CrossEntropyLoss()
+for step in range(200):
+    loss = loss_fn(model(x), y)
+    opt.zero_grad(); loss.backward(); opt.step()
+"""
+
+
+def test_the_knobs_are_read_from_the_first_tune_command_of_a_verify_line():
+    assert knob_specs("trainprof tune --knob channels_last=false,true train.py  (the model "
+                      "and its inputs)") == (["channels_last=false,true"], None)
+    assert knob_specs("trainprof tune --knob gc_freeze=false,true --knob gc_threshold=700,"
+                      "50000 train.py") == (["gc_freeze=false,true",
+                                             "gc_threshold=700,50000"], None)
+    assert knob_specs("trainprof tune --knob eval_no_grad=false,true --steps 400 t.py") == (
+        ["eval_no_grad=false,true"], 400)
+    assert knob_specs("trainprof tune --knob batch_size=32,64,128 t.py: time per sample "
+                      "should fall") == (["batch_size=32,64,128"], None)
+    # a second command after "; " is an aside, not the fix
+    assert knob_specs("trainprof tune --knob num_workers=0,4 t.py; the most any input fix "
+                      "can give: trainprof tune --knob synthetic_data=false,true t.py") == (
+        ["num_workers=0,4"], None)
+    assert knob_specs("re-run `trainprof run t.py` and `trainprof compare A B`") == ([], None)
+
+
+def _finding(cause: str, verify: str, gain: float = 0.3) -> dict:
+    return {"category": "compute", "cause": cause, "title": cause, "severity": "medium",
+            "estimated_gain": gain, "evidence": {}, "verify": verify}
+
+
+def test_the_first_finding_with_a_knob_is_picked_unless_one_is_named():
+    findings = [_finding("noise", "trainprof tune repeats trials"),
+                _finding("float64", "trainprof tune --knob float32=false,true t.py"),
+                _finding("optimizer", "trainprof tune --knob optimizer=script,fused t.py")]
+    assert pick_finding(findings, None)[:3] == (2, findings[1], ["float32=false,true"])
+    assert pick_finding(findings, 3)[2] == ["optimizer=script,fused"]
+    with pytest.raises(UsageError, match="finding 1 .* has no knob to measure"):
+        pick_finding(findings, 1)
+    with pytest.raises(UsageError, match="the run has 3 findings"):
+        pick_finding(findings, 4)
+    with pytest.raises(UsageError, match="no finding to verify"):
+        pick_finding([], None)
+    with pytest.raises(UsageError, match="no finding of the run has a knob"):
+        pick_finding(findings[:1], None)
+
+
+def test_the_command_is_the_runs_own():
+    meta = {"command": ["/usr/bin/python3", "train.py", "--lr", "0.1"],
+            "fingerprint": {"cwd": "/data/job"}}
+    target, args, module, cwd = original_command(meta)
+    assert (target, args, module, str(cwd)) == ("train.py", ["--lr", "0.1"], False, "/data/job")
+    meta = {"command": ["python", "-m", "pkg.train", "--x"], "fingerprint": {}}
+    assert original_command(meta) == ("pkg.train", ["--x"], True, None)
+    with pytest.raises(UsageError, match="no command line"):
+        original_command({})
+
+
+def _doc(ratio: float, ci: tuple[float, float], verdict: str) -> dict:
+    return {"arms": [{"name": "k=a", "baseline": True, "ratio": None, "verdict": "baseline"},
+                     {"name": "k=b", "baseline": False, "ratio": ratio, "ci": list(ci),
+                      "verdict": verdict}]}
+
+
+@pytest.mark.parametrize("ratio,ci,verdict,expected", [
+    (0.75, (0.68, 0.85), "faster", "confirmed"),  # 25% saved of "up to 30%"
+    (0.55, (0.50, 0.60), "faster", "beyond the bound"),  # at least 40% saved: > 30%
+    (0.65, (0.60, 0.72), "faster", "confirmed"),  # 35%, but the interval reaches 28%
+    (1.01, (0.84, 1.19), "no_difference", "not confirmed"),
+    (1.90, (1.70, 2.10), "slower", "refuted"),
+])
+def test_the_verdict_sets_the_measured_saving_against_the_bound(ratio, ci, verdict, expected):
+    result = judge(_finding("x", "", gain=0.30), _doc(ratio, ci, verdict))
+    assert result["verdict"] == expected
+    assert result["saving"] == pytest.approx(1 - ratio)
+    assert result["saving_ci"] == pytest.approx([1 - ci[1], 1 - ci[0]])
+    assert str(verdict_line(result)).startswith(f"Verdict: {expected} - k=b ran at ×{ratio:.2f}")
+    # a finding that claims no gain (gain_unknown) is confirmed, never "beyond" a bound
+    unknown = {**_finding("x", "", gain=0.0), "evidence": {"gain_unknown": True}}
+    if expected == "beyond the bound":
+        assert judge(unknown, _doc(ratio, ci, verdict))["verdict"] == "confirmed"
+    assert judge(_finding("x", ""), {"arms": []})["verdict"] == "no data"
+
+
+def test_verify_measures_the_first_findings_knob_from_anywhere(tmp_path):
+    job = tmp_path / "job"
+    job.mkdir()
+    write_script(job, "train.py", DOUBLE)
+    run = trainprof("run", "--json", "--no-html", "train.py", cwd=job)
+    assert run.returncode == 0, run.stderr
+    assert run.json()["findings"][0]["cause"] == "float64"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    res = trainprof("verify", "--json", "--trials", "2", "--steps", "40", "--out",
+                    str(tmp_path / "v"), str(run.run_dir), cwd=elsewhere, timeout=240)
+    assert res.returncode == 0, res.stderr
+    doc = res.json()  # one document: tune's table went nowhere, its progress to stderr
+    assert (doc["finding_number"], doc["knobs"]) == (1, ["float32=false,true"])
+    assert doc["cwd"] == str(job) and doc["finding"]["cause"] == "float64"
+    assert doc["arm"] == "float32=true" and doc["status"] == "finished"
+    # float32 halves the products' time: a large, robust effect
+    assert doc["verdict"] in ("confirmed", "beyond the bound"), doc
+    assert doc["ratio"] < 0.85
+    saved = json.loads((tmp_path / "v" / "verify.json").read_text())
+    assert saved["verdict"] == doc["verdict"]
+    tune = json.loads((tmp_path / "v" / "tune.json").read_text())
+    assert tune["target"] == "train.py" and tune["trials_per_arm"] == 2
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path):
+    res = trainprof("verify", str(tmp_path / "missing"), cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr.startswith("error: ")
+    assert "is not a run folder" in res.stderr and "Traceback" not in res.stderr
+    (tmp_path / "launch" / "ranks" / "0").mkdir(parents=True)
+    res = trainprof("verify", str(tmp_path / "launch"), cwd=tmp_path)
+    assert res.returncode == 2 and "a launch of several ranks" in res.stderr
