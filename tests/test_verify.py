@@ -9,7 +9,13 @@ import pytest
 from conftest import trainprof, write_script
 
 from trainprof.errors import UsageError
-from trainprof.experiments.verify import judge, knob_specs, original_command, pick_finding
+from trainprof.experiments.verify import (
+    current_first,
+    judge,
+    knob_specs,
+    original_command,
+    pick_finding,
+)
 from trainprof.report.verify_terminal import verdict_line
 
 #: A model in float64 (NumPy's default): the float64 finding comes first, with a large gain.
@@ -65,6 +71,19 @@ def test_the_first_finding_with_a_knob_is_picked_unless_one_is_named():
         pick_finding([], None)
     with pytest.raises(UsageError, match="no finding of the run has a knob"):
         pick_finding(findings[:1], None)
+
+
+def test_the_runs_own_setting_is_the_baseline_where_its_record_tells_it():
+    """A sweep written in order (contention: torch_threads=1,2 with num_workers=0,1,2,4)
+    starts with values the run did not have: the baseline must be what it had."""
+    meta = {"training_thread": {"torch_num_threads": 2}, "dataloaders": [{"num_workers": 4}]}
+    assert current_first(["torch_threads=1,2", "num_workers=0,1,2,4"], meta) == [
+        "torch_threads=2,1", "num_workers=4,0,1,2"]
+    # not recorded (a process knob the run had no record of): as the finding wrote it
+    assert current_first(["channels_last=false,true"], meta) == ["channels_last=false,true"]
+    # already first, or not among the values: unchanged
+    assert current_first(["num_workers=4,8", "torch_threads=1,4"], meta) == [
+        "num_workers=4,8", "torch_threads=1,4"]
 
 
 def test_the_command_is_the_runs_own():

@@ -14,10 +14,11 @@ those knobs, and then sets what was measured against what the finding estimated:
   ``--trials`` are needed (the interval says which);
 * ``refuted``: significantly slower: keep the current setting.
 
-The first value of a knob is the baseline (the findings write the current setting first:
-``channels_last=false,true``); with several values or knobs, the fastest arm is the one
-judged. Launch folders (torchrun, srun: ``ranks/`` without a record of their own) are
-refused: their command is one rank's.
+The first value of a knob is the baseline: the run's own setting where its record tells it
+(a DataLoader's ``num_workers``, the training thread's ``torch_threads``), else as the
+finding wrote it (the current setting first: ``channels_last=false,true``). With several
+values or knobs, the fastest arm is the one judged. Launch folders (torchrun, srun:
+``ranks/`` without a record of their own) are refused: their command is one rank's.
 """
 
 from __future__ import annotations
@@ -68,6 +69,25 @@ def pick_finding(findings: list[dict[str, Any]], number: int | None
         if specs:
             return i, finding, specs, steps
     raise UsageError("no finding of the run has a knob to measure (see each verify line)")
+
+
+def current_first(specs: list[str], meta: dict[str, Any]) -> list[str]:
+    """Each knob's values with the run's own setting first, where the record tells it (the
+    baseline is the first value; a sweep written in order - ``torch_threads=1,2`` - may
+    start with a value the run did not have). Otherwise as written: the findings write the
+    current setting first (``channels_last=false,true``)."""
+    from trainprof.experiments.tune import _actual
+
+    out = []
+    for spec in specs:
+        name, _, values = spec.partition("=")
+        texts = values.split(",")
+        current = _actual(name, meta).split(" ", 1)[0]  # "4", "true (...)" -> "true"
+        if current in texts[1:]:
+            texts.remove(current)
+            texts.insert(0, current)
+        out.append(f"{name}={','.join(texts)}")
+    return out
 
 
 def original_command(meta: dict[str, Any]) -> tuple[str, list[str], bool, Path | None]:
@@ -128,6 +148,7 @@ def verify_command(run_dir: Path, *, finding: int | None, steps: int | None, tri
     run = load_run(run_dir)
     summary, _ = analyse_folder(run_dir)
     number, chosen, specs, verify_steps = pick_finding(summary.get("findings") or [], finding)
+    specs = current_first(specs, run.meta)
     target, args, module, cwd = original_command(run.meta)
     tune_dir = (out if out is not None else default_run_dir(
         f"verify-{Path(target).stem if not module else target.rsplit('.', 1)[-1]}")).resolve()
