@@ -57,7 +57,8 @@ Two kinds of knobs (:data:`KNOBS`):
   and its 4-D inputs converted to NHWC, or to NCHW with ``false``, at its outermost
   calls; :mod:`trainprof.capture.channels_last_knob`) and ``float32`` (a float64 model and
   its float64 inputs converted to float32 at its outermost calls;
-  :mod:`trainprof.capture.float32_knob`).
+  :mod:`trainprof.capture.float32_knob`) and ``compile`` (the model under
+  ``torch.compile``; :mod:`trainprof.capture.compile_knob`).
 * **Environment knobs** (:data:`ENV_KNOBS`): ``omp_wait_policy`` sets
   ``OMP_WAIT_POLICY`` in the child's environment (``trainprof tune`` does, when it
   starts the child): OpenMP reads it when torch loads its runtime, before anything in
@@ -89,7 +90,7 @@ from typing import Any
 
 import orjson
 
-from trainprof.capture import autocast_knob, channels_last_knob, float32_knob
+from trainprof.capture import autocast_knob, channels_last_knob, compile_knob, float32_knob
 from trainprof.capture.explicit_gc import ExplicitCollects
 from trainprof.errors import UsageError
 
@@ -237,6 +238,9 @@ KNOBS: dict[str, KnobSpec] = {
         KnobSpec("float32", "process", _bool,
                  "a float64 model and its float64 inputs in float32 at its outermost calls "
                  "(false: the same wrapper, nothing converted)"),
+        KnobSpec("compile", "process", compile_knob.parse,
+                 "the model under torch.compile: true (default mode), reduce-overhead (CUDA "
+                 "graphs), max-autotune, or false (the same wrapper, eager)"),
         KnobSpec("activation_checkpointing", "process", _bool,
                  "torch.utils.checkpoint (false: each checkpointed function runs directly, "
                  "its activations kept: no recomputation in backward, more memory)"),
@@ -389,6 +393,9 @@ class Knobs:
         if self.overrides.get("float32") is not None:
             entry = self.process["float32"] = {}
             self._restore.append(float32_knob.install(bool(self.overrides["float32"]), entry))
+        if self.overrides.get("compile"):
+            entry = self.process["compile"] = {}
+            self._restore.append(compile_knob.install(str(self.overrides["compile"]), entry))
         if self.overrides.get("activation_checkpointing") is False:
             self._install_no_checkpointing()
         elif self.overrides.get("activation_checkpointing") is not None:

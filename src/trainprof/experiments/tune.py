@@ -450,6 +450,19 @@ def _actual(knob: str, meta: dict[str, Any]) -> str:
             return f"{value} (no model call)"
         return (f"{value} ({_plural(int(rec['modules']), 'module')} converted, "
                 f"{_plural(int(rec.get('inputs') or 0), 'input')})")
+    if knob == "compile":
+        # the knob's own count (trainprof.capture.compile_knob)
+        rec = process.get("compile")
+        if not isinstance(rec, dict):
+            return "script's"
+        value = str(rec.get("value"))
+        errors = rec.get("errors") or {}
+        if errors:
+            return f"{value} (failed, eager: {'; '.join(errors.values())})"
+        if value == "false":
+            return "false (eager)"
+        n = int(rec.get("modules") or 0)
+        return f"{value} ({_plural(n, 'module')} compiled)" if n else f"{value} (nothing compiled)"
     if knob == "activation_checkpointing":
         return _calls_knob(knob, meta, "calls", "run directly")
     if knob == "trim_padding":
