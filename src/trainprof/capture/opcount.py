@@ -388,7 +388,6 @@ class OpCountTool:
 
         return _Count()
 
-    # -- WindowTool ------------------------------------------------------------
     def count_flops(self, first: Any, flops: float | None, conv: bool) -> None:
         """A product's or convolution's FLOPs (None: its shapes did not tell them), and
         whether it ran in float64 (its first tensor's dtype)."""
@@ -399,6 +398,7 @@ class OpCountTool:
         if flops is not None:
             self.flops[0] += flops
 
+    # -- WindowTool ------------------------------------------------------------
     def start(self, step: int) -> None:
         if torch_compile_in_use():
             # A compiled model would recompile for the mode (Dynamo guards on the mode
