@@ -375,3 +375,48 @@ def test_ddp_timing_on_cuda_comes_from_its_cuda_timer(tmp_path):
     assert m["samples_from"] == "steady" and m["iterations"] == [100]
     assert m["backward_compute_ms"] > 0 and m["comm_ms"] > 0
     assert 0 <= m["overlap_ms"] <= m["comm_ms"]
+
+
+#: A float64 model on the GPU (NumPy data, model.double()): GPUs other than the data-centre
+#: parts run float64 at 1/32-1/64 of float32's rate. "compile" keeps it off the test server
+#: with Dynamo imported (the compile knob runs it too).
+FLOAT64_CUDA = """
+# run plain, and under the float32, channels_last and compile knobs
+import numpy as np
+import torch
+from torch import nn
+
+rng = np.random.default_rng(0)
+x = torch.from_numpy(rng.standard_normal((256, 3, 32, 32))).cuda()
+y = torch.from_numpy(rng.integers(0, 10, 256)).cuda()
+model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                      nn.Flatten(), nn.Linear(32, 10)).double().cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+loss_fn = nn.CrossEntropyLoss()
+for step in range(40):
+    loss = loss_fn(model(x), y)
+    opt.zero_grad(); loss.backward(); opt.step()
+print("LOSS", f"{loss.item():.3f}", next(model.parameters()).dtype, flush=True)
+"""
+
+
+def test_a_float64_model_on_the_gpu_is_found_and_the_model_knobs_run_on_cuda(tp):
+    """The float64 finding on a CUDA run claims the device's whole float64 share; the
+    float32, channels_last and compile knobs convert and compile a CUDA model."""
+    from trainprof.store import load_run
+
+    res = tp(FLOAT64_CUDA, "--json", "--no-html", timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = res.json()
+    (f,) = [f for f in doc["findings"] if f["cause"] == "float64"]
+    assert f["evidence"]["device"] == "GPU" and f["evidence"]["float64_flop_share"] == 1.0
+    knobs = {"float32": True, "channels_last": True, "compile": "true"}
+    res = tp(FLOAT64_CUDA, "--json", "--no-html", timeout=300,
+             env={"TRAINPROF_KNOBS": json.dumps(knobs)})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "torch.float32" in next(x for x in res.stdout.splitlines() if x.startswith("LOSS"))
+    process = load_run(res.run_dir).meta["knobs"]["process"]
+    assert process["float32"]["modules"] == 1 and process["float32"]["inputs"] == 40
+    assert process["channels_last"]["modules"] >= 1
+    assert process["compile"]["errors"] == {} and process["compile"]["modules"] == 1
+    assert not [f for f in res.json()["findings"] if f["cause"] == "float64"]
