@@ -29,9 +29,10 @@ def mlp(width: int) -> nn.Module:
                          nn.ReLU(), nn.Linear(width, 10))
 
 
-def convnet(channels: int) -> nn.Module:
+def convnet(channels: int, pool: bool = True) -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(3, channels, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(3, channels, 3, padding=1), nn.ReLU(),
+        *([nn.MaxPool2d(2)] if pool else []),
         nn.Conv2d(channels, channels, 3, padding=1), nn.ReLU(),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 10))
 
@@ -44,6 +45,8 @@ CASES: tuple[tuple[str, Callable[[], nn.Module], tuple[int, ...]], ...] = (
     ("MLP W=2048 B=128", lambda: mlp(2048), (128, 2048)),
     ("conv C=16 32x32 B=32", lambda: convnet(16), (32, 3, 32, 32)),
     ("conv C=64 32x32 B=16", lambda: convnet(64), (16, 3, 32, 32)),
+    ("conv C=16 32x32 B=16, no pooling", lambda: convnet(16, pool=False), (16, 3, 32, 32)),
+    ("conv C=16 32x32 B=32, no pooling", lambda: convnet(16, pool=False), (32, 3, 32, 32)),
 )
 
 

@@ -139,10 +139,10 @@ def test_the_bound_is_the_model_share_times_the_float64_flop_share_halved_on_a_c
     (f,) = _findings(summary, steps)
     assert f["estimated_gain"] == pytest.approx(0.8 * 0.75 + 0.1 * 0.75 / 2, abs=1e-4)
     assert f["evidence"]["device"] == "GPU"
-    # float64 convolutions on a CPU: a third of their time at most (oneDNN runs float32)
+    # float64 convolutions on a CPU: their whole time (oneDNN runs only float32 ones)
     (f,) = _findings(*_summary(f64=1e9, conv=2e9, total=4e9))
     assert f["estimated_gain"] == pytest.approx(
-        model * (0.25 / 2 + 0.5 * 2 / 3) + opt * 0.75 / 2, abs=1e-4)
+        model * (0.25 / 2 + 0.5) + opt * 0.75 / 2, abs=1e-4)
 
 
 def test_float64_in_a_small_part_or_nowhere_gets_nothing():

@@ -18,18 +18,21 @@ from trainprof.experiments.verify import (
 )
 from trainprof.report.verify_terminal import verdict_line
 
-#: A model in float64 (NumPy's default): the float64 finding comes first, with a large gain.
+#: A conv net in float64 (NumPy's default): the float64 finding comes first, and float32
+#: runs its convolutions about three times as fast (oneDNN has no float64 ones): an effect
+#: that stays clear of the noise even on a loaded machine.
 DOUBLE = """
 import numpy as np
 import torch
 from torch import nn
 
-x = torch.from_numpy(np.random.default_rng(0).standard_normal((128, 512)))
-y = torch.from_numpy(np.random.default_rng(1).integers(0, 10, 128))
-model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)).double()
+x = torch.from_numpy(np.random.default_rng(0).standard_normal((16, 3, 32, 32)))
+y = torch.from_numpy(np.random.default_rng(1).integers(0, 10, 16))
+model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1),
+                      nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)).double()
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 loss_fn = nn.CrossEntropyLoss()
-for step in range(200):
+for step in range(60):
     loss = loss_fn(model(x), y)
     opt.zero_grad(); loss.backward(); opt.step()
 """
@@ -130,18 +133,30 @@ def test_verify_measures_the_first_findings_knob_from_anywhere(tmp_path):
     run = trainprof("run", "--json", "--no-html", "train.py", cwd=job)
     assert run.returncode == 0, run.stderr
     assert run.json()["findings"][0]["cause"] == "float64"
+    # the terminal summary and the HTML report name the command
+    import io
+
+    from trainprof.commands import analyse_folder, write_html
+    from trainprof.report.terminal import render_summary
+
+    summary, record = analyse_folder(run.run_dir)
+    text = io.StringIO()
+    render_summary(summary, file=text)
+    assert f"Measure finding 1's fix: trainprof verify {run.run_dir}" in text.getvalue()
+    page = write_html(summary, record, tmp_path / "report.html").read_text()
+    assert f"trainprof verify {run.run_dir} --finding 1" in page
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    res = trainprof("verify", "--json", "--trials", "2", "--steps", "40", "--out",
+    res = trainprof("verify", "--json", "--trials", "2", "--steps", "30", "--out",
                     str(tmp_path / "v"), str(run.run_dir), cwd=elsewhere, timeout=240)
     assert res.returncode == 0, res.stderr
     doc = res.json()  # one document: tune's table went nowhere, its progress to stderr
     assert (doc["finding_number"], doc["knobs"]) == (1, ["float32=false,true"])
     assert doc["cwd"] == str(job) and doc["finding"]["cause"] == "float64"
     assert doc["arm"] == "float32=true" and doc["status"] == "finished"
-    # float32 halves the products' time: a large, robust effect
+    # float32 convolutions about three times as fast: a large, robust effect
     assert doc["verdict"] in ("confirmed", "beyond the bound"), doc
-    assert doc["ratio"] < 0.85
+    assert doc["ratio"] < 0.7
     saved = json.loads((tmp_path / "v" / "verify.json").read_text())
     assert saved["verdict"] == doc["verdict"]
     tune = json.loads((tmp_path / "v" / "tune.json").read_text())

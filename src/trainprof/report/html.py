@@ -323,7 +323,7 @@ def _tile(label: str, value: str, detail: str = "") -> str:
     )
 
 
-def _finding(i: int, f: dict[str, Any]) -> str:
+def _finding(i: int, f: dict[str, Any], run_dir: str | None = None) -> str:
     severity = str(f.get("severity") or "")
     gain = float(f.get("estimated_gain") or 0.0)
     impact = esc(impact_text(f)) + (
@@ -346,6 +346,10 @@ def _finding(i: int, f: dict[str, Any]) -> str:
         parts.append(f"<p><b>Fix.</b> {esc(fix)}</p>")
     if f.get("verify"):
         parts.append(f"<p><b>Verify.</b> <code>{esc(f['verify'])}</code></p>")
+        if run_dir and "trainprof tune --knob" in str(f["verify"]):
+            # the same measurement on the run's own command, set against the estimate
+            parts.append(f"<p><b>Measure it.</b> <code>trainprof verify {esc(run_dir)} "
+                         f"--finding {i}</code></p>")
     if f.get("evidence"):
         parts.append(
             "<details><summary>Evidence: the numbers that fired it</summary>"
@@ -417,7 +421,9 @@ def _verdict(s: dict[str, Any]) -> str:
     body = head + f'<div class="tiles">{"".join(tiles)}</div>'
     if s.get("breakdown"):
         body += "<h3>Where a steady-state step goes</h3>" + _breakdown_bar(s["breakdown"])
-    body += "".join(_finding(i, f) for i, f in enumerate(findings, 1))
+    # (a launch's command is one rank's: trainprof verify refuses it)
+    run_dir = None if s.get("ranks") else s.get("run_dir")
+    body += "".join(_finding(i, f, run_dir) for i, f in enumerate(findings, 1))
     return body
 
 
