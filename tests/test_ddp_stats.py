@@ -95,7 +95,7 @@ def test_a_dropped_model_is_not_kept_alive(one_rank):
     for _ in range(3):
         model(torch.randn(2, 4)).sum().backward()
     assert stats.poll() and stats.record()[0]["settings"]["world_size"] == 1
-    before, version = stats.record(), stats.version
+    before = stats.record()
     for _ in range(2):  # two iterations more, then the model goes before any poll
         model(torch.randn(2, 4)).sum().backward()
     del model
@@ -103,7 +103,7 @@ def test_a_dropped_model_is_not_kept_alive(one_rank):
     # read as it went (PyTorch Lightning drops its DDP wrapper at the end of fit(), often
     # less than a second after the last poll): its last sampled iteration is kept
     after = stats.record()
-    assert stats.version == version + 1
+    assert after != before
     # (DDP sets an iteration's figures at the next forward: five forwards, iteration 4)
     assert [s[0] for s in after[0]["samples"]] == [s[0] for s in before[0]["samples"]] + [4]
     assert not stats.poll() and stats.record() == after  # and nothing is polled from it now

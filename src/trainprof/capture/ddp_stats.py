@@ -63,8 +63,6 @@ class DDPStats:
         # run whose model went while the flush thread read it hung at its end (the record
         # never closed; torchrun killed the rank after 30 s).
         self._lock = threading.RLock()
-        #: how many times something new was kept (the recorder writes when it changes)
-        self.version = 0
 
     def add(self, model: Any) -> None:
         """A DistributedDataParallel model was built (called by its wrapped ``__init__``).
@@ -86,7 +84,7 @@ class DDPStats:
             except Exception:  # noqa: BLE001 - a reducer torn down: its last poll stands
                 return
             with self._lock:
-                self.version += self._keep(entry, figures)
+                self._keep(entry, figures)
 
         with contextlib.suppress(TypeError):  # not weak-referenceable: not followed
             self._models.append((weakref.ref(model, gone), entry))
@@ -102,9 +100,7 @@ class DDPStats:
             data = self._read(ref)
             if data is not None:
                 with self._lock:
-                    kept = self._keep(entry, data)
-                    self.version += kept
-                changed |= kept
+                    changed |= self._keep(entry, data)
         return changed
 
     @staticmethod

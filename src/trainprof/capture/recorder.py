@@ -189,7 +189,6 @@ class Recorder:
             self.instrumentation.child_runs = self.child_runs
         self.pid = os.getpid()
         self._distributed_seen = False
-        self._ddp_written = 0  # the DDP record version last written (capture/ddp_stats.py)
         self.sampler = SamplerProcess(run_dir / SAMPLES_JSONL, interval_s=sample_interval_s,
                                       pid=os.getpid())
         self.loaders.on_workers = self.sampler.set_worker_pids
@@ -436,9 +435,9 @@ class Recorder:
             return
         stats = self.instrumentation.ddp_stats
         stats.poll()
-        if stats.version != self._ddp_written:  # (the training thread may have polled too)
-            self._ddp_written = stats.version
-            self.writer.update_meta(ddp=stats.record())
+        record = stats.record()  # (the training thread may have polled too: compare records)
+        if record != self.writer.meta.get("ddp", []):
+            self.writer.update_meta(ddp=record)
 
     def _note_distributed(self) -> None:
         """This process's torch.distributed rank, once its process group is up.
