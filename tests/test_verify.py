@@ -154,6 +154,8 @@ def test_verify_measures_the_first_findings_knob_from_anywhere(tmp_path):
     assert (doc["finding_number"], doc["knobs"]) == (1, ["float32=false,true"])
     assert doc["cwd"] == str(job) and doc["finding"]["cause"] == "float64"
     assert doc["arm"] == "float32=true" and doc["status"] == "finished"
+    # what comes next with the fix: no float64 left (compare: the baseline's first finding)
+    assert doc["next_finding"] is None or doc["next_finding"]["cause"] != "float64"
     # float32 convolutions about three times as fast: a large, robust effect
     assert doc["verdict"] in ("confirmed", "beyond the bound"), doc
     assert doc["ratio"] < 0.7

@@ -117,7 +117,9 @@ def judge(finding: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
     ratio, (lo, hi) = best["ratio"], best.get("ci") or (None, None)
     saving = 1.0 - ratio
     out.update(arm=best["name"], ratio=ratio, ci=[lo, hi], saving=saving,
-               saving_ci=[None if hi is None else 1.0 - hi, None if lo is None else 1.0 - lo])
+               saving_ci=[None if hi is None else 1.0 - hi, None if lo is None else 1.0 - lo],
+               # what the runs with the fix found next (tune's top finding of that arm)
+               next_finding=best.get("top_finding"))
     if best.get("verdict") == "faster":
         least = out["saving_ci"][0]  # the interval must clear the bound, not the estimate
         beyond = not unknown and bound > 0 and least is not None and least > bound
