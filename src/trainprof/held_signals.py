@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 #: How long the wrap-up may go on after a held signal; under torchrun's 30 s grace period
@@ -64,6 +64,17 @@ def _start_give_up(timers: list[threading.Timer], signum: int, what: str, stacks
     timers.append(timer)
 
 
+def _holder(pending: list[int], timers: list[threading.Timer], what: str,
+            stacks: bool) -> Callable[[int, object], None]:
+    """The handler that notes a held signal and starts its give-up timer."""
+
+    def held(signum: int, frame: object) -> None:
+        pending.append(signum)
+        _start_give_up(timers, signum, what, stacks)
+
+    return held
+
+
 @contextmanager
 def deferred_sigint(what: str = "closing the record", stacks: bool = True) -> Iterator[None]:
     """Hold Ctrl-C while the record is closed, then deliver it.
@@ -79,12 +90,7 @@ def deferred_sigint(what: str = "closing the record", stacks: bool = True) -> It
         return
     pending: list[int] = []
     with _timers_cancelled_on_exit() as timers:
-
-        def held(signum: int, frame: object) -> None:
-            pending.append(signum)
-            _start_give_up(timers, signum, what, stacks)
-
-        previous = signal.signal(signal.SIGINT, held)
+        previous = signal.signal(signal.SIGINT, _holder(pending, timers, what, stacks))
         try:
             yield
         finally:  # None: a handler not set from Python; the default is what it did
@@ -114,12 +120,7 @@ def finish_despite_sigterm(what: str = "closing the record",
         yield pending
         return
     with _timers_cancelled_on_exit() as timers:
-
-        def held(signum: int, frame: object) -> None:
-            pending.append(signum)
-            _start_give_up(timers, signum, what, stacks)
-
-        signal.signal(signal.SIGTERM, held)
+        signal.signal(signal.SIGTERM, _holder(pending, timers, what, stacks))
         try:
             yield pending
         finally:

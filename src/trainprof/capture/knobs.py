@@ -248,6 +248,14 @@ KNOBS: dict[str, KnobSpec] = {
 }
 
 DATALOADER_KNOBS = tuple(n for n, s in KNOBS.items() if s.kind == "dataloader")
+#: Knobs that hook the model's outermost calls (trainprof.capture.outermost_calls): each
+#: ``install(value, record)`` returns its undo; installed in this order, the last outermost.
+MODEL_KNOBS: dict[str, Callable[[Any, dict[str, Any]], Callable[[], None]]] = {
+    "autocast": autocast_knob.install,
+    "channels_last": channels_last_knob.install,
+    "float32": float32_knob.install,
+    "compile": compile_knob.install,
+}
 #: Knobs that are environment variables of the child process (read by a library as it
 #: loads, before any knob could act in the process): ``trainprof tune`` sets them.
 ENV_KNOBS = {"omp_wait_policy": "OMP_WAIT_POLICY"}
@@ -383,19 +391,10 @@ class Knobs:
                 self.process[name] = os.environ.get(var)
         if self.overrides.get("sharing_strategy"):
             self._install_sharing_strategy(str(self.overrides["sharing_strategy"]))
-        if self.overrides.get("autocast"):
-            entry = self.process["autocast"] = {}
-            self._restore.append(autocast_knob.install(str(self.overrides["autocast"]), entry))
-        if self.overrides.get("channels_last") is not None:
-            entry = self.process["channels_last"] = {}
-            self._restore.append(channels_last_knob.install(
-                bool(self.overrides["channels_last"]), entry))
-        if self.overrides.get("float32") is not None:
-            entry = self.process["float32"] = {}
-            self._restore.append(float32_knob.install(bool(self.overrides["float32"]), entry))
-        if self.overrides.get("compile"):
-            entry = self.process["compile"] = {}
-            self._restore.append(compile_knob.install(str(self.overrides["compile"]), entry))
+        for name, install in MODEL_KNOBS.items():  # each records into its own entry
+            if self.overrides.get(name) is not None:
+                entry = self.process[name] = {}
+                self._restore.append(install(self.overrides[name], entry))
         if self.overrides.get("activation_checkpointing") is False:
             self._install_no_checkpointing()
         elif self.overrides.get("activation_checkpointing") is not None:
