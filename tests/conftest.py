@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from dataclasses import dataclass
@@ -26,6 +27,11 @@ import pytest
 # the default in each child at exec, so the runs get Python's KeyboardInterrupt again.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# The machine's matmul peak (capture/peak_flops.py) is measured by the first run that needs
+# it and cached: in a folder of this test session, not the user's ~/.cache.
+os.environ["TRAINPROF_CACHE_DIR"] = tempfile.mkdtemp(prefix="trainprof-test-cache-")
+atexit.register(shutil.rmtree, os.environ["TRAINPROF_CACHE_DIR"], True)
 
 
 @dataclass

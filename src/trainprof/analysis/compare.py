@@ -238,6 +238,9 @@ def _run_side(run: Run, steady: np.ndarray, warm: int, count: int) -> dict[str, 
         "samples_per_s": summary.get("samples_per_s"),
         "steps_per_s": summary.get("steps_per_s"),
         "breakdown": summary.get("breakdown"),
+        # the step's FLOPs and their share of the measured peak (analysis/compute_efficiency.py)
+        "compute": {k: (summary.get("compute") or {}).get(k)
+                    for k in ("flops_per_step", "flops_per_s", "utilization")},
         "system": {
             k: system.get(k)
             for k in ("proc_cpu_pct", "workers_cpu_pct", "n_workers_seen", "sys_cpu_pct",

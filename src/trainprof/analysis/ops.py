@@ -111,6 +111,9 @@ def load_ops(run_dir: Path) -> dict[str, Any] | None:
         "cpu_nchw_conv2d_flops_per_step": doc.get("cpu_nchw_conv2d_flops_per_step"),
         "float32_matmul_precision": doc.get("float32_matmul_precision"),
         "cudnn_allow_tf32": doc.get("cudnn_allow_tf32"),
+        # FLOPs of a step, forward and backward, by device and dtype (capture/flop_count.py;
+        # analysis/compute_efficiency.py)
+        "flops_by_kind_per_step": doc.get("flops_by_kind_per_step"),
         # backward() calls a step: gradient accumulation when > 1 (diagnosis/distributed.py)
         "backward_per_step": doc.get("backward_per_step"),
         # sequences packed for an RNN (pack_padded_sequence): padding it skips already,

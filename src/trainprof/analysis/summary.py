@@ -11,6 +11,7 @@ from datetime import datetime
 from typing import Any
 
 from trainprof.analysis.checkpointing import summarize_checkpointing
+from trainprof.analysis.compute_efficiency import compute_efficiency
 from trainprof.analysis.ddp import summarize_ddp
 from trainprof.analysis.deep import analyse_deep_windows
 from trainprof.analysis.device import device_statistics
@@ -147,6 +148,7 @@ def summarize_run(run: Run) -> dict[str, Any]:
     explicit = meta.get("explicit_gc")
     if explicit and isinstance(stats.get("gc"), dict):
         stats["gc"]["explicit"] = _explicit_gc(explicit, float(done["dur_ns"].sum()) / 1e9)
+    ops = load_ops(run.path)
     summary: dict[str, Any] = {
         "run_dir": str(run.path),
         "name": meta.get("name"),
@@ -196,7 +198,11 @@ def summarize_run(run: Run) -> dict[str, Any]:
         "distributed": meta.get("distributed"),
         # DDP's own timing of its gradient all-reduce, per DDP model (analysis/ddp.py)
         "ddp": summarize_ddp(meta, (stats.get("steps") or {}).get("median_s")),
-        "ops": load_ops(run.path),
+        "ops": ops,
+        # the step's FLOPs against the machine's measured peak (analysis/compute_efficiency.py)
+        "compute": compute_efficiency(ops, meta.get("peak_flops"),
+                                      (stats.get("steps") or {}).get("median_s"),
+                                      stats.get("breakdown")),
         # which lines of the loop the "other" time goes to (sampled stacks)
         "loop_stacks": summarize_loop_stacks(
             run.path, run.steps, warm, (stats.get("breakdown_detail") or {}).get("other")

@@ -41,6 +41,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from trainprof.capture.flop_count import FlopCount
 from trainprof.capture.window import Schedule
 
 #: The default sampling window: two steps, after the usual warm-up.
@@ -285,6 +286,8 @@ class OpCountTool:
         self.packed_sequences = 0
         #: the script's TF32 settings when the window opened (after its set-up)
         self.tf32_settings: dict[str, Any] = {}
+        #: FLOPs forward and backward, by the device and dtype that computed them
+        self.flop_count = FlopCount()
 
     def _make_mode(self) -> Any:
         from torch.overrides import TorchFunctionMode
@@ -410,11 +413,13 @@ class OpCountTool:
             self.tf32_settings = tf32_settings()
         self._mode = self._make_mode()
         self._mode.__enter__()
+        self.flop_count.start()
 
     def stop(self, step: int) -> None:
         mode, self._mode = self._mode, None
         if mode is None:
             return
+        self.flop_count.stop()
         mode.__exit__(None, None, None)
         if self._started_at is not None:
             self.steps += max(0, step - self._started_at)
@@ -424,6 +429,7 @@ class OpCountTool:
 
     def close(self) -> None:
         if self._mode is not None:  # the run ended inside the window: its steps are partial
+            self.flop_count.stop()
             self._mode.__exit__(None, None, None)
             self._mode = None
         if self.steps == 0:
@@ -453,6 +459,9 @@ class OpCountTool:
             "cpu_conv2d_flops_per_step": self.cpu_conv2d_flops[0] / self.steps,
             "cpu_nchw_conv2d_flops_per_step": self.cpu_conv2d_flops[1] / self.steps,
             "backward_per_step": self.backward / self.steps,
+            # FLOPs of a step, forward and backward, by kind ("cpu float32", "cuda bfloat16")
+            "flops_by_kind_per_step": self.flop_count.per_step(self.steps),
+            **({"flop_count_errors": self.flop_count.errors} if self.flop_count.errors else {}),
             "packed_sequences_per_step": self.packed_sequences / self.steps,
             **self.tf32_settings,
             # zero_grad(set_to_none=False): zeros written into the gradients

@@ -30,9 +30,10 @@ from trainprof.capture.fingerprint import collect_fingerprint
 from trainprof.capture.hooks import Instrumentation, LoaderRegistry
 from trainprof.capture.knobs import install_knobs
 from trainprof.capture.loop_stacks import LoopStackSampler
-from trainprof.capture.opcount import compiled_frames
+from trainprof.capture.opcount import OpCountTool, compiled_frames
 from trainprof.capture.optimizer_impl import class_name, describe_optimizer
-from trainprof.capture.ranks import MAX_RECORDED, RANKS_DIR, ChildRuns
+from trainprof.capture.peak_flops import peaks
+from trainprof.capture.ranks import MAX_RECORDED, RANKS_DIR, ChildRuns, launcher_rank
 from trainprof.capture.sampler_process import SamplerProcess
 from trainprof.capture.window import WindowRunner
 from trainprof.capture.worker import MAIN_REARM_HZ, WORKERS_DIR, WorkerCapture
@@ -140,6 +141,7 @@ class Recorder:
         # a process the script started (capture.ranks) samples the system only once it
         # trains: a helper process that never steps costs no sampler process
         self._sampler_pending = sampler_at_first_step
+        self._started_by_script = sampler_at_first_step  # a process the script started
         self.clock = StepClock(max_steps=max_steps)
         self._max_steps = max_steps
         #: heavy tools over bounded windows of steps (--deep, --py, --lines)
@@ -280,6 +282,9 @@ class Recorder:
         self.writer.meta["training_thread"] = self._training_thread_settings()
         self.writer.meta["debug_modes"] = self.debug_modes.record()
         cuda_memory = self._cuda_memory()  # once, at the end; None unless CUDA was used
+        peak = self._peak_flops(status)  # the workers gone, the knobs' threads still set
+        if peak:
+            self.writer.meta["peak_flops"] = peak
         if cuda_memory is not None:
             self.writer.meta["cuda_memory"] = cuda_memory
         if getattr(self, "knobs", None) is not None:
@@ -547,6 +552,30 @@ class Recorder:
             "torch_num_threads": torch.get_num_threads(),
             "torch_num_interop_threads": torch.get_num_interop_threads(),
         }
+
+    def _peak_flops(self, status: str) -> dict[str, Any] | None:
+        """The matrix-multiply peak of each kind of compute the op count's window saw
+        (capture/peak_flops.py): from the cache, or measured now at the end of a finished
+        run of one process (a run stopped by Ctrl-C or a crash is not kept waiting, and
+        ranks of a launch would measure each other's load)."""
+        kinds: dict[str, float] = {}
+        for runner in self.windows:
+            for tool in runner.tools:
+                if isinstance(tool, OpCountTool) and tool.steps:
+                    kinds = tool.flop_count.per_step(tool.steps)
+        total = sum(kinds.values())
+        wanted = [k for k, v in kinds.items() if total > 0 and v >= 0.01 * total
+                  and k.split()[0] in ("cpu", "cuda")]
+        torch = sys.modules.get("torch")
+        if not wanted or torch is None:
+            return None
+        one_process = (status == "finished" and launcher_rank() is None
+                       and self.child_runs.own_label is None and not self._started_by_script
+                       and not self._distributed_seen)
+        try:
+            return peaks(torch, wanted, may_measure=one_process)
+        except Exception as exc:  # noqa: BLE001 - a peak is extra: the record comes first
+            return {"error": {"error": f"{type(exc).__name__}: {exc}"}}
 
     @staticmethod
     def _cuda_in_use() -> bool:

@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from trainprof.report.console import make_console
-from trainprof.report.terminal import fmt_bytes, fmt_pct, fmt_time
+from trainprof.report.terminal import fmt_bytes, fmt_flops, fmt_pct, fmt_time
 
 #: Environment-diff rows shown; the rest is in --json.
 MAX_ENV_ROWS = 15
@@ -122,6 +122,14 @@ def _steps_table(result: dict[str, Any]) -> Table:
     if a.get("samples_per_step") is not None or b.get("samples_per_step") is not None:
         table.add_row("samples/step", _short(a.get("samples_per_step")),
                       _short(b.get("samples_per_step")), "")
+    comp_a, comp_b = a.get("compute") or {}, b.get("compute") or {}
+    if comp_a.get("flops_per_step") or comp_b.get("flops_per_step"):
+        x, y = comp_a.get("flops_per_step"), comp_b.get("flops_per_step")
+        table.add_row("FLOPs/step", fmt_flops(x), fmt_flops(y),
+                      _ratio(y / x) if x and y is not None else "—")
+        x, y = comp_a.get("utilization"), comp_b.get("utilization")
+        table.add_row("FLOPs utilization", "—" if x is None else f"{x * 100:.0f}%",
+                      "—" if y is None else f"{y * 100:.0f}%", "")
     sys_a, sys_b = a.get("system") or {}, b.get("system") or {}
     for key, label in (("proc_cpu_pct", "process CPU"), ("workers_cpu_pct", "workers CPU"),
                        ("sys_cpu_pct", "system CPU"), ("iowait_pct", "iowait")):

@@ -54,7 +54,7 @@ from trainprof.analysis.series import MAX_POINTS, sample_series, step_series, te
 from trainprof.errors import UsageError
 from trainprof.report.html_assets import CSS, JS
 from trainprof.report.impact import impact_text
-from trainprof.report.terminal import fmt_bytes, fmt_pct, fmt_time
+from trainprof.report.terminal import fmt_bytes, fmt_flops, fmt_pct, fmt_time
 from trainprof.store import Run
 
 __all__ = ["json_for_script", "render_compare_html", "render_html"]
@@ -85,7 +85,7 @@ _KNOWN_KEYS = frozenset(
         "syncs", "gc", "regions", "dataloaders", "system", "device", "environment", "missing",
         "notes", "findings", "recorded_status", "deep", "python_profile", "line_profile",
         "telemetry", "workers", "ranks", "rank_spread", "samples_per_s_all_ranks", "main_rank",
-        "ddp", "batch_handoff", "padding",
+        "ddp", "batch_handoff", "padding", "compute",
     }
 )
 
@@ -399,6 +399,18 @@ def _verdict(s: dict[str, Any]) -> str:
             thr.append(f"{s['steps_per_s']:,.1f} steps/s")
         if thr:
             tiles.append(_tile("throughput", thr[0], " · ".join(thr[1:])))
+        compute = s.get("compute") or {}
+        if compute.get("utilization") is not None:
+            peaks = ", ".join(f"{k['kind']}: {fmt_flops(k['peak_flops_per_s'])}/s"
+                              for k in compute["kinds"] if k.get("peak_flops_per_s"))
+            model = compute.get("model_utilization")
+            tiles.append(_tile(
+                "FLOPs utilization",
+                f"{compute['utilization'] * 100:.0f}%",
+                f"of the peak torch.mm reaches here ({peaks}) · "
+                f"{fmt_flops(compute['flops_per_step'])} a step at "
+                f"{fmt_flops(compute['flops_per_s'])}/s"
+                + (f" · forward+backward at {model * 100:.0f}%" if model is not None else "")))
         warm = f"warm-up {steps.get('warmup')}, steady {steps.get('steady_count')}"
         if steps.get("warmup_median_s") is not None:
             warm += f" (warm-up median {fmt_time(steps['warmup_median_s'])})"

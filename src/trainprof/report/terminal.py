@@ -48,6 +48,37 @@ def fmt_bytes(n: float | None) -> str:
     return f"{n:.1f} TiB"
 
 
+def fmt_flops(n: float | None) -> str:
+    """FLOPs (or FLOP/s, with the caller's suffix) in engineering units: 1.29 GFLOP."""
+    if n is None:
+        return "—"
+    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}FLOP"
+    return f"{n:.3g} FLOP"
+
+
+def compute_text(compute: dict[str, Any] | None) -> str | None:
+    """The "Compute" row: FLOPs a step, the rate, the share of the measured peak."""
+    if not compute:
+        return None
+    text = (f"{fmt_flops(compute['flops_per_step'])} a step · "
+            f"{fmt_flops(compute['flops_per_s'])}/s")
+    kinds = [k for k in compute.get("kinds") or [] if k.get("peak_flops_per_s")]
+    if compute.get("utilization") is None or not kinds:
+        return text + " · no measured peak to compare with"
+    peaks = ", ".join(f"{k['kind']}: {fmt_flops(k['peak_flops_per_s'])}/s" for k in kinds)
+    text += f" · {_share(compute['utilization'])} of the peak torch.mm reaches here ({peaks})"
+    if compute.get("model_utilization") is not None:
+        text += f" · forward+backward at {_share(compute['model_utilization'])}"
+    return text
+
+
+def _share(x: float) -> str:
+    """A utilization: one decimal below 10% (an input-bound step is at 0.4%, not 0%)."""
+    return f"{x * 100:.1f}%" if x < 0.095 else f"{x * 100:.0f}%"
+
+
 def fmt_pct(x: float | None) -> str:
     return "—" if x is None else f"{x:.0f}%"
 
@@ -395,6 +426,9 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
         if summary.get("samples_per_s_all_ranks"):
             thr.append(f"all ranks {summary['samples_per_s_all_ranks']:,.0f} samples/s")
         table.add_row("Throughput", " · ".join(thr) or "—")
+        compute = compute_text(summary.get("compute"))
+        if compute:
+            table.add_row("Compute", compute)
     breakdown = summary.get("breakdown")
     if breakdown:
         table.add_row("Breakdown", _breakdown_bar(breakdown))

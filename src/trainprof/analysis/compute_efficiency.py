@@ -1,0 +1,73 @@
+"""How close the step's arithmetic runs to the machine's peak: a FLOPs utilization.
+
+Definition: the time the step's FLOPs would take at the peak rate of the dtype each ran
+in, over the time the step took. With one dtype that is achieved FLOP/s over peak FLOP/s,
+PaLM's model FLOPs utilization (Chowdhery et al. 2022, appendix B), which Lightning's
+``ThroughputMonitor`` and Composer's speed monitor report; with several (autocast's
+bfloat16 products beside float32 ones) each kind's FLOPs are divided by its own peak.
+
+The FLOPs are those torch's FLOP formulas give the op count's window of steps, forward and
+backward (:mod:`trainprof.capture.flop_count`: matrix products, convolutions, attention;
+recomputed forwards included). The peaks are measured on the run's machine with its
+threads (:mod:`trainprof.capture.peak_flops`): an attainable peak, not a datasheet's, so
+100% means "as fast as torch.mm runs here". Two figures: over the whole step, and over the
+model's phases (forward + backward): a step at 5% whose model phases are at 60% waits on
+something else (data, the optimizer, Python); one whose model phases are at 5% computes in
+pieces too small for the hardware (a small batch, many small ops).
+
+None when the window saw no products (no model, a compiled one: the window skips
+``torch.compile``), or when the kinds with a known peak carry less than
+:data:`MIN_COVERED` of the FLOPs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: The least share of the FLOPs whose peak is known for a utilization to be given.
+MIN_COVERED = 0.9
+
+
+def compute_efficiency(ops: dict[str, Any] | None, peaks: dict[str, Any] | None,
+                       median_s: float | None,
+                       breakdown: dict[str, float] | None) -> dict[str, Any] | None:
+    """The summary's ``compute`` section (see the module's docs)."""
+    by_kind = (ops or {}).get("flops_by_kind_per_step")
+    if not isinstance(by_kind, dict) or not median_s or median_s <= 0:
+        return None
+    total = sum(float(v) for v in by_kind.values())
+    if total <= 0:
+        return None
+    peaks = peaks if isinstance(peaks, dict) else {}
+    kinds, ideal, covered = [], 0.0, 0.0
+    for kind, flops in sorted(by_kind.items(), key=lambda kv: -float(kv[1])):
+        flops = float(flops)
+        peak = peaks.get(kind) if isinstance(peaks.get(kind), dict) else {}
+        rate = peak.get("flops_per_s")
+        entry: dict[str, Any] = {"kind": kind, "flops_per_step": flops,
+                                 "share": flops / total, "peak_flops_per_s": None}
+        if isinstance(rate, int | float) and rate > 0:
+            entry.update(peak_flops_per_s=float(rate), peak_source=peak.get("source"),
+                         ideal_s=flops / float(rate))
+            ideal += flops / float(rate)
+            covered += flops
+        elif peak.get("error"):
+            entry["peak_error"] = peak["error"]
+        kinds.append(entry)
+    out: dict[str, Any] = {
+        "flops_per_step": total,
+        "flops_per_s": total / median_s,
+        "kinds": kinds,
+        "steps_sampled": (ops or {}).get("steps_sampled"),
+        "peak_covered_share": covered / total,
+        "ideal_step_s": None,
+        "utilization": None,
+        "model_utilization": None,
+    }
+    if covered / total < MIN_COVERED:
+        return out
+    ideal *= total / covered  # the few FLOPs of kinds without a peak, at the others' rate
+    model = sum(float((breakdown or {}).get(p) or 0.0) for p in ("forward", "backward"))
+    out.update(ideal_step_s=ideal, utilization=ideal / median_s,
+               model_utilization=ideal / (median_s * model) if model > 0 else None)
+    return out

@@ -1,0 +1,109 @@
+"""FLOPs of a training step, forward and backward, by the device and dtype that computed them.
+
+Why: a FLOPs utilization (:mod:`trainprof.analysis.compute_efficiency`) divides the FLOPs
+a step computes by the rate the hardware reaches in the same dtype; a step that mixes
+float32 and bfloat16 needs each kind counted apart.
+
+How: the formulas are torch's own (``torch.utils.flop_counter.flop_registry``: matrix
+products, convolutions and their backward, the attention kernels), applied at the aten
+level by a ``TorchDispatchMode`` pushed for the op count's window of steps. At that level
+autocast has already cast the inputs, so an op's dtype is the dtype it computed in, and
+backward's products are seen too: the autograd engine carries the mode into the threads
+that run backward. Ops with no formula (pointwise ops, reductions, the optimizer's
+updates) count nothing, as in PaLM's model FLOPs (Chowdhery et al. 2022, appendix B) and
+torch's ``FlopCounterMode``. Recomputed forwards (activation checkpointing) are counted:
+these are the FLOPs the hardware ran (PaLM's "hardware FLOPs").
+
+Not in torch's registry and added here: the CPU's attention kernel,
+``_scaled_dot_product_flash_attention_for_cpu`` and its backward, with the formulas the
+registry gives the CUDA kernels.
+
+Kinds are named ``"<device type> <dtype>"``, ``"cuda float32 tf32"`` for float32 products
+and convolutions that TF32 tensor cores may run (``torch.backends.cuda.matmul.allow_tf32``
+and ``torch.backends.cudnn.allow_tf32``, read when the window opens).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: aten ops whose float32 CUDA version TF32 governs through the cuBLAS switch (products) ...
+_PRODUCTS = frozenset({"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"})
+
+
+def _cpu_attention_formulas(aten: Any, fc: Any) -> dict[Any, Any]:
+    """The CPU's fused attention: the registry's formulas for the CUDA kernels, whose
+    arguments it shares (query, key, value first; grad_out first in backward)."""
+    out: dict[Any, Any] = {}
+    forward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    backward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if forward is not None:
+        out[forward] = lambda q, k, v, *a, **kw: fc.sdpa_flop_count(q.shape, k.shape, v.shape)
+    if backward is not None:
+        out[backward] = lambda g, q, k, v, *a, **kw: fc.sdpa_backward_flop_count(
+            g.shape, q.shape, k.shape, v.shape)
+    return out
+
+
+def _first_tensor(torch: Any, args: tuple[Any, ...]) -> Any:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a
+    return None
+
+
+class FlopCount:
+    """FLOPs by kind over the steps of the windows it was open for."""
+
+    def __init__(self) -> None:
+        self.by_kind: dict[str, float] = {}
+        self.errors: dict[str, str] = {}
+        self._mode: Any = None
+
+    def start(self) -> None:
+        """Push the dispatch mode on this (the training) thread."""
+        import torch
+        import torch.utils.flop_counter as fc
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        registry = dict(fc.flop_registry)
+        registry.update(_cpu_attention_formulas(torch.ops.aten, fc))
+        by_kind, errors = self.by_kind, self.errors
+        tf32_products = bool(torch.backends.cuda.matmul.allow_tf32)
+        tf32_convs = bool(torch.backends.cudnn.allow_tf32)
+        float32 = torch.float32
+
+        def kind(packet: Any, first: Any) -> str:
+            dtype = first.dtype
+            name = f"{first.device.type} {str(dtype).removeprefix('torch.')}"
+            if dtype is float32 and first.is_cuda and (
+                    tf32_products if str(packet) in _PRODUCTS else tf32_convs):
+                name += " tf32"
+            return name
+
+        class _Flops(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+                out = func(*args, **(kwargs or {}))
+                packet = func._overloadpacket
+                formula = registry.get(packet)
+                if formula is not None:
+                    try:
+                        flops = float(formula(*args, **(kwargs or {}), out_val=out))
+                        first = _first_tensor(torch, args)
+                        if first is not None and flops > 0:
+                            k = kind(packet, first)
+                            by_kind[k] = by_kind.get(k, 0.0) + flops
+                    except Exception as exc:  # noqa: BLE001 - never the script's failure
+                        errors.setdefault(str(packet), f"{type(exc).__name__}: {exc}")
+                return out
+
+        self._mode = _Flops()
+        self._mode.__enter__()
+
+    def stop(self) -> None:
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+
+    def per_step(self, steps: int) -> dict[str, float]:
+        return {k: v / steps for k, v in sorted(self.by_kind.items())} if steps else {}

@@ -1,0 +1,179 @@
+"""FLOPs of a step by kind, the machine's measured matmul peak, and the FLOPs utilization."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from trainprof.analysis.compute_efficiency import compute_efficiency
+from trainprof.capture import peak_flops
+from trainprof.capture.flop_count import FlopCount
+from trainprof.report.terminal import compute_text, fmt_flops
+from trainprof.store import load_run
+
+
+def _mlp_flops(batch: int, dims: list[int]) -> float:
+    """Forward, weight gradients, and input gradients of every layer but the first (its
+    input needs none): 2 x batch x (in x out) each."""
+    pairs = [a * b for a, b in zip(dims, dims[1:], strict=False)]
+    return 2.0 * batch * (2 * sum(pairs) + sum(pairs[1:]))
+
+
+def _counted(fn) -> FlopCount:  # noqa: ANN001
+    count = FlopCount()
+    count.start()
+    try:
+        fn()
+    finally:
+        count.stop()
+    return count
+
+
+def test_forward_and_backward_flops_are_counted_by_the_dtype_they_ran_in():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+
+    def step() -> None:
+        nn.functional.cross_entropy(model(x), y).backward()
+
+    count = _counted(step)
+    assert count.by_kind == {"cpu float32": _mlp_flops(32, [64, 128, 10])}
+    assert count.errors == {}
+
+    def autocast_step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+
+    # autocast casts before the product: the same FLOPs, computed in bfloat16
+    assert _counted(autocast_step).by_kind == {"cpu bfloat16": _mlp_flops(32, [64, 128, 10])}
+    # under no_grad only the forward counts
+    with torch.no_grad():
+        count = _counted(lambda: model(x))
+    assert count.by_kind == {"cpu float32": 2.0 * 32 * (64 * 128 + 128 * 10)}
+
+
+def test_convolutions_and_the_cpus_attention_kernel_are_counted():
+    conv = nn.Conv2d(3, 8, 3, padding=1)
+    x = torch.randn(4, 3, 16, 16)
+    forward = 2.0 * 4 * 16 * 16 * conv.weight.numel()
+    # forward and the weight gradient (the input needs none); the bias's adds are not counted
+    assert _counted(lambda: conv(x).sum().backward()).by_kind == {"cpu float32": 2 * forward}
+    q = torch.randn(2, 4, 10, 8, requires_grad=True)
+    k, v = torch.randn(2, 4, 10, 8), torch.randn(2, 4, 10, 8)
+    count = _counted(
+        lambda: nn.functional.scaled_dot_product_attention(q, k, v).sum().backward())
+    attention = 2 * (2.0 * 2 * 4 * 10 * 10 * 8)  # Q K^T and (softmax) V
+    # torch's formula for attention's backward: 2.5 times its forward
+    assert count.by_kind == {"cpu float32": attention * 3.5}
+
+
+def test_utilization_divides_each_kind_by_its_own_peak():
+    ops = {"flops_by_kind_per_step": {"cpu bfloat16": 8e9, "cpu float32": 1e9},
+           "steps_sampled": 2}
+    peaks = {"cpu bfloat16": {"flops_per_s": 800e9, "source": "cache"},
+             "cpu float32": {"flops_per_s": 200e9, "source": "measured"}}
+    out = compute_efficiency(ops, peaks, 0.05, {"forward": 0.2, "backward": 0.3})
+    assert out is not None
+    assert out["flops_per_step"] == 9e9 and out["flops_per_s"] == pytest.approx(180e9)
+    # 8e9 / 800e9 + 1e9 / 200e9 = 15 ms at peak, in a 50 ms step
+    assert out["ideal_step_s"] == pytest.approx(0.015)
+    assert out["utilization"] == pytest.approx(0.3)
+    assert out["model_utilization"] == pytest.approx(0.6)  # 15 ms of the 25 ms of the model
+    assert [k["kind"] for k in out["kinds"]] == ["cpu bfloat16", "cpu float32"]
+    text = compute_text(out)
+    assert text == ("9 GFLOP a step · 180 GFLOP/s · 30% of the peak torch.mm reaches here "
+                    "(cpu bfloat16: 800 GFLOP/s, cpu float32: 200 GFLOP/s) · "
+                    "forward+backward at 60%")
+    # a kind with most of the FLOPs and no peak: no utilization, and the row says so
+    peaks.pop("cpu bfloat16")
+    out = compute_efficiency(ops, peaks, 0.05, {"forward": 0.5})
+    assert out["utilization"] is None and out["peak_covered_share"] == pytest.approx(1 / 9)
+    assert compute_text(out).endswith("no measured peak to compare with")
+    assert compute_efficiency({"flops_by_kind_per_step": {}}, peaks, 0.05, None) is None
+    assert compute_efficiency(None, peaks, 0.05, None) is None
+    assert fmt_flops(1.5e12) == "1.5 TFLOP" and fmt_flops(999.0) == "999 FLOP"
+
+
+def test_the_peak_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(peak_flops.CACHE_ENV, str(tmp_path))
+    # a rank of a launch never measures
+    out = peak_flops.peaks(torch, ["cpu float32"], may_measure=False)
+    assert out["cpu float32"]["error"].startswith("not measured")
+    first = peak_flops.peaks(torch, ["cpu float32"], may_measure=True)["cpu float32"]
+    assert first["source"] == "measured" and first["repeats"] >= peak_flops.MIN_REPEATS
+    # a 1024-square product in float32 on any CPU that runs torch: well above 1 GFLOP/s
+    assert first["flops_per_s"] > 1e9 and first["matrix"] == 1024
+    cached = json.loads((tmp_path / peak_flops.CACHE_FILE).read_text())
+    assert list(cached) == [first["key"]]
+    assert f"{torch.get_num_threads()} threads" in first["key"]
+
+    def no_measuring(*args, **kwargs):  # noqa: ANN002, ANN003
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(peak_flops, "measure", no_measuring)
+    again = peak_flops.peaks(torch, ["cpu float32"], may_measure=True)["cpu float32"]
+    assert again["source"] == "cache" and again["flops_per_s"] == first["flops_per_s"]
+    # a dtype torch cannot multiply here is an error entry, not a failure
+    monkeypatch.undo()
+    monkeypatch.setenv(peak_flops.CACHE_ENV, str(tmp_path))
+    out = peak_flops.peaks(torch, ["cpu no_such_dtype"], may_measure=True)
+    assert out["cpu no_such_dtype"]["error"].startswith("AttributeError")
+
+
+TRAIN = """
+import sys
+import torch
+from torch import nn
+
+width = int(sys.argv[1])
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(32, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                      nn.Linear(width, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x, y = torch.randn(16, 32), torch.randint(0, 4, (16,))
+for step in range(40):
+    loss = nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_a_run_reports_its_flops_and_how_near_the_peak_they_ran(tp, tmp_path):
+    wide = tp(TRAIN, "--json", "--no-html", args=("1024",))
+    assert wide.returncode == 0, wide.stderr
+    compute = wide.json()["compute"]
+    assert compute["flops_per_step"] == _mlp_flops(16, [32, 1024, 1024, 4])
+    (kind,) = compute["kinds"]
+    assert kind["kind"] == "cpu float32" and kind["peak_flops_per_s"] > 1e9
+    peak = load_run(wide.run_dir).meta["peak_flops"]["cpu float32"]
+    assert peak["flops_per_s"] == kind["peak_flops_per_s"]
+    assert peak["source"] in ("measured", "cache")  # another test may have measured it
+    assert 0 < compute["utilization"] <= compute["model_utilization"] < 1.5
+    narrow = tp(TRAIN, "--no-html", args=("8",))
+    assert narrow.returncode == 0, narrow.stderr
+    assert "\nCompute      " in narrow.stdout + narrow.stderr
+    small = load_run(narrow.run_dir)
+    from trainprof.commands import analyse_folder
+
+    summary, _ = analyse_folder(narrow.run_dir)
+    assert small.meta["peak_flops"]["cpu float32"]["source"] == "cache"
+    # 8-wide layers keep the cores busy with overheads: a fraction of the wide net's rate
+    assert summary["compute"]["utilization"] < compute["utilization"] / 3
+    # compare shows both: the work a step does and how near the peak it ran
+    import io
+
+    from trainprof.analysis.compare import compare_runs
+    from trainprof.report.compare_terminal import render_compare
+
+    result = compare_runs(load_run(wide.run_dir), small)
+    assert result["a"]["compute"]["flops_per_step"] == compute["flops_per_step"]
+    assert result["b"]["compute"]["flops_per_step"] == _mlp_flops(16, [32, 8, 8, 4])
+    out = io.StringIO()
+    render_compare(result, file=out)
+    assert "FLOPs utilization" in out.getvalue() and "FLOPs/step" in out.getvalue()
