@@ -101,10 +101,14 @@ def test_utilization_divides_each_kind_by_its_own_peak():
 
 def test_the_peak_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv(peak_flops.CACHE_ENV, str(tmp_path))
-    # a rank of a launch never measures
-    out = peak_flops.peaks(torch, ["cpu float32"], may_measure=False)
+    # a rank of a launch never measures the CPU's
+    out = peak_flops.peaks(torch, ["cpu float32"], may_measure={"cuda"})
     assert out["cpu float32"]["error"].startswith("not measured")
-    first = peak_flops.peaks(torch, ["cpu float32"], may_measure=True)["cpu float32"]
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    first = peak_flops.peaks(torch, ["cpu float32"], may_measure={"cpu"})["cpu float32"]
+    assert torch.equal(torch.rand(3), expected)  # the process's random stream untouched
     assert first["source"] == "measured" and first["repeats"] >= peak_flops.MIN_REPEATS
     # a 1024-square product in float32 on any CPU that runs torch: well above 1 GFLOP/s
     assert first["flops_per_s"] > 1e9 and first["matrix"] == 1024
@@ -116,12 +120,12 @@ def test_the_peak_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatc
         raise AssertionError("measured again")
 
     monkeypatch.setattr(peak_flops, "measure", no_measuring)
-    again = peak_flops.peaks(torch, ["cpu float32"], may_measure=True)["cpu float32"]
+    again = peak_flops.peaks(torch, ["cpu float32"], may_measure={"cpu"})["cpu float32"]
     assert again["source"] == "cache" and again["flops_per_s"] == first["flops_per_s"]
     # a dtype torch cannot multiply here is an error entry, not a failure
     monkeypatch.undo()
     monkeypatch.setenv(peak_flops.CACHE_ENV, str(tmp_path))
-    out = peak_flops.peaks(torch, ["cpu no_such_dtype"], may_measure=True)
+    out = peak_flops.peaks(torch, ["cpu no_such_dtype"], may_measure={"cpu"})
     assert out["cpu no_such_dtype"]["error"].startswith("AttributeError")
 
 
@@ -159,12 +163,14 @@ def test_a_run_reports_its_flops_and_how_near_the_peak_they_ran(tp, tmp_path):
     assert narrow.returncode == 0, narrow.stderr
     assert "\nCompute      " in narrow.stdout + narrow.stderr
     small = load_run(narrow.run_dir)
-    from trainprof.commands import analyse_folder
+    from trainprof.commands import analyse_folder, write_html
 
     summary, _ = analyse_folder(narrow.run_dir)
     assert small.meta["peak_flops"]["cpu float32"]["source"] == "cache"
     # 8-wide layers keep the cores busy with overheads: a fraction of the wide net's rate
     assert summary["compute"]["utilization"] < compute["utilization"] / 3
+    page = write_html(summary, small, tmp_path / "report.html").read_text()
+    assert "FLOPs utilization" in page and "of the peak torch.mm reaches here" in page
     # compare shows both: the work a step does and how near the peak it ran
     import io
 
@@ -177,3 +183,40 @@ def test_a_run_reports_its_flops_and_how_near_the_peak_they_ran(tp, tmp_path):
     out = io.StringIO()
     render_compare(result, file=out)
     assert "FLOPs utilization" in out.getvalue() and "FLOPs/step" in out.getvalue()
+
+
+def test_on_a_listed_gpu_the_mfu_is_against_its_datasheet():
+    from trainprof.analysis.datasheet_peaks import datasheet_peak
+
+    assert datasheet_peak("NVIDIA H100 80GB HBM3", "cuda bfloat16") == ("H100", 989.4e12)
+    assert datasheet_peak("NVIDIA H100 PCIe", "cuda float32 tf32") == ("H100 PCIE", 378e12)
+    assert datasheet_peak("NVIDIA A100-SXM4-80GB", "cuda float16") == ("A100", 312e12)
+    assert datasheet_peak("NVIDIA L4", "cuda bfloat16") == ("L4", 121e12)
+    assert datasheet_peak("NVIDIA L40S", "cuda bfloat16") == ("L40S", 362e12)
+    assert datasheet_peak("NVIDIA A10", "cuda float32") == ("A10", 31.2e12)
+    # no bfloat16 on a V100; an A10G, an H100 NVL, a CPU: no figure
+    assert datasheet_peak("Tesla V100-SXM2-32GB", "cuda bfloat16") is None
+    assert datasheet_peak("NVIDIA A10G", "cuda bfloat16") is None
+    assert datasheet_peak("NVIDIA H100 NVL", "cuda bfloat16") is None
+    assert datasheet_peak(None, "cpu float32") is None
+    ops = {"flops_by_kind_per_step": {"cuda bfloat16": 98.94e12, "cuda float32": 1e9}}
+    peaks = {"cuda bfloat16": {"flops_per_s": 700e12, "source": "measured"},
+             "cuda float32": {"flops_per_s": 50e12, "source": "measured"}}
+    out = compute_efficiency(ops, peaks, 0.5, {"forward": 0.3, "backward": 0.6},
+                             gpu_name="NVIDIA H100 80GB HBM3")
+    # 0.1 s at the datasheet's 989.4 TFLOP/s (and 1 GFLOP at 67) in a 0.5 s step
+    assert out["datasheet_utilization"] == pytest.approx((0.1 + 1e9 / 67e12) / 0.5)
+    assert out["utilization"] == pytest.approx((98.94e12 / 700e12 + 1e9 / 50e12) / 0.5)
+    assert compute_text(out).endswith("· MFU 20% of the H100 datasheet's dense peak")
+    # no measured peak (a rank of a launch): the datasheet's MFU still stands
+    out = compute_efficiency(ops, {}, 0.5, None, gpu_name="NVIDIA H100 80GB HBM3")
+    assert out["utilization"] is None and out["datasheet_utilization"] is not None
+    assert "no measured peak" not in compute_text(out)
+
+
+def test_a_mig_slice_has_no_datasheet_figure():
+    from trainprof.analysis.datasheet_peaks import datasheet_peak
+
+    assert datasheet_peak("NVIDIA A100-SXM4-40GB MIG 1g.5gb", "cuda bfloat16") is None
+    assert datasheet_peak("NVIDIA H100 80GB HBM3", "cuda bfloat16", 16) is None  # 1g of 7
+    assert datasheet_peak("NVIDIA H100 80GB HBM3", "cuda bfloat16", 132) == ("H100", 989.4e12)

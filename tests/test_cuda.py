@@ -344,6 +344,25 @@ def test_the_autocast_knob_runs_a_cuda_models_calls_in_bfloat16(tp):
     assert rec == {"value": "bf16", "calls": 60, "device_types": {"cuda": 60}}
 
 
+def test_flops_utilization_on_cuda_counts_bfloat16_and_measures_its_peak(tp):
+    """Under the autocast knob every product runs in bfloat16: the FLOPs are counted as
+    "cuda bfloat16" (forward, weight and input gradients but the first layer's input), the
+    peak is measured with CUDA's bfloat16 torch.mm, and a listed GPU gets its datasheet MFU."""
+    res = tp(FP32_MATMULS, "--json", "--no-html", timeout=300,
+             env={"TRAINPROF_KNOBS": json.dumps({"autocast": "bf16"})})
+    assert res.returncode == 0, res.stderr[-3000:]
+    compute = res.json()["compute"]
+    pairs = 1024 * 4096 + 4096 * 1024
+    assert compute["flops_per_step"] == 2.0 * 512 * (2 * pairs + 4096 * 1024)
+    (kind,) = compute["kinds"]
+    assert kind["kind"] == "cuda bfloat16"
+    assert kind["peak_flops_per_s"] > 10e12  # any tensor-core GPU with bfloat16
+    assert 0 < compute["utilization"] < 1.2
+    name = torch.cuda.get_device_name(0)
+    if "H100" in name or "A100" in name or "H200" in name:
+        assert 0 < compute["datasheet_utilization"] <= compute["utilization"]
+
+
 def test_ddp_timing_on_cuda_comes_from_its_cuda_timer(tmp_path):
     """DDP's reducer times a CUDA model with CUDA events (its CudaTimer): one NCCL rank
     in this process (a HashStore), 130 iterations, so that iteration 100 is sampled."""

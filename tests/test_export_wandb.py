@@ -111,6 +111,9 @@ def test_summary_config_findings_and_report_come_from_the_runs_report(exported) 
               if k.startswith("trainprof/breakdown/")}
     assert shares == pytest.approx(summary["breakdown"], rel=1e-12)
     assert sum(shares.values()) == pytest.approx(1.0)
+    compute = summary["compute"]  # the FLOPs of a step and their share of the peak
+    assert s["trainprof/compute/flops_per_step"] == compute["flops_per_step"] > 0
+    assert s["trainprof/compute/utilization"] == pytest.approx(compute["utilization"])
     findings = summary["findings"]
     assert findings and s["trainprof/finding_count"] == len(findings)
     assert s["trainprof/top_finding"] == findings[0]["title"]

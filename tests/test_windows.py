@@ -205,8 +205,9 @@ def test_deep_window_writes_a_trace_of_the_chosen_steps(tp) -> None:
     assert _trace_steps(traces[0]) == ["ProfilerStep#6", "ProfilerStep#7", "ProfilerStep#8"]
     run = load_run(res.run_dir)
     flagged = run.steps["step"][(run.steps["flags"] & FLAG_PROFILED) != 0].tolist()
-    # 5: warm-up, 6-8: recorded, 9: carries the stop; 10: the op-count sample's (8-9) stop
-    assert flagged == [5, 6, 7, 8, 9, 10]
+    # 5: warm-up, 6-8: recorded, 9: carries the stop; the op count's sample, moved clear
+    # of the deep window, 9-10, and 11 its stop
+    assert flagged == [5, 6, 7, 8, 9, 10, 11]
     assert not set(flagged) & set(complete_steps(run.steps)["step"].tolist())
     windows = [w for w in run.meta["windows"] if w["tools"] == ["torch_profiler"]]
     assert windows[0]["recorded"] == [[6, 9]]
@@ -306,3 +307,25 @@ def test_a_launch_bound_claim_is_what_the_input_and_sync_findings_leave() -> Non
     assert [f["cause"] for f in trace_findings(deep, [])] == ["launch_bound"]
     # what the syncs leave is too little (under 5% of the step)
     assert trace_findings(deep, [finding("synchronization", "host_reads", 0.12)]) == []
+
+
+def test_the_op_count_window_keeps_clear_of_the_heavy_tools_windows(tmp_path):
+    from trainprof.capture.opcount import OPCOUNT_SCHEDULE, OpCountTool
+    from trainprof.capture.tools import build_windows, clear_of, covers
+
+    deep = Schedule(skip_first=8, wait=0, warmup=1, active=3, repeat=1)
+    assert [s for s in range(20) if covers(deep, s)] == [8, 9, 10, 11]
+    every = Schedule(skip_first=0, wait=3, warmup=0, active=2, repeat=0)
+    assert [s for s in range(12) if covers(every, s)] == [3, 4, 8, 9]
+    # the default (steps 8, 9) when nothing else is there; after the deep window otherwise
+    assert clear_of(OPCOUNT_SCHEDULE, []) == OPCOUNT_SCHEDULE
+    moved = clear_of(OPCOUNT_SCHEDULE, [deep])
+    assert (moved.skip_first, moved.active) == (12, 2)
+    # between the windows of a repeated one, where two steps fit (10, 11 here)
+    assert clear_of(OPCOUNT_SCHEDULE, [every]).skip_first == 10
+    # no two free steps: left where it was
+    always = Schedule(skip_first=0, wait=1, warmup=0, active=1, repeat=0)
+    assert clear_of(OPCOUNT_SCHEDULE, [always]) == OPCOUNT_SCHEDULE
+    runners = build_windows(tmp_path, deep="skip_first=8,warmup=1,active=3")
+    (op,) = [r for r in runners if isinstance(r.tools[0], OpCountTool)]
+    assert op.schedule.phase_starts(0) == (12, 12, 14)

@@ -15,23 +15,32 @@ model's phases (forward + backward): a step at 5% whose model phases are at 60% 
 something else (data, the optimizer, Python); one whose model phases are at 5% computes in
 pieces too small for the hardware (a small batch, many small ops).
 
-None when the window saw no products (no model, a compiled one: the window skips
-``torch.compile``), or when the kinds with a known peak carry less than
-:data:`MIN_COVERED` of the FLOPs.
+On a GPU that :mod:`trainprof.analysis.datasheet_peaks` lists, a third figure divides by
+the datasheet's dense peaks instead (``datasheet_utilization``): the MFU as people
+publish it.
+
+The section is None when the window saw no products (no model, a compiled one: the window
+skips ``torch.compile``); a utilization is None when the kinds with a known peak carry
+less than :data:`MIN_COVERED` of the FLOPs.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from trainprof.analysis.datasheet_peaks import datasheet_peak
+
 #: The least share of the FLOPs whose peak is known for a utilization to be given.
 MIN_COVERED = 0.9
 
 
 def compute_efficiency(ops: dict[str, Any] | None, peaks: dict[str, Any] | None,
-                       median_s: float | None,
-                       breakdown: dict[str, float] | None) -> dict[str, Any] | None:
-    """The summary's ``compute`` section (see the module's docs)."""
+                       median_s: float | None, breakdown: dict[str, float] | None,
+                       gpu_name: str | None = None,
+                       gpu_multiprocessors: int | None = None) -> dict[str, Any] | None:
+    """The summary's ``compute`` section (see the module's docs); on a GPU in
+    :mod:`~trainprof.analysis.datasheet_peaks`' table, also the utilization against its
+    datasheet (``datasheet_utilization``: the MFU people publish)."""
     by_kind = (ops or {}).get("flops_by_kind_per_step")
     if not isinstance(by_kind, dict) or not median_s or median_s <= 0:
         return None
@@ -40,6 +49,7 @@ def compute_efficiency(ops: dict[str, Any] | None, peaks: dict[str, Any] | None,
         return None
     peaks = peaks if isinstance(peaks, dict) else {}
     kinds, ideal, covered = [], 0.0, 0.0
+    sheet_ideal, sheet_covered = 0.0, 0.0
     for kind, flops in sorted(by_kind.items(), key=lambda kv: -float(kv[1])):
         flops = float(flops)
         peak = peaks.get(kind) if isinstance(peaks.get(kind), dict) else {}
@@ -53,6 +63,11 @@ def compute_efficiency(ops: dict[str, Any] | None, peaks: dict[str, Any] | None,
             covered += flops
         elif peak.get("error"):
             entry["peak_error"] = peak["error"]
+        sheet = datasheet_peak(gpu_name, kind, gpu_multiprocessors)
+        if sheet is not None:
+            entry.update(datasheet_gpu=sheet[0], datasheet_flops_per_s=sheet[1])
+            sheet_ideal += flops / sheet[1]
+            sheet_covered += flops
         kinds.append(entry)
     out: dict[str, Any] = {
         "flops_per_step": total,
@@ -63,6 +78,8 @@ def compute_efficiency(ops: dict[str, Any] | None, peaks: dict[str, Any] | None,
         "ideal_step_s": None,
         "utilization": None,
         "model_utilization": None,
+        "datasheet_utilization": (sheet_ideal * total / sheet_covered / median_s
+                                  if sheet_covered / total >= MIN_COVERED else None),
     }
     if covered / total < MIN_COVERED:
         return out

@@ -128,6 +128,12 @@ def _explicit_gc(rec: dict[str, Any], steps_total_s: float) -> dict[str, Any]:
             if steps_total_s > 0 else None, "every_steps": every}
 
 
+def _first_gpu(meta: dict[str, Any]) -> dict[str, Any]:
+    """The fingerprint's first GPU (its name and multiprocessors: datasheet peaks)."""
+    gpus = (meta.get("fingerprint") or {}).get("gpus") or []
+    return gpus[0] if gpus and isinstance(gpus[0], dict) else {}
+
+
 def summarize_run(run: Run) -> dict[str, Any]:
     """The summary document of a Run, in whatever status it is."""
     meta = run.meta
@@ -202,7 +208,8 @@ def summarize_run(run: Run) -> dict[str, Any]:
         # the step's FLOPs against the machine's measured peak (analysis/compute_efficiency.py)
         "compute": compute_efficiency(ops, meta.get("peak_flops"),
                                       (stats.get("steps") or {}).get("median_s"),
-                                      stats.get("breakdown")),
+                                      stats.get("breakdown"), _first_gpu(meta).get("name"),
+                                      _first_gpu(meta).get("multiprocessors")),
         # which lines of the loop the "other" time goes to (sampled stacks)
         "loop_stacks": summarize_loop_stacks(
             run.path, run.steps, warm, (stats.get("breakdown_detail") or {}).get("other")

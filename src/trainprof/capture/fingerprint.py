@@ -233,6 +233,8 @@ def _gpus(torch: ModuleType) -> list[dict[str, Any]]:
                 "name": str(props.name),
                 "total_memory_bytes": int(props.total_memory),
                 "capability": f"{props.major}.{props.minor}",
+                # fewer than the model's full count: a MIG slice (analysis/datasheet_peaks.py)
+                "multiprocessors": int(props.multi_processor_count),
             }
         )
     return gpus

@@ -14,6 +14,10 @@ updates) count nothing, as in PaLM's model FLOPs (Chowdhery et al. 2022, appendi
 torch's ``FlopCounterMode``. Recomputed forwards (activation checkpointing) are counted:
 these are the FLOPs the hardware ran (PaLM's "hardware FLOPs").
 
+Not counted: work on threads the mode does not reach (``nn.DataParallel``'s replicas run
+forward in threads of their own). A tensor subclass (``DTensor``) is counted at its level,
+with the formula applied to its global shape.
+
 Not in torch's registry and added here: the CPU's attention kernel,
 ``_scaled_dot_product_flash_attention_for_cpu`` and its backward, with the formulas the
 registry gives the CUDA kernels.

@@ -12,7 +12,8 @@ dimension (expert-rules.md: TorchTidy's and the TensorBoard plugin's
 
 How: a ``torch.overrides.TorchFunctionMode`` is pushed for a window of steps
 (default: steps 8 and 9, after the usual warm-up and before
-the default windows of the other tools; the steps are flagged as profiled). Every
+the default windows of the other tools, or the first two steps after that which no other
+window covers: ``trainprof.capture.tools.clear_of``; the steps are flagged as profiled). Every
 torch function or tensor method called from Python passes through
 ``__torch_function__``; the call site is the first frame outside torch. For
 each call site it keeps the count, the function name and the shape of the

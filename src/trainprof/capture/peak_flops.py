@@ -13,8 +13,11 @@ device the model used, with the process's own threads and TF32 settings. It is t
 Cost: about 0.1-0.3 s per dtype on a CPU, a few milliseconds on a GPU. It is measured at
 the end of a run (after the DataLoader workers are gone, so nothing competes for the
 cores) and kept in a cache file (:func:`cache_path`), keyed by everything that sets the
-rate, so a machine pays for it once. Ranks of a multi-process launch only read the cache:
-several ranks measuring at once on one host would each see a share of the cores.
+rate, so a machine pays for it once. On a CPU, ranks of a multi-process launch only read
+the cache:
+several ranks measuring at once on one host would each see a share of the cores; each
+rank measures its own GPU, though, since no other rank computes on it. A run stopped by
+Ctrl-C or a crash only reads the cache: its user is not kept waiting.
 """
 
 from __future__ import annotations
@@ -83,9 +86,12 @@ def measure(torch: Any, compute: str, budget_s: float = BUDGET_S) -> dict[str, A
     dtype = getattr(torch, dtype_name)
     n = _size(device, dtype_name, torch.get_num_threads())
     flops = 2.0 * n ** 3
+    # a generator of its own: the script's random stream is left as it was (the profile()
+    # API stops here while the script goes on)
+    generator = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad(), _matmul_precision(torch, device, tf32):
-        a = torch.randn(n, n, device=device).to(dtype)
-        b = torch.randn(n, n, device=device).to(dtype)
+        a = torch.rand(n, n, device=device, generator=generator).to(dtype)
+        b = torch.rand(n, n, device=device, generator=generator).to(dtype)
         out = torch.empty(n, n, device=device, dtype=dtype)
         best = float("inf")
         torch.mm(a, b, out=out)  # warm-up: the BLAS's first call sets itself up
@@ -141,9 +147,12 @@ def _write_cache(path: Path, key: str, entry: dict[str, Any]) -> None:
         os.replace(tmp, path)
 
 
-def peaks(torch: Any, computes: list[str], may_measure: bool) -> dict[str, dict[str, Any]]:
+def peaks(torch: Any, computes: list[str],
+          may_measure: frozenset[str] | set[str]) -> dict[str, dict[str, Any]]:
     """run.json's ``peak_flops``: for each compute kind, its peak FLOP/s and whether it was
-    ``measured`` now or read from the cache, or why there is none (``error``)."""
+    ``measured`` now or read from the cache, or why there is none (``error``). Only kinds
+    on the device types in ``may_measure`` are measured; the others are read from the
+    cache or go without."""
     path = cache_path()
     cache = _read_cache(path)
     out: dict[str, dict[str, Any]] = {}
@@ -157,9 +166,9 @@ def peaks(torch: Any, computes: list[str], may_measure: bool) -> dict[str, dict[
         if isinstance(entry, dict) and isinstance(entry.get("flops_per_s"), int | float):
             out[compute] = {**entry, "source": "cache", "key": key}
             continue
-        if not may_measure:
-            out[compute] = {"error": "not measured in a rank of a multi-process launch",
-                            "key": key}
+        if split_key(compute)[0] not in may_measure:
+            out[compute] = {"error": "not measured: a rank of a launch shares the CPU, a run "
+                                     "stopped early is not kept waiting", "key": key}
             continue
         try:
             entry = measure(torch, compute)

@@ -556,8 +556,9 @@ class Recorder:
     def _peak_flops(self, status: str) -> dict[str, Any] | None:
         """The matrix-multiply peak of each kind of compute the op count's window saw
         (capture/peak_flops.py): from the cache, or measured now at the end of a finished
-        run of one process (a run stopped by Ctrl-C or a crash is not kept waiting, and
-        ranks of a launch would measure each other's load)."""
+        run (a run stopped by Ctrl-C or a crash is not kept waiting); a CPU's only in a run
+        of one process (ranks of a launch would measure each other's load), a GPU's in each
+        rank (its own device)."""
         kinds: dict[str, float] = {}
         for runner in self.windows:
             for tool in runner.tools:
@@ -569,11 +570,12 @@ class Recorder:
         torch = sys.modules.get("torch")
         if not wanted or torch is None:
             return None
-        one_process = (status == "finished" and launcher_rank() is None
-                       and self.child_runs.own_label is None and not self._started_by_script
-                       and not self._distributed_seen)
+        one_process = (launcher_rank() is None and self.child_runs.own_label is None
+                       and not self._started_by_script and not self._distributed_seen)
+        devices = (set() if status != "finished"
+                   else {"cpu", "cuda"} if one_process else {"cuda"})
         try:
-            return peaks(torch, wanted, may_measure=one_process)
+            return peaks(torch, wanted, may_measure=devices)
         except Exception as exc:  # noqa: BLE001 - a peak is extra: the record comes first
             return {"error": {"error": f"{type(exc).__name__}: {exc}"}}
 

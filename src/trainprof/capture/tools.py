@@ -33,10 +33,6 @@ def build_windows(
     target) are raised here as UsageError, before the script starts.
     """
     runners: list[WindowRunner] = []
-    if op_count:
-        from trainprof.capture.opcount import OPCOUNT_SCHEDULE, OpCountTool
-
-        runners.append(WindowRunner(OPCOUNT_SCHEDULE, [OpCountTool(run_dir)]))
     if deep is not None:
         from trainprof.capture.deep import DEEP_FLAGS, TorchProfilerTool
 
@@ -68,4 +64,35 @@ def build_windows(
 
             tools.append(CProfileTool(run_dir / "python"))
         runners.append(WindowRunner(schedule, tools))
+    if op_count:
+        from trainprof.capture.opcount import OPCOUNT_SCHEDULE, OpCountTool
+
+        schedule = clear_of(OPCOUNT_SCHEDULE, [r.schedule for r in runners])
+        runners.insert(0, WindowRunner(schedule, [OpCountTool(run_dir)]))
     return runners
+
+
+def covers(schedule: Schedule, step: int) -> bool:
+    """Whether ``step`` falls in one of the schedule's windows (warm-up or active)."""
+    if step < schedule.skip_first or schedule.cycle <= 0:
+        return False
+    k, pos = divmod(step - schedule.skip_first, schedule.cycle)
+    return (schedule.repeat == 0 or k < schedule.repeat) and pos >= schedule.wait
+
+
+#: How far the op count's window is moved at most to keep clear of the other windows.
+_LOOK_AHEAD = 1000
+
+
+def clear_of(own: Schedule, others: list[Schedule]) -> Schedule:
+    """``own`` (a one-off window) moved to the first steps from its own start that no other
+    window covers: the op count's modes add Python to every op, which a torch.profiler or
+    cProfile window would record as the step's own time (and the dispatch mode's
+    re-dispatched ops came out of Kineto's trace badly nested). Unchanged when no such
+    steps come within :data:`_LOOK_AHEAD` steps (a window repeated every step)."""
+    span = own.cycle
+    for start in range(own.skip_first, own.skip_first + _LOOK_AHEAD):
+        if not any(covers(o, step) for o in others for step in range(start, start + span)):
+            return Schedule(skip_first=start, wait=own.wait, warmup=own.warmup,
+                            active=own.active, repeat=own.repeat)
+    return own

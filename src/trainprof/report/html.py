@@ -54,7 +54,7 @@ from trainprof.analysis.series import MAX_POINTS, sample_series, step_series, te
 from trainprof.errors import UsageError
 from trainprof.report.html_assets import CSS, JS
 from trainprof.report.impact import impact_text
-from trainprof.report.terminal import fmt_bytes, fmt_flops, fmt_pct, fmt_time
+from trainprof.report.terminal import compute_text, fmt_bytes, fmt_pct, fmt_time
 from trainprof.store import Run
 
 __all__ = ["json_for_script", "render_compare_html", "render_html"]
@@ -399,18 +399,14 @@ def _verdict(s: dict[str, Any]) -> str:
             thr.append(f"{s['steps_per_s']:,.1f} steps/s")
         if thr:
             tiles.append(_tile("throughput", thr[0], " · ".join(thr[1:])))
+        compute_row = compute_text(s.get("compute"))
         compute = s.get("compute") or {}
-        if compute.get("utilization") is not None:
-            peaks = ", ".join(f"{k['kind']}: {fmt_flops(k['peak_flops_per_s'])}/s"
-                              for k in compute["kinds"] if k.get("peak_flops_per_s"))
-            model = compute.get("model_utilization")
-            tiles.append(_tile(
-                "FLOPs utilization",
-                f"{compute['utilization'] * 100:.0f}%",
-                f"of the peak torch.mm reaches here ({peaks}) · "
-                f"{fmt_flops(compute['flops_per_step'])} a step at "
-                f"{fmt_flops(compute['flops_per_s'])}/s"
-                + (f" · forward+backward at {model * 100:.0f}%" if model is not None else "")))
+        if compute_row and (compute.get("utilization") is not None
+                            or compute.get("datasheet_utilization") is not None):
+            value = compute.get("utilization")
+            if value is None:
+                value = compute["datasheet_utilization"]
+            tiles.append(_tile("FLOPs utilization", f"{value * 100:.0f}%", compute_row))
         warm = f"warm-up {steps.get('warmup')}, steady {steps.get('steady_count')}"
         if steps.get("warmup_median_s") is not None:
             warm += f" (warm-up median {fmt_time(steps['warmup_median_s'])})"

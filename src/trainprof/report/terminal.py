@@ -59,18 +59,26 @@ def fmt_flops(n: float | None) -> str:
 
 
 def compute_text(compute: dict[str, Any] | None) -> str | None:
-    """The "Compute" row: FLOPs a step, the rate, the share of the measured peak."""
+    """The "Compute" row: FLOPs a step, the rate, the share of the measured peak, and on a
+    GPU with a datasheet figure the MFU against it."""
     if not compute:
         return None
     text = (f"{fmt_flops(compute['flops_per_step'])} a step · "
             f"{fmt_flops(compute['flops_per_s'])}/s")
     kinds = [k for k in compute.get("kinds") or [] if k.get("peak_flops_per_s")]
-    if compute.get("utilization") is None or not kinds:
-        return text + " · no measured peak to compare with"
-    peaks = ", ".join(f"{k['kind']}: {fmt_flops(k['peak_flops_per_s'])}/s" for k in kinds)
-    text += f" · {_share(compute['utilization'])} of the peak torch.mm reaches here ({peaks})"
-    if compute.get("model_utilization") is not None:
-        text += f" · forward+backward at {_share(compute['model_utilization'])}"
+    if compute.get("utilization") is not None and kinds:
+        peaks = ", ".join(f"{k['kind']}: {fmt_flops(k['peak_flops_per_s'])}/s" for k in kinds)
+        text += (f" · {_share(compute['utilization'])} of the peak torch.mm reaches here "
+                 f"({peaks})")
+        if compute.get("model_utilization") is not None:
+            text += f" · forward+backward at {_share(compute['model_utilization'])}"
+    sheet = compute.get("datasheet_utilization")
+    if sheet is not None:
+        gpu = next((k["datasheet_gpu"] for k in compute.get("kinds") or []
+                    if k.get("datasheet_gpu")), "GPU")
+        text += f" · MFU {_share(sheet)} of the {gpu} datasheet's dense peak"
+    elif compute.get("utilization") is None:
+        text += " · no measured peak to compare with"
     return text
 
 

@@ -34,6 +34,9 @@ line plots sample 1,500 points), with ``step/time_max_ms`` for each bucket's slo
 ``trainprof/exit_code``, ``trainprof/steps``, ``trainprof/warmup_steps``,
 ``trainprof/median_step_ms`` / ``p10`` / ``p90`` / ``mean``, ``trainprof/samples_per_s``,
 ``trainprof/breakdown/<phase>`` (the steady-state shares, adding up to 1),
+``trainprof/compute/flops_per_step``, ``flops_per_s``, ``utilization`` (of the measured
+matmul peak), ``model_utilization`` and ``datasheet_utilization`` (the MFU, on a GPU with a
+datasheet figure),
 ``trainprof/finding_count`` and ``trainprof/top_finding`` (its title); each series' mean of
 its points (``summary="mean"``). **Media**, in the
 last row: ``trainprof/findings`` as a table (each finding's severity, category, cause, title,
@@ -161,6 +164,12 @@ def run_summary(summary: dict[str, Any]) -> dict[str, Any]:
     for phase, share in (summary.get("breakdown") or {}).items():
         if _number(share) is not None:
             out[f"trainprof/breakdown/{phase}"] = float(share)
+    compute = summary.get("compute") or {}
+    for key in ("flops_per_step", "flops_per_s", "utilization", "model_utilization",
+                "datasheet_utilization"):
+        value = _number(compute.get(key))
+        if value is not None:
+            out[f"trainprof/compute/{key}"] = value
     findings = summary.get("findings") or []
     out["trainprof/finding_count"] = len(findings)
     if findings:
