@@ -16,7 +16,7 @@ from trainprof.experiments.verify import (
     original_command,
     pick_finding,
 )
-from trainprof.report.verify_terminal import verdict_line
+from trainprof.report.verify_terminal import after_line, verdict_line
 
 #: A conv net in float64 (NumPy's default): the float64 finding comes first, and float32
 #: runs its convolutions about three times as fast (oneDNN has no float64 ones): an effect
@@ -126,6 +126,21 @@ def test_the_verdict_sets_the_measured_saving_against_the_bound(ratio, ci, verdi
     assert judge(_finding("x", ""), {"arms": []})["verdict"] == "no data"
 
 
+def test_the_runs_with_the_fix_say_how_near_the_peak_they_ran():
+    doc = _doc(0.25, (0.2, 0.3), "faster")
+    doc["arms"][0]["flops_utilization"] = 0.004
+    doc["arms"][1].update(flops_utilization=0.017, top_finding={"title": "NCHW convolutions"})
+    result = judge(_finding("x", "", gain=0.8), doc)
+    assert result["flops_utilization"] == [0.004, 0.017]
+    assert result["next_finding"] == {"title": "NCHW convolutions"}
+    assert after_line(result) == (
+        "With k=b the steps' FLOPs ran at 1.7% of this machine's matmul peak (0.4% before)")
+    doc["arms"][1]["flops_utilization"] = None
+    assert after_line(judge(_finding("x", "", gain=0.8), doc)) is None
+    # nothing to say of a fix that was not confirmed
+    assert after_line(judge(_finding("x", ""), _doc(1.9, (1.7, 2.1), "slower"))) is None
+
+
 def test_verify_measures_the_first_findings_knob_from_anywhere(tmp_path):
     job = tmp_path / "job"
     job.mkdir()
@@ -159,6 +174,8 @@ def test_verify_measures_the_first_findings_knob_from_anywhere(tmp_path):
     # float32 convolutions about three times as fast: a large, robust effect
     assert doc["verdict"] in ("confirmed", "beyond the bound"), doc
     assert doc["ratio"] < 0.7
+    # each arm's steps against the matmul peak of the dtype it computed in
+    assert all(isinstance(u, float) and u > 0 for u in doc["flops_utilization"])
     saved = json.loads((tmp_path / "v" / "verify.json").read_text())
     assert saved["verdict"] == doc["verdict"]
     tune = json.loads((tmp_path / "v" / "tune.json").read_text())

@@ -35,14 +35,16 @@ MIN_COVERED = 0.9
 
 
 def compute_efficiency(ops: dict[str, Any] | None, peaks: dict[str, Any] | None,
-                       median_s: float | None, breakdown: dict[str, float] | None,
+                       step_s: float | None, breakdown: dict[str, float] | None,
                        gpu_name: str | None = None,
                        gpu_multiprocessors: int | None = None) -> dict[str, Any] | None:
-    """The summary's ``compute`` section (see the module's docs); on a GPU in
+    """The summary's ``compute`` section (see the module's docs). ``step_s``: the mean
+    steady step (1 / steps per second, as throughput is counted: a step's time is what its
+    FLOPs share, and a few slow steps count with their length); on a GPU in
     :mod:`~trainprof.analysis.datasheet_peaks`' table, also the utilization against its
     datasheet (``datasheet_utilization``: the MFU people publish)."""
     by_kind = (ops or {}).get("flops_by_kind_per_step")
-    if not isinstance(by_kind, dict) or not median_s or median_s <= 0:
+    if not isinstance(by_kind, dict) or not step_s or step_s <= 0:
         return None
     total = sum(float(v) for v in by_kind.values())
     if total <= 0:
@@ -71,20 +73,20 @@ def compute_efficiency(ops: dict[str, Any] | None, peaks: dict[str, Any] | None,
         kinds.append(entry)
     out: dict[str, Any] = {
         "flops_per_step": total,
-        "flops_per_s": total / median_s,
+        "flops_per_s": total / step_s,
         "kinds": kinds,
         "steps_sampled": (ops or {}).get("steps_sampled"),
         "peak_covered_share": covered / total,
         "ideal_step_s": None,
         "utilization": None,
         "model_utilization": None,
-        "datasheet_utilization": (sheet_ideal * total / sheet_covered / median_s
+        "datasheet_utilization": (sheet_ideal * total / sheet_covered / step_s
                                   if sheet_covered / total >= MIN_COVERED else None),
     }
     if covered / total < MIN_COVERED:
         return out
     ideal *= total / covered  # the few FLOPs of kinds without a peak, at the others' rate
     model = sum(float((breakdown or {}).get(p) or 0.0) for p in ("forward", "backward"))
-    out.update(ideal_step_s=ideal, utilization=ideal / median_s,
-               model_utilization=ideal / (median_s * model) if model > 0 else None)
+    out.update(ideal_step_s=ideal, utilization=ideal / step_s,
+               model_utilization=ideal / (step_s * model) if model > 0 else None)
     return out

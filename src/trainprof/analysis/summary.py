@@ -207,7 +207,8 @@ def summarize_run(run: Run) -> dict[str, Any]:
         "ops": ops,
         # the step's FLOPs against the machine's measured peak (analysis/compute_efficiency.py)
         "compute": compute_efficiency(ops, meta.get("peak_flops"),
-                                      (stats.get("steps") or {}).get("median_s"),
+                                      1.0 / stats["steps_per_s"] if stats.get("steps_per_s")
+                                      else None,
                                       stats.get("breakdown"), _first_gpu(meta).get("name"),
                                       _first_gpu(meta).get("multiprocessors")),
         # which lines of the loop the "other" time goes to (sampled stacks)

@@ -597,6 +597,15 @@ def _knob_notes(arm: Arm, meta: dict[str, Any]) -> list[str]:
     return notes
 
 
+def _flops_utilization(trials: list[Trial]) -> float | None:
+    """The median over the trials of their FLOPs utilization (analysis/compute_efficiency.py):
+    how near the machine's matmul peak an arm's steps ran; None where no trial has one."""
+    values = [u for t in trials
+              if isinstance(u := ((t.summary or {}).get("compute") or {}).get("utilization"),
+                            int | float)]
+    return float(np.median(values)) if values else None
+
+
 def _top_finding(trials: list[Trial]) -> dict[str, Any] | None:
     for t in trials:
         findings = (t.summary or {}).get("findings") or []
@@ -661,6 +670,7 @@ def analyse_tune(
             "verdict": None,
             "actual": {},
             "top_finding": _top_finding(ts),
+            "flops_utilization": _flops_utilization(ts),
         }
         meta = next((t.meta for t in ts if t.meta),
                     next((t.meta for t in by_arm[arm.index] if t.meta), {}))

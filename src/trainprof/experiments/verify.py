@@ -116,10 +116,14 @@ def judge(finding: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
     best = min(measured, key=lambda a: a["ratio"])
     ratio, (lo, hi) = best["ratio"], best.get("ci") or (None, None)
     saving = 1.0 - ratio
+    base = next((a for a in doc.get("arms") or [] if a.get("baseline")), {})
     out.update(arm=best["name"], ratio=ratio, ci=[lo, hi], saving=saving,
                saving_ci=[None if hi is None else 1.0 - hi, None if lo is None else 1.0 - lo],
                # what the runs with the fix found next (tune's top finding of that arm)
-               next_finding=best.get("top_finding"))
+               next_finding=best.get("top_finding"),
+               # how near the machine's matmul peak the steps ran, without and with the fix
+               flops_utilization=[base.get("flops_utilization"),
+                                  best.get("flops_utilization")])
     if best.get("verdict") == "faster":
         least = out["saving_ci"][0]  # the interval must clear the bound, not the estimate
         beyond = not unknown and bound > 0 and least is not None and least > bound

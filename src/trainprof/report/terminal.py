@@ -68,21 +68,21 @@ def compute_text(compute: dict[str, Any] | None) -> str | None:
     kinds = [k for k in compute.get("kinds") or [] if k.get("peak_flops_per_s")]
     if compute.get("utilization") is not None and kinds:
         peaks = ", ".join(f"{k['kind']}: {fmt_flops(k['peak_flops_per_s'])}/s" for k in kinds)
-        text += (f" · {_share(compute['utilization'])} of the peak torch.mm reaches here "
+        text += (f" · {utilization_text(compute['utilization'])} of the peak torch.mm reaches here "
                  f"({peaks})")
         if compute.get("model_utilization") is not None:
-            text += f" · forward+backward at {_share(compute['model_utilization'])}"
+            text += f" · forward+backward at {utilization_text(compute['model_utilization'])}"
     sheet = compute.get("datasheet_utilization")
     if sheet is not None:
         gpu = next((k["datasheet_gpu"] for k in compute.get("kinds") or []
                     if k.get("datasheet_gpu")), "GPU")
-        text += f" · MFU {_share(sheet)} of the {gpu} datasheet's dense peak"
+        text += f" · MFU {utilization_text(sheet)} of the {gpu} datasheet's dense peak"
     elif compute.get("utilization") is None:
         text += " · no measured peak to compare with"
     return text
 
 
-def _share(x: float) -> str:
+def utilization_text(x: float) -> str:
     """A utilization: one decimal below 10% (an input-bound step is at 0.4%, not 0%)."""
     return f"{x * 100:.1f}%" if x < 0.095 else f"{x * 100:.0f}%"
 

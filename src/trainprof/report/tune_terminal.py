@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from trainprof.report.console import make_console
-from trainprof.report.terminal import fmt_time
+from trainprof.report.terminal import fmt_time, utilization_text
 
 _VERDICT = {
     "faster": ("faster", "bold green"),
@@ -77,6 +77,10 @@ def _arms_table(doc: dict[str, Any]) -> Table:
     table.add_column("vs base", justify="right", no_wrap=True)
     table.add_column(f"{conf}% CI", justify="right", no_wrap=True)
     table.add_column("verdict", no_wrap=True)
+    # how near the machine's matmul peak each arm's steps ran (a run without FLOPs: none)
+    peak = any(r.get("flops_utilization") is not None for r in doc.get("arms") or [])
+    if peak:
+        table.add_column("of peak", justify="right", no_wrap=True)
     for row in doc.get("arms") or []:
         # the values the runs recorded, in the order of the arm's knobs
         recorded = " ".join(str(v) for v in (row.get("actual") or {}).values())
@@ -87,7 +91,7 @@ def _arms_table(doc: dict[str, Any]) -> Table:
         ci = row.get("ci")
         mean = row.get("mean_per_sample_s") if per_sample else row.get("mean_s")
         base = row.get("baseline")
-        table.add_row(
+        cells: list[Any] = [
             row["name"] + (" (base)" if base else ""),
             recorded,
             f"{row.get('trials_usable', 0)}/{row.get('trials_run', 0)}",
@@ -98,7 +102,11 @@ def _arms_table(doc: dict[str, Any]) -> Table:
             "—" if base else _ratio(ratio),
             "—" if base or not ci else f"{_ratio(ci[0])}–{_ratio(ci[1])}",
             Text(label, style=style),
-        )
+        ]
+        if peak:
+            util = row.get("flops_utilization")
+            cells.append("—" if util is None else utilization_text(util))
+        table.add_row(*cells)
     return table
 
 

@@ -12,6 +12,7 @@ from typing import IO, Any
 from rich.text import Text
 
 from trainprof.report.console import make_console
+from trainprof.report.terminal import utilization_text
 
 _STYLE = {"confirmed": "bold green", "beyond the bound": "bold green",
           "not confirmed": "bold yellow", "refuted": "bold red", "no data": "bold yellow"}
@@ -53,10 +54,27 @@ def verdict_line(result: dict[str, Any]) -> Text:
     return line
 
 
+def after_line(result: dict[str, Any]) -> str | None:
+    """How near the machine's matmul peak the steps ran with the fix, and before it (tune's
+    table has named the next finding already)."""
+    if result.get("arm") is None or result.get("verdict") not in ("confirmed",
+                                                                   "beyond the bound"):
+        return None
+    before, after = result.get("flops_utilization") or (None, None)
+    if after is None:
+        return None
+    return (f"With {result['arm']} the steps' FLOPs ran at {utilization_text(after)} of this "
+            "machine's matmul peak" + (f" ({utilization_text(before)} before)"
+                                       if before is not None else ""))
+
+
 def render_verdict(result: dict[str, Any], file: IO[str] | None = None) -> None:
     """Print the verdict line and where the trials are."""
     console = make_console(file if file is not None else sys.stdout)
     console.print()
     console.print(verdict_line(result))
+    after = after_line(result)
+    if after:
+        console.print(after)
     console.print(Text(f"trials and verify.json: {result.get('tune_dir')}", style="dim"),
                   soft_wrap=False)
