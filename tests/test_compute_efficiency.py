@@ -220,3 +220,67 @@ def test_a_mig_slice_has_no_datasheet_figure():
     assert datasheet_peak("NVIDIA A100-SXM4-40GB MIG 1g.5gb", "cuda bfloat16") is None
     assert datasheet_peak("NVIDIA H100 80GB HBM3", "cuda bfloat16", 16) is None  # 1g of 7
     assert datasheet_peak("NVIDIA H100 80GB HBM3", "cuda bfloat16", 132) == ("H100", 989.4e12)
+
+
+SMALL_BATCH = """
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+torch.manual_seed(0)
+data = TensorDataset(torch.randn(4096, 64), torch.randint(0, 10, (4096,)))
+model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
+                      nn.Linear(128, 10))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for x, y in DataLoader(data, batch_size=16, shuffle=True):
+    loss = nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_a_step_far_from_the_peak_in_small_operations_gets_a_batch_size_sweep(tp):
+    res = tp(SMALL_BATCH, "--json", "--no-html")
+    assert res.returncode == 0, res.stderr
+    doc = res.json()
+    (finding,) = [f for f in doc["findings"] if f["cause"] == "small_batch"]
+    ev = finding["evidence"]
+    assert ev["batch_size"] == 16 and ev["gain_unknown"] is True
+    assert ev["utilization"] == pytest.approx(doc["compute"]["utilization"], rel=1e-3)
+    assert ev["utilization"] < 0.15 and ev["model_utilization"] < 0.25
+    assert finding["severity"] == "low" and finding["estimated_gain"] == 0.0
+    assert finding["verify"].startswith("trainprof tune --knob batch_size=16,32,64 train.py")
+    assert "torch.optim.AdamW(model.parameters(), lr=lr * 32 / 16)" in finding["fix"]["snippet"]
+
+
+def _context(utilization: float, model: float, **parts):  # noqa: ANN003, ANN202
+    from test_diagnosis import loader, make_steps, make_summary
+
+    from trainprof.diagnosis.context import Context
+
+    steps = make_steps(60, **parts.pop("phases", {}))
+    given = {"dataloaders": [loader(batch_size=8)], "ops": {"loops": []},
+             "compute": {"utilization": utilization, "model_utilization": model,
+                         "flops_per_step": 1e6}}
+    summary = make_summary(steps, **{**given, **parts})
+    return Context(summary, steps)
+
+
+def test_the_batch_finding_keeps_out_of_the_way_of_other_causes():
+    from trainprof.diagnosis.small_batch import far_from_peak
+
+    MS = 1e-3
+    found = far_from_peak(_context(0.05, 0.08))
+    assert found is not None and found.evidence["batch_size"] == 8
+    assert "batch_size=8,16,32" in found.verify
+    # near enough to the peak, in the step or in the model's phases
+    assert far_from_peak(_context(0.2, 0.08)) is None
+    assert far_from_peak(_context(0.05, 0.3)) is None
+    # the input pipeline holds the step: a larger batch would wait longer
+    assert far_from_peak(_context(0.05, 0.08, phases={"data": 20 * MS})) is None
+    # a Python loop makes the small ops: its own finding
+    assert far_from_peak(_context(0.05, 0.08, ops={"loops": [{"line": 3}]})) is None
+    # no DataLoader batch size to sweep; no FLOPs utilization at all
+    assert far_from_peak(_context(0.05, 0.08, dataloaders=[])) is None
+    assert far_from_peak(_context(0.05, 0.08, compute=None)) is None

@@ -48,6 +48,7 @@ FAMILIES: tuple[str, ...] = (
     "precision",
     "channels_last_cpu",
     "float64",
+    "small_batch",
     "sync",
     "noise",
     "python_loop",
