@@ -155,6 +155,7 @@ def summarize_run(run: Run) -> dict[str, Any]:
     if explicit and isinstance(stats.get("gc"), dict):
         stats["gc"]["explicit"] = _explicit_gc(explicit, float(done["dur_ns"].sum()) / 1e9)
     ops = load_ops(run.path)
+    gpu = _first_gpu(meta)
     summary: dict[str, Any] = {
         "run_dir": str(run.path),
         "name": meta.get("name"),
@@ -209,8 +210,8 @@ def summarize_run(run: Run) -> dict[str, Any]:
         "compute": compute_efficiency(ops, meta.get("peak_flops"),
                                       1.0 / stats["steps_per_s"] if stats.get("steps_per_s")
                                       else None,
-                                      stats.get("breakdown"), _first_gpu(meta).get("name"),
-                                      _first_gpu(meta).get("multiprocessors")),
+                                      stats.get("breakdown"), gpu.get("name"),
+                                      gpu.get("multiprocessors")),
         # which lines of the loop the "other" time goes to (sampled stacks)
         "loop_stacks": summarize_loop_stacks(
             run.path, run.steps, warm, (stats.get("breakdown_detail") or {}).get("other")

@@ -8,6 +8,7 @@ Recorder (and, in a process the script starts, for that process's Recorder:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,5 @@ def clear_of(own: Schedule, others: list[Schedule]) -> Schedule:
     span = own.cycle
     for start in range(own.skip_first, own.skip_first + _LOOK_AHEAD):
         if not any(covers(o, step) for o in others for step in range(start, start + span)):
-            return Schedule(skip_first=start, wait=own.wait, warmup=own.warmup,
-                            active=own.active, repeat=own.repeat)
+            return replace(own, skip_first=start)
     return own
