@@ -152,6 +152,66 @@ def test_gpu_timeline_matches_tracelens():
     assert checked >= 4
 
 
+@needs_more
+def test_gemm_and_attention_flops_and_rates_match_tracelens():
+    """TraceLens's GEMM.csv and SDPA_fwd.csv for the H100 traces: per distinct call (op,
+    input shapes) the same count, GFLOPs, mean kernel time and mean TFLOP/s, row for row.
+
+    Analysed once per trace, as `trainprof trace` does; every row TraceLens lists is found.
+    """
+    import csv
+
+    folder = MORE / "tracelens" / "h100"
+    checked = 0
+    for trace in sorted(folder.glob("*.json.gz")):
+        tables = trace.parent / (trace.name.removesuffix(".json.gz") + "_perf_report_csvs")
+        flops = analyse_trace(trace)["flops"]
+        assert flops["distinct_calls"] <= 30  # these traces: every distinct call is listed
+        ours = {(c["name"], json.dumps(c["input_dims"])): c for c in flops["calls"]}
+        for name in ("GEMM.csv", "SDPA_fwd.csv"):
+            if not (tables / name).exists():
+                continue
+            for row in csv.DictReader((tables / name).open()):
+                c = ours[(row["name"], json.dumps(json.loads(row["Input Dims_first"])))]
+                assert c["calls"] == int(row["name_count"])
+                assert c["gflops"] == pytest.approx(float(row["GFLOPS_first"]), rel=1e-9)
+                assert c["kernel_us_mean"] == pytest.approx(
+                    float(row["Kernel Time (µs)_mean"]), rel=1e-4)
+                assert c["tflops_per_s_mean"] == pytest.approx(
+                    float(row["TFLOPS/s_mean"]), rel=1e-4)
+                checked += 1
+        # the totals are the rows' sums; bfloat16 on an H100 against its 989.4 TFLOP/s
+        assert flops["gflops"] == pytest.approx(sum(c["gflops_total"] for c in ours.values()))
+        bf16 = next(k for k in flops["by_dtype"] if k["dtype"] == "bfloat16")
+        assert bf16["datasheet_gpu"] == "H100" and bf16["datasheet_tflops_per_s"] == 989.4
+        assert bf16["of_datasheet_peak"] == pytest.approx(bf16["tflops_per_s"] / 989.4)
+    assert checked >= 40
+    text = io.StringIO()
+    render_trace(analyse_trace(folder / "Qwen_Qwen1.5-0.5B-Chat__1016005.json.gz"), file=text)
+    assert ("FLOPs       5.76 TFLOP in products and attention over 11.7 ms of their kernels: "
+            "491 TFLOP/s; bfloat16 at 49.7% of the") in text.getvalue()
+
+
+def test_flops_of_a_call_follow_tracelens_definitions():
+    from trainprof.analysis.trace.op_flops import call_flops
+
+    assert call_flops("aten::mm", [[8, 4], [4, 2]], None) == 2 * 8 * 2 * 4
+    assert call_flops("aten::addmm", [[2], [8, 4], [4, 2], [], []], None) == 2 * 8 * 2 * 4 + 16
+    assert call_flops("aten::bmm", [[3, 8, 4], [3, 4, 2]], None) == 3 * 2 * 8 * 2 * 4
+    assert call_flops("aten::baddbmm", [[3, 8, 2], [3, 8, 4], [3, 4, 2]], None) == (
+        3 * 2 * 8 * 2 * 4 + 3 * 16)
+    q = [2, 4, 10, 8]
+    fwd = 2.0 * 2 * 4 * 10 * 10 * (8 + 8)
+    name = "aten::_scaled_dot_product_flash_attention"
+    assert call_flops(name, [q, q, q, [], [], [], []], ["", "", "", "0.0", "False"]) == fwd
+    assert call_flops(name, [q, q, q, [], [], [], []], ["", "", "", "0.0", "True"]) == fwd / 2
+    # backward: the output's gradient first, then query, key, value: 2.5 times the forward
+    assert call_flops(name + "_backward", [q, q, q, q, q, []], None) == fwd * 2.5
+    # shapes missing (no record_shapes) or of another rank: nothing counted
+    assert call_flops("aten::mm", [], None) is None
+    assert call_flops("aten::mm", [[8, 4, 2], [4, 2]], None) is None
+
+
 # --- every trace of the field analyses ------------------------------------------------
 
 MORE_FILES = sorted(p for p in MORE.rglob("*.json.gz")) if MORE.is_dir() else []

@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from trainprof.report.console import make_console
-from trainprof.report.terminal import _print_finding, fmt_bytes
+from trainprof.report.terminal import _print_finding, fmt_bytes, fmt_flops
 
 #: Breakdown categories, their labels (the TensorBoard plugin's) and colours.
 _CATEGORY_STYLE = {
@@ -282,6 +282,43 @@ def _ranks_table(doc: dict[str, Any]) -> Table | None:
     return table
 
 
+def flops_line(flops: dict[str, Any] | None) -> str | None:
+    """The "FLOPs" row: the products' and attention's FLOPs, their kernels' time and rate,
+    and for each dtype with a tenth of their kernel time or more, the share of the GPU's
+    datasheet peak (trace/op_flops.py)."""
+    if not flops:
+        return None
+    text = (f"{fmt_flops(flops['gflops'] * 1e9)} in products and attention over "
+            f"{_us(flops['kernel_us'])} of their kernels: "
+            f"{fmt_flops((flops['tflops_per_s'] or 0) * 1e12)}/s")
+    for k in flops.get("by_dtype") or []:
+        if (k.get("of_datasheet_peak") is not None
+                and k["kernel_us"] >= 0.1 * (flops["kernel_us"] or 0)):
+            text += (f"; {k['dtype']} at {k['of_datasheet_peak'] * 100:.1f}% of the "
+                     f"{k['datasheet_gpu']} datasheet's dense peak "
+                     f"({k['datasheet_tflops_per_s']:,.0f} TFLOP/s)")
+    return text
+
+
+def _flops_table(doc: dict[str, Any], n: int = 8) -> Table | None:
+    calls = ((doc.get("flops") or {}).get("calls") or [])[:n]
+    if not calls:
+        return None
+    table = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold")
+    for col, justify in (("op", "left"), ("shapes", "left"), ("dtype", "left"),
+                         ("calls", "right"), ("GFLOP", "right"), ("kernel", "right"),
+                         ("TFLOP/s", "right")):
+        table.add_column(col, justify=justify, overflow="fold")
+    for c in calls:
+        shape = (f"B={c['B']} M={c['M']} N={c['N']} K={c['K']}" if c.get("M") is not None
+                 else " ".join(str(d) for d in c.get("input_dims") or [] if d))
+        name = c["name"].removeprefix("aten::").removeprefix("_scaled_dot_product_")
+        table.add_row(name, shape, str(c["dtype"]),
+                      str(c["calls"]), f"{c['gflops']:.3g}", _us(c["kernel_us_mean"]),
+                      f"{c['tflops_per_s_mean']:.3g}")
+    return table
+
+
 def render_trace(result: dict[str, Any], file: IO[str] | None = None) -> None:
     """Print the analysis of a trace: summary, breakdown, GPU, HTA, tables, then findings."""
     out = file if file is not None else sys.stdout
@@ -310,6 +347,9 @@ def render_trace(result: dict[str, Any], file: IO[str] | None = None) -> None:
     launch = _launch_line(result.get("launch") or {})
     if launch:
         grid.add_row("Kernels", launch)
+    flops = flops_line(result.get("flops"))
+    if flops:
+        grid.add_row("FLOPs", flops)
     for i, line in enumerate(_memcpy_lines(result.get("memcpy") or {})):
         grid.add_row("Memcpy" if i == 0 else "", line)
     sync = _sync_line(result.get("sync") or {})
@@ -356,6 +396,11 @@ def render_trace(result: dict[str, Any], file: IO[str] | None = None) -> None:
     if ranks is not None:
         console.print(Text("\nPer rank", style="bold"))
         console.print(ranks)
+    table = _flops_table(result)
+    if table is not None:
+        console.print(Text("\nMatrix products and attention by shape, longest kernel time "
+                           "first (TraceLens's definitions)", style="bold"))
+        console.print(table)
     ops = _ops_table(result)
     if ops is not None:
         console.print(Text("\nTop operators", style="bold")

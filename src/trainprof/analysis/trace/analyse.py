@@ -26,6 +26,7 @@ from trainprof.analysis.trace.gpu_metrics import gpu_summary
 from trainprof.analysis.trace.hta_temporal import temporal_breakdown
 from trainprof.analysis.trace.launches import launch_stats, memcpy_stats, sync_stats
 from trainprof.analysis.trace.loader import LoadInfo
+from trainprof.analysis.trace.op_flops import op_flops
 from trainprof.analysis.trace.operators import operators_and_kernels
 from trainprof.analysis.trace.steps import find_steps
 from trainprof.errors import UsageError
@@ -124,6 +125,10 @@ def analyse_file(path: Path, fallback_rank: int = 0) -> dict[str, Any]:
             g["tensor_core_pct"] = None
     temporal = temporal_breakdown(ev, links)
     opk = operators_and_kernels(ev, links, steps)
+    first_gpu = (props[0] if isinstance(props, list) and props and isinstance(props[0], dict)
+                 else {})
+    flops = op_flops(ev.names, ev.name, ev.shapes, opk.pop("kernel_ns_of_shaped_rows"),
+                     first_gpu.get("name") if facts["device_type"] == "CUDA" else None)
     cpu_only = facts["device_type"] == "CPU only"
     if cpu_only:
         notes.append("CPU-only trace: no device timeline; the breakdown is DataLoader, "
@@ -167,6 +172,8 @@ def analyse_file(path: Path, fallback_rank: int = 0) -> dict[str, Any]:
         "operator_count": opk["operator_count"],
         "kernels": opk["kernels"],
         "tc_eligible_kernel_pct": opk["tc_eligible_kernel_pct"],
+        # matrix products' and attention's FLOPs and rates, from the shapes (op_flops.py)
+        "flops": flops,
         "memory": opk["memory"],
         "launch": launch_stats(ev, links, steps),
         "memcpy": memcpy_stats(ev, links, steps),
@@ -238,6 +245,7 @@ def merge_ranks(directory: Path, docs: list[dict[str, Any]]) -> dict[str, Any]:
         "operator_count": first["operator_count"],
         "kernels": first["kernels"],
         "tc_eligible_kernel_pct": float(np.mean([d["tc_eligible_kernel_pct"] for d in docs])),
+        "flops": first.get("flops"),  # the first rank's, as its operators (each rank's below)
         "memory": first["memory"],
         "launch": first["launch"],
         "memcpy": first["memcpy"],

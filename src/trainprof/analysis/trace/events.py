@@ -49,9 +49,11 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from trainprof.analysis.trace.loader import Event
+from trainprof.analysis.trace.op_flops import FLOP_OPS
 
 
 class Kind(IntEnum):
@@ -180,6 +182,9 @@ class Events:
     n_negative_dur: int
     process_labels: dict[Any, str] = field(default_factory=dict)
     memory: MemoryEvents | None = None  # None: the trace has no memory events
+    #: row -> (Input Dims, Input type, Concrete Inputs) of the ops whose FLOPs are counted
+    #: (:data:`~trainprof.analysis.trace.op_flops.FLOP_OPS`), where the trace has shapes
+    shapes: dict[int, tuple[Any, Any, Any]] = field(default_factory=dict)
 
     @property
     def end(self) -> np.ndarray:
@@ -222,6 +227,8 @@ class EventBuilder:
         self.float_ts = False
         self.n_all = 0
         self.n_negative = 0
+        self._rows = 0  # complete events added so far: the next chunk's first row
+        self._shapes: dict[int, tuple[Any, Any, Any]] = {}
 
     def _codes(self, table: dict[Any, int], values: list[Any]) -> np.ndarray:
         """Interned codes of ``values`` (new values get the next codes), as int32."""
@@ -328,6 +335,13 @@ class EventBuilder:
             ("bps", bps), ("occ", occ), ("nbytes", nbytes),
         ):
             self._cols[col].append(arr)
+        codes = [self._names[n] for n in FLOP_OPS if n in self._names]
+        for i in (np.flatnonzero(np.isin(name, codes)).tolist() if codes else []):
+            a = xs[i].args
+            if a is not None and len(a.input_dims):
+                self._shapes[self._rows + i] = (
+                    _decode(a.input_dims), _decode(a.input_type), _decode(a.concrete_inputs))
+        self._rows += n
 
     @staticmethod
     def _device_args(
@@ -435,10 +449,21 @@ class EventBuilder:
             n_negative_dur=self.n_negative,
             process_labels=dict(self.process_labels),
             memory=self._finish_memory(),
+            shapes=self._shapes,
         )
         self._cols = {k: [] for k in self._cols}
         _reclassify_mtia(ev)
         return ev
+
+
+def _decode(raw: Any) -> Any:
+    """An undecoded JSON value (``msgspec.Raw``); None when empty or malformed."""
+    if not len(raw):
+        return None
+    try:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return None
 
 
 def _floats(values: list[Any]) -> np.ndarray:

@@ -87,6 +87,12 @@ class Args(msgspec.Struct, gc=False, omit_defaults=True):
     total_reserved: int | float | None = msgspec.field(default=None, name="Total Reserved")
     device_type: int | None = msgspec.field(default=None, name="Device Type")
     device_id: int | None = msgspec.field(default=None, name="Device Id")
+    #: ``record_shapes=True``: an op's argument shapes, dtypes and scalar values, kept
+    #: undecoded (a slice of the input) and read only for the ops whose FLOPs are counted
+    #: (:mod:`trainprof.analysis.trace.op_flops`)
+    input_dims: msgspec.Raw = msgspec.field(default=msgspec.Raw(), name="Input Dims")
+    input_type: msgspec.Raw = msgspec.field(default=msgspec.Raw(), name="Input type")
+    concrete_inputs: msgspec.Raw = msgspec.field(default=msgspec.Raw(), name="Concrete Inputs")
 
 
 class Event(msgspec.Struct, gc=False):
@@ -201,13 +207,18 @@ def _decode_in_place(buf: bytearray, close: int) -> list[Event] | None:
     saved = buf[close]
     buf[0] = 0x5B  # [
     buf[close] = 0x5D  # ]
-    view = memoryview(buf)
-    piece = view[: close + 1]
-    try:
-        events = _decode_events(piece)
-    finally:
-        piece.release()
-        view.release()
+    if buf.find(b'"Input Dims"', 0, close) >= 0:
+        # shapes are kept undecoded (msgspec.Raw), as slices of what was decoded: of a copy
+        # here, since this buffer is reused for the next chunk
+        events = _decode_events(bytes(buf[: close + 1]))
+    else:
+        view = memoryview(buf)
+        piece = view[: close + 1]
+        try:
+            events = _decode_events(piece)
+        finally:
+            piece.release()
+            view.release()
     if events is None:
         buf[close] = saved
     return events

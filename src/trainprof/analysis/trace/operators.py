@@ -289,7 +289,14 @@ def operators_and_kernels(ev: Events, links: Links, steps: Steps | None = None
     launched_t = float(dev_dur[launched].sum())
     tc_eligible_pct = float(dev_dur[bottom_k].sum() / launched_t * 100.0) if launched_t else 0.0
 
+    shaped = np.fromiter(ev.shapes, dtype=np.int64, count=len(ev.shapes))
+    shaped_pos = pos_of_row[shaped] if shaped.size else shaped
     return {
+        # the kernel time under each op whose FLOPs are counted (trace/op_flops.py)
+        "kernel_ns_of_shaped_rows": {
+            int(r): float(total_dev[p]) for r, p in zip(shaped.tolist(), shaped_pos.tolist(),
+                                                        strict=True)
+            if p >= 0 and total_dev[p] > 0},
         "operators": ops,
         "operator_count": int(present.size),
         "kernels": _kernel_table(ev, links),
