@@ -52,6 +52,9 @@ def test_the_compile_knob_trains_the_same_model_compiled(tp):
     assert meta["compiled_frames"], "Dynamo compiled nothing"
     # the compiling first step is warm-up, not steady state
     assert res.json()["steps"]["warmup"] >= 1
+    # no op count under Dynamo, so no FLOPs: the summary says why
+    assert res.json()["compute"] is None
+    assert any(n.startswith("no FLOPs counted") for n in res.json()["notes"])
 
 
 def test_a_compilation_that_fails_runs_eager_and_says_so(monkeypatch):

@@ -220,12 +220,25 @@ def summarize_run(run: Run) -> dict[str, Any]:
         # torch.profiler windows (--deep): breakdown, GPU summary, top operators per window
         "deep": analyse_deep_windows(run.path),
         "missing": meta.get("missing", []),
-        "notes": [*meta.get("notes", []), *_compile_notes(meta, stats)],
+        "notes": [*meta.get("notes", []), *_compile_notes(meta, stats),
+                  *_uncounted_flops(meta, stats, ops)],
         "findings": [],  # filled by the diagnosis (trainprof.commands.analyse)
     }
     if "recorded_status" in meta:
         summary["recorded_status"] = meta["recorded_status"]
     return summary
+
+
+def _uncounted_flops(meta: dict[str, Any], stats: dict[str, Any],
+                     ops: dict[str, Any] | None) -> list[str]:
+    """A compiled run long enough for the op count's window has no FLOPs utilization: say
+    why, rather than leave the Compute row out unexplained."""
+    frames = meta.get("compiled_frames")
+    count = (stats.get("steps") or {}).get("count") or 0
+    if ops is not None or not isinstance(frames, int) or frames <= 0 or count <= 10:
+        return []
+    return ["no FLOPs counted, so no FLOPs utilization: the op count's window skips a run "
+            "once torch.compile has compiled a frame (its modes would make Dynamo recompile)"]
 
 
 def _compile_notes(meta: dict[str, Any], stats: dict[str, Any]) -> list[str]:

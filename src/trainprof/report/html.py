@@ -559,7 +559,7 @@ _TRACE_CATEGORIES: tuple[tuple[str, str], ...] = (
 
 #: Keys of the trace analysis shown first, in this order; bookkeeping keys are not shown.
 _DEEP_FIRST = ("step_time_us", "breakdown_us", "gpu", "temporal", "dataloader", "operators",
-               "kernels", "launch", "memcpy", "sync", "communication")
+               "kernels", "flops", "launch", "memcpy", "sync", "communication")
 _DEEP_HIDDEN = frozenset({"kind", "schema_version", "findings", "breakdown_pct", "format",
                           "source"})
 #: Rows shown of the long tables (operators, kernels).
