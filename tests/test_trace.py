@@ -154,7 +154,7 @@ def test_gpu_timeline_matches_tracelens():
 
 @needs_more
 def test_gemm_and_attention_flops_and_rates_match_tracelens():
-    """TraceLens's GEMM.csv and SDPA_fwd.csv for the H100 traces: per distinct call (op,
+    """TraceLens's GEMM, SDPA_fwd and CONV_fwd tables for the H100 traces: per distinct call (op,
     input shapes) the same count, GFLOPs, mean kernel time and mean TFLOP/s, row for row.
 
     Analysed once per trace, as `trainprof trace` does; every row TraceLens lists is found.
@@ -168,7 +168,7 @@ def test_gemm_and_attention_flops_and_rates_match_tracelens():
         flops = analyse_trace(trace)["flops"]
         assert flops["distinct_calls"] <= 30  # these traces: every distinct call is listed
         ours = {(c["name"], json.dumps(c["input_dims"])): c for c in flops["calls"]}
-        for name in ("GEMM.csv", "SDPA_fwd.csv"):
+        for name in ("GEMM.csv", "SDPA_fwd.csv", "CONV_fwd.csv"):
             if not (tables / name).exists():
                 continue
             for row in csv.DictReader((tables / name).open()):
@@ -185,11 +185,12 @@ def test_gemm_and_attention_flops_and_rates_match_tracelens():
         bf16 = next(k for k in flops["by_dtype"] if k["dtype"] == "bfloat16")
         assert bf16["datasheet_gpu"] == "H100" and bf16["datasheet_tflops_per_s"] == 989.4
         assert bf16["of_datasheet_peak"] == pytest.approx(bf16["tflops_per_s"] / 989.4)
-    assert checked >= 40
+    assert checked >= 43
     text = io.StringIO()
     render_trace(analyse_trace(folder / "Qwen_Qwen1.5-0.5B-Chat__1016005.json.gz"), file=text)
-    assert ("FLOPs       5.76 TFLOP in products and attention over 11.7 ms of their kernels: "
-            "491 TFLOP/s; bfloat16 at 49.7% of the") in text.getvalue()
+    out = " ".join(text.getvalue().split())  # the row as one line, however it wrapped
+    assert ("FLOPs 5.76 TFLOP in products, attention and convolutions over 11.7 ms of their "
+            "kernels: 491 TFLOP/s; bfloat16 at 49.7% of the H100") in out
 
 
 def test_flops_of_a_call_follow_tracelens_definitions():
@@ -207,8 +208,25 @@ def test_flops_of_a_call_follow_tracelens_definitions():
     assert call_flops(name, [q, q, q, [], [], [], []], ["", "", "", "0.0", "True"]) == fwd / 2
     # backward: the output's gradient first, then query, key, value: 2.5 times the forward
     assert call_flops(name + "_backward", [q, q, q, q, q, []], None) == fwd * 2.5
+    # convolutions: 2 N C_out (output positions) C_in/groups (kernel positions)
+    conv = "aten::convolution"
+    args = ["", "", "", "[2, 2]", "[1, 1]", "[1, 1]", "False", "[0, 0]", "1"]
+    out = ((9 + 2 - 2 - 1) // 2 + 1) ** 2  # 9x9, 3x3 kernel, stride 2, padding 1: 5x5
+    assert call_flops(conv, [[4, 8, 9, 9], [16, 8, 3, 3], [16]], args) == 2 * 4 * 16 * out * 8 * 9
+    grouped = args[:8] + ["4"]  # 4 groups: each output channel sees 2 input channels
+    assert call_flops(conv, [[4, 8, 9, 9], [16, 2, 3, 3], []], grouped) == (
+        2 * 4 * 16 * out * 2 * 9)
+    # backward from the output's gradient: input and weight gradients, each the forward's
+    back = ["", "", "", "[16]", "[2, 2]", "[1, 1]", "[1, 1]", "False", "[0, 0]", "1",
+            "[True, True, True]"]
+    grad = [[4, 16, 5, 5], [4, 8, 9, 9], [16, 8, 3, 3]]
+    fwd_conv = 2 * 4 * 16 * out * 8 * 9
+    assert call_flops("aten::convolution_backward", grad, back) == 2 * fwd_conv
+    back[-1] = "[False, True, False]"  # the first layer: no input gradient
+    assert call_flops("aten::convolution_backward", grad, back) == fwd_conv
     # shapes missing (no record_shapes) or of another rank: nothing counted
     assert call_flops("aten::mm", [], None) is None
+    assert call_flops(conv, [[4, 8, 9, 9], [16, 8, 3, 3]], None) is None
     assert call_flops("aten::mm", [[8, 4, 2], [4, 2]], None) is None
 
 

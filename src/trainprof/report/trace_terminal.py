@@ -288,8 +288,8 @@ def flops_line(flops: dict[str, Any] | None) -> str | None:
     datasheet peak (trace/op_flops.py)."""
     if not flops:
         return None
-    text = (f"{fmt_flops(flops['gflops'] * 1e9)} in products and attention over "
-            f"{_us(flops['kernel_us'])} of their kernels: "
+    text = (f"{fmt_flops(flops['gflops'] * 1e9)} in products, attention and convolutions "
+            f"over {_us(flops['kernel_us'])} of their kernels: "
             f"{fmt_flops((flops['tflops_per_s'] or 0) * 1e12)}/s")
     for k in flops.get("by_dtype") or []:
         if (k.get("of_datasheet_peak") is not None
@@ -398,8 +398,8 @@ def render_trace(result: dict[str, Any], file: IO[str] | None = None) -> None:
         console.print(ranks)
     table = _flops_table(result)
     if table is not None:
-        console.print(Text("\nMatrix products and attention by shape, longest kernel time "
-                           "first (TraceLens's definitions)", style="bold"))
+        console.print(Text("\nMatrix products, attention and convolutions by shape, longest "
+                           "kernel time first (TraceLens's definitions)", style="bold"))
         console.print(table)
     ops = _ops_table(result)
     if ops is not None:

@@ -20,8 +20,12 @@ check against the tables TraceLens published for real H100 traces:
   attention ops launch theirs from an inner op); its rate is its FLOPs over that time,
   and a table row's rate the mean of its calls' rates (TraceLens's ``TFLOPS/s_mean``).
 
-Calls whose shapes are missing (a trace recorded without ``record_shapes``) or whose
-kernels were not recorded count nothing. Convolutions are not counted yet.
+* ``aten::convolution`` and ``aten::convolution_backward``: :func:`conv_flops` (TraceLens's
+  CONV table, the bias add left out).
+
+Calls whose shapes are missing (a trace recorded without ``record_shapes``; traces before
+torch 2.x lack the concrete inputs a convolution's stride needs) or whose kernels were not
+recorded count nothing.
 """
 
 from __future__ import annotations
@@ -38,8 +42,9 @@ _ATTENTION = {
     "aten::_scaled_dot_product_cudnn_attention": 6,
 }
 _ATTENTION_BACKWARD = {f"{name}_backward": None for name in _ATTENTION}
+_CONVS = frozenset({"aten::convolution", "aten::convolution_backward"})
 #: every op this module counts (read by the trace loader, which keeps their shapes)
-FLOP_OPS = frozenset(_GEMMS | set(_ATTENTION) | set(_ATTENTION_BACKWARD))
+FLOP_OPS = frozenset(_GEMMS | set(_ATTENTION) | set(_ATTENTION_BACKWARD) | _CONVS)
 #: torch's FLOPs of attention's backward over its forward (``sdpa_backward_flop_count``)
 ATTENTION_BACKWARD_FACTOR = 2.5
 
@@ -73,6 +78,8 @@ def call_flops(name: str, dims: Any, concrete: Any) -> float | None:
             return None
         b, m, n, k, bias = shape
         return 2.0 * b * m * n * k + (b * m * n if bias else 0)
+    if name in _CONVS:
+        return conv_flops(name, dims, concrete)
     base = name.removesuffix("_backward")
     if base in _ATTENTION:
         first = 0 if name == base else 1  # backward's inputs start with the output's grad
@@ -84,6 +91,61 @@ def call_flops(name: str, dims: Any, concrete: Any) -> float | None:
             flops /= 2
         return flops * (ATTENTION_BACKWARD_FACTOR if name != base else 1.0)
     return None
+
+
+def _ints(text: Any) -> list[int] | None:
+    """``"[1, 1]"`` (a concrete input) -> [1, 1]."""
+    try:
+        return [int(x) for x in str(text).strip("[]() ").split(",") if x.strip()]
+    except ValueError:
+        return None
+
+
+def conv_flops(name: str, dims: Any, concrete: Any) -> float | None:
+    """A convolution's FLOPs: 2 N C_out (output positions) C_in/groups (kernel positions),
+    as TraceLens counts it (the bias add left out). Forward (``aten::convolution``): the
+    output positions from the input's, the stride, padding and dilation (the concrete
+    inputs; a transposed convolution: 2 N C_in (input positions) C_out/groups (kernel)).
+    Backward (``aten::convolution_backward``, the output's gradient first): the forward's
+    FLOPs once for the input's gradient and once for the weight's, as ``output_mask``
+    asks."""
+    backward = name == "aten::convolution_backward"
+    first = _dims(dims, 0)
+    weight = _dims(dims, 2 if backward else 1)
+    try:
+        args = list(concrete)
+        at = 4 if backward else 3  # stride, padding, dilation, transposed, output_padding,
+        stride, padding, dilation = (_ints(args[at]), _ints(args[at + 1]),  # groups
+                                     _ints(args[at + 2]))
+        transposed = str(args[at + 3]).strip().lower() == "true"
+        groups = int(args[at + 5])
+        mask = str(args[at + 6]) if backward else ""
+    except (IndexError, TypeError, ValueError):
+        return None
+    if first is None or weight is None or len(first) != len(weight) or len(first) < 3:
+        return None
+    kernel = int(np.prod(weight[2:]))
+    n = first[0]
+    if backward:  # the output's gradient has the output's shape
+        if transposed:
+            return None
+        fwd = 2.0 * n * first[1] * int(np.prod(first[2:])) * weight[1] * kernel
+        # output_mask: (input, weight, bias) gradients; the bias's is a sum, not counted
+        wanted = [m.strip().lower() == "true" for m in mask.strip("[]() ").split(",")]
+        return fwd * (sum(wanted[:2]) if len(wanted) >= 2 else 2)
+    if transposed:
+        return 2.0 * n * first[1] * int(np.prod(first[2:])) * weight[1] * kernel
+    if stride is None or padding is None or dilation is None:
+        return None
+    spatial = len(first) - 2
+    stride, padding, dilation = (
+        (v * spatial if len(v) == 1 else v) for v in (stride, padding, dilation))
+    out = 1
+    for i in range(spatial):
+        size = (first[2 + i] + 2 * padding[i] - dilation[i] * (weight[2 + i] - 1) - 1
+                ) // stride[i] + 1
+        out *= max(size, 0)
+    return 2.0 * n * weight[0] * out * (first[1] // max(groups, 1)) * kernel
 
 
 def _causal(concrete: Any, index: int) -> bool:
