@@ -193,6 +193,43 @@ def test_gemm_and_attention_flops_and_rates_match_tracelens():
             "kernels: 491 TFLOP/s; bfloat16 at 49.7% of the H100") in out
 
 
+def test_a_cpu_trace_counts_the_flops_torchs_counter_counts(tmp_path):
+    """A real torch.profiler trace (record_shapes, CPU only) of a training step: the
+    products' and convolutions' FLOPs, forward and backward, are those torch's own
+    FlopCounterMode counts for the same step (no bias: TraceLens counts its adds, torch
+    does not), timed by the ops' own CPU time."""
+    import torch
+    from torch import nn
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, stride=2, padding=1, bias=False), nn.Flatten(),
+                          nn.Linear(8 * 4 * 4, 10, bias=False))
+    x = torch.randn(4, 3, 8, 8)
+
+    def step() -> None:
+        model(x).sum().backward()
+
+    step()
+    with FlopCounterMode(display=False) as counter:
+        step()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
+        step()
+    path = tmp_path / "cpu.pt.trace.json"
+    prof.export_chrome_trace(str(path))
+    flops = analyse_trace(path)["flops"]
+    assert flops["time_basis"] == "cpu op" and flops["kernel_us"] > 0
+    assert flops["gflops"] * 1e9 == counter.get_total_flops()
+    # the first convolution's backward computes no input gradient (output_mask)
+    names = sorted(c["name"] for c in flops["calls"])
+    assert names.count("aten::convolution_backward") == 2
+    text = io.StringIO()
+    render_trace(analyse_trace(path), file=text)
+    assert "of their CPU time" in text.getvalue()
+
+
 def test_flops_of_a_call_follow_tracelens_definitions():
     from trainprof.analysis.trace.op_flops import call_flops
 

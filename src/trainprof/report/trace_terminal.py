@@ -289,7 +289,8 @@ def flops_line(flops: dict[str, Any] | None) -> str | None:
     if not flops:
         return None
     text = (f"{fmt_flops(flops['gflops'] * 1e9)} in products, attention and convolutions "
-            f"over {_us(flops['kernel_us'])} of their kernels: "
+            f"over {_us(flops['kernel_us'])} of their "
+            f"{'CPU time' if flops.get('time_basis') == 'cpu op' else 'kernels'}: "
             f"{fmt_flops((flops['tflops_per_s'] or 0) * 1e12)}/s")
     for k in flops.get("by_dtype") or []:
         if (k.get("of_datasheet_peak") is not None

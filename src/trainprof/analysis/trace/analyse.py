@@ -127,8 +127,12 @@ def analyse_file(path: Path, fallback_rank: int = 0) -> dict[str, Any]:
     opk = operators_and_kernels(ev, links, steps)
     first_gpu = (props[0] if isinstance(props, list) and props and isinstance(props[0], dict)
                  else {})
-    flops = op_flops(ev.names, ev.name, ev.shapes, opk.pop("kernel_ns_of_shaped_rows"),
-                     first_gpu.get("name") if facts["device_type"] == "CUDA" else None)
+    timing = opk.pop("kernel_ns_of_shaped_rows")
+    if facts["device_type"] == "CPU only":  # no kernels: the op's own time is its compute
+        timing = {r: float(ev.dur[r]) for r in ev.shapes if ev.dur[r] > 0}
+    flops = op_flops(ev.names, ev.name, ev.shapes, timing,
+                     first_gpu.get("name") if facts["device_type"] == "CUDA" else None,
+                     time_basis="cpu op" if facts["device_type"] == "CPU only" else "kernels")
     cpu_only = facts["device_type"] == "CPU only"
     if cpu_only:
         notes.append("CPU-only trace: no device timeline; the breakdown is DataLoader, "

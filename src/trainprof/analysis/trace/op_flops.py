@@ -19,6 +19,8 @@ check against the tables TraceLens published for real H100 traces:
 * Each call's kernel time is that of every kernel launched under it (its subtree: the
   attention ops launch theirs from an inner op); its rate is its FLOPs over that time,
   and a table row's rate the mean of its calls' rates (TraceLens's ``TFLOPS/s_mean``).
+  A CPU-only trace has no kernels: the op's own duration, its children's included, stands
+  in (``time_basis``).
 
 * ``aten::convolution`` and ``aten::convolution_backward``: :func:`conv_flops` (TraceLens's
   CONV table, the bias add left out).
@@ -170,11 +172,13 @@ _KIND = {"c10::BFloat16": "bfloat16", "c10::Half": "float16", "float": "float32"
 
 def op_flops(names: list[str], name_of_row: np.ndarray, shapes: dict[int, tuple[Any, Any, Any]],
              kernel_ns_of_row: dict[int, float], gpu_name: str | None = None,
-             top: int = 30) -> dict[str, Any] | None:
+             top: int = 30, time_basis: str = "kernels") -> dict[str, Any] | None:
     """The trace's ``flops`` section: per distinct call (op, shapes, dtype) its count,
     FLOPs, mean kernel time and mean rate; the totals; the share of the datasheet's peak.
 
-    ``kernel_ns_of_row``: the kernel time under each op row that has any (ns)."""
+    ``kernel_ns_of_row``: the kernel time under each op row that has any (ns). A CPU-only
+    trace has no kernels: there it is the op's own duration (``time_basis`` "cpu op"), which
+    the ``kernel_us`` fields then hold."""
     from trainprof.analysis.datasheet_peaks import datasheet_peak
 
     groups: dict[tuple[str, str, str], dict[str, Any]] = {}
@@ -232,4 +236,5 @@ def op_flops(names: list[str], name_of_row: np.ndarray, shapes: dict[int, tuple[
         "tflops_per_s": total_flops / total_kernel_us / 1e6 if total_kernel_us else None,
         "by_dtype": kinds,
         "gpu": gpu_name,
+        "time_basis": time_basis,
     }
