@@ -284,3 +284,23 @@ def test_the_batch_finding_keeps_out_of_the_way_of_other_causes():
     # no DataLoader batch size to sweep; no FLOPs utilization at all
     assert far_from_peak(_context(0.05, 0.08, dataloaders=[])) is None
     assert far_from_peak(_context(0.05, 0.08, compute=None)) is None
+
+
+def test_a_dtype_too_slow_to_repeat_is_timed_by_its_warm_up(monkeypatch):
+    """A product that alone takes the whole budget (float16 on a CPU without it) is not
+    repeated: the measurement stays within about twice the budget."""
+    import time as time_mod
+
+    calls = []
+
+    def slow_mm(a, b, out=None):  # noqa: ANN001, ANN202
+        calls.append(1)
+        time_mod.sleep(0.05)
+        return out
+
+    monkeypatch.setattr(torch, "mm", slow_mm)
+    t0 = time_mod.perf_counter()
+    out = peak_flops.measure(torch, "cpu float32", budget_s=0.05)
+    assert time_mod.perf_counter() - t0 < 0.5
+    assert out["repeats"] <= 1 and len(calls) <= 2
+    assert out["flops_per_s"] == pytest.approx(2.0 * 1024 ** 3 / 0.05, rel=0.5)

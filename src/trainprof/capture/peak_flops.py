@@ -31,8 +31,8 @@ from typing import Any
 
 #: The longest one dtype's measurement may take (the best of as many products as fit).
 BUDGET_S = 0.25
-#: Products timed at least, after one untimed warm-up product.
-MIN_REPEATS = 3
+#: Products timed at least, after one untimed warm-up product, and at most.
+MIN_REPEATS, MAX_REPEATS = 3, 50
 CACHE_ENV = "TRAINPROF_CACHE_DIR"
 CACHE_FILE = "peak_flops.json"
 
@@ -93,19 +93,21 @@ def measure(torch: Any, compute: str, budget_s: float = BUDGET_S) -> dict[str, A
         a = torch.rand(n, n, device=device, generator=generator).to(dtype)
         b = torch.rand(n, n, device=device, generator=generator).to(dtype)
         out = torch.empty(n, n, device=device, dtype=dtype)
-        best = float("inf")
+        start = time.perf_counter()
         torch.mm(a, b, out=out)  # warm-up: the BLAS's first call sets itself up
         _sync(torch, device)
-        deadline = time.perf_counter() + budget_s
+        best = warm = time.perf_counter() - start
+        deadline = start + budget_s
         repeats = 0
-        while repeats < MIN_REPEATS or time.perf_counter() < deadline:
+        # at least MIN_REPEATS timed products, unless the dtype is so slow here (float16 on
+        # a CPU without it) that they would overrun the budget: then the warm-up's rate
+        while repeats < MAX_REPEATS and (time.perf_counter() < deadline or (
+                repeats < MIN_REPEATS and warm < budget_s / MIN_REPEATS)):
             t0 = time.perf_counter()
             torch.mm(a, b, out=out)
             _sync(torch, device)
             best = min(best, time.perf_counter() - t0)
             repeats += 1
-            if repeats >= 50:
-                break
     return {"flops_per_s": flops / best, "matrix": n, "repeats": repeats}
 
 
