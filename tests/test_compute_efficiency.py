@@ -279,6 +279,8 @@ def test_the_batch_finding_keeps_out_of_the_way_of_other_causes():
     assert far_from_peak(_context(0.05, 0.3)) is None
     # the input pipeline holds the step: a larger batch would wait longer
     assert far_from_peak(_context(0.05, 0.08, phases={"data": 20 * MS})) is None
+    # the step's time is the loop's own (a sleep, logging), not the model's
+    assert far_from_peak(_context(0.05, 0.08, phases={"other": 30 * MS})) is None
     # a Python loop makes the small ops: its own finding
     assert far_from_peak(_context(0.05, 0.08, ops={"loops": [{"line": 3}]})) is None
     # no DataLoader batch size to sweep; no FLOPs utilization at all

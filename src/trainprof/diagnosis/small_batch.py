@@ -11,8 +11,10 @@ Evidence: the FLOPs utilization (:mod:`trainprof.analysis.compute_efficiency`) o
 whole step below :data:`MAX_UTILIZATION`, its model phases' below
 :data:`MAX_MODEL_UTILIZATION`, the DataLoader's batch size. Left alone where the input
 pipeline holds the step (:data:`INPUT_HOLDS`: a larger batch would wait longer for its
-samples), where the op count found a Python loop over a dimension (its own finding: the
-loop is what makes the ops small), and with no DataLoader batch size to sweep.
+samples), where forward and backward hold less than :data:`MIN_MODEL_SHARE` of the step
+(its time is elsewhere: the loop's code, which its own finding names), where the op count
+found a Python loop over a dimension (its own finding: the loop is what makes the ops
+small), and with no DataLoader batch size to sweep.
 
 No bound is claimed (``gain_unknown``): the saving depends on how much of the step is fixed
 cost, which only a sweep shows. On this VM a 3-layer MLP of width 128 at batch 16 (4.3%
@@ -36,6 +38,9 @@ MAX_MODEL_UTILIZATION = 0.25
 #: The data wait share from which the input pipeline holds the step: a larger batch would
 #: only wait longer for its samples (below it both findings stand, the input's first).
 INPUT_HOLDS = 0.5
+#: The least share of the step forward and backward must hold: below it the step's time is
+#: elsewhere (the loop's own code, a sleep, logging), which other findings name.
+MIN_MODEL_SHARE = 0.3
 
 
 def _batch_size(ctx: Context) -> int | None:
@@ -72,6 +77,8 @@ def far_from_peak(ctx: Context) -> Finding | None:
         return None
     shares = ctx.breakdown
     model_share = float(shares.get("forward") or 0.0) + float(shares.get("backward") or 0.0)
+    if model_share < MIN_MODEL_SHARE:
+        return None
     device = "GPU" if ctx.on_cuda else "CPU"
     per_op = ("a kernel launch and a dispatch" if ctx.on_cuda
               else "a dispatch and waking the thread pool")
