@@ -50,8 +50,7 @@ def compute_efficiency(ops: dict[str, Any] | None, peaks: dict[str, Any] | None,
     if total <= 0:
         return None
     peaks = peaks if isinstance(peaks, dict) else {}
-    kinds, ideal, covered = [], 0.0, 0.0
-    sheet_ideal, sheet_covered = 0.0, 0.0
+    kinds = []
     for kind, flops in sorted(by_kind.items(), key=lambda kv: -float(kv[1])):
         flops = float(flops)
         peak = peaks.get(kind) if isinstance(peaks.get(kind), dict) else {}
@@ -61,32 +60,36 @@ def compute_efficiency(ops: dict[str, Any] | None, peaks: dict[str, Any] | None,
         if isinstance(rate, int | float) and rate > 0:
             entry.update(peak_flops_per_s=float(rate), peak_source=peak.get("source"),
                          ideal_s=flops / float(rate))
-            ideal += flops / float(rate)
-            covered += flops
         elif peak.get("error"):
             entry["peak_error"] = peak["error"]
         sheet = datasheet_peak(gpu_name, kind, gpu_multiprocessors)
         if sheet is not None:
             entry.update(datasheet_gpu=sheet[0], datasheet_flops_per_s=sheet[1])
-            sheet_ideal += flops / sheet[1]
-            sheet_covered += flops
         kinds.append(entry)
-    out: dict[str, Any] = {
+    ideal, covered = _time_at(kinds, "peak_flops_per_s", total)
+    sheet_ideal, _ = _time_at(kinds, "datasheet_flops_per_s", total)
+    model = sum(float((breakdown or {}).get(p) or 0.0) for p in ("forward", "backward"))
+    return {
         "flops_per_step": total,
         "flops_per_s": total / step_s,
         "kinds": kinds,
         "steps_sampled": (ops or {}).get("steps_sampled"),
-        "peak_covered_share": covered / total,
-        "ideal_step_s": None,
-        "utilization": None,
-        "model_utilization": None,
-        "datasheet_utilization": (sheet_ideal * total / sheet_covered / step_s
-                                  if sheet_covered / total >= MIN_COVERED else None),
+        "peak_covered_share": covered,
+        "ideal_step_s": ideal,
+        "utilization": None if ideal is None else ideal / step_s,
+        "model_utilization": (ideal / (step_s * model)
+                              if ideal is not None and model > 0 else None),
+        "datasheet_utilization": None if sheet_ideal is None else sheet_ideal / step_s,
     }
-    if covered / total < MIN_COVERED:
-        return out
-    ideal *= total / covered  # the few FLOPs of kinds without a peak, at the others' rate
-    model = sum(float((breakdown or {}).get(p) or 0.0) for p in ("forward", "backward"))
-    out.update(ideal_step_s=ideal, utilization=ideal / step_s,
-               model_utilization=ideal / (step_s * model) if model > 0 else None)
-    return out
+
+
+def _time_at(kinds: list[dict[str, Any]], rate_key: str,
+             total: float) -> tuple[float | None, float]:
+    """(the step's FLOPs' time at each kind's ``rate_key`` rate, the share of the FLOPs
+    that has one): the few FLOPs of kinds without a rate at the others' average rate; no
+    time when those with one carry less than :data:`MIN_COVERED`."""
+    timed = [k for k in kinds if k.get(rate_key)]
+    covered = sum(k["flops_per_step"] for k in timed) / total
+    if covered < MIN_COVERED:
+        return None, covered
+    return sum(k["flops_per_step"] / k[rate_key] for k in timed) / covered, covered

@@ -25,15 +25,17 @@ from __future__ import annotations
 
 T = 1e12
 
+#: H100 SXM5 and H200 (the same compute)
+_HOPPER_SXM = {"float32": 67 * T, "float32 tf32": 494.7 * T,
+               "bfloat16": 989.4 * T, "float16": 989.4 * T}
+
 #: (words of the device name, {kind's dtype part: dense peak FLOP/s}), most specific first.
 _TABLE: tuple[tuple[tuple[str, ...], dict[str, float]], ...] = (
     (("h100", "nvl"), {}),  # the NVL's per-GPU figures vary by datasheet version: none
     (("h100", "pcie"), {"float32": 51 * T, "float32 tf32": 378 * T,
                         "bfloat16": 756 * T, "float16": 756 * T}),
-    (("h100",), {"float32": 67 * T, "float32 tf32": 494.7 * T,
-                 "bfloat16": 989.4 * T, "float16": 989.4 * T}),
-    (("h200",), {"float32": 67 * T, "float32 tf32": 494.7 * T,
-                 "bfloat16": 989.4 * T, "float16": 989.4 * T}),
+    (("h100",), _HOPPER_SXM),
+    (("h200",), _HOPPER_SXM),
     (("a100",), {"float32": 19.5 * T, "float32 tf32": 156 * T,
                  "bfloat16": 312 * T, "float16": 312 * T}),
     (("l40s",), {"float32": 91.6 * T, "float32 tf32": 183 * T,

@@ -10,7 +10,8 @@ matrices large enough to run at the BLAS's full speed (``_size``), in the dtype 
 device the model used, with the process's own threads and TF32 settings. It is the
 "attainable" peak of a roofline (Williams et al. 2009), which is what a step could reach.
 
-Cost: about 0.1-0.3 s per dtype on a CPU, a few milliseconds on a GPU. It is measured at
+Cost: at most about :data:`BUDGET_S` per dtype (a dtype too slow to repeat in it is timed
+by one product; on a GPU the products take milliseconds, unmeasured here). It is measured at
 the end of a run (after the DataLoader workers are gone, so nothing competes for the
 cores) and kept in a cache file (:func:`cache_path`), keyed by everything that sets the
 rate, so a machine pays for it once. On a CPU, ranks of a multi-process launch only read
