@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -335,5 +336,10 @@ def test_profiling_a_compiled_model_compiles_it_once(tmp_path, how):
         assert not complete_steps(run.steps)["forward_ns"].any()
         assert any(n.startswith("torch.compile compiled 1 frame and no forward pass was seen")
                    for n in notes)
-    # compiled from the first step: no op count, so no FLOPs, and the summary says why
-    assert any(n.startswith("no FLOPs counted") for n in notes)
+    # compiled from the first step: the op count's window counts the FLOPs only (no call
+    # sites), at the ops the compiled code calls, without a recompile (frames 1 above):
+    # forward 2*16*(32*64 + 64*1), backward twice that but fc1's input gradient
+    ops = json.loads((tmp_path / "r" / "ops.json").read_text())
+    assert ops["compiled"] is True and "sites" not in ops
+    assert ops["flops_by_kind_per_step"] == {"cpu float32": 3 * 67584 - 2 * 16 * 32 * 64}
+    assert not any(n.startswith("no FLOPs counted") for n in notes)

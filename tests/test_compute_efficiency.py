@@ -185,6 +185,45 @@ def test_a_run_reports_its_flops_and_how_near_the_peak_they_ran(tp, tmp_path):
     assert "FLOPs utilization" in out.getvalue() and "FLOPs/step" in out.getvalue()
 
 
+LATE_COMPILE = """
+# a model first called compiled at step 8, inside the op count's window
+import torch
+import torch._dynamo.utils as dynamo_utils
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+compiled = torch.compile(model, backend="eager")
+x, y = torch.randn(16, 32), torch.randint(0, 4, (16,))
+for step in range(20):
+    loss = nn.functional.cross_entropy((model if step < 8 else compiled)(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+print("BREAKS", [k.splitlines()[0] + " " + k.splitlines()[1]
+                 for k in dynamo_utils.counters["graph_break"]])
+"""
+
+
+def test_a_model_first_compiled_inside_the_window_is_compiled_and_its_flops_counted(tp):
+    """Dynamo compiling under the op count's modes: the FLOP mode steps aside while it
+    compiles (before, Dynamo skipped the frame for good: the model never compiled), and
+    the call counter hands Dynamo the bare call (before, it traced the frame walk and
+    broke the graph at every op, warning about sys._getframe)."""
+    res = tp(LATE_COMPILE, "--json", "--no-html")
+    assert res.returncode == 0, res.stderr
+    assert "_getframe" not in res.stdout + res.stderr
+    breaks = next(x for x in (res.stdout + res.stderr).splitlines() if x.startswith("BREAKS"))
+    assert "_getframe" not in breaks and "startswith" not in breaks
+    meta = load_run(res.run_dir).meta
+    assert meta["compiled_frames"] >= 1
+    ops = json.loads((res.run_dir / "ops.json").read_text())
+    assert not ops.get("compiled") and ops["calls_per_step"] > 0  # counted as it opened
+    assert ops["flops_by_kind_per_step"] == {"cpu float32": _mlp_flops(16, [32, 64, 4])}
+    assert res.json()["compute"]["flops_per_step"] == _mlp_flops(16, [32, 64, 4])
+
+
 def test_on_a_listed_gpu_the_mfu_is_against_its_datasheet():
     from trainprof.analysis.datasheet_peaks import datasheet_peak
 

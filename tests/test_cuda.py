@@ -363,6 +363,43 @@ def test_flops_utilization_on_cuda_counts_bfloat16_and_measures_its_peak(tp):
         assert 0 < compute["datasheet_utilization"] <= compute["utilization"]
 
 
+COMPILED_MLP = """
+# a compiled model, trained in float32
+import sys
+import torch
+from torch import nn
+
+model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024)).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+fast = torch.compile(model, mode=None if sys.argv[1] == "default" else sys.argv[1])
+x = torch.randn(512, 1024, device="cuda")
+for step in range(40):
+    loss = fast(x).square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_a_compiled_cuda_model_is_counted_at_the_products_its_code_calls(tp, mode):
+    """Inductor's code calls cuBLAS for the products: the op count's FLOP mode counts them
+    as eager would. Replayed as CUDA graphs they call no op: either all are counted (the
+    mode kept the graphs from being replayed) or none, and the summary says why."""
+    res = tp(COMPILED_MLP, "--json", "--no-html", args=(mode,), timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = res.json()
+    assert doc["ops"]["compiled"] is True
+    expected = 2.0 * 512 * (2 * (1024 * 4096 + 4096 * 1024) + 4096 * 1024)
+    compute = doc["compute"]
+    if mode == "default" or compute is not None:
+        assert compute["flops_per_step"] == expected
+        assert [k["kind"] for k in compute["kinds"]] == ["cuda float32"]
+        assert 0 < compute["utilization"] < 1.2
+    else:
+        assert any(n.startswith("no FLOPs counted") for n in doc["notes"])
+
+
 def test_ddp_timing_on_cuda_comes_from_its_cuda_timer(tmp_path):
     """DDP's reducer times a CUDA model with CUDA events (its CudaTimer): one NCCL rank
     in this process (a HashStore), 130 iterations, so that iteration 100 is sampled."""

@@ -19,9 +19,14 @@ On a GPU that :mod:`trainprof.analysis.datasheet_peaks` lists, a third figure di
 the datasheet's dense peaks instead (``datasheet_utilization``): the MFU as people
 publish it.
 
-The section is None when the window saw no products (no model, a compiled one: the window
-skips ``torch.compile``); a utilization is None when the kinds with a known peak carry
-less than :data:`MIN_COVERED` of the FLOPs.
+A ``torch.compile``-d model is counted at the ops its compiled code calls (``compiled``:
+true): cuBLAS/oneDNN products and convolutions, attention kernels. Products that
+torch.compile writes as kernels of its own (max-autotune's Triton templates) and kernels
+replayed as CUDA graphs (``mode="reduce-overhead"``) call no op and are not counted.
+
+The section is None when the window saw no products (no model, a model replayed as CUDA
+graphs); a utilization is None when the kinds with a known peak carry less than
+:data:`MIN_COVERED` of the FLOPs.
 """
 
 from __future__ import annotations
@@ -74,6 +79,8 @@ def compute_efficiency(ops: dict[str, Any] | None, peaks: dict[str, Any] | None,
         "flops_per_s": total / step_s,
         "kinds": kinds,
         "steps_sampled": (ops or {}).get("steps_sampled"),
+        # counted at the ops a torch.compile-d model's code calls (see the module's docs)
+        "compiled": bool((ops or {}).get("compiled")),
         "peak_covered_share": covered,
         "ideal_step_s": ideal,
         "utilization": None if ideal is None else ideal / step_s,

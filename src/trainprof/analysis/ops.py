@@ -84,9 +84,13 @@ def load_ops(run_dir: Path) -> dict[str, Any] | None:
             "share_of_calls": lines[key] / total if total else None,
         })
     loops.sort(key=lambda lp: -lp["line_calls_per_step"])
+    compiled = bool(doc.get("compiled"))
     return {
         "steps_sampled": doc["steps"],
-        "calls_per_step": total,
+        # torch.compile had compiled a frame: the window counted FLOPs only, no calls
+        # (capture/opcount.py), so every count below is None, not known
+        "compiled": compiled,
+        "calls_per_step": None if compiled else total,
         "top_sites": sites[:10],
         "loops": loops,
         # convolutions and how many ran in channels_last (NHWC), for diagnosis/device.py

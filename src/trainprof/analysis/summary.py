@@ -221,7 +221,7 @@ def summarize_run(run: Run) -> dict[str, Any]:
         "deep": analyse_deep_windows(run.path),
         "missing": meta.get("missing", []),
         "notes": [*meta.get("notes", []), *_compile_notes(meta, stats),
-                  *_uncounted_flops(meta, stats, ops)],
+                  *_uncounted_flops(ops)],
         "findings": [],  # filled by the diagnosis (trainprof.commands.analyse)
     }
     if "recorded_status" in meta:
@@ -229,16 +229,19 @@ def summarize_run(run: Run) -> dict[str, Any]:
     return summary
 
 
-def _uncounted_flops(meta: dict[str, Any], stats: dict[str, Any],
-                     ops: dict[str, Any] | None) -> list[str]:
-    """A compiled run long enough for the op count's window has no FLOPs utilization: say
-    why, rather than leave the Compute row out unexplained."""
-    frames = meta.get("compiled_frames")
-    count = (stats.get("steps") or {}).get("count") or 0
-    if ops is not None or not isinstance(frames, int) or frames <= 0 or count <= 10:
+def _uncounted_flops(ops: dict[str, Any] | None) -> list[str]:
+    """A compiled run whose op-count window saw no FLOPs has no FLOPs utilization: say why,
+    rather than leave the Compute row out unexplained (an eager model without products,
+    a bare loop, needs no word)."""
+    if not ops or not ops.get("compiled"):
         return []
-    return ["no FLOPs counted, so no FLOPs utilization: the op count's window skips a run "
-            "once torch.compile has compiled a frame (its modes would make Dynamo recompile)"]
+    by_kind = ops.get("flops_by_kind_per_step") or {}
+    if sum(float(v) for v in by_kind.values()) > 0:
+        return []
+    return ["no FLOPs counted, so no FLOPs utilization: the compiled model called no matrix "
+            "product or convolution of torch's in the op count's window (kernels replayed as "
+            "CUDA graphs, mode=\"reduce-overhead\", and products torch.compile generates "
+            "itself call none)"]
 
 
 def _compile_notes(meta: dict[str, Any], stats: dict[str, Any]) -> list[str]:

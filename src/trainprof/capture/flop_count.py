@@ -86,6 +86,14 @@ class FlopCount:
             return name
 
         class _Flops(TorchDispatchMode):
+            @classmethod
+            def ignore_compile_internals(cls) -> bool:
+                # Off while torch.compile compiles, on while its compiled code runs: the
+                # products a compiled graph calls are counted, and a frame first called
+                # inside the window is compiled as usual (Dynamo would skip it for good
+                # under a mode that does not say this)
+                return True
+
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
                 out = func(*args, **(kwargs or {}))
                 packet = func._overloadpacket

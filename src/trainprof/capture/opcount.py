@@ -259,6 +259,8 @@ class OpCountTool:
         self.sites: dict[tuple[str, int, str], list[Any]] = {}
         self._mode: Any = None
         self._started_at: int | None = None
+        #: torch.compile had compiled a frame when the window opened: FLOPs only
+        self.compiled = False
         #: conv2d calls, and those with a channels_last input or weight (diagnosis/device.py)
         self.conv2d = [0, 0]
         #: FLOPs of the CPU's conv2d calls, and of those in NCHW (diagnosis/channels_last_cpu.py)
@@ -311,8 +313,15 @@ class OpCountTool:
             return (isinstance(t, torch.Tensor) and t.dtype is float32
                     and t.device.type == "cpu" and not _autocast_on("cpu"))
 
+        compiling = torch.compiler.is_compiling
+
         class _Count(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+                if compiling():
+                    # Dynamo, compiling a frame first called inside the window, traces this
+                    # method: it gets the bare call (constant-folded), not the frame walk it
+                    # could not trace, which would break the script's graph into pieces
+                    return func(*args, **(kwargs or {}))
                 tool.total += 1
                 called = _func_name(func)
                 if func is conv2d:  # F.conv2d is torch.conv2d: NCHW or NHWC (channels_last)?
@@ -404,36 +413,54 @@ class OpCountTool:
 
     # -- WindowTool ------------------------------------------------------------
     def start(self, step: int) -> None:
-        if torch_compile_in_use():
-            # A compiled model would recompile for the mode (Dynamo guards on the mode
-            # stack), trace its __torch_function__ and warn about sys._getframe; and the
-            # calls of a compiled region are not the Python loops this looks for.
-            return
+        if self.steps and self.compiled != torch_compile_in_use():
+            return  # a later window of another kind: its counts would not add up
+        self.compiled = torch_compile_in_use()
         self._started_at = step
         if not self.tf32_settings:
             self.tf32_settings = tf32_settings()
-        self._mode = self._make_mode()
-        self._mode.__enter__()
+        if not self.compiled:
+            # Once torch.compile has compiled a frame, only the FLOPs are counted: the
+            # call-site count's TorchFunctionMode would make Dynamo recompile (it guards on
+            # the mode stack), trace its __torch_function__ and warn about sys._getframe;
+            # and the calls of a compiled region are not the Python loops it looks for.
+            # The FLOP count's dispatch mode steps aside while Dynamo compiles and sees
+            # the products and convolutions the compiled code calls.
+            self._mode = self._make_mode()
+            self._mode.__enter__()
         self.flop_count.start()
 
     def stop(self, step: int) -> None:
-        mode, self._mode = self._mode, None
-        if mode is None:
+        if self._started_at is None:
             return
         self.flop_count.stop()
-        mode.__exit__(None, None, None)
-        if self._started_at is not None:
-            self.steps += max(0, step - self._started_at)
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+        self.steps += max(0, step - self._started_at)
         self._started_at = None
         for entry in self.sites.values():
             entry[3] = {}  # the weak references: only needed while counting
 
     def close(self) -> None:
-        if self._mode is not None:  # the run ended inside the window: its steps are partial
+        if self._started_at is not None:  # the run ended inside the window: partial steps
             self.flop_count.stop()
-            self._mode.__exit__(None, None, None)
-            self._mode = None
+            if self._mode is not None:
+                self._mode.__exit__(None, None, None)
+                self._mode = None
+            self._started_at = None
         if self.steps == 0:
+            return
+        if self.compiled:
+            self._write({
+                "steps": self.steps,
+                # torch.compile had compiled a frame: the FLOPs only (see start)
+                "compiled": True,
+                "flops_by_kind_per_step": self.flop_count.per_step(self.steps),
+                **({"flop_count_errors": self.flop_count.errors}
+                   if self.flop_count.errors else {}),
+                **self.tf32_settings,
+            })
             return
         sites = sorted(self.sites.items(), key=lambda kv: -kv[1][0])[:TOP_SITES]
         doc = {
@@ -482,6 +509,9 @@ class OpCountTool:
                 for (filename, lineno, func), (count, shape, tensors, _) in sites
             ],
         }
+        self._write(doc)
+
+    def _write(self, doc: dict[str, Any]) -> None:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc, indent=1))
         os.replace(tmp, self.path)

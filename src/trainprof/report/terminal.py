@@ -79,6 +79,9 @@ def compute_text(compute: dict[str, Any] | None) -> str | None:
         text += f" · MFU {utilization_text(sheet)} of the {gpu} datasheet's dense peak"
     elif compute.get("utilization") is None:
         text += " · no measured peak to compare with"
+    if compute.get("compiled"):
+        text += (" · compiled: counted at the products and convolutions its code calls "
+                 "(any it generates itself are not)")
     return text
 
 
@@ -532,7 +535,7 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
                if env.get("torch_num_threads") else ""),
         )
     ops = summary.get("ops")
-    if ops:
+    if ops and ops.get("calls_per_step") is not None:
         table.add_row(
             "Torch calls",
             f"{ops['calls_per_step']:,.0f} per step from Python (sampled over "
