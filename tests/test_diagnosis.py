@@ -138,7 +138,8 @@ def test_every_family_is_registered():
         "input_pipeline", "periodic", "gc", "contention", "sync", "noise", "python_loop",
         "device", "distributed", "host_launch", "optimizer", "debug_modes", "memory_growth",
         "eval_autograd", "host_to_device", "zero_grad", "tf32", "cpu_threads", "padding",
-        "checkpointing", "precision", "channels_last_cpu", "float64", "small_batch"}
+        "checkpointing", "precision", "channels_last_cpu", "float64", "small_batch",
+        "attention"}
 
 
 def test_a_failing_rule_is_skipped_and_ranking_is_by_gain():

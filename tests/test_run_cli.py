@@ -1077,8 +1077,9 @@ def test_ctrl_c_while_the_record_closes_waits_for_it(tmp_path):
 
 
 def test_a_compiled_model_compiles_once_and_no_dynamo_warning(tp):
-    """torch.compile: the op-count window (a TorchFunctionMode) is skipped once Dynamo has
-    compiled a frame - pushing it made Dynamo recompile, trace the mode and warn."""
+    """torch.compile: the op count's call counter (a TorchFunctionMode) is left out once
+    Dynamo has compiled a frame - pushing it made Dynamo recompile, trace the mode and warn;
+    the FLOP count's dispatch mode runs, with no recompile."""
     body = """
     import torch
     import torch._dynamo.utils as dynamo_utils
@@ -1097,7 +1098,9 @@ def test_a_compiled_model_compiles_once_and_no_dynamo_warning(tp):
     assert "frames {'total': 1, 'ok': 1}" in res.stderr  # compiled once, as without trainprof
     assert "Dynamo does not know how to trace" not in res.stderr
     doc = res.json()
-    assert doc["steps"]["count"] == 30 and doc["ops"] is None
+    assert doc["steps"]["count"] == 30
+    assert doc["ops"]["compiled"] is True and doc["ops"]["calls_per_step"] is None
+    assert doc["compute"]["flops_per_step"] == 3 * 2 * 16 * (32 * 64 + 64) - 2 * 16 * 32 * 64
     assert doc["breakdown"]["forward"] > 0
 
 

@@ -118,6 +118,9 @@ def load_ops(run_dir: Path) -> dict[str, Any] | None:
         # FLOPs of a step, forward and backward, by device and dtype (capture/flop_count.py;
         # analysis/compute_efficiency.py)
         "flops_by_kind_per_step": doc.get("flops_by_kind_per_step"),
+        # attention computed op by op: score shapes a softmax ran on, with the time and
+        # FLOPs of the ops on them a step (capture/eager_attention.py; diagnosis/attention.py)
+        "eager_attention": doc.get("eager_attention"),
         # backward() calls a step: gradient accumulation when > 1 (diagnosis/distributed.py)
         "backward_per_step": doc.get("backward_per_step"),
         # sequences packed for an RNN (pack_padded_sequence): padding it skips already,

@@ -10,6 +10,7 @@ from collections import defaultdict
 from datetime import datetime
 from typing import Any
 
+from trainprof.analysis.attention import summarize_attention
 from trainprof.analysis.checkpointing import summarize_checkpointing
 from trainprof.analysis.compute_efficiency import compute_efficiency
 from trainprof.analysis.ddp import summarize_ddp
@@ -212,6 +213,11 @@ def summarize_run(run: Run) -> dict[str, Any]:
                                       else None,
                                       stats.get("breakdown"), gpu.get("name"),
                                       gpu.get("multiprocessors")),
+        # attention computed op by op, and the fused kernel's saving measured at its shapes
+        # (analysis/attention.py)
+        "attention": summarize_attention(ops, meta.get("attention_fix_measured"),
+                                         1.0 / stats["steps_per_s"] if stats.get("steps_per_s")
+                                         else None, meta.get("peak_flops")),
         # which lines of the loop the "other" time goes to (sampled stacks)
         "loop_stacks": summarize_loop_stacks(
             run.path, run.steps, warm, (stats.get("breakdown_detail") or {}).get("other")

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainprof.capture.eager_attention import EagerAttention
+
 #: aten ops whose float32 CUDA version TF32 governs through the cuBLAS switch (products) ...
 _PRODUCTS = frozenset({"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"})
 
@@ -63,6 +65,8 @@ class FlopCount:
         self.by_kind: dict[str, float] = {}
         self.errors: dict[str, str] = {}
         self._mode: Any = None
+        #: attention computed op by op, found in the same ops (capture/eager_attention.py)
+        self.attention: EagerAttention | None = None
 
     def start(self) -> None:
         """Push the dispatch mode on this (the training) thread."""
@@ -70,6 +74,9 @@ class FlopCount:
         import torch.utils.flop_counter as fc
         from torch.utils._python_dispatch import TorchDispatchMode
 
+        if self.attention is None:
+            self.attention = EagerAttention(torch)
+        observe, add_flops = self.attention.observe, self.attention.add_flops
         registry = dict(fc.flop_registry)
         registry.update(_cpu_attention_formulas(torch.ops.aten, fc))
         by_kind, errors = self.by_kind, self.errors
@@ -95,16 +102,18 @@ class FlopCount:
                 return True
 
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-                out = func(*args, **(kwargs or {}))
+                kwargs = kwargs or {}
                 packet = func._overloadpacket
+                out = observe(func, packet, args, kwargs)
                 formula = registry.get(packet)
                 if formula is not None:
                     try:
-                        flops = float(formula(*args, **(kwargs or {}), out_val=out))
+                        flops = float(formula(*args, **kwargs, out_val=out))
                         first = _first_tensor(torch, args)
                         if first is not None and flops > 0:
                             k = kind(packet, first)
                             by_kind[k] = by_kind.get(k, 0.0) + flops
+                            add_flops(args, out, flops)
                     except Exception as exc:  # noqa: BLE001 - never the script's failure
                         errors.setdefault(str(packet), f"{type(exc).__name__}: {exc}")
                 return out

@@ -26,6 +26,7 @@ from trainprof.capture import eval_autograd
 from trainprof.capture.clock import StepClock
 from trainprof.capture.debug_modes import DebugModes
 from trainprof.capture.device_timer import DeviceTimer
+from trainprof.capture.eager_attention import measure_sdpa
 from trainprof.capture.fingerprint import collect_fingerprint
 from trainprof.capture.hooks import Instrumentation, LoaderRegistry
 from trainprof.capture.knobs import install_knobs
@@ -285,6 +286,9 @@ class Recorder:
         peak = self._peak_flops(status)  # the workers gone, the knobs' threads still set
         if peak:
             self.writer.meta["peak_flops"] = peak
+        attention_fix = self._attention_fix_measured(status)
+        if attention_fix:
+            self.writer.meta["attention_fix_measured"] = attention_fix
         if cuda_memory is not None:
             self.writer.meta["cuda_memory"] = cuda_memory
         if getattr(self, "knobs", None) is not None:
@@ -570,14 +574,45 @@ class Recorder:
         torch = sys.modules.get("torch")
         if not wanted or torch is None:
             return None
-        one_process = (launcher_rank() is None and self.child_runs.own_label is None
-                       and not self._started_by_script and not self._distributed_seen)
-        devices = (set() if status != "finished"
-                   else {"cpu", "cuda"} if one_process else {"cuda"})
         try:
-            return peaks(torch, wanted, may_measure=devices)
+            return peaks(torch, wanted, may_measure=self._may_measure(status))
         except Exception as exc:  # noqa: BLE001 - a peak is extra: the record comes first
             return {"error": {"error": f"{type(exc).__name__}: {exc}"}}
+
+    def _may_measure(self, status: str) -> set[str]:
+        """The devices a measurement at the end of the run may time: none after Ctrl-C or
+        a crash (its user is not kept waiting); the CPU only in a run of one process (ranks
+        of a launch would measure each other's load); a GPU in each rank (its own device)."""
+        if status != "finished":
+            return set()
+        one_process = (launcher_rank() is None and self.child_runs.own_label is None
+                       and not self._started_by_script and not self._distributed_seen)
+        return {"cpu", "cuda"} if one_process else {"cuda"}
+
+    def _attention_fix_measured(self, status: str) -> list[dict[str, Any]] | None:
+        """Eager attention found in the op count's window (capture/eager_attention.py): its
+        fix, ``F.scaled_dot_product_attention``, timed forward and backward at each of the
+        (at most three) costliest shapes, where :meth:`_may_measure` allows."""
+        shapes: list[dict[str, Any]] = []
+        for runner in self.windows:
+            for tool in runner.tools:
+                attention = getattr(getattr(tool, "flop_count", None), "attention", None)
+                if isinstance(tool, OpCountTool) and tool.steps and attention is not None:
+                    shapes = attention.per_step(tool.steps)[:3]
+        devices = self._may_measure(status)
+        torch = sys.modules.get("torch")
+        out = []
+        for shape in shapes:
+            if shape["device"] not in devices or torch is None:
+                continue
+            entry = {k: shape[k] for k in ("batch", "query_len", "key_len", "head_dim",
+                                           "dtype", "device")}
+            try:
+                entry.update(measure_sdpa(torch, shape))
+            except Exception as exc:  # noqa: BLE001 - a measurement is extra
+                entry["error"] = f"{type(exc).__name__}: {exc}"
+            out.append(entry)
+        return out or None
 
     @staticmethod
     def _cuda_in_use() -> bool:

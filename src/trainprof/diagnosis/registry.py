@@ -49,6 +49,7 @@ FAMILIES: tuple[str, ...] = (
     "channels_last_cpu",
     "float64",
     "small_batch",
+    "attention",
     "sync",
     "noise",
     "python_loop",

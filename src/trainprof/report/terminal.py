@@ -85,6 +85,21 @@ def compute_text(compute: dict[str, Any] | None) -> str | None:
     return text
 
 
+def attention_text(att: dict[str, Any] | None) -> str | None:
+    """The "Attention" row: attention computed op by op, its time, and the fused kernel's
+    measured ratio (analysis/attention.py)."""
+    if not att or not att.get("shapes"):
+        return None
+    top = att["shapes"][0]
+    text = (f"op by op on {top['batch']}×{top['query_len']}×{top['key_len']} scores "
+            f"({top['dtype']}, heads of {top['head_dim']}): {att['s_per_step'] * 1e3:.1f} ms a "
+            f"step, {att['share'] * 100:.0f}%")
+    if top.get("fused_ratio") is not None:
+        text += (f" · scaled_dot_product_attention measured here at {top['fused_ratio']:.2f}× "
+                 "their time")
+    return text
+
+
 def utilization_text(x: float) -> str:
     """A utilization: one decimal below 10% (an input-bound step is at 0.4%, not 0%)."""
     return f"{x * 100:.1f}%" if x < 0.095 else f"{x * 100:.0f}%"
@@ -440,6 +455,9 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
         compute = compute_text(summary.get("compute"))
         if compute:
             table.add_row("Compute", compute)
+        attention = attention_text(summary.get("attention"))
+        if attention:
+            table.add_row("Attention", attention)
     breakdown = summary.get("breakdown")
     if breakdown:
         table.add_row("Breakdown", _breakdown_bar(breakdown))

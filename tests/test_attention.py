@@ -1,0 +1,217 @@
+"""Attention computed op by op: found in the op count's window, timed, its fix measured."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_compute_efficiency import _counted
+from torch import nn
+
+from trainprof.analysis.attention import summarize_attention
+from trainprof.capture.eager_attention import measure_sdpa
+from trainprof.diagnosis.attention import MIN_SAVING
+from trainprof.store import load_run
+
+
+def _eager(q, k, v):  # noqa: ANN001, ANN202
+    return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.size(-1)), dim=-1) @ v
+
+
+def test_attention_written_out_is_found_with_its_calls_ops_and_flops():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 128, 16, requires_grad=True) for _ in range(3))
+
+    def step() -> None:
+        _eager(q, k, v).sum().backward()
+        _eager(q, k, v).sum().backward()  # two calls a step
+
+    (shape,) = _counted(step).attention.per_step(1)
+    assert (shape["batch"], shape["query_len"], shape["key_len"], shape["head_dim"]) == (
+        6, 128, 128, 16)
+    assert (shape["dtype"], shape["device"]) == ("float32", "cpu")
+    assert shape["calls_per_step"] == 2
+    # two products forward, four backward, each 2 x 6 x 128 x 128 x 16 FLOPs, per call
+    assert shape["flops_per_step"] == 2 * 6 * (2 * 6 * 128 * 128 * 16)
+    assert shape["s_per_step"] > 0
+    # forward: product, scale, softmax, product (+ views); backward: their gradients
+    assert 12 <= shape["ops_per_step"] <= 40
+    assert shape["file"] == __file__ and not shape["multihead_attention"]
+
+
+def test_cross_attention_and_no_grad_are_found_too():
+    q = torch.randn(4, 64, 32)
+    k, v = torch.randn(4, 200, 32), torch.randn(4, 200, 32)
+    with torch.no_grad():
+        (shape,) = _counted(lambda: _eager(q, k, v)).attention.per_step(1)
+    assert (shape["batch"], shape["query_len"], shape["key_len"]) == (4, 64, 200)
+    assert shape["flops_per_step"] == 2 * (2 * 4 * 64 * 200 * 32)
+
+
+def test_products_without_a_softmax_and_the_fused_kernel_are_not_attention():
+    a, b = torch.randn(8, 256, 16), torch.randn(8, 16, 256)
+    low_rank = _counted(lambda: torch.bmm(a, b).relu().sum())
+    assert low_rank.attention.per_step(1) == []  # scores-like, but no softmax on them
+    q, k, v = (torch.randn(2, 3, 128, 16, requires_grad=True) for _ in range(3))
+    fused = _counted(lambda: F.scaled_dot_product_attention(q, k, v).sum().backward())
+    assert fused.attention.per_step(1) == []
+    assert fused.by_kind["cpu float32"] > 0  # its FLOPs are still counted
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_multihead_attention_is_op_by_op_only_when_it_returns_weights(need_weights):
+    """nn.MultiheadAttention's default, need_weights=True, computes the weights op by op;
+    need_weights=False takes scaled_dot_product_attention (the finding's fix)."""
+    mha = nn.MultiheadAttention(32, 4, batch_first=True)
+    x = torch.randn(2, 96, 32)
+    count = _counted(lambda: mha(x, x, x, need_weights=need_weights)[0].sum().backward())
+    found = count.attention.per_step(1)
+    if need_weights:
+        (shape,) = found
+        assert shape["multihead_attention"] and shape["file"] == __file__
+        assert (shape["batch"], shape["query_len"], shape["head_dim"]) == (8, 96, 8)
+    else:
+        assert found == []
+
+
+def test_the_fused_kernel_is_timed_at_the_found_shape():
+    shape = {"batch": 4, "query_len": 128, "key_len": 128, "head_dim": 32,
+             "dtype": "float32", "device": "cpu"}
+    state = torch.random.get_rng_state()
+    out = measure_sdpa(torch, shape, budget_s=0.05)
+    assert 0 < out["s_per_call"] < 1 and 0 < out["eager_s_per_call"] < 1
+    assert out["ratio"] == out["s_per_call"] / out["eager_s_per_call"] and out["repeats"] >= 3
+    assert torch.equal(torch.random.get_rng_state(), state)  # the script's stream untouched
+
+
+def _found(**over):  # noqa: ANN003, ANN202
+    shape = {"batch": 8, "query_len": 512, "key_len": 512, "head_dim": 64, "dtype": "float32",
+             "device": "cpu", "calls_per_step": 2.0, "ops_per_step": 30.0, "s_per_step": 0.05,
+             "flops_per_step": 3.2e9, "file": "train.py", "line": 9,
+             "multihead_attention": False}
+    shape.update(over)
+    return shape
+
+
+def test_the_saving_is_the_measured_fix_and_the_bound_its_flops_at_the_peak():
+    key = {k: _found()[k] for k in ("batch", "query_len", "key_len", "head_dim", "dtype",
+                                    "device")}
+    peaks = {"cpu float32": {"flops_per_s": 200e9}}
+    att = summarize_attention({"eager_attention": [_found()]},
+                              [{**key, "s_per_call": 0.01, "ratio": 0.4}], 0.1, peaks)
+    assert att["share"] == pytest.approx(0.5)
+    # 50 ms of ops, the fused kernel measured at 0.4 of the plain ops' time: 30 ms saved of
+    # a 100 ms step
+    assert att["saving_s_per_step"] == pytest.approx(0.03)
+    assert att["saving_share"] == pytest.approx(0.3)
+    # 3.2 GFLOP at 200 GFLOP/s take 16 ms: at most 34 ms of the 50 could go
+    assert att["bound_share"] == pytest.approx(0.34)
+    unmeasured = summarize_attention({"eager_attention": [_found()]}, None, 0.1, peaks)
+    assert unmeasured["saving_share"] is None and unmeasured["bound_share"] == pytest.approx(0.34)
+    assert summarize_attention({"eager_attention": []}, None, 0.1, peaks) is None
+
+
+def _finding(att):  # noqa: ANN001, ANN202
+    from trainprof.diagnosis.attention import eager_attention
+    from trainprof.diagnosis.context import Context
+
+    summary = {"attention": att, "command": ["train.py"], "breakdown": {}}
+    return eager_attention(Context(summary, None))
+
+
+def test_the_finding_takes_the_measured_saving_and_names_the_fix_for_the_code():
+    key = {k: _found()[k] for k in ("batch", "query_len", "key_len", "head_dim", "dtype",
+                                    "device")}
+    peaks = {"cpu float32": {"flops_per_s": 200e9}}
+
+    def att(ratio, **over):  # noqa: ANN001, ANN003, ANN202
+        return summarize_attention({"eager_attention": [_found(**over)]},
+                                   [{**key, "ratio": ratio}], 0.1, peaks)
+
+    f = _finding(att(0.4))
+    assert (f.category, f.cause, f.severity) == ("compute", "eager_attention", "high")
+    assert f.estimated_gain == pytest.approx(0.3) and f.evidence["fused_measured"]
+    assert "scaled_dot_product_attention(" in f.fix.snippet and "train.py:9" in f.fix.text
+    assert "trainprof compare" in f.verify
+    # the fused kernel measured no faster: nothing to say
+    assert _finding(att(0.95)) is None
+    mha = _finding(att(0.4, multihead_attention=True))
+    assert "need_weights=False" in mha.fix.snippet
+    hf = _finding(att(0.4, file="/env/site-packages/transformers/models/bert/modeling_bert.py"))
+    assert 'attn_implementation="sdpa"' in hf.fix.snippet
+    # not measured (a run stopped early): the bound, said to be one
+    bound = _finding(summarize_attention({"eager_attention": [_found()]}, None, 0.1, peaks))
+    assert bound.estimated_gain == pytest.approx(0.34)
+    assert not bound.evidence["fused_measured"] and "could save up to" in bound.title
+
+
+TRANSFORMER = """
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+torch.manual_seed(0)
+fused = sys.argv[1] == "sdpa"
+D, H, T, B = 128, 4, 1024, 2
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D))
+
+    def forward(self, x):
+        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, H, D // H).permute(2, 0, 3, 1, 4)
+        if fused:
+            a = F.scaled_dot_product_attention(q, k, v)
+        else:
+            a = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(D // H), dim=-1) @ v
+        x = x + self.proj(a.transpose(1, 2).reshape(B, T, D))
+        return x + self.mlp(self.ln2(x))
+
+
+model = nn.Sequential(Block(), Block(), nn.Linear(D, 64))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+x, y = torch.randn(B, T, D), torch.randint(0, 64, (B, T))
+for step in range(20):
+    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_a_transformer_with_attention_written_out_gets_its_fix_measured(tp):
+    res = tp(TRANSFORMER, "--json", "--no-html", args=("eager",), timeout=240)
+    assert res.returncode == 0, res.stderr
+    doc = res.json()
+    att = doc["attention"]
+    (shape,) = att["shapes"]
+    assert (shape["batch"], shape["query_len"], shape["head_dim"]) == (8, 1024, 32)
+    assert shape["calls_per_step"] == 2  # two blocks
+    assert shape["flops_per_step"] == 2 * 6 * (2 * 8 * 1024 * 1024 * 32)
+    assert shape["line"] == 26  # the line with the softmax, in the script
+    # the score matrices' ops hold much of this step; the fix was timed at its shape
+    assert 0.25 < att["share"] < 1
+    (fix,) = load_run(res.run_dir).meta["attention_fix_measured"]
+    assert fix["s_per_call"] > 0 and fix["ratio"] > 0 and fix["query_len"] == 1024
+    # on the 2-core VM the fused kernel takes 0.3 of the plain ops' time at this shape (the
+    # whole step ran x0.40 with it): a large saving, measured
+    (found,) = [f for f in doc["findings"] if f["cause"] == "eager_attention"]
+    assert found["estimated_gain"] == pytest.approx(att["saving_share"], rel=1e-3)
+    assert found["estimated_gain"] > max(0.1, MIN_SAVING)
+    assert found["evidence"]["fused_measured"] is True
+    ops = json.loads((res.run_dir / "ops.json").read_text())
+    assert ops["eager_attention"][0]["calls_per_step"] == 2
+    fused = tp(TRANSFORMER, "--json", "--no-html", args=("sdpa",), timeout=240)
+    assert fused.returncode == 0, fused.stderr
+    assert fused.json()["attention"] is None
+    assert not any(f["cause"] == "eager_attention" for f in fused.json()["findings"])
