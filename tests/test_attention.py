@@ -85,6 +85,9 @@ def test_the_fused_kernel_is_timed_at_the_found_shape():
     assert 0 < out["s_per_call"] < 1 and 0 < out["eager_s_per_call"] < 1
     assert out["ratio"] == out["s_per_call"] / out["eager_s_per_call"] and out["repeats"] >= 3
     assert torch.equal(torch.random.get_rng_state(), state)  # the script's stream untouched
+    # a shape whose plain ops would not fit in a quarter of the free memory is not timed
+    with pytest.raises(MemoryError, match="not timed"):
+        measure_sdpa(torch, {**shape, "batch": 10**6, "query_len": 10**4, "key_len": 10**4})
 
 
 def _found(**over):  # noqa: ANN003, ANN202
@@ -189,7 +192,7 @@ for step in range(20):
 """
 
 
-def test_a_transformer_with_attention_written_out_gets_its_fix_measured(tp):
+def test_a_transformer_with_attention_written_out_gets_its_fix_measured(tp, tmp_path):
     res = tp(TRANSFORMER, "--json", "--no-html", args=("eager",), timeout=240)
     assert res.returncode == 0, res.stderr
     doc = res.json()
@@ -211,6 +214,14 @@ def test_a_transformer_with_attention_written_out_gets_its_fix_measured(tp):
     assert found["evidence"]["fused_measured"] is True
     ops = json.loads((res.run_dir / "ops.json").read_text())
     assert ops["eager_attention"][0]["calls_per_step"] == 2
+    # the summary's row and the HTML report's tile
+    from trainprof.commands import analyse_folder, write_html
+    from trainprof.report.terminal import attention_text
+
+    assert attention_text(att).startswith("op by op on 8×1024×1024 scores (float32, heads of 32)")
+    summary, _ = analyse_folder(res.run_dir)
+    page = write_html(summary, load_run(res.run_dir), tmp_path / "report.html").read_text()
+    assert "attention op by op" in page and "scaled_dot_product_attention measured here" in page
     fused = tp(TRANSFORMER, "--json", "--no-html", args=("sdpa",), timeout=240)
     assert fused.returncode == 0, fused.stderr
     assert fused.json()["attention"] is None

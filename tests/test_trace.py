@@ -193,6 +193,60 @@ def test_gemm_and_attention_flops_and_rates_match_tracelens():
             "kernels: 491 TFLOP/s; bfloat16 at 49.7% of the H100") in out
 
 
+@needs_more
+def test_attention_computed_op_by_op_is_found_in_h100_traces_as_tracelens_times_its_ops():
+    """TimeSformer and OWLv2 run Hugging Face's eager attention on an H100 (3137 and 5185
+    tokens): the score matrices' products and scaling take the kernel time TraceLens's
+    GEMM and BinaryElementwise tables give those rows, the softmax the rest; the models that
+    run scaled_dot_product_attention (their SDPA_fwd tables) have none."""
+    import csv
+
+    from trainprof.diagnosis.trace_rules import diagnose_trace
+
+    folder = MORE / "tracelens" / "h100"
+    expected = {"facebook_timesformer-base-finetuned-k400__1016002": (96, 3137, 12),
+                "google_owlv2-large-patch14-ensemble__1016001": (16, 5185, 120)}
+    for trace in sorted(folder.glob("*.json.gz")):
+        stem = trace.name.removesuffix(".json.gz")
+        doc = analyse_trace(trace)
+        att = doc["attention"]
+        if stem not in expected:
+            assert att is None
+            assert (folder / f"{stem}_perf_report_csvs" / "SDPA_fwd.csv").exists() or (
+                "Falconsai" in stem)
+            continue
+        batch, tokens, layers = expected[stem]
+        (shape,) = att["shapes"]
+        assert (shape["batch"], shape["query_len"], shape["key_len"], shape["head_dim"],
+                shape["dtype"], shape["softmax_calls"]) == (batch, tokens, tokens, 64,
+                                                             "bfloat16", layers)
+        # TraceLens's rows for the ops on the scores: the two products, the scaling
+        ref: dict[str, float] = {}
+        gflops = 0.0
+        for table in ("GEMM.csv", "BinaryElementwise.csv"):
+            for row in csv.DictReader((folder / f"{stem}_perf_report_csvs" / table).open()):
+                dims = json.loads(row["Input Dims_first"])
+                if any(isinstance(d, list) and len(d) >= 3 and d[-1] * d[-2] == tokens ** 2
+                       or d == [batch, tokens, 64] for d in dims):
+                    ref[row["name"]] = (ref.get(row["name"], 0.0)
+                                        + float(row["Kernel Time (µs)_sum"]))
+                    if table == "GEMM.csv":
+                        gflops += float(row["GFLOPS_first"]) * int(row["name_count"])
+        by_op = shape["kernel_us_by_op"]
+        for name, us in ref.items():
+            assert by_op[name] == pytest.approx(us, rel=1e-6)
+        assert set(by_op) == {*ref, "aten::_softmax"}
+        assert shape["gflops"] == pytest.approx(gflops, rel=1e-9)
+        assert att["kernel_us"] == pytest.approx(sum(by_op.values()))
+        # the bound: the kernel time beyond the products' FLOPs at the H100's 989.4 TFLOP/s
+        assert att["bound_us"] == pytest.approx(att["kernel_us"] - gflops / 989.4 * 1e3)
+        (finding,) = [f for f in diagnose_trace(doc) if f["cause"] == "eager_attention"]
+        kernel_share = doc["breakdown_us"]["Kernel"] / doc["breakdown_us"]["Total"]
+        assert finding["estimated_gain"] == pytest.approx(
+            att["bound_us"] / att["total_kernel_us"] * kernel_share, rel=1e-3)
+        assert finding["severity"] == "high" and "sdpa" in finding["fix"]["snippet"]
+
+
 def test_a_cpu_trace_counts_the_flops_torchs_counter_counts(tmp_path):
     """A real torch.profiler trace (record_shapes, CPU only) of a training step: the
     products' and convolutions' FLOPs, forward and backward, are those torch's own

@@ -8,7 +8,7 @@ scaling, the mask, the softmax, the dropout and the second product, forward and 
 ``torch.nn.functional.scaled_dot_product_attention`` computes the same in fused kernels
 (FlashAttention, Dao et al. 2022; memory-efficient attention, Rabe & Staats 2021; the CPU's
 flash kernel) that never store the score matrix. The trace of a TimeSformer on an H100 in
-``shared/traces`` spends 130 ms of its 155 ms of kernels on that pattern.
+``shared/traces`` spends 127 ms of its 155 ms of kernels on that pattern.
 
 How: the FLOP count's dispatch mode (:mod:`trainprof.capture.flop_count`) hands every op
 to :meth:`EagerAttention.observe`. A batched product ``bmm(a, b)`` whose inner size ``d`` is
@@ -210,6 +210,13 @@ def measure_sdpa(torch: Any, shape: dict[str, Any],
     the script's random stream is left alone."""
     device, dtype = shape["device"], getattr(torch, shape["dtype"])
     b, lq, lk, d = (int(shape[k]) for k in ("batch", "query_len", "key_len", "head_dim"))
+    # the plain ops hold about four score matrices at once (scores, probabilities, their
+    # gradients): never more than a quarter of the memory free now
+    need = 4 * b * lq * lk * torch.tensor([], dtype=dtype).element_size()
+    free = _free_bytes(torch, device)
+    if free is not None and need > free / 4:
+        raise MemoryError(f"not timed: the plain ops would need {need / 2**30:.1f} GiB, "
+                          f"{free / 2**30:.1f} GiB free")
     generator = torch.Generator(device=device).manual_seed(0)
 
     def rand(length: int) -> Any:
@@ -245,3 +252,15 @@ def measure_sdpa(torch: Any, shape: dict[str, Any],
             repeats += 1
     return {"s_per_call": best["fused"], "eager_s_per_call": best["eager"],
             "ratio": best["fused"] / best["eager"], "repeats": repeats}
+
+
+def _free_bytes(torch: Any, device: str) -> int | None:
+    """Memory free for a measurement: the GPU's (``cudaMemGetInfo``) or the machine's."""
+    try:
+        if device == "cuda":
+            return int(torch.cuda.mem_get_info()[0])
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:  # noqa: BLE001 - unknown: measure
+        return None

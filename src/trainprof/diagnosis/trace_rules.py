@@ -547,11 +547,63 @@ def _few_steps(doc: dict[str, Any]) -> Finding | None:
     )
 
 
+def _eager_attention(doc: dict[str, Any]) -> Finding | None:
+    """Attention computed op by op (trace/attention.py): the kernel time on its score
+    matrices beyond their products' FLOPs at the datasheet's peak, as a share of the kernel
+    time, times the kernels' share of the step (the TensorBoard breakdown's Kernel)."""
+    att = doc.get("attention")
+    if not isinstance(att, dict) or not att.get("shapes"):
+        return None
+    bound, total = _num(att.get("bound_us")), _num(att.get("total_kernel_us"))
+    if bound <= 0 or total <= 0:
+        return None
+    kernel_share = _share(doc, "Kernel")
+    gain = bound / total * kernel_share
+    severity = band(gain, 0.20, 0.05, 0.02)
+    if severity is None:
+        return None
+    top = att["shapes"][0]
+    share = _num(att.get("kernel_us")) / total
+    text = (
+        f"{share * 100:.0f}% of the kernel time ({_ms(_num(att.get('kernel_us')))}) goes to "
+        f"attention computed op by op on {top['batch']} x {top['query_len']} x "
+        f"{top['key_len']} score matrices (batch x heads, queries, keys; heads of "
+        f"{top['head_dim']}) in {top['dtype']}: the products, the scaling, mask and softmax "
+        "each read and write the whole score matrix. Their products' "
+        f"{_num(top.get('gflops')):,.0f} GFLOP would take "
+        f"{_ms(_num(att.get('kernel_us')) - bound)} at the GPU's datasheet peak. "
+        "torch.nn.functional.scaled_dot_product_attention computes the same in fused kernels "
+        "(FlashAttention, memory-efficient attention) that never store the score matrix: "
+        "a Hugging Face model takes it with attn_implementation=\"sdpa\", "
+        "nn.MultiheadAttention with need_weights=False. `trainprof run` on the script times "
+        "the fused kernel against these ops at this shape."
+    )
+    return Finding(
+        category="compute", cause="eager_attention",
+        title=(f"Attention is computed op by op: {share * 100:.0f}% of the kernel time, on "
+               f"{top['query_len']} x {top['key_len']} score matrices"),
+        severity=severity,
+        evidence={"attention_kernel_share": share, "attention_kernel_us": att.get("kernel_us"),
+                  "bound_us": bound, "kernel_share_of_step": kernel_share,
+                  "scores": [top["batch"], top["query_len"], top["key_len"]],
+                  "head_dim": top["head_dim"], "dtype": top["dtype"],
+                  "softmax_calls": top.get("softmax_calls"), "shapes": len(att["shapes"])},
+        estimated_gain=gain,
+        fix=Fix(text=text, snippet=(
+            "y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # was softmax(q @ k.T"
+            " * scale + mask) @ v\n"
+            'model = AutoModel.from_pretrained(name, attn_implementation="sdpa")  # Hugging Face')),
+        verify=f"{VERIFY_TRACE}: the softmax and bmm kernels should give way to one attention "
+        "kernel, the Kernel share of the step fall",
+    )
+
+
 RULES: dict[str, TraceRule] = {
     "trace.input_pipeline": _dataloader,
     "trace.host_launch": _host_launch,
     "trace.synchronization": _sync,
     "trace.tensor_cores": _tensor_cores,
+    "trace.eager_attention": _eager_attention,
     "trace.pageable_copies": _pageable_copies,
     "trace.communication": _communication,
     "trace.straggler": _straggler,

@@ -54,7 +54,13 @@ from trainprof.analysis.series import MAX_POINTS, sample_series, step_series, te
 from trainprof.errors import UsageError
 from trainprof.report.html_assets import CSS, JS
 from trainprof.report.impact import impact_text
-from trainprof.report.terminal import compute_text, fmt_bytes, fmt_pct, fmt_time
+from trainprof.report.terminal import (
+    attention_text,
+    compute_text,
+    fmt_bytes,
+    fmt_pct,
+    fmt_time,
+)
 from trainprof.store import Run
 
 __all__ = ["json_for_script", "render_compare_html", "render_html"]
@@ -407,6 +413,10 @@ def _verdict(s: dict[str, Any]) -> str:
             if value is None:
                 value = compute["datasheet_utilization"]
             tiles.append(_tile("FLOPs utilization", f"{value * 100:.0f}%", compute_row))
+        attention = s.get("attention") or {}
+        if attention.get("share") is not None:
+            tiles.append(_tile("attention op by op", f"{attention['share'] * 100:.0f}%",
+                               attention_text(attention) or ""))
         warm = f"warm-up {steps.get('warmup')}, steady {steps.get('steady_count')}"
         if steps.get("warmup_median_s") is not None:
             warm += f" (warm-up median {fmt_time(steps['warmup_median_s'])})"

@@ -301,6 +301,21 @@ def flops_line(flops: dict[str, Any] | None) -> str | None:
     return text
 
 
+def attention_line(att: dict[str, Any] | None) -> str | None:
+    """The "Attention" row: attention computed op by op, its kernel time by op
+    (trace/attention.py)."""
+    if not att or not att.get("shapes"):
+        return None
+    top = att["shapes"][0]
+    ops = ", ".join(f"{name.removeprefix('aten::')} {_us(us)}"
+                    for name, us in list((top.get("kernel_us_by_op") or {}).items())[:4])
+    share = att.get("kernel_share")
+    return (f"op by op on {top['batch']}×{top['query_len']}×{top['key_len']} scores "
+            f"({top['dtype']}, heads of {top['head_dim']}): {_us(att['kernel_us'])} of kernels"
+            + (f", {share * 100:.0f}% of all" if share is not None else "")
+            + (f" ({ops})" if ops else ""))
+
+
 def _flops_table(doc: dict[str, Any], n: int = 8) -> Table | None:
     calls = ((doc.get("flops") or {}).get("calls") or [])[:n]
     if not calls:
@@ -351,6 +366,9 @@ def render_trace(result: dict[str, Any], file: IO[str] | None = None) -> None:
     flops = flops_line(result.get("flops"))
     if flops:
         grid.add_row("FLOPs", flops)
+    attention = attention_line(result.get("attention"))
+    if attention:
+        grid.add_row("Attention", attention)
     for i, line in enumerate(_memcpy_lines(result.get("memcpy") or {})):
         grid.add_row("Memcpy" if i == 0 else "", line)
     sync = _sync_line(result.get("sync") or {})

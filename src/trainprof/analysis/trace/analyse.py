@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from trainprof.analysis.trace import tb_breakdown as tb
+from trainprof.analysis.trace.attention import eager_attention
 from trainprof.analysis.trace.correlate import Links
 from trainprof.analysis.trace.events import Events, Kind, load_events
 from trainprof.analysis.trace.gpu_metrics import gpu_summary
@@ -133,6 +134,11 @@ def analyse_file(path: Path, fallback_rank: int = 0) -> dict[str, Any]:
     flops = op_flops(ev.names, ev.name, ev.shapes, timing,
                      first_gpu.get("name") if facts["device_type"] == "CUDA" else None,
                      time_basis="cpu op" if facts["device_type"] == "CPU only" else "kernels")
+    kernel_rows = ev.kind == Kind.KERNEL
+    attention = eager_attention(
+        ev.names, ev.name, ev.shapes, timing,
+        first_gpu.get("name") if facts["device_type"] == "CUDA" else None,
+        float(ev.dur[kernel_rows].sum()) if kernel_rows.any() else sum(timing.values()))
     cpu_only = facts["device_type"] == "CPU only"
     if cpu_only:
         notes.append("CPU-only trace: no device timeline; the breakdown is DataLoader, "
@@ -178,6 +184,8 @@ def analyse_file(path: Path, fallback_rank: int = 0) -> dict[str, Any]:
         "tc_eligible_kernel_pct": opk["tc_eligible_kernel_pct"],
         # matrix products' and attention's FLOPs and rates, from the shapes (op_flops.py)
         "flops": flops,
+        # attention computed op by op: score shapes and the kernel time on them
+        "attention": attention,
         "memory": opk["memory"],
         "launch": launch_stats(ev, links, steps),
         "memcpy": memcpy_stats(ev, links, steps),

@@ -52,8 +52,13 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from trainprof.analysis.trace.attention import ATTENTION_OPS
 from trainprof.analysis.trace.loader import Event
 from trainprof.analysis.trace.op_flops import FLOP_OPS
+
+#: ops whose shapes are kept: those whose FLOPs count, and those attention's scores pass
+#: through (trace/attention.py)
+SHAPED_OPS = FLOP_OPS | ATTENTION_OPS
 
 
 class Kind(IntEnum):
@@ -183,7 +188,7 @@ class Events:
     process_labels: dict[Any, str] = field(default_factory=dict)
     memory: MemoryEvents | None = None  # None: the trace has no memory events
     #: row -> (Input Dims, Input type, Concrete Inputs) of the ops whose FLOPs are counted
-    #: (:data:`~trainprof.analysis.trace.op_flops.FLOP_OPS`), where the trace has shapes
+    #: (:data:`SHAPED_OPS`: FLOP_OPS and ATTENTION_OPS), where the trace has shapes
     shapes: dict[int, tuple[Any, Any, Any]] = field(default_factory=dict)
 
     @property
@@ -335,7 +340,7 @@ class EventBuilder:
             ("bps", bps), ("occ", occ), ("nbytes", nbytes),
         ):
             self._cols[col].append(arr)
-        codes = [self._names[n] for n in FLOP_OPS if n in self._names]
+        codes = [self._names[n] for n in SHAPED_OPS if n in self._names]
         for i in (np.flatnonzero(np.isin(name, codes)).tolist() if codes else []):
             a = xs[i].args
             if a is not None and len(a.input_dims):

@@ -170,6 +170,12 @@ _KIND = {"c10::BFloat16": "bfloat16", "c10::Half": "float16", "float": "float32"
          "double": "float64"}
 
 
+def kind_of(types: Any) -> str:
+    """The first tensor's dtype as the compute kinds name it (``bfloat16``, ``float32``)."""
+    dtype = _dtype(types)
+    return _KIND.get(dtype, dtype)
+
+
 def op_flops(names: list[str], name_of_row: np.ndarray, shapes: dict[int, tuple[Any, Any, Any]],
              kernel_ns_of_row: dict[int, float], gpu_name: str | None = None,
              top: int = 30, time_basis: str = "kernels") -> dict[str, Any] | None:
