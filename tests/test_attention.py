@@ -226,3 +226,30 @@ def test_a_transformer_with_attention_written_out_gets_its_fix_measured(tp, tmp_
     assert fused.returncode == 0, fused.stderr
     assert fused.json()["attention"] is None
     assert not any(f["cause"] == "eager_attention" for f in fused.json()["findings"])
+    # compare says where the time went
+    import io
+
+    from trainprof.analysis.compare import compare_runs
+    from trainprof.report.compare_terminal import render_compare
+
+    result = compare_runs(load_run(res.run_dir), load_run(fused.run_dir))
+    assert result["a"]["attention_s_per_step"] == pytest.approx(att["s_per_step"])
+    assert result["b"]["attention_s_per_step"] == 0.0
+    out = io.StringIO()
+    render_compare(result, file=out)
+    row = next(x for x in out.getvalue().splitlines() if "attention op by op" in x)
+    assert row.split()[-2:] == ["none", "—"]
+
+
+def test_weights_and_biases_gets_the_attention_figures():
+    from trainprof.report.wandb_export import run_summary
+
+    att = summarize_attention({"eager_attention": [_found()]},
+                              [{**{k: _found()[k] for k in ("batch", "query_len", "key_len",
+                                                            "head_dim", "dtype", "device")},
+                                "ratio": 0.4}], 0.1, None)
+    out = run_summary({"status": "finished", "attention": att})
+    assert out["trainprof/attention/share"] == pytest.approx(0.5)
+    assert out["trainprof/attention/s_per_step"] == pytest.approx(0.05)
+    assert out["trainprof/attention/saving_share"] == pytest.approx(0.3)
+    assert not any(k.startswith("trainprof/attention") for k in run_summary({"status": "x"}))

@@ -241,6 +241,11 @@ def _run_side(run: Run, steady: np.ndarray, warm: int, count: int) -> dict[str, 
         # the step's FLOPs and their share of the measured peak (analysis/compute_efficiency.py)
         "compute": {k: (summary.get("compute") or {}).get(k)
                     for k in ("flops_per_step", "flops_per_s", "utilization")},
+        # the time of attention computed op by op a step (analysis/attention.py): 0 where the
+        # op count's window ran and found none, None where it did not run
+        "attention_s_per_step": ((summary.get("attention") or {}).get("s_per_step")
+                                 if summary.get("attention")
+                                 else 0.0 if summary.get("ops") else None),
         "system": {
             k: system.get(k)
             for k in ("proc_cpu_pct", "workers_cpu_pct", "n_workers_seen", "sys_cpu_pct",

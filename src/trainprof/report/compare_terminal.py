@@ -130,6 +130,10 @@ def _steps_table(result: dict[str, Any]) -> Table:
         x, y = comp_a.get("utilization"), comp_b.get("utilization")
         table.add_row("FLOPs utilization", "—" if x is None else f"{x * 100:.0f}%",
                       "—" if y is None else f"{y * 100:.0f}%", "")
+    x, y = a.get("attention_s_per_step"), b.get("attention_s_per_step")
+    if x or y:
+        table.add_row("attention op by op", _attention(x), _attention(y),
+                      _ratio(y / x) if x and y else "—")
     sys_a, sys_b = a.get("system") or {}, b.get("system") or {}
     for key, label in (("proc_cpu_pct", "process CPU"), ("workers_cpu_pct", "workers CPU"),
                        ("sys_cpu_pct", "system CPU"), ("iowait_pct", "iowait")):
@@ -139,6 +143,11 @@ def _steps_table(result: dict[str, Any]) -> Table:
         table.add_row("RSS peak", fmt_bytes(sys_a.get("rss_peak_bytes")),
                       fmt_bytes(sys_b.get("rss_peak_bytes")), "")
     return table
+
+
+def _attention(seconds: float | None) -> str:
+    """Attention computed op by op a step: none found, or not looked for (no window)."""
+    return "—" if seconds is None else "none" if seconds == 0 else fmt_time(seconds)
 
 
 def _phases_table(result: dict[str, Any]) -> Table:

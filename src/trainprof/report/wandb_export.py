@@ -36,7 +36,8 @@ line plots sample 1,500 points), with ``step/time_max_ms`` for each bucket's slo
 ``trainprof/breakdown/<phase>`` (the steady-state shares, adding up to 1),
 ``trainprof/compute/flops_per_step``, ``flops_per_s``, ``utilization`` (of the measured
 matmul peak), ``model_utilization`` and ``datasheet_utilization`` (the MFU, on a GPU with a
-datasheet figure),
+datasheet figure), ``trainprof/attention/share``, ``s_per_step`` and ``saving_share``
+(attention computed op by op, and the fused kernel's measured saving, where found),
 ``trainprof/finding_count`` and ``trainprof/top_finding`` (its title); each series' mean of
 its points (``summary="mean"``). **Media**, in the
 last row: ``trainprof/findings`` as a table (each finding's severity, category, cause, title,
@@ -170,6 +171,11 @@ def run_summary(summary: dict[str, Any]) -> dict[str, Any]:
         value = _number(compute.get(key))
         if value is not None:
             out[f"trainprof/compute/{key}"] = value
+    attention = summary.get("attention") or {}
+    for key in ("share", "s_per_step", "saving_share"):
+        value = _number(attention.get(key))
+        if value is not None:
+            out[f"trainprof/attention/{key}"] = value
     findings = summary.get("findings") or []
     out["trainprof/finding_count"] = len(findings)
     if findings:
