@@ -143,6 +143,7 @@ def test_the_finding_takes_the_measured_saving_and_names_the_fix_for_the_code():
     assert _finding(att(0.95)) is None
     mha = _finding(att(0.4, multihead_attention=True))
     assert "need_weights=False" in mha.fix.snippet
+    assert mha.verify.startswith("trainprof tune --knob mha_need_weights=true,false train.py")
     hf = _finding(att(0.4, file="/env/site-packages/transformers/models/bert/modeling_bert.py"))
     assert 'attn_implementation="sdpa"' in hf.fix.snippet
     # not measured (a run stopped early): the bound, said to be one
@@ -253,3 +254,44 @@ def test_weights_and_biases_gets_the_attention_figures():
     assert out["trainprof/attention/s_per_step"] == pytest.approx(0.05)
     assert out["trainprof/attention/saving_share"] == pytest.approx(0.3)
     assert not any(k.startswith("trainprof/attention") for k in run_summary({"status": "x"}))
+
+
+MHA = """
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+attn = nn.MultiheadAttention(32, 4, batch_first=True)
+head = nn.Linear(32, 1)
+opt = torch.optim.SGD([*attn.parameters(), *head.parameters()], lr=0.01)
+x = torch.randn(4, 128, 32)
+for step in range(16):
+    out, weights = attn(x, x, x)  # need_weights=True, its default: op by op
+    loss = head(out).square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+print("WEIGHTS", None if weights is None else tuple(weights.shape))
+"""
+
+
+@pytest.mark.parametrize("knob", [None, True, False])
+def test_the_mha_need_weights_knob_puts_multihead_attention_on_the_fused_path(tp, knob):
+    env = {} if knob is None else {"TRAINPROF_KNOBS": json.dumps({"mha_need_weights": knob})}
+    res = tp(MHA, "--json", "--no-html", env=env, timeout=240)
+    assert res.returncode == 0, res.stderr
+    weights = next(x for x in (res.stdout + res.stderr).splitlines() if x.startswith("WEIGHTS"))
+    att = res.json()["attention"]
+    if knob is False:  # scaled_dot_product_attention: no score matrix, no weights returned
+        assert weights == "WEIGHTS None" and att is None
+        meta = load_run(res.run_dir).meta
+        assert meta["knobs"]["process"]["mha_need_weights"] == {"value": False, "calls": 16}
+        assert meta["knobs"]["script_calls_ignored"] == [
+            "MultiheadAttention(need_weights=True)"]
+        from trainprof.experiments.tune import _actual
+
+        assert _actual("mha_need_weights", meta) == "false (16 calls)"
+    else:
+        assert weights == "WEIGHTS (4, 128, 128)"
+        (shape,) = att["shapes"]
+        assert shape["multihead_attention"] and (shape["batch"], shape["query_len"]) == (16, 128)

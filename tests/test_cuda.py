@@ -400,6 +400,43 @@ def test_a_compiled_cuda_model_is_counted_at_the_products_its_code_calls(tp, mod
         assert any(n.startswith("no FLOPs counted") for n in doc["notes"])
 
 
+EAGER_ATTENTION_CUDA = """
+import math
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+B, H, T, d = 8, 12, 1024, 64
+proj = nn.Linear(H * d, 3 * H * d).cuda()
+opt = torch.optim.SGD(proj.parameters(), lr=1e-3)
+x = torch.randn(B, T, H * d, device="cuda")
+for step in range(30):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        q, k, v = proj(x).view(B, T, 3, H, d).permute(2, 0, 3, 1, 4)
+        a = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(d), dim=-1) @ v
+        loss = a.float().square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_eager_attention_on_cuda_is_timed_by_events_and_its_fix_measured(tp):
+    """On a GPU the ops on the score matrices are timed by CUDA events (resolved at the end),
+    and the fused kernel (FlashAttention in bfloat16) against the plain ops at that shape:
+    far faster, so the finding fires with a measured saving."""
+    res = tp(EAGER_ATTENTION_CUDA, "--json", "--no-html", timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = res.json()
+    (shape,) = doc["attention"]["shapes"]
+    assert (shape["batch"], shape["query_len"], shape["head_dim"], shape["device"],
+            shape["dtype"]) == (96, 1024, 64, "cuda", "bfloat16")
+    assert shape["s_per_step"] > 0 and "unresolved" not in shape
+    assert shape["fused_ratio"] < 0.7
+    (found,) = [f for f in doc["findings"] if f["cause"] == "eager_attention"]
+    assert found["evidence"]["fused_measured"] is True and found["estimated_gain"] > 0.1
+
+
 def test_ddp_timing_on_cuda_comes_from_its_cuda_timer(tmp_path):
     """DDP's reducer times a CUDA model with CUDA events (its CudaTimer): one NCCL rank
     in this process (a HashStore), 130 iterations, so that iteration 100 is sampled."""

@@ -39,8 +39,9 @@ Two kinds of knobs (:data:`KNOBS`):
   Recorder, which holds the clock) and ``cudnn_benchmark``
   (``torch.backends.cudnn.benchmark``, whatever the script sets) and
   ``zero_grad_set_to_none`` (``zero_grad(set_to_none=...)`` of every optimizer and
-  module, whatever the script passes) and ``tf32`` (TF32 for float32 matmuls and
-  convolutions, set again after the script's first optimizer step over what its
+  module, whatever the script passes) and ``mha_need_weights`` (``need_weights`` of every
+  ``nn.MultiheadAttention`` call, whatever the script passes) and ``tf32`` (TF32 for
+  float32 matmuls and convolutions, set again after the script's first optimizer step over what its
   set-up chose) and ``ddp_bucket_cap_mb`` / ``ddp_find_unused_parameters`` /
   ``ddp_comm_hook`` (every DistributedDataParallel model's bucket size, its search for
   unused parameters, and a gradient compression hook for its all-reduce - ``fp16``,
@@ -212,6 +213,9 @@ KNOBS: dict[str, KnobSpec] = {
                  "torch.backends.cudnn.benchmark: cuDNN times its algorithms per shape"),
         KnobSpec("zero_grad_set_to_none", "process", _bool,
                  "zero_grad(set_to_none=...) of every optimizer and module"),
+        KnobSpec("mha_need_weights", "process", _bool,
+                 "nn.MultiheadAttention's need_weights (false: its fused "
+                 "scaled_dot_product_attention path, no attention weights returned)"),
         KnobSpec("tf32", "process", _bool,
                  "TF32 tensor cores for float32 matmuls and convolutions (Ampere+ GPUs)"),
         KnobSpec("ddp_bucket_cap_mb", "process", _int_at_least(1),
@@ -382,6 +386,8 @@ class Knobs:
             self._install_cudnn_benchmark(bool(self.overrides["cudnn_benchmark"]))
         if self.overrides.get("zero_grad_set_to_none") is not None:
             self._install_zero_grad(bool(self.overrides["zero_grad_set_to_none"]))
+        if self.overrides.get("mha_need_weights") is not None:
+            self._install_mha_need_weights(bool(self.overrides["mha_need_weights"]))
         if self.overrides.get("tf32") is not None:
             self._install_tf32(bool(self.overrides["tf32"]))
         if any(self.overrides.get(k) is not None for k in DDP_KNOBS):
@@ -650,6 +656,36 @@ class Knobs:
             cls.zero_grad = zero_grad  # type: ignore[method-assign, assignment]
             self._restore.append(lambda cls=cls, original=original:
                                  setattr(cls, "zero_grad", original))  # noqa: B010
+
+    def _install_mha_need_weights(self, value: bool) -> None:
+        """Every ``nn.MultiheadAttention`` call runs with ``need_weights=value``, whatever
+        the script passes (by keyword or in its fifth place). With ``False`` torch computes
+        the attention with ``scaled_dot_product_attention`` and returns ``None`` for the
+        weights: a script that reads them fails in that arm, which tune reports. The calls
+        are counted, and those that asked otherwise recorded as ignored
+        (diagnosis/attention.py names this knob for nn.MultiheadAttention's attention)."""
+        import torch
+
+        cls = torch.nn.MultiheadAttention
+        original = cls.__dict__["forward"]
+        calls = self.process["mha_need_weights"] = {"value": value, "calls": 0}
+        ignored = self.ignored_calls
+
+        def forward(module: Any, *args: Any, **kwargs: Any) -> Any:
+            calls["calls"] += 1
+            if len(args) > 4:  # query, key, value, key_padding_mask, need_weights, ...
+                asked, args = args[4], (*args[:4], value, *args[5:])
+            else:
+                asked = kwargs.get("need_weights", True)
+                kwargs["need_weights"] = value
+            if bool(asked) != value:
+                ignored[f"MultiheadAttention(need_weights={bool(asked)})"] = None
+            return original(module, *args, **kwargs)
+
+        forward.__doc__ = (f"trainprof tune: nn.MultiheadAttention runs with "
+                           f"need_weights={value}, whatever is asked.")
+        cls.forward = forward  # type: ignore[method-assign]
+        self._restore.append(lambda: setattr(cls, "forward", original))  # noqa: B010
 
     def _install_tf32(self, value: bool) -> None:
         """TF32 for float32 matmuls (cuBLAS) and convolutions (cuDNN) set to ``value``

@@ -463,6 +463,7 @@ class OpCountTool:
                 "flops_by_kind_per_step": self.flop_count.per_step(self.steps),
                 **({"flop_count_errors": self.flop_count.errors}
                    if self.flop_count.errors else {}),
+                **eager_attention,
                 **self.tf32_settings,
             })
             return

@@ -498,14 +498,15 @@ def _actual(knob: str, meta: dict[str, Any]) -> str:
                     f"{script.get('float32_matmul_precision')}, cuDNN "
                     f"{'tf32' if script.get('cudnn_allow_tf32') else 'fp32'})")
         return f"{_text(rec.get('value'))} (no optimizer step)"
-    if knob == "zero_grad_set_to_none":
-        # the knob's own count of the zero_grad calls it set (trainprof.capture.knobs)
-        rec = process.get("zero_grad_set_to_none")
+    if knob in ("zero_grad_set_to_none", "mha_need_weights"):
+        # the knob's own count of the calls it set (trainprof.capture.knobs)
+        rec = process.get(knob)
         if not isinstance(rec, dict):
             return "script's"
         n = int(rec.get("calls") or 0)
         return (f"{_text(rec.get('value'))} ({_plural(n, 'call')})" if n
-                else "no zero_grad call")
+                else "no zero_grad call" if knob == "zero_grad_set_to_none"
+                else "no nn.MultiheadAttention call")
     if knob == "eval_no_grad":
         # how the script's eval-mode model calls ran (trainprof.capture.eval_autograd)
         rec = meta.get("eval_autograd") or {}
