@@ -435,6 +435,11 @@ def test_eager_attention_on_cuda_is_timed_by_events_and_its_fix_measured(tp):
     assert shape["fused_ratio"] < 0.7
     (found,) = [f for f in doc["findings"] if f["cause"] == "eager_attention"]
     assert found["evidence"]["fused_measured"] is True and found["estimated_gain"] > 0.1
+    # every op of the window timed by CUDA events: the attention's time is its kind's
+    timed = doc["op_time"]
+    assert timed["timed_by"] == "cuda events" and timed["unresolved"] is None
+    assert timed["s_per_step"]["attention"] == pytest.approx(shape["s_per_step"])
+    assert timed["s_per_step"]["product"] > 0  # the projection
 
 
 def test_ddp_timing_on_cuda_comes_from_its_cuda_timer(tmp_path):

@@ -121,6 +121,9 @@ def load_ops(run_dir: Path) -> dict[str, Any] | None:
         # attention computed op by op: score shapes a softmax ran on, with the time and
         # FLOPs of the ops on them a step (capture/eager_attention.py; diagnosis/attention.py)
         "eager_attention": doc.get("eager_attention"),
+        # every op's time a step, by phase group (model: forward and backward) and kind
+        # (product, attention, view, fusable) (capture/op_time.py; diagnosis/fusion.py)
+        "op_time_per_step": doc.get("op_time_per_step"),
         # backward() calls a step: gradient accumulation when > 1 (diagnosis/distributed.py)
         "backward_per_step": doc.get("backward_per_step"),
         # sequences packed for an RNN (pack_padded_sequence): padding it skips already,
@@ -145,3 +148,27 @@ def source_line(filename: str, lineno: int) -> str | None:
     except OSError:
         return None
     return None
+
+
+def summarize_op_time(ops: dict[str, Any] | None, step_s: float | None) -> dict[str, Any] | None:
+    """The model's ops' time a step by kind (capture/op_time.py), with each kind's share of
+    the model's op time and of the step: the summary's ``op_time``, or None without a
+    timed window (or a steady step time)."""
+    timed = (ops or {}).get("op_time_per_step")
+    model = timed.get("model") if isinstance(timed, dict) else None
+    if not isinstance(model, dict) or not step_s or step_s <= 0:
+        return None
+    seconds = {k: float(v) for k, v in model.items() if isinstance(v, int | float)}
+    total = sum(seconds.values())
+    if total <= 0:
+        return None
+    return {
+        "model_s_per_step": total,
+        "s_per_step": seconds,
+        "share_of_model": {k: v / total for k, v in seconds.items()},
+        "share_of_step": {k: v / step_s for k, v in seconds.items()},
+        "fusable_ops": timed.get("fusable_ops") or [],
+        "timed_by": timed.get("timed_by"),
+        # CUDA event pairs still pending when the run's record closed (dropped)
+        "unresolved": timed.get("unresolved"),
+    }

@@ -19,7 +19,7 @@ from trainprof.analysis.device import device_statistics
 from trainprof.analysis.handoff import summarize_handoff
 from trainprof.analysis.loop_stacks import summarize_loop_stacks
 from trainprof.analysis.memory_growth import memory_growth
-from trainprof.analysis.ops import load_ops
+from trainprof.analysis.ops import load_ops, summarize_op_time
 from trainprof.analysis.padding import summarize_padding
 from trainprof.analysis.python_profile import summarize_python_profile
 from trainprof.analysis.steps import complete_steps, step_statistics
@@ -213,6 +213,9 @@ def summarize_run(run: Run) -> dict[str, Any]:
                                       else None,
                                       stats.get("breakdown"), gpu.get("name"),
                                       gpu.get("multiprocessors")),
+        # the model's ops' time by kind: products, attention, fusable, views (analysis/ops.py)
+        "op_time": summarize_op_time(ops, 1.0 / stats["steps_per_s"] if stats.get("steps_per_s")
+                                     else None),
         # attention computed op by op, and the fused kernel's saving measured at its shapes
         # (analysis/attention.py)
         "attention": summarize_attention(ops, meta.get("attention_fix_measured"),

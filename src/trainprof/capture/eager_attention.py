@@ -56,45 +56,23 @@ class EagerAttention:
                                   if hasattr(aten, n))
         #: (batch, Lq, Lk) -> its record; also keyed by (batch, Lk, Lq), the same record
         self.shapes: dict[tuple[int, int, int], dict[str, Any]] = {}
-        self._events: list[tuple[dict[str, Any], Any, Any]] = []
 
     # -- in the dispatch mode ------------------------------------------------------
-    def observe(self, func: Any, packet: Any, args: tuple[Any, ...],
-                kwargs: dict[str, Any]) -> Any:
-        """Run ``func`` as the dispatch mode would, timing it when it touches a score
-        shape (or is a batched product, which may make one)."""
-        shapes = self.shapes
-        product = packet in self._products
-        record = self._matching(args) if shapes else None
-        if record is None and not product:
-            return func(*args, **kwargs)
-        tensor = self._torch.Tensor
-        cuda = any(isinstance(a, tensor) and a.is_cuda for a in args)
-        if cuda:
-            start = self._torch.cuda.Event(enable_timing=True)
-            end = self._torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = func(*args, **kwargs)
-            end.record()
-        else:
-            t0 = time.perf_counter_ns()
-            out = func(*args, **kwargs)
-            ns = time.perf_counter_ns() - t0
-        if product and record is None:
+    def claim(self, packet: Any, args: tuple[Any, ...], out: Any) -> dict[str, Any] | None:
+        """The attention shape an op just run works on (its time is added to the record by
+        the caller, :class:`~trainprof.capture.op_time.OpClock`), or None."""
+        record = self._matching(args) if self.shapes else None
+        if record is None and packet in self._products:
             record = self._scores_of(args, out)
         if record is None:
-            return out
+            return None
         record["ops"] += 1
-        if cuda:
-            self._events.append((record, start, end))
-        else:
-            record["ns"] += ns
         if packet in self._softmax:
             record["calls"] += 1  # one softmax a forward of the attention
             if not record["softmax"]:
                 record["softmax"] = True
                 record.update(_where())
-        return out
+        return record
 
     def add_flops(self, args: tuple[Any, ...], out: Any, flops: float) -> None:
         """A counted op's FLOPs, to the score shape it touches (if any)."""
@@ -132,28 +110,12 @@ class EagerAttention:
             return None
         record = {"batch": batch, "query_len": lq, "key_len": lk, "head_dim": d,
                   "dtype": str(out.dtype).removeprefix("torch."), "device": out.device.type,
-                  "ops": 1, "calls": 0, "ns": 0, "flops": 0.0, "softmax": False}
+                  "ops": 0, "calls": 0, "ns": 0, "flops": 0.0, "softmax": False}
         self.shapes[(batch, lq, lk)] = record
         self.shapes[(batch, lk, lq)] = record
         return record
 
     # -- after the window ------------------------------------------------------------
-    def resolve(self, deadline_s: float = 1.0) -> None:
-        """Turn the CUDA events into times (at the end of the run): each pair once its end
-        has run, waiting at most ``deadline_s`` in all; pairs still pending are dropped."""
-        if not self._events:
-            return
-        until = time.monotonic() + deadline_s
-        for record, start, end in self._events:
-            while not end.query():
-                if time.monotonic() > until:
-                    record["unresolved"] = record.get("unresolved", 0) + 1
-                    break
-                time.sleep(0.001)
-            else:
-                record["ns"] += int(start.elapsed_time(end) * 1e6)
-        self._events = []
-
     def per_step(self, steps: int) -> list[dict[str, Any]]:
         """The attention found (score shapes a softmax ran on), per step, most time first."""
         if not steps:

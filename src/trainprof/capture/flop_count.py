@@ -32,6 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainprof.capture.eager_attention import EagerAttention
+from trainprof.capture.op_time import OpClock, kind_of
 
 #: aten ops whose float32 CUDA version TF32 governs through the cuBLAS switch (products) ...
 _PRODUCTS = frozenset({"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"})
@@ -58,6 +59,17 @@ def _first_tensor(torch: Any, args: tuple[Any, ...]) -> Any:
     return None
 
 
+def _step_phase() -> Any:
+    """A reader of the active recorder's step-clock phase (None without a recorder)."""
+    from trainprof.capture.recorder import active_recorder
+
+    recorder = active_recorder()
+    if recorder is None:
+        return None
+    clock = recorder.clock
+    return lambda: clock.current
+
+
 class FlopCount:
     """FLOPs by kind over the steps of the windows it was open for."""
 
@@ -67,6 +79,8 @@ class FlopCount:
         self._mode: Any = None
         #: attention computed op by op, found in the same ops (capture/eager_attention.py)
         self.attention: EagerAttention | None = None
+        #: every op's time by phase and kind (capture/op_time.py)
+        self.op_clock: OpClock | None = None
 
     def start(self) -> None:
         """Push the dispatch mode on this (the training) thread."""
@@ -76,9 +90,12 @@ class FlopCount:
 
         if self.attention is None:
             self.attention = EagerAttention(torch)
-        observe, add_flops = self.attention.observe, self.attention.add_flops
+            self.op_clock = OpClock(torch, _step_phase())
+        claim, add_flops = self.attention.claim, self.attention.add_flops
+        clock_start, clock_stop = self.op_clock.start, self.op_clock.stop
         registry = dict(fc.flop_registry)
         registry.update(_cpu_attention_formulas(torch.ops.aten, fc))
+        kinds: dict[Any, str] = {}  # op overload -> product, view or fusable
         by_kind, errors = self.by_kind, self.errors
         tf32_products = bool(torch.backends.cuda.matmul.allow_tf32)
         tf32_convs = bool(torch.backends.cudnn.allow_tf32)
@@ -104,7 +121,14 @@ class FlopCount:
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
                 kwargs = kwargs or {}
                 packet = func._overloadpacket
-                out = observe(func, packet, args, kwargs)
+                began = clock_start(args)
+                out = func(*args, **kwargs)
+                record = claim(packet, args, out)
+                op_kind = kinds.get(func)
+                if op_kind is None:
+                    op_kind = kinds[func] = kind_of(func, packet, registry)
+                clock_stop(began, "attention" if record is not None else op_kind,
+                           packet.__name__, record)
                 formula = registry.get(packet)
                 if formula is not None:
                     try:

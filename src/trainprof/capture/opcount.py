@@ -451,10 +451,18 @@ class OpCountTool:
             self._started_at = None
         if self.steps == 0:
             return
-        attention = self.flop_count.attention
-        if attention is not None:
-            attention.resolve()  # CUDA events to times: the run has ended
-        eager_attention = {"eager_attention": attention.per_step(self.steps)} if attention else {}
+        attention, op_clock = self.flop_count.attention, self.flop_count.op_clock
+        timed: dict[str, Any] = {}
+        if attention is not None and op_clock is not None:
+            op_clock.resolve()  # CUDA events to times: the run has ended
+            timed = {
+                # attention computed op by op: its score shapes, time and FLOPs a step
+                # (capture/eager_attention.py; diagnosis/attention.py)
+                "eager_attention": attention.per_step(self.steps),
+                # every op's time a step by phase and kind (capture/op_time.py;
+                # diagnosis/fusion.py)
+                "op_time_per_step": op_clock.per_step(self.steps),
+            }
         if self.compiled:
             self._write({
                 "steps": self.steps,
@@ -463,7 +471,7 @@ class OpCountTool:
                 "flops_by_kind_per_step": self.flop_count.per_step(self.steps),
                 **({"flop_count_errors": self.flop_count.errors}
                    if self.flop_count.errors else {}),
-                **eager_attention,
+                **timed,
                 **self.tf32_settings,
             })
             return
@@ -495,9 +503,7 @@ class OpCountTool:
             # FLOPs of a step, forward and backward, by kind ("cpu float32", "cuda bfloat16")
             "flops_by_kind_per_step": self.flop_count.per_step(self.steps),
             **({"flop_count_errors": self.flop_count.errors} if self.flop_count.errors else {}),
-            # attention computed op by op: its score shapes, time and FLOPs a step
-            # (capture/eager_attention.py; diagnosis/attention.py)
-            **eager_attention,
+            **timed,
             "packed_sequences_per_step": self.packed_sequences / self.steps,
             **self.tf32_settings,
             # zero_grad(set_to_none=False): zeros written into the gradients

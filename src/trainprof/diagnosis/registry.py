@@ -50,6 +50,7 @@ FAMILIES: tuple[str, ...] = (
     "float64",
     "small_batch",
     "attention",
+    "fusion",
     "sync",
     "noise",
     "python_loop",

@@ -100,6 +100,20 @@ def attention_text(att: dict[str, Any] | None) -> str | None:
     return text
 
 
+def op_time_text(timed: dict[str, Any] | None) -> str | None:
+    """The "Model ops" row: forward and backward's op time a step by kind (products,
+    attention, pointwise and other fusable ops, views), from the op count's window."""
+    if not timed:
+        return None
+    labels = (("product", "products"), ("attention", "attention"),
+              ("fusable", "pointwise/reductions/norms"), ("view", "views"))
+    seconds, shares = timed.get("s_per_step") or {}, timed.get("share_of_model") or {}
+    parts = [f"{label} {fmt_time(seconds[k])} ({shares.get(k, 0) * 100:.0f}%)"
+             for k, label in labels if seconds.get(k)]
+    return (f"{fmt_time(timed['model_s_per_step'])} a step in torch's ops: " + " · ".join(parts)
+            + (" (CUDA events)" if timed.get("timed_by") == "cuda events" else ""))
+
+
 def utilization_text(x: float) -> str:
     """A utilization: one decimal below 10% (an input-bound step is at 0.4%, not 0%)."""
     return f"{x * 100:.1f}%" if x < 0.095 else f"{x * 100:.0f}%"
@@ -458,6 +472,9 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
         attention = attention_text(summary.get("attention"))
         if attention:
             table.add_row("Attention", attention)
+        model_ops = op_time_text(summary.get("op_time"))
+        if model_ops:
+            table.add_row("Model ops", model_ops)
     breakdown = summary.get("breakdown")
     if breakdown:
         table.add_row("Breakdown", _breakdown_bar(breakdown))
