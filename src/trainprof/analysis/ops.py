@@ -150,10 +150,17 @@ def source_line(filename: str, lineno: int) -> str | None:
     return None
 
 
-def summarize_op_time(ops: dict[str, Any] | None, step_s: float | None) -> dict[str, Any] | None:
+def summarize_op_time(ops: dict[str, Any] | None, step_s: float | None,
+                      breakdown: dict[str, float] | None = None) -> dict[str, Any] | None:
     """The model's ops' time a step by kind (capture/op_time.py), with each kind's share of
     the model's op time and of the step: the summary's ``op_time``, or None without a
-    timed window (or a steady step time)."""
+    timed window (or a steady step time).
+
+    The window's two steps give the split between the kinds; the step's share of each is
+    that split times forward and backward's share of the steady steps (``breakdown``), not
+    the window's own seconds over the step: two steps are few, and an op descheduled once
+    (workers starting at an epoch's end) would count its wait. Without a breakdown, the
+    window's seconds over ``step_s``."""
     timed = (ops or {}).get("op_time_per_step")
     model = timed.get("model") if isinstance(timed, dict) else None
     if not isinstance(model, dict) or not step_s or step_s <= 0:
@@ -162,11 +169,14 @@ def summarize_op_time(ops: dict[str, Any] | None, step_s: float | None) -> dict[
     total = sum(seconds.values())
     if total <= 0:
         return None
+    share_of_model = {k: v / total for k, v in seconds.items()}
+    phases = sum(float((breakdown or {}).get(p) or 0.0) for p in ("forward", "backward"))
     return {
         "model_s_per_step": total,
         "s_per_step": seconds,
-        "share_of_model": {k: v / total for k, v in seconds.items()},
-        "share_of_step": {k: v / step_s for k, v in seconds.items()},
+        "share_of_model": share_of_model,
+        "share_of_step": ({k: v * phases for k, v in share_of_model.items()} if breakdown
+                          else {k: v / step_s for k, v in seconds.items()}),
         "fusable_ops": timed.get("fusable_ops") or [],
         "timed_by": timed.get("timed_by"),
         # CUDA event pairs still pending when the run's record closed (dropped)

@@ -215,7 +215,7 @@ def summarize_run(run: Run) -> dict[str, Any]:
                                       gpu.get("multiprocessors")),
         # the model's ops' time by kind: products, attention, fusable, views (analysis/ops.py)
         "op_time": summarize_op_time(ops, 1.0 / stats["steps_per_s"] if stats.get("steps_per_s")
-                                     else None),
+                                     else None, stats.get("breakdown")),
         # attention computed op by op, and the fused kernel's saving measured at its shapes
         # (analysis/attention.py)
         "attention": summarize_attention(ops, meta.get("attention_fix_measured"),

@@ -58,12 +58,19 @@ class OpClock:
         self.cuda = False  # some op was timed by CUDA events
 
     def start(self, args: tuple[Any, ...]) -> Any:
-        """Before the op: a clock reading, or a recorded CUDA event."""
+        """Before the op: a clock reading, or a recorded CUDA event. Never the script's
+        failure: where no event can be recorded (a stream being captured into a CUDA graph,
+        where recording one is illegal; a CUDA-looking tensor on a torch without CUDA) the
+        clock stands in."""
         tensor = self._torch.Tensor
         if any(isinstance(a, tensor) and a.is_cuda for a in args):
-            event = self._torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
+            try:
+                if not self._torch.cuda.is_current_stream_capturing():
+                    event = self._torch.cuda.Event(enable_timing=True)
+                    event.record()
+                    return event
+            except Exception:  # noqa: BLE001, S110 - timed by the clock instead
+                pass
         return time.perf_counter_ns()
 
     def stop(self, began: Any, kind: str, name: str, record: dict[str, Any] | None) -> None:
@@ -74,8 +81,12 @@ class OpClock:
         if isinstance(began, int):
             self._add(time.perf_counter_ns() - began, group, kind, name, record)
             return
-        end = self._torch.cuda.Event(enable_timing=True)
-        end.record()
+        try:
+            end = self._torch.cuda.Event(enable_timing=True)
+            end.record()
+        except Exception:  # noqa: BLE001 - the op is left untimed, never the script's failure
+            self.unresolved += 1
+            return
         self.cuda = True
         self._pending.append((began, end, group, kind, name, record))
 
