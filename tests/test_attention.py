@@ -295,3 +295,17 @@ def test_the_mha_need_weights_knob_puts_multihead_attention_on_the_fused_path(tp
         assert weights == "WEIGHTS (4, 128, 128)"
         (shape,) = att["shapes"]
         assert shape["multihead_attention"] and (shape["batch"], shape["query_len"]) == (16, 128)
+
+
+def test_the_windows_seconds_are_scaled_to_the_steady_steps():
+    """Two steps are few: the attention's share is its share of the model's op time in the
+    window times forward and backward's steady time."""
+    from trainprof.analysis.attention import model_scale
+
+    # 20 ms of model ops in the window; forward and backward 50% of a 30 ms steady step
+    scale = model_scale({"model_s_per_step": 0.02}, {"forward": 0.2, "backward": 0.3}, 0.03)
+    assert scale == pytest.approx(0.75)
+    att = summarize_attention({"eager_attention": [_found()]}, None, 0.1, None, scale)
+    assert att["shapes"][0]["window_s_per_step"] == 0.05
+    assert att["s_per_step"] == pytest.approx(0.0375) and att["share"] == pytest.approx(0.375)
+    assert model_scale(None, {"forward": 0.5}, 0.03) == 1.0

@@ -438,7 +438,7 @@ def test_eager_attention_on_cuda_is_timed_by_events_and_its_fix_measured(tp):
     # every op of the window timed by CUDA events: the attention's time is its kind's
     timed = doc["op_time"]
     assert timed["timed_by"] == "cuda events" and timed["unresolved"] is None
-    assert timed["s_per_step"]["attention"] == pytest.approx(shape["s_per_step"])
+    assert timed["s_per_step"]["attention"] == pytest.approx(shape["window_s_per_step"])
     assert timed["s_per_step"]["product"] > 0  # the projection
 
 

@@ -6,14 +6,17 @@ softmax ran on), the time and FLOPs of the ops on its scores a step; and the rec
 ``attention_fix_measured``: ``F.scaled_dot_product_attention`` and the plain ops timed
 forward and backward at each shape on the run's machine at the end of the run.
 
-The saving of a shape is its ops' time a step times one less the ratio of the fused
-kernel's time to the plain ops' time, both timed in turns at that shape on the run's machine:
-the fix measured on the hardware and shape that ran (what TorchTidy does for its
-suggestions, expert-rules.md N7), not a model of it. The ratio is taken from a controlled
+The ops' time is the window's scaled to the steady steps (:func:`model_scale`: forward and
+backward's steady seconds over the model's op seconds in the window's two steps), so an op
+descheduled once there does not count its wait, and the Python between the ops is shared
+out in proportion. The saving of a shape is its ops' time a step times one less the ratio
+of the fused kernel's time to the plain ops' time, both timed in turns at that shape on the
+run's machine: the fix measured on the hardware and shape that ran (what TorchTidy does for
+its suggestions, expert-rules.md N7), not a model of it. The ratio is taken from a controlled
 pair rather than set against the window's two steps, which a busy moment can stretch; the
 script's own attention may do more than the plain ops (a mask, dropout: the fused kernel
 saves those too), so the saving is, if anything, understated. (On this project's 2-core VM
-the whole step lost more than the pair's ratio says: the score matrices' memory slows the
+the whole step lost a little more than the estimate: the score matrices' memory slows the
 other ops too.) Where no measurement was made (a
 run stopped early, a CPU rank of a launch), the bound is the ops' time less the time their
 FLOPs take at the measured matmul peak (:mod:`trainprof.capture.peak_flops`): a fused
@@ -28,10 +31,14 @@ _KEY = ("batch", "query_len", "key_len", "head_dim", "dtype", "device")
 
 
 def summarize_attention(ops: dict[str, Any] | None, measured: list[dict[str, Any]] | None,
-                        step_s: float | None,
-                        peaks: dict[str, Any] | None) -> dict[str, Any] | None:
+                        step_s: float | None, peaks: dict[str, Any] | None,
+                        scale: float = 1.0) -> dict[str, Any] | None:
     """The summary's ``attention`` section, or None when the window found no eager
-    attention (or the run has no steady step time)."""
+    attention (or the run has no steady step time).
+
+    ``scale`` turns the window's op seconds into steady ones: forward and backward's time
+    in the steady steps over the model's op time in the window's two steps (an op
+    descheduled once there would otherwise count its wait; :func:`model_scale`)."""
     found = (ops or {}).get("eager_attention")
     if not isinstance(found, list) or not found or not step_s or step_s <= 0:
         return None
@@ -41,8 +48,9 @@ def summarize_attention(ops: dict[str, Any] | None, measured: list[dict[str, Any
     for shape in found:
         if not isinstance(shape, dict):
             continue
-        eager = float(shape.get("s_per_step") or 0.0)
-        entry = {**shape, "share": eager / step_s, "fused_s_per_step": None,
+        eager = float(shape.get("s_per_step") or 0.0) * scale
+        entry = {**shape, "window_s_per_step": shape.get("s_per_step"), "s_per_step": eager,
+                 "share": eager / step_s, "fused_s_per_step": None,
                  "saving_s_per_step": None, "bound_s_per_step": None}
         fix = fixes.get(tuple(shape.get(k) for k in _KEY))
         if fix is not None and isinstance(fix.get("ratio"), int | float):
@@ -74,4 +82,17 @@ def summarize_attention(ops: dict[str, Any] | None, measured: list[dict[str, Any
         # where not measured: the ops' time beyond their FLOPs' time at the peak
         "bound_share": None if bound is None else bound / step_s,
         "step_s": step_s,
+        "scale": scale,
     }
+
+
+def model_scale(op_time: dict[str, Any] | None, breakdown: dict[str, float] | None,
+                step_s: float | None) -> float:
+    """Forward and backward's seconds a steady step over the model's op seconds a step in
+    the op count's window (``op_time``: :func:`trainprof.analysis.ops.summarize_op_time`);
+    1 where either is missing."""
+    window = float((op_time or {}).get("model_s_per_step") or 0.0)
+    phases = sum(float((breakdown or {}).get(p) or 0.0) for p in ("forward", "backward"))
+    if window <= 0 or phases <= 0 or not step_s:
+        return 1.0
+    return phases * step_s / window

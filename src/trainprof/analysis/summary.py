@@ -10,7 +10,7 @@ from collections import defaultdict
 from datetime import datetime
 from typing import Any
 
-from trainprof.analysis.attention import summarize_attention
+from trainprof.analysis.attention import model_scale, summarize_attention
 from trainprof.analysis.checkpointing import summarize_checkpointing
 from trainprof.analysis.compute_efficiency import compute_efficiency
 from trainprof.analysis.ddp import summarize_ddp
@@ -157,6 +157,8 @@ def summarize_run(run: Run) -> dict[str, Any]:
         stats["gc"]["explicit"] = _explicit_gc(explicit, float(done["dur_ns"].sum()) / 1e9)
     ops = load_ops(run.path)
     gpu = _first_gpu(meta)
+    mean_step_s = 1.0 / stats["steps_per_s"] if stats.get("steps_per_s") else None
+    op_time = summarize_op_time(ops, mean_step_s, stats.get("breakdown"))
     summary: dict[str, Any] = {
         "run_dir": str(run.path),
         "name": meta.get("name"),
@@ -208,19 +210,16 @@ def summarize_run(run: Run) -> dict[str, Any]:
         "ddp": summarize_ddp(meta, (stats.get("steps") or {}).get("median_s")),
         "ops": ops,
         # the step's FLOPs against the machine's measured peak (analysis/compute_efficiency.py)
-        "compute": compute_efficiency(ops, meta.get("peak_flops"),
-                                      1.0 / stats["steps_per_s"] if stats.get("steps_per_s")
-                                      else None,
+        "compute": compute_efficiency(ops, meta.get("peak_flops"), mean_step_s,
                                       stats.get("breakdown"), gpu.get("name"),
                                       gpu.get("multiprocessors")),
         # the model's ops' time by kind: products, attention, fusable, views (analysis/ops.py)
-        "op_time": summarize_op_time(ops, 1.0 / stats["steps_per_s"] if stats.get("steps_per_s")
-                                     else None, stats.get("breakdown")),
+        "op_time": op_time,
         # attention computed op by op, and the fused kernel's saving measured at its shapes
-        # (analysis/attention.py)
-        "attention": summarize_attention(ops, meta.get("attention_fix_measured"),
-                                         1.0 / stats["steps_per_s"] if stats.get("steps_per_s")
-                                         else None, meta.get("peak_flops")),
+        # (analysis/attention.py), in steady seconds
+        "attention": summarize_attention(
+            ops, meta.get("attention_fix_measured"), mean_step_s, meta.get("peak_flops"),
+            model_scale(op_time, stats.get("breakdown"), mean_step_s)),
         # which lines of the loop the "other" time goes to (sampled stacks)
         "loop_stacks": summarize_loop_stacks(
             run.path, run.steps, warm, (stats.get("breakdown_detail") or {}).get("other")

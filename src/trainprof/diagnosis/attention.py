@@ -18,8 +18,8 @@ fires from :data:`MIN_SAVING` of the step. A run where the fused kernel could no
 FLOPs' time at the matmul peak), from :data:`MIN_BOUND`, and says it is a bound.
 
 On this project's 2-core VM, a two-block transformer in float32 (4 heads of 32, 1,024
-tokens, batch 2): the attention's ops 68% of the step, the fused kernel measured at 0.30 of
-their time, so "saves 48%"; the script changed to ``F.scaled_dot_product_attention`` ran
+tokens, batch 2): the attention's ops 78% of the step, the fused kernel measured at 0.30 of
+their time, so "saves 54%"; the script changed to ``F.scaled_dot_product_attention`` ran
 ×0.43 (``trainprof compare``, 95% CI ×0.42–×0.43): the estimate is conservative, as
 :mod:`trainprof.analysis.attention` says. With 2 heads of 64 the pair measured 0.93–1.03 (a
 small finding or none) and the whole step ran ×0.92. In bfloat16 at 512 tokens and heads of
@@ -27,9 +27,9 @@ small finding or none) and the whole step ran ×0.92. In bfloat16 at 512 tokens 
 nothing fires.
 
 Verify: for ``nn.MultiheadAttention`` the ``mha_need_weights`` knob (the script unchanged);
-the same model on ``nn.MultiheadAttention`` "saves 43%", and ``trainprof verify`` measured
-×0.51 (95% CI ×0.49–×0.52: beyond the estimate, which is conservative). Otherwise the code
-changes, and ``trainprof compare`` measures it.
+the same model on ``nn.MultiheadAttention`` "saves 53%", and ``trainprof verify`` said
+"confirmed", ×0.50 (95% CI ×0.48–×0.51). Otherwise the code changes, and ``trainprof
+compare`` measures it.
 """
 
 from __future__ import annotations
