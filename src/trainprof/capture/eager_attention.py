@@ -11,7 +11,7 @@ flash kernel) that never store the score matrix. The trace of a TimeSformer on a
 ``shared/traces`` spends 127 ms of its 155 ms of kernels on that pattern.
 
 How: the FLOP count's dispatch mode (:mod:`trainprof.capture.flop_count`) hands every op
-to :meth:`EagerAttention.observe`. A batched product ``bmm(a, b)`` whose inner size ``d`` is
+to :meth:`EagerAttention.claim`. A batched product ``bmm(a, b)`` whose inner size ``d`` is
 small (at most :data:`MAX_HEAD_DIM`, and at most half of each outer size) makes a *score
 shape* ``(batch, Lq, Lk)``: a candidate. Every op that reads or writes a tensor of that shape
 (its last two sizes ``(Lq, Lk)`` or ``(Lk, Lq)``, the same number of elements: the

@@ -22,6 +22,12 @@ Not in torch's registry and added here: the CPU's attention kernel,
 ``_scaled_dot_product_flash_attention_for_cpu`` and its backward, with the formulas the
 registry gives the CUDA kernels.
 
+The same mode times every op it passes on (:mod:`trainprof.capture.op_time`: the model's
+op time by kind) and watches for attention computed op by op
+(:mod:`trainprof.capture.eager_attention`): one mode, one pass over the ops. It declares
+``ignore_compile_internals``, so it runs beside a ``torch.compile``-d model too: off while
+Dynamo compiles, on while the compiled code runs.
+
 Kinds are named ``"<device type> <dtype>"``, ``"cuda float32 tf32"`` for float32 products
 and convolutions that TF32 tensor cores may run (``torch.backends.cuda.matmul.allow_tf32``
 and ``torch.backends.cudnn.allow_tf32``, read when the window opens).
