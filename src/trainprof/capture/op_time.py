@@ -32,12 +32,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-#: The step clock's phases (trainprof.schema) that are the model's: forward, backward.
-_MODEL_PHASES = frozenset({2, 3})
+from trainprof.schema import BACKWARD, FORWARD
+
+#: The step clock's phases that are the model's.
+_MODEL_PHASES = frozenset({FORWARD, BACKWARD})
 #: Ops that move no data besides the views: allocations and autograd's bookkeeping.
 _NO_DATA = frozenset({
     "detach", "alias", "lift_fresh", "_unsafe_view", "empty", "empty_like", "empty_strided",
-    "new_empty", "new_empty_strided", "_to_copy_meta", "set_", "resize_",
+    "new_empty", "new_empty_strided", "set_", "resize_",
 })
 #: The most op names kept in the ``fusable`` list.
 TOP_OPS = 8

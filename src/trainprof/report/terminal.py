@@ -466,15 +466,11 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
         if summary.get("samples_per_s_all_ranks"):
             thr.append(f"all ranks {summary['samples_per_s_all_ranks']:,.0f} samples/s")
         table.add_row("Throughput", " · ".join(thr) or "—")
-        compute = compute_text(summary.get("compute"))
-        if compute:
-            table.add_row("Compute", compute)
-        attention = attention_text(summary.get("attention"))
-        if attention:
-            table.add_row("Attention", attention)
-        model_ops = op_time_text(summary.get("op_time"))
-        if model_ops:
-            table.add_row("Model ops", model_ops)
+        for label, text in (("Compute", compute_text(summary.get("compute"))),
+                            ("Attention", attention_text(summary.get("attention"))),
+                            ("Model ops", op_time_text(summary.get("op_time")))):
+            if text:
+                table.add_row(label, text)
     breakdown = summary.get("breakdown")
     if breakdown:
         table.add_row("Breakdown", _breakdown_bar(breakdown))

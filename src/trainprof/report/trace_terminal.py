@@ -360,15 +360,11 @@ def render_trace(result: dict[str, Any], file: IO[str] | None = None) -> None:
     for rank, t in (result.get("temporal") or {}).items():
         if t:
             grid.add_row(f"HTA rank {rank}", _temporal_line(t))
-    launch = _launch_line(result.get("launch") or {})
-    if launch:
-        grid.add_row("Kernels", launch)
-    flops = flops_line(result.get("flops"))
-    if flops:
-        grid.add_row("FLOPs", flops)
-    attention = attention_line(result.get("attention"))
-    if attention:
-        grid.add_row("Attention", attention)
+    for label, text in (("Kernels", _launch_line(result.get("launch") or {})),
+                        ("FLOPs", flops_line(result.get("flops"))),
+                        ("Attention", attention_line(result.get("attention")))):
+        if text:
+            grid.add_row(label, text)
     for i, line in enumerate(_memcpy_lines(result.get("memcpy") or {})):
         grid.add_row("Memcpy" if i == 0 else "", line)
     sync = _sync_line(result.get("sync") or {})
