@@ -127,7 +127,7 @@ for _ in range(24):
 """
 
 
-def test_a_run_times_its_ops_by_phase_and_kind(tp):
+def test_a_run_times_its_ops_by_phase_and_kind(tp, tmp_path):
     res = tp(MLP, "--json", "--no-html", timeout=240)
     assert res.returncode == 0, res.stderr
     doc = res.json()
@@ -143,6 +143,15 @@ def test_a_run_times_its_ops_by_phase_and_kind(tp):
     model = doc["breakdown"]["forward"] + doc["breakdown"]["backward"]
     assert timed["share_of_step"]["fusable"] == pytest.approx(
         timed["share_of_model"]["fusable"] * model)
+    # the summary's row and the HTML report's tile
+    from trainprof.commands import analyse_folder, write_html
+    from trainprof.report.terminal import op_time_text
+    from trainprof.store import load_run
+
+    assert " a step in torch's ops: products " in op_time_text(timed)
+    summary, _ = analyse_folder(res.run_dir)
+    page = write_html(summary, load_run(res.run_dir), tmp_path / "report.html").read_text()
+    assert "model ops fusable" in page and "pointwise/reductions/norms" in page
     found = [f for f in doc["findings"] if f["cause"] == "unfused_ops"]
     shares = timed["share_of_model"]["fusable"], timed["share_of_step"]["fusable"]
     assert bool(found) == (shares[0] >= 0.4 and shares[1] >= 0.2)

@@ -60,6 +60,7 @@ from trainprof.report.terminal import (
     fmt_bytes,
     fmt_pct,
     fmt_time,
+    op_time_text,
 )
 from trainprof.store import Run
 
@@ -417,6 +418,10 @@ def _verdict(s: dict[str, Any]) -> str:
         if attention.get("share") is not None:
             tiles.append(_tile("attention op by op", f"{attention['share'] * 100:.0f}%",
                                attention_text(attention) or ""))
+        fusable = ((s.get("op_time") or {}).get("share_of_model") or {}).get("fusable")
+        if fusable is not None:
+            tiles.append(_tile("model ops fusable", f"{fusable * 100:.0f}%",
+                               op_time_text(s.get("op_time")) or ""))
         warm = f"warm-up {steps.get('warmup')}, steady {steps.get('steady_count')}"
         if steps.get("warmup_median_s") is not None:
             warm += f" (warm-up median {fmt_time(steps['warmup_median_s'])})"
