@@ -74,16 +74,6 @@ class EagerAttention:
                 record.update(_where())
         return record
 
-    def add_flops(self, args: tuple[Any, ...], out: Any, flops: float) -> None:
-        """A counted op's FLOPs, to the score shape it touches (if any)."""
-        if not self.shapes:
-            return
-        record = self._matching(args)
-        if record is None and out is not None:
-            record = self._matching((out,))
-        if record is not None:
-            record["flops"] += flops
-
     def _matching(self, args: tuple[Any, ...]) -> dict[str, Any] | None:
         tensor = self._torch.Tensor
         for a in args:

@@ -596,9 +596,8 @@ class Recorder:
         shapes: list[dict[str, Any]] = []
         for runner in self.windows:
             for tool in runner.tools:
-                attention = getattr(getattr(tool, "flop_count", None), "attention", None)
-                if isinstance(tool, OpCountTool) and tool.steps and attention is not None:
-                    shapes = attention.per_step(tool.steps)[:3]
+                if isinstance(tool, OpCountTool) and tool.steps and tool.flop_count.attention:
+                    shapes = tool.flop_count.attention.per_step(tool.steps)[:3]
         devices = self._may_measure(status)
         torch = sys.modules.get("torch")
         out = []
