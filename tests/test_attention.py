@@ -303,7 +303,7 @@ def test_the_windows_seconds_are_scaled_to_the_steady_steps():
     from trainprof.analysis.attention import model_scale
 
     # 20 ms of model ops in the window; forward and backward 50% of a 30 ms steady step
-    scale = model_scale({"model_s_per_step": 0.02}, {"forward": 0.2, "backward": 0.3}, 0.03)
+    scale = model_scale({"window_model_s_per_step": 0.02}, {"forward": 0.2, "backward": 0.3}, 0.03)
     assert scale == pytest.approx(0.75)
     att = summarize_attention({"eager_attention": [_found()]}, None, 0.1, None, scale)
     assert att["shapes"][0]["window_s_per_step"] == 0.05

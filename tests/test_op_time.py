@@ -52,6 +52,21 @@ def test_the_kind_of_an_op():
     assert kind_of(aten.empty_strided.default, aten.empty_strided, registry) == "view"
     assert kind_of(aten.add.Tensor, aten.add, registry) == "fusable"
     assert kind_of(aten.native_layer_norm.default, aten.native_layer_norm, registry) == "fusable"
+    # fused attention kernels are in torch's FLOP table, but they are attention, not products
+    for op in (aten._scaled_dot_product_flash_attention_for_cpu,
+               aten._scaled_dot_product_flash_attention_for_cpu_backward,
+               aten._scaled_dot_product_efficient_attention,
+               aten._efficient_attention_backward):
+        assert kind_of(op.default, op, registry) == "fused_attention", op
+
+
+def test_fused_attention_is_timed_as_its_own_kind():
+    q, k, v = (torch.randn(2, 3, 128, 16, requires_grad=True) for _ in range(3))
+    count = _counted(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)
+                     .sum().backward())
+    model = count.op_clock.per_step(1)["model"]
+    assert model["fused_attention"] > 0 and "product" not in model
+    assert count.attention.per_step(1) == []  # not attention computed op by op
 
 
 def test_the_summary_gives_each_kind_its_share_of_the_model_and_of_the_step():
@@ -60,19 +75,46 @@ def test_the_summary_gives_each_kind_its_share_of_the_model_and_of_the_step():
                                 "fusable_ops": [{"op": "gelu", "s_per_step": 0.005}],
                                 "timed_by": "clock"}}
     timed = summarize_op_time(ops, 0.04)
-    assert timed["model_s_per_step"] == pytest.approx(0.02)
+    assert timed["model_s_per_step"] == timed["window_model_s_per_step"] == pytest.approx(0.02)
     assert timed["share_of_model"] == pytest.approx({"product": 0.3, "fusable": 0.6,
                                                      "view": 0.1})
     assert timed["share_of_step"]["fusable"] == pytest.approx(0.3)  # the window's seconds
-    # with the steady steps' breakdown: the window's split of forward and backward's share
+    # with the steady steps' breakdown: the window's split of forward and backward's seconds
+    # (0.5 of 40 ms: 20 ms), however long the window's own ops took (timing adds to each)
+    ops["op_time_per_step"]["model"] = {"product": 0.009, "fusable": 0.018, "view": 0.003}
+    ops["op_time_per_step"]["fusable_ops"] = [{"op": "gelu", "s_per_step": 0.0075}]
     timed = summarize_op_time(ops, 0.04, {"forward": 0.2, "backward": 0.3, "other": 0.5})
+    assert timed["window_model_s_per_step"] == pytest.approx(0.03)
+    assert timed["model_s_per_step"] == pytest.approx(0.02)
+    assert timed["s_per_step"] == pytest.approx({"product": 0.006, "fusable": 0.012,
+                                                 "view": 0.002})
+    assert timed["fusable_ops"] == [{"op": "gelu", "s_per_step": pytest.approx(0.005)}]
     assert timed["share_of_step"]["fusable"] == pytest.approx(0.6 * 0.5)
     assert timed["share_of_step"]["product"] == pytest.approx(0.3 * 0.5)
+    assert not timed["disturbed"] and timed["outside_load_cores"] is None
+    assert not summarize_op_time(ops, 0.04, None, 0.3)["disturbed"]
+    assert summarize_op_time(ops, 0.04, None, 0.5)["disturbed"]
     assert summarize_op_time({}, 0.04) is None and summarize_op_time(ops, None) is None
 
 
+def test_the_load_other_processes_put_on_the_machine_during_some_steps():
+    from trainprof.analysis.system import outside_cores_during
+
+    # 5 Hz samples on 2 cores: our process takes 1 core throughout; from t=10 s another
+    # process takes one more
+    samples = [{"t": 8 + i * 0.2, "proc_cpu_pct": 100.0, "workers": {},
+                "sys_cpu_pct": [100.0, 100.0] if 8 + i * 0.2 > 10.01 else [100.0, 0.0]}
+               for i in range(20)]
+    assert outside_cores_during(samples, [(8.5, 9.5)], 2) == pytest.approx(0.0)
+    assert outside_cores_during(samples, [(10.5, 11.0)], 2) == pytest.approx(1.0)
+    # a window shorter than the sampler's period still reads the sample that covers it
+    assert outside_cores_during(samples, [(10.41, 10.42)], 2) == pytest.approx(1.0)
+    assert outside_cores_during(samples, [(30.0, 31.0)], 2) is None  # no sample then
+    assert outside_cores_during(samples, [(10.5, 11.0)], None) is None  # no core count
+
+
 def _finding(share_of_model: float, share_of_step: float, compiled: bool = False,  # noqa: ANN202
-             loops: list | None = None):
+             loops: list | None = None, disturbed: bool = False):
     from trainprof.diagnosis.context import Context
     from trainprof.diagnosis.fusion import unfused_ops
 
@@ -82,7 +124,8 @@ def _finding(share_of_model: float, share_of_step: float, compiled: bool = False
                             "fusable": model * share_of_model},
              "share_of_model": {"fusable": share_of_model},
              "share_of_step": {"fusable": share_of_step},
-             "fusable_ops": [{"op": "gelu", "s_per_step": 0.004}], "timed_by": "clock"}
+             "fusable_ops": [{"op": "gelu", "s_per_step": 0.004}], "timed_by": "clock",
+             "disturbed": disturbed}
     summary = {"op_time": timed, "ops": {"compiled": compiled, "loops": loops or []},
                "command": ["py", "t.py"]}
     return unfused_ops(Context(summary, None))
@@ -99,6 +142,7 @@ def test_the_fusion_hint_claims_no_gain_and_names_the_compile_knob():
     assert _finding(0.6, 0.1) is None  # the model's ops are a small part of the step
     assert _finding(0.6, 0.3, compiled=True) is None  # compiled already
     assert _finding(0.6, 0.3, loops=[{"line": 3}]) is None  # a Python loop's small ops
+    assert _finding(0.6, 0.3, disturbed=True) is None  # other processes took the cores
 
 
 MLP = """
@@ -131,7 +175,10 @@ def test_a_run_times_its_ops_by_phase_and_kind(tp, tmp_path):
     res = tp(MLP, "--json", "--no-html", timeout=240)
     assert res.returncode == 0, res.stderr
     doc = res.json()
-    ops = json.loads((res.run_dir / "ops.json").read_text())["op_time_per_step"]
+    record = json.loads((res.run_dir / "ops.json").read_text())
+    ops = record["op_time_per_step"]
+    # the window's steps, whose system samples tell the load of other processes then
+    assert record["window_steps"] and all(b > a for a, b in record["window_steps"])
     # the optimizer's per-tensor updates and zero_grad are not the model's
     assert ops["other"]["fusable"] > 0 and "product" not in ops["other"]
     timed = doc["op_time"]
@@ -148,10 +195,14 @@ def test_a_run_times_its_ops_by_phase_and_kind(tp, tmp_path):
     from trainprof.report.terminal import op_time_text
     from trainprof.store import load_run
 
-    assert " a step in torch's ops: products " in op_time_text(timed)
+    assert op_time_text(timed).startswith("forward+backward ")
+    assert " a step, by kind of op: products " in op_time_text(timed)
+    # the row's seconds are forward and backward's steady seconds, split as in the window
+    assert timed["model_s_per_step"] == pytest.approx(model / doc["steps_per_s"], rel=0.05)
+    assert isinstance(timed["outside_load_cores"], float)
     summary, _ = analyse_folder(res.run_dir)
     page = write_html(summary, load_run(res.run_dir), tmp_path / "report.html").read_text()
     assert "model ops fusable" in page and "pointwise/reductions/norms" in page
     found = [f for f in doc["findings"] if f["cause"] == "unfused_ops"]
     shares = timed["share_of_model"]["fusable"], timed["share_of_step"]["fusable"]
-    assert bool(found) == (shares[0] >= 0.4 and shares[1] >= 0.2)
+    assert bool(found) == (shares[0] >= 0.4 and shares[1] >= 0.2 and not timed["disturbed"])

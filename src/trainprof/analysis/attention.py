@@ -91,7 +91,7 @@ def model_scale(op_time: dict[str, Any] | None, breakdown: dict[str, float] | No
     """Forward and backward's seconds a steady step over the model's op seconds a step in
     the op count's window (``op_time``: :func:`trainprof.analysis.ops.summarize_op_time`);
     1 where either is missing."""
-    window = float((op_time or {}).get("model_s_per_step") or 0.0)
+    window = float((op_time or {}).get("window_model_s_per_step") or 0.0)
     phases = sum(float((breakdown or {}).get(p) or 0.0) for p in ("forward", "backward"))
     if window <= 0 or phases <= 0 or not step_s:
         return 1.0

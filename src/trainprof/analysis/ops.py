@@ -124,6 +124,8 @@ def load_ops(run_dir: Path) -> dict[str, Any] | None:
         # every op's time a step, by phase group (model: forward and backward) and kind
         # (product, attention, view, fusable) (capture/op_time.py; diagnosis/fusion.py)
         "op_time_per_step": doc.get("op_time_per_step"),
+        # the steps the window covered, [first, end) each (records before: None)
+        "window_steps": doc.get("window_steps"),
         # backward() calls a step: gradient accumulation when > 1 (diagnosis/distributed.py)
         "backward_per_step": doc.get("backward_per_step"),
         # sequences packed for an RNN (pack_padded_sequence): padding it skips already,
@@ -150,35 +152,54 @@ def source_line(filename: str, lineno: int) -> str | None:
     return None
 
 
+#: Cores of other processes' work during the op count's window from which its op times
+#: are not read by the rules (the noise rule's threshold for outside load).
+DISTURBED_CORES = 0.5
+
+
 def summarize_op_time(ops: dict[str, Any] | None, step_s: float | None,
-                      breakdown: dict[str, float] | None = None) -> dict[str, Any] | None:
+                      breakdown: dict[str, float] | None = None,
+                      outside_cores: float | None = None) -> dict[str, Any] | None:
     """The model's ops' time a step by kind (capture/op_time.py), with each kind's share of
     the model's op time and of the step: the summary's ``op_time``, or None without a
     timed window (or a steady step time).
 
-    The window's two steps give the split between the kinds; the step's share of each is
-    that split times forward and backward's share of the steady steps (``breakdown``), not
-    the window's own seconds over the step: two steps are few, and an op descheduled once
-    (workers starting at an epoch's end) would count its wait. Without a breakdown, the
-    window's seconds over ``step_s``."""
+    The window's two steps give the split between the kinds; each kind's seconds and share
+    of the step are that split applied to forward and backward's steady seconds
+    (``breakdown`` x ``step_s``), not the window's own seconds: two steps are few, an op
+    descheduled once (workers starting at an epoch's end) would count its wait, and the
+    timing itself adds to every op (the window's seconds stay in
+    ``window_model_s_per_step``). Without a breakdown, the window's seconds.
+
+    ``outside_cores``: the cores other processes kept busy while the window ran
+    (:func:`trainprof.analysis.system.outside_cores_during`). From
+    :data:`DISTURBED_CORES` the split is ``disturbed``: other processes' work slows the
+    ops unevenly (a product on every core loses more than a one-thread copy, or the
+    reverse), and the rules do not read it."""
     timed = (ops or {}).get("op_time_per_step")
     model = timed.get("model") if isinstance(timed, dict) else None
     if not isinstance(model, dict) or not step_s or step_s <= 0:
         return None
-    seconds = {k: float(v) for k, v in model.items() if isinstance(v, int | float)}
-    total = sum(seconds.values())
-    if total <= 0:
+    window = {k: float(v) for k, v in model.items() if isinstance(v, int | float)}
+    window_total = sum(window.values())
+    if window_total <= 0:
         return None
-    share_of_model = {k: v / total for k, v in seconds.items()}
+    share_of_model = {k: v / window_total for k, v in window.items()}
     phases = sum(float((breakdown or {}).get(p) or 0.0) for p in ("forward", "backward"))
+    total = phases * step_s if breakdown and phases > 0 else window_total
+    scale = total / window_total
     return {
         "model_s_per_step": total,
-        "s_per_step": seconds,
+        "s_per_step": {k: v * total for k, v in share_of_model.items()},
         "share_of_model": share_of_model,
-        "share_of_step": ({k: v * phases for k, v in share_of_model.items()} if breakdown
-                          else {k: v / step_s for k, v in seconds.items()}),
-        "fusable_ops": timed.get("fusable_ops") or [],
+        "share_of_step": {k: v * total / step_s for k, v in share_of_model.items()},
+        "window_model_s_per_step": window_total,
+        "fusable_ops": [{**o, "s_per_step": float(o["s_per_step"]) * scale}
+                        for o in timed.get("fusable_ops") or []
+                        if isinstance(o, dict) and isinstance(o.get("s_per_step"), int | float)],
         "timed_by": timed.get("timed_by"),
         # CUDA event pairs still pending when the run's record closed (dropped)
         "unresolved": timed.get("unresolved"),
+        "outside_load_cores": outside_cores,
+        "disturbed": outside_cores is not None and outside_cores >= DISTURBED_CORES,
     }

@@ -10,6 +10,8 @@ from collections import defaultdict
 from datetime import datetime
 from typing import Any
 
+import numpy as np
+
 from trainprof.analysis.attention import model_scale, summarize_attention
 from trainprof.analysis.checkpointing import summarize_checkpointing
 from trainprof.analysis.compute_efficiency import compute_efficiency
@@ -23,7 +25,7 @@ from trainprof.analysis.ops import load_ops, summarize_op_time
 from trainprof.analysis.padding import summarize_padding
 from trainprof.analysis.python_profile import summarize_python_profile
 from trainprof.analysis.steps import complete_steps, step_statistics
-from trainprof.analysis.system import load_samples, summarize_system
+from trainprof.analysis.system import load_samples, outside_cores_during, summarize_system
 from trainprof.analysis.workers import summarize_workers
 from trainprof.store import Run
 
@@ -129,6 +131,23 @@ def _explicit_gc(rec: dict[str, Any], steps_total_s: float) -> dict[str, Any]:
             if steps_total_s > 0 else None, "every_steps": every}
 
 
+def _step_spans(steps: np.ndarray, windows: Any, origin: float | None
+                ) -> list[tuple[float, float]]:
+    """The clock spans (seconds, the samples' clock) of the steps in ``windows`` (lists of
+    [first, end) step numbers: the op count's window), one per window."""
+    if origin is None or not isinstance(windows, list) or not len(steps):
+        return []
+    spans = []
+    for window in windows:
+        if not (isinstance(window, list) and len(window) == 2):
+            continue
+        inside = steps[(steps["step"] >= window[0]) & (steps["step"] < window[1])]
+        if len(inside):
+            spans.append((origin + float(inside["t_start_ns"].min()) / 1e9,
+                          origin + float((inside["t_start_ns"] + inside["dur_ns"]).max()) / 1e9))
+    return spans
+
+
 def _first_gpu(meta: dict[str, Any]) -> dict[str, Any]:
     """The fingerprint's first GPU (its name and multiprocessors: datasheet peaks)."""
     gpus = (meta.get("fingerprint") or {}).get("gpus") or []
@@ -158,7 +177,12 @@ def summarize_run(run: Run) -> dict[str, Any]:
     ops = load_ops(run.path)
     gpu = _first_gpu(meta)
     mean_step_s = 1.0 / stats["steps_per_s"] if stats.get("steps_per_s") else None
-    op_time = summarize_op_time(ops, mean_step_s, stats.get("breakdown"))
+    op_time = summarize_op_time(
+        ops, mean_step_s, stats.get("breakdown"),
+        outside_cores_during(samples, _step_spans(run.steps, (ops or {}).get("window_steps"),
+                                                  origin),
+                             (((meta.get("fingerprint") or {}).get("cpu") or {})
+                              .get("usable_cores"))))
     summary: dict[str, Any] = {
         "run_dir": str(run.path),
         "name": meta.get("name"),

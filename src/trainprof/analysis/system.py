@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-__all__ = ["load_samples", "summarize_system"]
+__all__ = ["load_samples", "outside_cores", "outside_cores_during", "summarize_system"]
 
 
 def load_samples(path: Path) -> list[dict[str, Any]]:
@@ -121,3 +121,29 @@ def summarize_system(
         "ctx_switches_ps": _mean(s.get("ctx_switches_ps") for s in window),
         "gpu": _summarize_gpus(window),
     }
+
+
+def outside_cores(system: dict[str, Any], cores: int | None) -> float | None:
+    """Cores other processes kept busy over a summary's samples: the system's CPU (its mean
+    per core, times the usable cores) less this run's process and its DataLoader workers.
+    None without a core count or system CPU samples."""
+    sys_pct = system.get("sys_cpu_pct")
+    if not cores or not isinstance(sys_pct, int | float):
+        return None
+    ours = (system.get("proc_cpu_pct") or 0) / 100 + (system.get("workers_cpu_pct") or 0) / 100
+    return max(0.0, sys_pct / 100 * cores - ours)
+
+
+#: A sample's CPU figures cover the interval since the one before (the sampler's period,
+#: 0.2 s at its default 5 Hz): a span is read up to this long after its end.
+SAMPLE_REACH_S = 0.25
+
+
+def outside_cores_during(samples: list[dict[str, Any]], spans: list[tuple[float, float]],
+                         cores: int | None) -> float | None:
+    """:func:`outside_cores` over the samples taken during ``spans`` (seconds on the
+    samples' clock): the load other processes put on the machine while a few steps ran
+    (the op count's window, whose op times it would inflate). None without samples."""
+    inside = [s for s in samples
+              if any(t0 <= s["t"] <= t1 + SAMPLE_REACH_S for t0, t1 in spans)]
+    return outside_cores(summarize_system(inside), cores) if inside else None

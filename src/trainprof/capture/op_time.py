@@ -15,7 +15,9 @@ the end of the run (never a sync in the loop). Each op's time goes to its phase 
 clock's: forward and backward make ``model``, the optimizer, zero_grad and the loop's own
 code ``other``) and to its kind:
 
-* ``product``: ops with a FLOP formula (matrix products, convolutions, fused attention);
+* ``product``: ops with a FLOP formula (matrix products, convolutions);
+* ``fused_attention``: the fused attention kernels (``scaled_dot_product_attention``'s
+  flash, memory-efficient and cuDNN backends);
 * ``attention``: ops on the score matrices of attention computed op by op
   (:mod:`trainprof.capture.eager_attention`);
 * ``view``: ops that move no data (views, ``detach``, allocations);
@@ -135,9 +137,18 @@ class OpClock:
         return out
 
 
+#: Fused attention kernels (SDPA's backends, forward and backward), by name: torch's FLOP
+#: table has them beside the products, but they are attention, and a slow one (the CPU's
+#: flash kernel in bfloat16 can take longer than the plain ops) is not a product's time.
+_FUSED_ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention",
+                    "cudnn_attention")
+
+
 def kind_of(func: Any, packet: Any, registry: dict[Any, Any]) -> str:
-    """``product``, ``view`` or ``fusable`` (see the module's docs; ``attention`` is the
-    caller's, from the op's shapes)."""
+    """``fused_attention``, ``product``, ``view`` or ``fusable`` (see the module's docs;
+    ``attention`` is the caller's, from the op's shapes)."""
+    if any(part in packet.__name__ for part in _FUSED_ATTENTION):
+        return "fused_attention"
     if packet in registry:
         return "product"
     if getattr(func, "is_view", False) or packet.__name__ in _NO_DATA:

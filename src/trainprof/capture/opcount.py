@@ -259,6 +259,9 @@ class OpCountTool:
         self.sites: dict[tuple[str, int, str], list[Any]] = {}
         self._mode: Any = None
         self._started_at: int | None = None
+        #: the steps each window covered, [first, end): the analysis reads the machine's
+        #: load over them (an op time measured while other processes took the cores)
+        self.windows: list[list[int]] = []
         #: torch.compile had compiled a frame when the window opened: FLOPs only
         self.compiled = False
         #: conv2d calls, and those with a channels_last input or weight (diagnosis/device.py)
@@ -438,6 +441,8 @@ class OpCountTool:
         if mode is not None:
             mode.__exit__(None, None, None)
         self.steps += max(0, step - self._started_at)
+        if step > self._started_at:
+            self.windows.append([self._started_at, step])
         self._started_at = None
         for entry in self.sites.values():
             entry[3] = {}  # the weak references: only needed while counting
@@ -463,6 +468,7 @@ class OpCountTool:
                 # diagnosis/fusion.py)
                 "op_time_per_step": op_clock.per_step(self.steps),
             }
+        timed["window_steps"] = self.windows
         if self.compiled:
             self._write({
                 "steps": self.steps,

@@ -32,6 +32,7 @@ from trainprof.analysis.steps import (  # noqa: F401 - the spike definition, re-
     outliers,
     robust_scale,
 )
+from trainprof.analysis.system import outside_cores
 
 
 def number(v: Any) -> float | None:
@@ -240,11 +241,7 @@ class Context:
     @property
     def external_cores(self) -> float | None:
         """Cores kept busy by other processes: system CPU minus this run's process and workers."""
-        s = self.system
-        if not self.cores or not isinstance(s.get("sys_cpu_pct"), int | float):
-            return None
-        ours = (s.get("proc_cpu_pct") or 0) / 100 + (s.get("workers_cpu_pct") or 0) / 100
-        return max(0.0, s["sys_cpu_pct"] / 100 * self.cores - ours)
+        return outside_cores(self.system, self.cores)
 
     def has_system_samples(self) -> bool:
         return bool(self.system.get("n_samples"))

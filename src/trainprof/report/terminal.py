@@ -105,13 +105,18 @@ def op_time_text(timed: dict[str, Any] | None) -> str | None:
     attention, pointwise and other fusable ops, views), from the op count's window."""
     if not timed:
         return None
-    labels = (("product", "products"), ("attention", "attention"),
-              ("fusable", "pointwise/reductions/norms"), ("view", "views"))
+    labels = (("product", "products"), ("fused_attention", "fused attention"),
+              ("attention", "attention"), ("fusable", "pointwise/reductions/norms"),
+              ("view", "views"))
     seconds, shares = timed.get("s_per_step") or {}, timed.get("share_of_model") or {}
     parts = [f"{label} {fmt_time(seconds[k])} ({shares.get(k, 0) * 100:.0f}%)"
              for k, label in labels if seconds.get(k)]
-    return (f"{fmt_time(timed['model_s_per_step'])} a step in torch's ops: " + " · ".join(parts)
-            + (" (CUDA events)" if timed.get("timed_by") == "cuda events" else ""))
+    load = timed.get("outside_load_cores")
+    return (f"forward+backward {fmt_time(timed['model_s_per_step'])} a step, by kind of op: "
+            + " · ".join(parts)
+            + (" (CUDA events)" if timed.get("timed_by") == "cuda events" else "")
+            + (f" · timed while other processes kept ~{load:.1f} cores busy: the split may "
+               "be off" if timed.get("disturbed") and isinstance(load, int | float) else ""))
 
 
 def utilization_text(x: float) -> str:
