@@ -645,3 +645,41 @@ def test_the_help_lists_every_knob_with_its_text_apart(tmp_path):
     assert res.returncode == 0, res.stderr
     for name, spec in KNOBS.items():
         assert re.search(rf"^  {name}  +{re.escape(spec.help[:20])}", res.stdout, re.M), name
+
+
+def test_an_arm_whose_rounds_disagree_by_far_gets_no_verdict(tmp_path: Path) -> None:
+    """A verify of 2 trials a side where a burst of outside load hit the baseline's first
+    trial (a few steps of seconds: its mean 1.19 s against a median of 168 ms) said
+    "confirmed, ×0.20 (95% CI ×0.10-×0.81), 80% saved"; the steps' medians said ×0.86. Its
+    rounds' ratios are ×0.12 and ×0.80: the size of the change is unsettled."""
+    from trainprof.experiments.verify import judge
+    from trainprof.report.verify_terminal import verdict_line
+
+    arms = build_arms(parse_knobs(["compile=false,true"]))
+    rng = np.random.default_rng(8)
+    disturbed = rng.normal(0.168, 0.004, 20)
+    disturbed[[3, 9, 15]] = (6.2, 6.5, 7.0)
+    trials = [_trial(0, 0, disturbed, 8, tmp_path),
+              _trial(1, 0, rng.normal(0.144, 0.004, 20), 8, tmp_path),
+              _trial(0, 1, rng.normal(0.181, 0.004, 20), 8, tmp_path),
+              _trial(1, 1, rng.normal(0.144, 0.004, 20), 8, tmp_path)]
+    doc = analyse_tune(arms, trials, arms[0], steps=20)
+    row = doc["arms"][1]
+    assert row["paired"] and row["ratio"] < 0.25 and row["ci"][1] < 1  # the interval alone
+    assert row["round_ratios"] == [pytest.approx(0.144 / disturbed.mean(), rel=0.05),
+                                   pytest.approx(0.80, rel=0.05)]
+    assert row["verdict"] == "unsettled" and doc["best"] is None
+    assert any("the size of the change is unsettled" in n for n in doc["notes"])
+    out = io.StringIO()
+    render_tune(doc, out)
+    assert out.getvalue().startswith("No arm is significantly faster")
+    result = judge({"estimated_gain": 0.0, "evidence": {"gain_unknown": True}}, doc)
+    assert result["verdict"] == "unsettled"
+    line = verdict_line({**result, "metric": "step_time"}).plain
+    assert "by round ×0.1" in line and "rerun with more --trials" in line
+    assert "saved" not in line
+    # five rounds or more: the bootstrap over the rounds judges, whatever one round did
+    more = trials + [_trial(a, t, rng.normal(0.181 if a == 0 else 0.144, 0.004, 20), 8,
+                            tmp_path) for t in (2, 3, 4) for a in (0, 1)]
+    row = analyse_tune(arms, more, arms[0], steps=20)["arms"][1]
+    assert row["verdict"] == "faster"

@@ -88,6 +88,14 @@ MAX_ARMS = 16
 BATCH_TOLERANCE = 0.01
 #: Trial means of one arm spreading more than this (relative): the machine's speed varied.
 TRIAL_SPREAD_NOTE = 0.10
+#: With fewer rounds than this, an arm whose rounds' ratios to the baseline (or, unpaired,
+#: whose or the baseline's trial means) differ by more than :data:`UNSETTLED_SPREAD` times
+#: gets no verdict: "unsettled". A percentile bootstrap over 2-4 clusters cannot see how far
+#: their spread is from the truth (experiments/stats.py), and one trial that a burst of
+#: outside load slowed 6 times gave a 2-round sweep "×0.20, 95% CI ×0.10-×0.81" where its
+#: steps' medians said ×0.86.
+UNSETTLED_ROUNDS = 5
+UNSETTLED_SPREAD = 1.5
 #: How long a child gets to close its record after Ctrl-C before it is killed.
 STOP_GRACE_S = 20.0
 #: How often the state of submitted jobs is looked at (``--slurm``).
@@ -667,6 +675,8 @@ def analyse_tune(
             "samples_per_s": None, "steps_per_s": None,
             "trial_means_s": [float(t.dur_s.mean()) for t in ts],
             "ratio": None, "ci": None, "paired": None, "change_pct": None, "speedup": None,
+            # each round's ratio to the baseline, where paired by round
+            "round_ratios": None,
             "samples_per_s_ratio": None,
             "verdict": None,
             "actual": {},
@@ -737,13 +747,37 @@ def analyse_tune(
                              "different rounds (a trial failed): its interval is not paired "
                              "by round")
         significant = (lo > 1 or hi < 1) and abs(ratio - 1) >= PRACTICAL_THRESHOLD
+        if paired:  # each round's own ratio: what pairing cancels stays out of the spread
+            spread = [float(values([arm_rounds[r]])[0].mean())
+                      / float(values([base_rounds[r]])[0].mean()) for r in order]
+        else:
+            spread = []
+        row["round_ratios"] = spread or None
+        sides = [spread] if paired else [[float(v.mean()) for v in values(ts)],
+                                         [float(v.mean()) for v in base_values]]
+        unsettled = next((side for side in sides
+                          if 2 <= len(side) < UNSETTLED_ROUNDS and min(side) > 0
+                          and max(side) / min(side) > UNSETTLED_SPREAD), None)
+        verdict = ("faster" if ratio < 1 else "slower") if significant else "no_difference"
+        if unsettled is not None and significant:
+            verdict = "unsettled"
+            what = ("its rounds' ratios to the baseline" if paired
+                    else "its trials' or the baseline's mean step times")
+            low, high = min(unsettled), max(unsettled)
+            notes.append(
+                f"{arm.name}: {what} range from "
+                + (f"×{low:.2f} to ×{high:.2f}" if paired
+                   else f"{low * 1e3:.3g} to {high * 1e3:.3g} ms")
+                + f" ({high / low:.1f}×): a trial ran far slower than the others (outside "
+                "load?), so the size of the change is unsettled and it gets no verdict; run "
+                f"more --trials (at least {UNSETTLED_ROUNDS}) on a quieter machine")
         row.update(
             ratio=ratio,
             ci=[lo, hi],
             paired=paired,
             change_pct=(ratio - 1) * 100,
             speedup=1 / ratio if ratio > 0 else None,
-            verdict=("faster" if ratio < 1 else "slower") if significant else "no_difference",
+            verdict=verdict,
             samples_per_s_ratio=(row["samples_per_s"] / base_sps
                                  if row["samples_per_s"] and base_sps else None),
         )

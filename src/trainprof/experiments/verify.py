@@ -12,7 +12,10 @@ those knobs, and then sets what was measured against what the finding estimated:
   estimate was too low, which is worth knowing (and reporting);
 * ``not confirmed``: no significant difference: the fix does not matter here, or more
   ``--trials`` are needed (the interval says which);
-* ``refuted``: significantly slower: keep the current setting.
+* ``refuted``: significantly slower: keep the current setting;
+* ``unsettled``: the fastest arm's trials disagree too much to size the change (one ran
+  far slower than the others: outside load), whatever its interval says - rerun with more
+  ``--trials`` on a quieter machine (:data:`trainprof.experiments.tune.UNSETTLED_SPREAD`).
 
 The first value of a knob is the baseline: the run's own setting where its record tells it
 (a DataLoader's ``num_workers``, the training thread's ``torch_threads``), else as the
@@ -130,6 +133,9 @@ def judge(finding: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
         verdict = "beyond the bound" if beyond else "confirmed"
     elif best.get("verdict") == "slower":  # even the fastest arm: all of them are
         verdict = "refuted"
+    elif best.get("verdict") == "unsettled":  # its rounds disagree: no size to judge
+        verdict = "unsettled"
+        out["round_ratios"] = best.get("round_ratios")
     else:
         verdict = "not confirmed"
     return {**out, "verdict": verdict}

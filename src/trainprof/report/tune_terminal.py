@@ -22,6 +22,7 @@ _VERDICT = {
     "faster": ("faster", "bold green"),
     "slower": ("slower", "bold red"),
     "no_difference": ("not significant", "yellow"),
+    "unsettled": ("unsettled", "yellow"),
     "baseline": ("baseline", "dim"),
     None: ("no data", "dim"),
 }

@@ -15,7 +15,8 @@ from trainprof.report.console import make_console
 from trainprof.report.terminal import utilization_text
 
 _STYLE = {"confirmed": "bold green", "beyond the bound": "bold green",
-          "not confirmed": "bold yellow", "refuted": "bold red", "no data": "bold yellow"}
+          "not confirmed": "bold yellow", "refuted": "bold red", "no data": "bold yellow",
+          "unsettled": "bold yellow"}
 
 
 def _pct(x: float | None) -> str:
@@ -49,7 +50,13 @@ def verdict_line(result: dict[str, Any]) -> Text:
         "not confirmed": "no significant difference: more --trials, or the fix does not "
                          "matter here",
         "refuted": "keep the current setting",
+        "unsettled": "its trials disagree too much to tell the size (a trial ran far slower "
+                     "than the others: outside load?); rerun with more --trials on a quieter "
+                     "machine",
     }.get(verdict, "")
+    rounds = result.get("round_ratios")
+    if verdict == "unsettled" and rounds:
+        measured += " - by round " + ", ".join(_ratio(r) for r in rounds)
     line.append(f" - {measured}; {estimate}" + (f": {advice}" if advice else ""))
     return line
 
