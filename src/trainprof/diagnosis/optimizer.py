@@ -20,7 +20,9 @@ and foreach ×0.98 (not significant), so foreach is proposed only where no fused
 and the ``verify`` line measures it.
 
 Gain: an upper bound, the optimizer's share of the step (the update cannot take less
-than nothing); ``trainprof tune --knob optimizer=script,fused`` measures the real one.
+than nothing), robust to a few descheduled steps (:meth:`Context.steady_share`: the update
+costs the same every step); ``trainprof tune --knob optimizer=script,fused`` measures the
+real one.
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ def optimizer_implementation(ctx: Context) -> Finding | None:
         return None
     # optimizer.step() alone: the breakdown's "optimizer" also holds zero_grad
     detail = ctx.summary.get("breakdown_detail") or {}
-    share = float(detail.get("optimizer_step", ctx.breakdown.get("optimizer")) or 0.0)
+    share = ctx.steady_share(
+        "optimizer_ns", float(detail.get("optimizer_step", ctx.breakdown.get("optimizer")) or 0.0))
     severity = band(share, HIGH, MEDIUM, LOW)
     if severity is None:
         return None

@@ -51,7 +51,7 @@ def zero_grad_writes_zeros(ctx: Context) -> Finding | None:
         return None
     zeroed = float(ops.get("zero_grad_zeroed_bytes_per_step") or 0.0)
     detail = ctx.summary.get("breakdown_detail") or {}
-    share = float(detail.get("zero_grad") or 0.0)
+    share = ctx.steady_share("zero_grad_ns", float(detail.get("zero_grad") or 0.0))
     gain = min(1.0, share * MOST_SAVED_PER_SHARE)
     severity = band(gain, HIGH, MEDIUM) or "low"
     evidence: dict[str, Any] = {
