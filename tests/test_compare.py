@@ -204,6 +204,48 @@ def test_statistics_on_known_steps(tmp_path: Path) -> None:
     assert r["verdict"] == "no_difference" and r["ci"][0] <= 1 <= r["ci"][1]
 
 
+def test_a_median_and_a_mean_that_move_apart_name_no_phase(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    """A evaluates every 10th step (+1 s in 'other'); B every 130th, on a machine 25%
+    slower: the median is +25%, the mean -34%. The phases' mean deltas add up to the mean's
+    change; as shares of it they read "backward accounts for -606% of the change" in a real
+    pair of runs."""
+    rng = np.random.default_rng(5)
+    base = 100 + rng.normal(0, 2, 260)
+    eval_a = np.where(np.arange(260) % 10 == 9, 1000.0, 0.0)
+    eval_b = np.where(np.arange(260) % 130 == 129, 1000.0, 0.0)
+    a = load_run(_write_run(tmp_path / "a", base + eval_a, data_ms=base, phase="forward"))
+    b = load_run(_write_run(tmp_path / "b", base * 1.25 + eval_b, data_ms=base * 1.25,
+                            phase="forward"))
+    r = compare_runs(a, b)
+    assert r["verdict"] == "slower" and r["ratio"] == pytest.approx(1.25, rel=0.02)
+    assert r["mean_delta"] is None and r["explains"] is None
+    assert all(v["share_of_change"] is None for v in r["phases"].values())
+    assert r["phases"]["forward"]["delta"] > 0 > r["phases"]["other"]["delta"]
+    (note,) = [n for n in r["notes"] if "moved apart" in n]
+    assert "median step changed +24.7%" in note and "mean step -33.7%" in note
+    render_compare(r)
+    head = capsys.readouterr().out.splitlines()[0]
+    assert "accounts for" not in head
+
+
+def test_a_run_that_shared_its_machine_is_noted(tmp_path: Path) -> None:
+    rng = np.random.default_rng(6)
+    base = 100 + rng.normal(0, 2, 100)
+    cores = {"fingerprint": {"cpu": {"usable_cores": 2}}}
+    a = _write_run(tmp_path / "a", base, meta=cores)
+    b = _write_run(tmp_path / "b", base * 1.2, meta=cores)
+    # B's 12 s of steps: our process on one core, another process on the other
+    (b / "samples.jsonl").write_text("".join(
+        json.dumps({"t": t, "proc_cpu_pct": 100.0, "workers": {},
+                    "sys_cpu_pct": [100.0, 100.0]}) + "\n" for t in range(1, 12)))
+    r = compare_runs(load_run(a), load_run(b))
+    assert r["b"]["system"]["outside_load_cores"] == pytest.approx(1.0)
+    assert r["a"]["system"]["outside_load_cores"] is None  # no samples
+    assert any(n.startswith("while run B ran, other processes kept ~1.0 cores busy")
+               for n in r["notes"])
+
+
 def test_batch_size_change_compares_time_per_sample(tmp_path: Path) -> None:
     """Twice the samples in 1.5x the time is faster per sample, not slower."""
     rng = np.random.default_rng(2)

@@ -69,6 +69,7 @@ from trainprof.analysis.steps import (
     detect_warmup,
 )
 from trainprof.analysis.summary import summarize_run
+from trainprof.analysis.system import outside_cores
 from trainprof.store import Run
 
 #: Resamples of the bootstrap (each run resampled independently).
@@ -80,6 +81,9 @@ CONFIDENCE = 0.95
 PRACTICAL_THRESHOLD = 0.02
 #: Fewer steady steps than this in either run: no verdict.
 MIN_STEADY_STEPS = 5
+#: Cores of other processes' load on a run's machine from which compare notes it (the noise
+#: rule's threshold for outside load).
+OUTSIDE_LOAD_NOTE = 0.5
 #: Resample size cap (m-out-of-n bootstrap beyond it).
 MAX_RESAMPLE = 10_000
 #: Samples per step differing by more than this fraction: compare time per sample.
@@ -250,6 +254,10 @@ def _run_side(run: Run, steady: np.ndarray, warm: int, count: int) -> dict[str, 
             k: system.get(k)
             for k in ("proc_cpu_pct", "workers_cpu_pct", "n_workers_seen", "sys_cpu_pct",
                       "iowait_pct", "rss_peak_bytes", "disk_read_bps", "ctx_switches_ps")
+        } | {
+            # cores other processes kept busy while the run's steady steps ran
+            "outside_load_cores": outside_cores(
+                system, (summary.get("environment") or {}).get("usable_cores")),
         },
         "environment": summary.get("environment"),
     }
@@ -636,6 +644,21 @@ def compare_runs(a: Run, b: Run) -> dict[str, Any]:
             "share_of_change": (delta / total_delta)
             if delta is not None and total_delta else None,
         }
+    if ratio is not None and significant and total_delta is not None and (
+            direction * total_delta <= 0):
+        # the median moved one way and the mean the other (typical steps slowed while a
+        # rare cost went away, or the reverse): the phases' mean deltas add up to the
+        # mean's change, not the median's, and cannot say what the median's change is made
+        # of ("backward accounts for -606% of the change")
+        mean_change = (total_b / total_a - 1) * 100 if total_a else None
+        notes.append(
+            f"the median step changed {(ratio - 1) * 100:+.1f}% but the mean step "
+            + (f"{mean_change:+.1f}%" if mean_change is not None else "the other way")
+            + ": typical steps and rare ones (an evaluation, a checkpoint, a stall) moved "
+            "apart, so no phase is named as the cause; compare the runs' p90 and mean")
+        total_delta = None
+        for v in phases.values():
+            v["share_of_change"] = None
     moved = {
         ph: max(0.0, direction * (v["delta"] or 0.0)) for ph, v in phases.items()
     }
@@ -658,9 +681,13 @@ def compare_runs(a: Run, b: Run) -> dict[str, Any]:
         "samples_per_s_ratio": (side_b["samples_per_s"] / side_a["samples_per_s"])
         if side_a["samples_per_s"] and side_b["samples_per_s"] else None,
     }
-    for side, run in (("A", a), ("B", b)):
+    for side, run, info in (("A", a, side_a), ("B", b, side_b)):
         if run.status != "finished":
             notes.append(f"run {side} is {run.status}: its last steps may be missing")
+        load = info["system"].get("outside_load_cores")
+        if isinstance(load, int | float) and load >= OUTSIDE_LOAD_NOTE:
+            notes.append(f"while run {side} ran, other processes kept ~{load:.1f} cores busy: "
+                         "part of the difference may be the machine's, not the runs'")
     env, env_notes = environment_diff(a, b, phase_weights, cpu_compute)
     notes += env_notes
     return {
