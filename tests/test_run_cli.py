@@ -245,6 +245,31 @@ def test_json_stdout_is_only_json_and_script_output_goes_to_stderr(tp):
     assert "from a child process" in res.stderr
 
 
+def test_json_stdout_stays_one_document_when_the_script_prints_at_exit(tp):
+    """atexit handlers, a __del__ at shutdown and a thread still printing all run after the
+    script's last line (and after the document): their output goes to stderr too."""
+    body = """
+    import atexit, threading, time, torch
+
+    class Tidy:
+        def __del__(self):
+            print("__del__ at shutdown")
+
+    tidy = Tidy()
+    atexit.register(lambda: print("atexit handler"))
+    threading.Thread(target=lambda: (time.sleep(0.5), print("late thread"))).start()
+    w = torch.zeros(3, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1)
+    for _ in range(5):
+        (w * 2).sum().backward(); opt.step(); opt.zero_grad()
+    """
+    res = tp(body, "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["steps"]["count"] == 5  # one document, nothing after it
+    for line in ("atexit handler", "__del__ at shutdown", "late thread"):
+        assert line in res.stderr, line
+
+
 def test_a_script_that_stops_at_its_arguments_gets_one_line(tp):
     """``trainprof run train.py --help`` (or a mistyped option): the script's own help or
     usage error, its exit code, and one line from trainprof instead of a summary."""

@@ -127,9 +127,14 @@ def _write_html_noted(summary: dict[str, Any], run: Run, path: Path) -> None:
 
 @contextmanager
 def stdout_to_stderr() -> Iterator[int]:
-    """Send everything written to fd 1 (the script, its DataLoader workers, C code) to stderr.
+    """Send everything written to fd 1 (the script, its DataLoader workers, C code) to stderr,
+    for the rest of the process.
 
-    Yields a duplicate of the original stdout, where the JSON document goes.
+    Yields a duplicate of the original stdout, where the JSON document goes; it is closed
+    when the block ends, so a reader of the document sees its end then. fd 1 is not given
+    back: what the script leaves to run after its last line - ``atexit`` handlers, a
+    ``__del__`` at shutdown, a thread still printing - would otherwise land after the
+    document and make stdout more than one JSON document.
     """
     sys.stdout.flush()
     saved = os.dup(1)
@@ -138,7 +143,6 @@ def stdout_to_stderr() -> Iterator[int]:
         yield saved
     finally:
         sys.stdout.flush()
-        os.dup2(saved, 1)
         os.close(saved)
 
 
