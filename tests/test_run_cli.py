@@ -439,6 +439,11 @@ def test_sys_exit_code_is_passed_through(tp):
     assert json.loads((res.run_dir / "run.json").read_text())["exit_code"] == 3
     res = tp("import sys\nsys.exit('bad config')\n")
     assert res.returncode == 1 and "bad config" in res.stderr
+    # recorded as the operating system sees the status: 8 bits, True is 1
+    for code, status in (("True", 1), ("256", 0), ("-1", 255)):
+        res = tp(f"import sys\nsys.exit({code})\n")
+        assert res.returncode == status, code
+        assert json.loads((res.run_dir / "run.json").read_text())["exit_code"] == status
 
 
 OS_EXIT = """
@@ -696,6 +701,20 @@ def test_missing_script_and_bad_option_are_one_line_errors(tmp_path):
     assert res.returncode == 2 and res.stderr.startswith("error:")
     res = trainprof("run", "-m", "no_such_module_xyz", cwd=tmp_path)
     assert res.returncode == 2 and res.stderr.startswith("error:")
+    # a package without __main__: python -m's own words, before any record is made
+    (tmp_path / "mypkg").mkdir()
+    write_script(tmp_path, "mypkg/__init__.py", "")
+    res = trainprof("run", "-m", "mypkg", cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr == (
+        "error: no module named mypkg.__main__; 'mypkg' is a package and cannot be directly "
+        "executed\n")
+    assert not res.run_dir.exists()
+    # `--` ends trainprof's options: the script is the word after it
+    write_script(tmp_path, "args.py", "import sys\nprint(sys.argv)\n")
+    res = trainprof("run", "--no-html", "--", "args.py", "--steps", "5", cwd=tmp_path)
+    assert res.returncode == 0 and "['args.py', '--steps', '5']" in res.stdout
+    res = trainprof("report", "args.py", cwd=tmp_path)  # a file, not a folder
+    assert res.returncode == 2 and res.stderr == "error: args.py is a file, not a run folder\n"
     res = trainprof("report", str(tmp_path / "nothing"), cwd=tmp_path)
     assert res.returncode == 2 and res.stderr.startswith("error:")
     (tmp_path / "notarun").mkdir()

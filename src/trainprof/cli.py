@@ -325,8 +325,9 @@ def _split_run_args(argv: list[str]) -> tuple[list[str], list[str]]:
     """Split ``run`` arguments into trainprof's options and the script's own.
 
     trainprof's options come first; the first bare word is the script and
-    ``-m MODULE`` ends the options too. Everything after belongs to the script
-    (so ``trainprof run train.py --json`` passes ``--json`` to train.py).
+    ``-m MODULE`` ends the options too, as does ``--`` (the script is the word after it).
+    Everything after belongs to the script (so ``trainprof run train.py --json`` passes
+    ``--json`` to train.py).
     """
     takes_value = {"--out", "--name", "--max-steps", "--sample-interval", "--lines",
                    "--knob", "--steps", "--trials", "--baseline", "--rank-of"}
@@ -335,8 +336,8 @@ def _split_run_args(argv: list[str]) -> tuple[list[str], list[str]]:
     i = 0
     while i < len(argv):
         tok = argv[i]
-        if tok == "--":
-            return argv[:i], argv[i + 1 :]
+        if tok == "--":  # the end of trainprof's options: the script is the next word
+            return argv[: i + 2], argv[i + 2 :]
         if tok in optional_value:
             # `--deep SPEC script.py` vs `--deep script.py`: SPEC only if it reads as one
             if i + 1 < len(argv) and optional_value[tok](argv[i + 1]):

@@ -265,6 +265,10 @@ def load_run(run_dir: Path) -> Run:
     """
     run_dir = Path(run_dir)
     meta_path = run_dir / RUN_JSON
+    if run_dir.exists() and not run_dir.is_dir():
+        hint = (" (a trace: trainprof trace FILE)"
+                if run_dir.name.endswith((".json", ".json.gz", ".pt.trace.json")) else "")
+        raise UsageError(f"{run_dir} is a file, not a run folder{hint}")
     if not run_dir.is_dir():
         raise UsageError(f"no such run folder: {run_dir}")
     if not meta_path.exists():

@@ -79,12 +79,19 @@ def check_target(target: str, module: bool) -> str:
         sys.path[0:1] = [os.getcwd()]
         try:
             spec = importlib.util.find_spec(target)
+            # a package runs its __main__, as `python -m` does
+            main = (importlib.util.find_spec(f"{target}.__main__")
+                    if spec is not None and spec.submodule_search_locations is not None
+                    else spec)
         except (ImportError, ValueError) as exc:
             raise UsageError(f"cannot find module {target!r}: {exc}") from exc
         finally:
             sys.path[:] = saved
         if spec is None:
             raise UsageError(f"no module named {target!r}")
+        if main is None:
+            raise UsageError(f"no module named {target}.__main__; {target!r} is a package "
+                             "and cannot be directly executed")
         return target
     path = Path(target)
     if not path.exists():
@@ -220,10 +227,12 @@ def _run_file_as_main(path: Path) -> None:
 
 
 def exit_code_of(code: object) -> tuple[int, str | None]:
+    """The process's exit status for ``sys.exit(code)``, as the operating system will see it
+    (``True`` is 1; statuses are 8 bits: 256 is 0, -1 is 255), and the message it prints."""
     if code is None:
         return 0, None
     if isinstance(code, int):
-        return code, None
+        return int(code) & 0xFF, None
     return 1, str(code)  # sys.exit("message") prints the message, exits 1
 
 
