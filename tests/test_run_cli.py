@@ -270,6 +270,36 @@ def test_json_stdout_stays_one_document_when_the_script_prints_at_exit(tp):
         assert line in res.stderr, line
 
 
+def test_a_thread_left_training_after_the_script_returns_is_measured(tp):
+    """python waits for the threads that are not daemons before it exits, and so does the
+    record; an idle thread pool's workers (ended by the interpreter's shutdown hooks) are not
+    waited for."""
+    body = """
+    import threading, time, torch
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(2)  # never shut down: its idle workers must not hang the run
+    assert pool.submit(lambda: 1).result() == 1
+
+    def train():
+        w = torch.zeros(4, requires_grad=True)
+        opt = torch.optim.SGD([w], lr=0.1)
+        for _ in range(40):
+            (w * torch.randn(4)).sum().backward(); opt.step(); opt.zero_grad()
+            time.sleep(0.002)
+        print("thread done", flush=True)
+
+    threading.Thread(target=train).start()
+    print("script returned", flush=True)
+    """
+    res = tp(body, "--json", timeout=60)
+    assert res.returncode == 0, res.stderr
+    # (a thread's first step is its first optimizer step's end: the clock learns then
+    # which thread trains)
+    assert res.json()["steps"]["count"] == 39
+    assert res.stderr.index("script returned") < res.stderr.index("thread done")
+
+
 def test_a_script_that_stops_at_its_arguments_gets_one_line(tp):
     """``trainprof run train.py --help`` (or a mistyped option): the script's own help or
     usage error, its exit code, and one line from trainprof instead of a summary."""
@@ -851,6 +881,124 @@ def test_sigterm_is_an_interruption(tmp_path):
     _finish(proc, timeout=60)
     assert proc.returncode == 143
     assert json.loads((run_dir / "run.json").read_text())["status"] == "interrupted"
+
+
+def test_sigterm_leaves_no_worker_alive(tmp_path):
+    proc, run_dir = _start(tmp_path, WORKERS_FOREVER)
+    sampler = _sampler_pids(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    _, err = _finish(proc, timeout=60)
+    assert proc.returncode == 143, err
+    pids = _worker_pids(tmp_path)
+    assert len(pids) == 2 and _gone(pids) and _gone(sampler, within=1)
+
+
+SWALLOWS_SIGTERM = """
+import time, torch
+w = torch.zeros(4, requires_grad=True)
+opt = torch.optim.SGD([w], lr=0.1)
+t0 = time.monotonic()
+for step in range(10**9):
+    try:  # a "robust" loop that skips bad batches: a bare except catches everything
+        (w * torch.randn(4)).sum().backward(); opt.step(); opt.zero_grad()
+        time.sleep(0.01)
+    except:  # noqa: E722
+        print("skipped a bad batch", flush=True)
+    if step == 5:
+        print("READY", flush=True)
+    if time.monotonic() - t0 > 60:
+        break
+print("the loop ended by itself")
+"""
+
+
+def test_sigterm_ends_a_script_that_swallows_its_exception(tmp_path):
+    """Under python SIGTERM kills the script at once; the exception trainprof raises in its
+    place is caught by the script's bare except: the next step ends the run."""
+    proc, run_dir = _start(tmp_path, SWALLOWS_SIGTERM)
+    began = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, err = _finish(proc, timeout=60)
+    assert proc.returncode == 143, err
+    assert time.monotonic() - began < 15  # not the script's 60 s
+    assert out.count("skipped a bad batch") == 1 and "ended by itself" not in out
+    assert "the script caught the exception it raised and trained on" in err
+    meta = json.loads((run_dir / "run.json").read_text())
+    assert (meta["status"], meta["exit_code"]) == ("interrupted", 143)
+    assert "Step time" in out  # the summary
+
+
+SPAWNED_RANKS = """
+import sys, time, torch
+import torch.multiprocessing as mp
+
+
+def train(rank):
+    torch.set_num_threads(1)
+    w = torch.zeros(4, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1)
+    t0 = time.monotonic()
+    step = 0
+    while time.monotonic() - t0 < 60:
+        (w * torch.randn(4)).sum().backward(); opt.step(); opt.zero_grad()
+        time.sleep(0.01)
+        step += 1
+        if rank == 0 and step == 20:
+            print("READY", flush=True)
+
+
+if __name__ == "__main__":
+    mp.spawn(train, nprocs=2)
+"""
+
+
+def test_sigterm_stops_the_ranks_the_script_spawned(tmp_path):
+    """python dies at once; under trainprof the ranks are sent SIGTERM too and close their
+    records as interrupted, instead of training their 60 s while the run waits for them."""
+    proc, run_dir = _start(tmp_path, SPAWNED_RANKS)
+    began = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = _finish(proc, timeout=60)
+    assert proc.returncode == 143, err
+    assert time.monotonic() - began < 20
+    for rank in ("0", "1"):
+        meta = json.loads((run_dir / "ranks" / rank / "run.json").read_text())
+        assert (meta["status"], meta["exit_code"]) == ("interrupted", 143), rank
+
+
+TRAINS_IN_A_THREAD = """
+import threading, time, torch
+
+
+def train():
+    w = torch.zeros(4, requires_grad=True)
+    opt = torch.optim.Adam([w])
+    t0 = time.monotonic()
+    step = 0
+    while time.monotonic() - t0 < 60:
+        (w * torch.randn(32, 4)).sum().backward(); opt.step(); opt.zero_grad()
+        time.sleep(0.005)
+        step += 1
+        if step == 20:
+            print("READY", flush=True)
+
+
+trainer = threading.Thread(target=train)
+trainer.start()
+trainer.join()
+"""
+
+
+def test_sigterm_ends_a_run_that_trains_in_a_thread(tmp_path):
+    """The training thread is not waited for (nor aborted mid-op at finalization: exit 134)."""
+    proc, run_dir = _start(tmp_path, TRAINS_IN_A_THREAD)
+    began = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = _finish(proc, timeout=60)
+    assert proc.returncode == 143, err
+    assert time.monotonic() - began < 15 and "terminate called" not in err
+    meta = json.loads((run_dir / "run.json").read_text())
+    assert meta["status"] == "interrupted" and meta["steps_recorded"] >= 20
 
 
 def test_kill_9_leaves_a_readable_record(tmp_path):

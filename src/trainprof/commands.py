@@ -11,7 +11,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -226,6 +226,22 @@ def run_command(
         sys.stderr.flush()
 
     terminated: list[int] = []  # SIGTERMs held while trainprof wrapped up
+    real_os_exit = os._exit  # (the script's os._exit is patched while it runs)
+
+    def terminate_now() -> None:
+        """SIGTERM's exception was swallowed and the script stepped again (a bare
+        ``except:`` around its step): end it here, at the step boundary, as the signal
+        would have - the record closed as interrupted, the summary, exit 143."""
+        outcome = Outcome("interrupted", 143, "trainprof: terminated by SIGTERM (the script "
+                          "caught the exception it raised and trained on)", terminated=True)
+        with suppress(BaseException):  # end as the signal would, whatever happens
+            close(outcome.status, outcome.exit_code)
+            conclude(outcome)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        real_os_exit(outcome.exit_code)
+
+    recorder.clock.on_terminated = terminate_now
 
     def close(status: str, exit_code: int) -> None:
         """Close the record, whatever signal arrives meanwhile."""
@@ -245,6 +261,11 @@ def run_command(
         except BaseException:
             close("crashed", 1)
             raise
+        if recorder.clock.terminated and not outcome.terminated:
+            # SIGTERM's exception was caught by the script, which ended its own way:
+            # under python the signal would have ended it, with 143
+            outcome = Outcome("interrupted", 143, "trainprof: terminated by SIGTERM (the "
+                              "script caught the exception it raised)", terminated=True)
         close(outcome.status, outcome.exit_code)
         return outcome
 
@@ -281,6 +302,8 @@ def run_command(
         """How the script ended, then the summary (or the --json document)."""
         if outcome.message:
             print(outcome.message, file=sys.stderr)
+        if outcome.terminated:  # the ranks the script started stop too, not train on
+            recorder.child_runs.terminate_recorded()
         summary = summarize()
         if real_stdout is not None:
             if summary is not None:
@@ -309,6 +332,13 @@ def run_command(
     if terminated or held:
         print("trainprof: SIGTERM arrived after the script ended: the record and the summary "
               "were finished first", file=sys.stderr)
+    if outcome.terminated:
+        # as SIGTERM ends a plain python: no thread waited for (a training thread still
+        # running would keep the process alive, or abort it mid-op at finalization), no
+        # atexit handler; the record is closed and the DataLoader workers are stopped
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(outcome.exit_code)
     settle_daemon_threads()  # the interpreter finalizes next (see there)
     return outcome.exit_code
 

@@ -223,6 +223,13 @@ class StopTraining(BaseException):  # noqa: N818 - a control-flow signal, like K
     """
 
 
+class Terminated(BaseException):  # noqa: N818 - a signal, like KeyboardInterrupt
+    """SIGTERM arrived (a scheduler's preemption, ``kill``): raised where the signal finds
+    the script's main thread, and again at each of its later step boundaries should the
+    script swallow it (a bare ``except:`` around a step) - under ``python`` the process
+    would have died at once, and a record cannot be closed by a process that trains on."""
+
+
 class StepClock(_Core):  # type: ignore[misc, valid-type]
     """Exclusive per-phase timing of training steps (see the module docstring)."""
 
@@ -230,6 +237,11 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
         self.origin_ns = perf_counter_ns()
         self.owner = threading.get_ident()
         self.max_steps = max_steps
+        #: SIGTERM arrived: the main thread's next step boundary (the script swallowed the
+        #: exception) calls ``on_terminated`` (``trainprof run``: close the record, end the
+        #: process), else raises Terminated again
+        self.terminated = False
+        self.on_terminated: Callable[[], None] | None = None
         # The accumulators and the finished steps (flat: RECORD_WIDTH int64 values
         # each), which the Recorder drains once a second: an int64 buffer, not
         # tuples, so nothing per step for the GC to track and a drain is one copy.
@@ -508,6 +520,12 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
         tool's stop and export cost.
         """
         n = self.n_steps
+        if self.terminated and threading.current_thread() is threading.main_thread():
+            # a step after SIGTERM: the script swallowed its exception and trains on
+            if self.on_terminated is not None:
+                self.on_terminated()  # closes the record and ends the process
+            self.next_watch = n + 1
+            raise Terminated()
         if self._at_first_step:
             calls, self._at_first_step = self._at_first_step, []
             for call in calls:

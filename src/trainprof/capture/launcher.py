@@ -16,6 +16,14 @@ Ctrl-C                         interrupted  130
 SIGTERM                        interrupted  143
 =============================  ===========  =========
 
+SIGTERM kills a plain ``python`` at once. Here it is raised in the script as
+:class:`~trainprof.capture.clock.Terminated` (a ``BaseException``, so the record is closed
+as the script unwinds: its ``finally`` blocks run), raised again at each later step should
+the script swallow it; processes the script started and trainprof records (``mp.spawn``'s
+ranks) are sent SIGTERM in turn; and once the record and the summary are written the process
+ends with ``os._exit(143)``: like ``python``, it waits for no thread and runs no ``atexit``
+handler.
+
 ``os._exit(n)`` ends the process at once, without ``finally`` blocks or
 ``atexit`` (scripts call it to skip a hanging shutdown: worker processes, NCCL):
 :func:`finish_before_os_exit` closes the record and prints the summary first,
@@ -45,24 +53,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from trainprof.capture.clock import StopTraining
+from trainprof.capture.clock import StopTraining, Terminated
 from trainprof.errors import UsageError
 
 _OWN_DIR = str(Path(__file__).resolve().parents[1])
 _RUNPY = runpy.__file__
 
 
-class Terminated(BaseException):  # noqa: N818 - a signal, like KeyboardInterrupt
-    """SIGTERM arrived (a scheduler's preemption, ``kill``)."""
-
-
 @dataclass
 class Outcome:
-    """How the script ended; ``message`` is a line for stderr, if any."""
+    """How the script ended; ``message`` is a line for stderr, if any; ``terminated``: by
+    SIGTERM (the process ends with ``os._exit`` once the record is written)."""
 
     status: str
     exit_code: int
     message: str | None = None
+    terminated: bool = False
 
 
 #: Launchers' console scripts, and the module each one runs (for ``trainprof run -m``).
@@ -144,7 +150,7 @@ def print_exception(exc: BaseException) -> None:
 
 
 @contextmanager
-def _sigterm_as_exception() -> Iterator[None]:
+def sigterm_as_exception() -> Iterator[None]:
     """Turn SIGTERM into an exception so the record is closed as ``interrupted``.
 
     Only when the script would otherwise die silently (default handler) and we
@@ -155,6 +161,12 @@ def _sigterm_as_exception() -> Iterator[None]:
         return
 
     def handler(signum: int, frame: object) -> None:
+        from trainprof.capture.recorder import active_recorder
+
+        recorder = active_recorder()
+        if recorder is not None:  # raised again at the next step, should the script go on
+            recorder.clock.terminated = True
+            recorder.clock.next_watch = recorder.clock.n_steps
         raise Terminated()
 
     previous = signal.getsignal(signal.SIGTERM)
@@ -334,6 +346,30 @@ def settle_daemon_threads(timeout_s: float = 1.0, poll_s: float = 0.01) -> bool:
         time.sleep(poll_s)
 
 
+#: Modules whose threads are ended by the interpreter's own shutdown hooks
+#: (``threading._register_atexit``: an idle ``ThreadPoolExecutor`` worker waits for them),
+#: or by their pool's: not waited for after the script.
+_SHUTDOWN_ENDS = ("concurrent.futures", "multiprocessing")
+
+
+def join_script_threads(poll_s: float = 0.1) -> None:
+    """Wait, as Python's shutdown does (``threading._shutdown``), for the threads the script
+    left running that are not daemons, before the record is closed: a script that starts
+    its training in a thread and returns (no ``join``) trains on under ``python`` until
+    the thread ends, and so it is measured. trainprof's own threads are daemons; a
+    thread pool's idle workers are ended by the interpreter's shutdown hooks, not here
+    (:data:`_SHUTDOWN_ENDS`). Joined in short waits so that Ctrl-C and SIGTERM interrupt."""
+    me = threading.current_thread()
+    while True:
+        pending = [t for t in threading.enumerate()
+                   if t is not me and not t.daemon and t.is_alive()
+                   and not str(getattr(getattr(t, "_target", None), "__module__", "")
+                               ).startswith(_SHUTDOWN_ENDS)]
+        if not pending:
+            return
+        pending[0].join(poll_s)
+
+
 def run_target(target: str, args: list[str], module: bool) -> Outcome:
     """Execute the script/module in this process and report how it ended."""
     saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None
@@ -346,13 +382,18 @@ def run_target(target: str, args: list[str], module: bool) -> Outcome:
         sys.path[0:1] = [str(resolved if not resolved.is_file() else resolved.parent)]
     _start_gc_afresh()
     try:
-        with _sigterm_as_exception(), _stop_threads_quietly():
-            if module:
-                runpy.run_module(target, run_name="__main__", alter_sys=True)
-            elif Path(target).is_file():
-                _run_file_as_main(Path(target).resolve())
-            else:  # a directory or zip with __main__.py
-                runpy.run_path(target, run_name="__main__")
+        with sigterm_as_exception(), _stop_threads_quietly():
+            try:
+                if module:
+                    runpy.run_module(target, run_name="__main__", alter_sys=True)
+                elif Path(target).is_file():
+                    _run_file_as_main(Path(target).resolve())
+                else:  # a directory or zip with __main__.py
+                    runpy.run_path(target, run_name="__main__")
+            except SystemExit:
+                join_script_threads()
+                raise
+            join_script_threads()
     except SystemExit as exc:
         code, message = exit_code_of(exc.code)
         return Outcome("finished", code, message)
@@ -361,7 +402,8 @@ def run_target(target: str, args: list[str], module: bool) -> Outcome:
     except KeyboardInterrupt:
         return Outcome("interrupted", 130, "trainprof: interrupted by Ctrl-C")
     except Terminated:
-        return Outcome("interrupted", 128 + signal.SIGTERM, "trainprof: terminated by SIGTERM")
+        return Outcome("interrupted", 128 + signal.SIGTERM, "trainprof: terminated by SIGTERM",
+                       terminated=True)
     except BaseException as exc:
         print_exception(exc)  # the traceback says it all; no extra line
         return Outcome("crashed", 1)

@@ -55,10 +55,12 @@ their records and prints the merged summary; the others print one line.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -133,15 +135,16 @@ def run_recorded(target: Callable[..., Any], spec: ChildSpec, /, *args: Any, **k
     """In the child: record this process into ``spec.run_dir`` while ``target`` runs.
 
     The record's status follows the launcher's table (:mod:`trainprof.capture.launcher`):
-    returned or ``sys.exit(n)`` - finished; raised - crashed (exit 1); Ctrl-C -
-    interrupted. The exception itself goes on as it would have, so ``spawn`` and
-    ``multiprocessing`` report it in the parent as usual. ``--max-steps`` ends the
-    target as if it had returned (every rank stops after the same number of steps,
-    so none is left waiting in a collective).
+    returned or ``sys.exit(n)`` - finished; raised - crashed (exit 1); Ctrl-C or SIGTERM -
+    interrupted (after SIGTERM the process ends with ``os._exit(143)`` once its record is
+    closed, as the signal would have ended it). The exception itself goes on as it would
+    have, so ``spawn`` and ``multiprocessing`` report it in the parent as usual.
+    ``--max-steps`` ends the target as if it had returned (every rank stops after the same
+    number of steps, so none is left waiting in a collective).
     """
     from trainprof.capture import recorder as recorder_module
-    from trainprof.capture.clock import StopTraining
-    from trainprof.capture.launcher import exit_code_of, strip_own_frames
+    from trainprof.capture.clock import StopTraining, Terminated
+    from trainprof.capture.launcher import exit_code_of, sigterm_as_exception, strip_own_frames
     from trainprof.capture.tools import build_windows
 
     # A forked child holds a copy of the parent's recorder; its patches were
@@ -167,7 +170,8 @@ def run_recorded(target: Callable[..., Any], spec: ChildSpec, /, *args: Any, **k
         return target(*args, **kwargs)
     status, code = "finished", 0
     try:
-        return target(*args, **kwargs)
+        with sigterm_as_exception():
+            return target(*args, **kwargs)
     except StopTraining as exc:
         print(f"trainprof: stopped process {spec.label}: {exc}", file=sys.stderr, flush=True)
         return None
@@ -177,6 +181,9 @@ def run_recorded(target: Callable[..., Any], spec: ChildSpec, /, *args: Any, **k
     except KeyboardInterrupt:
         status, code = "interrupted", 130
         raise
+    except Terminated:
+        status, code = "interrupted", 143
+        raise
     except BaseException as exc:
         status, code = "crashed", 1
         # the traceback multiprocessing (or spawn) prints: the user's frames, not ours
@@ -184,6 +191,10 @@ def run_recorded(target: Callable[..., Any], spec: ChildSpec, /, *args: Any, **k
         raise
     finally:
         rec.stop(status, code)
+        if status == "interrupted" and code == 143:  # SIGTERM: end as it ends a python
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
 
 
 class ChildRuns:
@@ -217,6 +228,8 @@ class ChildRuns:
         #: (label, the training script) of the ranks a launcher run under trainprof started
         #: (torchrun, ``accelerate launch``: see :meth:`launched_rank`)
         self.launched: list[tuple[str, str]] = []
+        #: the recorded processes (``multiprocessing.Process``), to pass SIGTERM on to
+        self._processes: list[weakref.ref[Any]] = []
 
     def _claim(self, wanted: str | None) -> str:
         with self._lock:
@@ -251,6 +264,23 @@ class ChildRuns:
             label = self._claim(None)
             process._target = RecordedTarget(run_recorded, target, self._spec(label))
         self.recorded.append((label, name))
+        with contextlib.suppress(TypeError):
+            self._processes.append(weakref.ref(process))
+
+    def terminate_recorded(self) -> int:
+        """Send SIGTERM to the recorded processes still running (``mp.spawn``'s ranks), so
+        that they close their records as interrupted now rather than train on while this
+        process, terminated, waits for them; returns how many were sent it."""
+        sent = 0
+        for ref in self._processes:
+            process = ref()
+            try:
+                if process is not None and process.is_alive():
+                    process.terminate()
+                    sent += 1
+            except (AssertionError, OSError, ValueError):  # not ours to poll, or gone
+                continue
+        return sent
 
     def rerun(self, args: Sequence[Any], local_rank: str | None) -> list[str] | None:
         """The command that records a process running this same script again, or None.
