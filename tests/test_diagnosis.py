@@ -420,6 +420,17 @@ def test_checkpoint_every_n_steps_and_irregular_spikes():
         "periodic_overhead", "checkpoint_or_logging", "medium")
     assert f["evidence"]["period_steps"] == 15
     assert "SAVE_INTERVAL" in f["fix"]["snippet"]
+    # the checkpoint keeps the optimizer's state, copied before the thread writes it
+    assert '"optimizer": optimizer.state_dict()' in f["fix"]["snippet"]
+    assert "saver.join()" in f["fix"]["snippet"]
+    assert f["verify"].startswith("re-run with the interval raised to ")
+    # where the script's command set the period, the verify line is the command to run
+    summary = make_summary(steps)
+    summary["command"] = [sys.executable, "train.py", "--save_every=15", "--max_iters=15"]
+    f = diagnose(summary, steps)[0]
+    interval = f["verify"].split("raised to ")[1].split()[0]
+    assert int(interval) > 15 and (
+        f"(`trainprof run train.py --save_every={interval} --max_iters=15`)" in f["verify"])
     irregular = np.zeros(90)
     irregular[[7, 11, 40, 43, 77]] = 40 * MS
     steps = make_steps(90, other=irregular)

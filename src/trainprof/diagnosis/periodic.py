@@ -19,6 +19,7 @@ share of total steady time; the excess is split by phase, which tells evaluation
 from __future__ import annotations
 
 import math
+import shlex
 
 from trainprof.diagnosis.context import Context
 from trainprof.diagnosis.finding import Finding, Fix, band
@@ -39,6 +40,37 @@ def suggest_interval(period: int, excess_per_occurrence_s: float, step_s: float)
         return period * 10
     need = excess_per_occurrence_s * (1 - TARGET_SHARE) / (TARGET_SHARE * step_s)
     return max(period * 2, period * math.ceil(need / period))
+
+
+#: Words in an option's name that say it sets how often something runs.
+_INTERVAL_WORDS = ("interval", "every", "freq", "period", "_iters", "_steps")
+#: ... and words that say it sets something else (a run's length, a schedule's warm-up).
+_NOT_INTERVAL = ("max", "warmup", "total", "num_")
+
+
+def _sets_interval(option: str) -> bool:
+    name = option.lower()
+    return (name.startswith("-") and any(w in name for w in _INTERVAL_WORDS)
+            and not any(w in name for w in _NOT_INTERVAL))
+
+
+def with_interval(command: str, period: int, interval: int) -> str:
+    """``command`` (the script and its arguments) with the option that set the period to
+    ``period`` set to ``interval`` instead: ``--eval_interval=10`` or ``--eval-every 10``
+    becomes ``--eval_interval=200``, so the verify line is the command to run. Unchanged
+    when no single option with such a name has that value."""
+    words = shlex.split(command)
+    found = []
+    for i, word in enumerate(words):
+        name, eq, value = word.partition("=")
+        if eq and value == str(period) and _sets_interval(name):
+            found.append((i, f"{name}={interval}"))
+        elif not eq and i and word == str(period) and _sets_interval(words[i - 1]):
+            found.append((i, str(interval)))
+    if len(found) != 1:
+        return command
+    i, replacement = found[0]
+    return shlex.join([*words[:i], replacement, *words[i + 1:]])
 
 
 @rule("periodic.every_n_steps")
@@ -118,14 +150,31 @@ def every_n_steps(ctx: Context) -> Finding | None:
         )
         snippet = (
             f"SAVE_INTERVAL = {interval}  # was {period}: {per_occ:.2f} s each, "
-            f"{share * 100:.0f}% of the run\n\n"
+            f"{share * 100:.0f}% of the run\n"
+            "saver = None  # (before the loop)\n\n"
+            "def to_cpu(obj):  # a copy that training cannot change while it is written\n"
+            "    if torch.is_tensor(obj):\n"
+            "        return obj.detach().to(\"cpu\", copy=True)\n"
+            "    if isinstance(obj, dict):\n"
+            "        return {k: to_cpu(v) for k, v in obj.items()}\n"
+            "    if isinstance(obj, (list, tuple)):\n"
+            "        return type(obj)(to_cpu(v) for v in obj)\n"
+            "    return obj\n\n"
             "if step % SAVE_INTERVAL == 0:\n"
-            "    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}\n"
-            "    threading.Thread(target=torch.save, args=(state, path)).start()"
+            "    state = to_cpu({\"model\": model.state_dict(), "
+            "\"optimizer\": optimizer.state_dict(), \"step\": step})\n"
+            "    if saver is not None:\n"
+            "        saver.join()  # one write at a time\n"
+            "    saver = threading.Thread(target=torch.save, args=(state, path))\n"
+            "    saver.start()"
         )
+    command = with_interval(ctx.script, period, interval)
     verify = (
-        f"re-run with the interval raised to {interval} (`trainprof run {ctx.script}`) and "
-        "`trainprof compare` the two runs: the mean step should fall towards the "
+        (f"re-run with the interval raised to {interval} (`trainprof run {command}`)"
+         if command != ctx.script else
+         f"re-run with the interval raised to {interval} (`trainprof run {ctx.script}` "
+         "after the change)")
+        + " and `trainprof compare` the two runs: the mean step should fall towards the "
         f"median ({step_s * 1e3:.1f} ms), and the run's time by up to {share * 100:.0f}%"
     )
     return Finding(
