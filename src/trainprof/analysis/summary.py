@@ -14,6 +14,7 @@ import numpy as np
 
 from trainprof.analysis.attention import model_scale, summarize_attention
 from trainprof.analysis.checkpointing import summarize_checkpointing
+from trainprof.analysis.compiles import summarize_compiles
 from trainprof.analysis.compute_efficiency import compute_efficiency
 from trainprof.analysis.ddp import summarize_ddp
 from trainprof.analysis.deep import analyse_deep_windows
@@ -239,6 +240,8 @@ def summarize_run(run: Run) -> dict[str, Any]:
                                       gpu.get("multiprocessors")),
         # the model's ops' time by kind: products, attention, fusable, views (analysis/ops.py)
         "op_time": op_time,
+        # torch.compile's compilations, those after the warm-up and why (analysis/compiles.py)
+        "compiles": summarize_compiles(meta.get("compiles"), done, warm),
         # attention computed op by op, and the fused kernel's saving measured at its shapes
         # (analysis/attention.py), in steady seconds
         "attention": summarize_attention(

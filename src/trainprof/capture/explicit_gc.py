@@ -23,6 +23,8 @@ from typing import Any
 
 #: trainprof's own source folder: its calls are not the script's
 _OWN = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+#: torch.compile's own packages
+_COMPILER_DIRS = (f"torch{os.sep}_dynamo{os.sep}", f"torch{os.sep}_inductor{os.sep}")
 #: At most this many call sites are kept (a collect inside a loop over files, say).
 MAX_SITES = 20
 
@@ -40,6 +42,12 @@ class ExplicitCollects:
     @staticmethod
     def is_own(filename: str) -> bool:
         return filename.startswith(_OWN)
+
+    @staticmethod
+    def is_compiler(filename: str) -> bool:
+        """A call of torch.compile's while it compiles (Dynamo's ``gc.collect(1)``): the
+        compilation's cost (capture/compile_events.py), not the script's habit."""
+        return any(part in filename for part in _COMPILER_DIRS)
 
     @staticmethod
     def caller(depth: int = 1) -> Any:

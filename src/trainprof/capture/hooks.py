@@ -61,6 +61,7 @@ from torch.utils.data._utils.worker import _worker_loop  # a DataLoader worker's
 
 from trainprof.capture.checkpointing import CheckpointCalls
 from trainprof.capture.clock import FAST, StepClock
+from trainprof.capture.compile_events import CompileEvents
 from trainprof.capture.ddp_stats import DDPStats
 from trainprof.capture.device_timer import (
     BWD_BEGIN,
@@ -402,6 +403,8 @@ class Instrumentation:
         self.handoff = HandoffTimer(lambda: clock.owner)
         #: the training thread's own gc.collect() calls (capture/explicit_gc.py)
         self.explicit_gc = ExplicitCollects()
+        #: torch.compile's compilations, by step (capture/compile_events.py)
+        self.compiles = CompileEvents(lambda: clock.n_steps)
         #: the training thread's activation-checkpointing calls (capture/checkpointing.py)
         self.checkpointing = CheckpointCalls()
         #: how much of the first batches is padding (capture/padding.py)
@@ -973,7 +976,8 @@ class Instrumentation:
                 if get_ident() != clock.owner or not clock.started:
                     return orig(*args, **kwargs)
                 frame = explicit.caller()
-                if frame is None or explicit.is_own(frame.f_code.co_filename):
+                if frame is None or explicit.is_own(frame.f_code.co_filename) or (
+                        explicit.is_compiler(frame.f_code.co_filename)):
                     return orig(*args, **kwargs)
                 code = frame.f_code
                 lineno = frame.f_lineno
@@ -988,6 +992,20 @@ class Instrumentation:
             return collect
 
         self._patch(gc, "collect", make_collect)
+
+        # -- torch.compile's compilations (capture/compile_events.py) ---------
+        compiles = self.compiles
+
+        def make_compile(orig: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(orig)
+            def compile(*args: Any, **kwargs: Any) -> Any:  # noqa: A001 - torch's name
+                compiled = orig(*args, **kwargs)  # imports Dynamo
+                compiles.register()
+                return compiled
+
+            return compile
+
+        self._patch(torch, "compile", make_compile)
 
         # -- activation checkpointing (capture/checkpointing.py) -------------
         import torch.utils.checkpoint as checkpoint_module
@@ -1077,3 +1095,4 @@ class Instrumentation:
         if self._gc_cb is not None and self._gc_cb in gc.callbacks:
             gc.callbacks.remove(self._gc_cb)
         self._gc_cb = None
+        self.compiles.unregister()

@@ -376,16 +376,18 @@ class Recorder:
     def _record_captures(self) -> None:
         """What the hooks count beside the steps, each written to run.json when it changed:
         the workers' batches received (capture/handoff.py), the first batches' padding
-        (capture/padding.py), activation checkpointing (capture/checkpointing.py) and the
-        script's gc.collect() calls (capture/explicit_gc.py). Each record is a few small
-        dicts, built once a second."""
+        (capture/padding.py), activation checkpointing (capture/checkpointing.py), the
+        script's gc.collect() calls (capture/explicit_gc.py) and torch.compile's
+        compilations (capture/compile_events.py). Each record is a few small dicts, built
+        once a second."""
         inst = self.instrumentation
         if inst is None:
             return
         for key, record in (("batch_handoff", inst.handoff.record),
                             ("padding", inst.padding.record),
                             ("activation_checkpointing", inst.checkpointing.record),
-                            ("explicit_gc", inst.explicit_gc.record)):
+                            ("explicit_gc", inst.explicit_gc.record),
+                            ("compiles", lambda: inst.compiles.record(self.clock.origin_ns))):
             rec = record()
             if rec is not None and rec != self.writer.meta.get(key):
                 self.writer.update_meta(**{key: rec})

@@ -11,6 +11,8 @@ never scan again (the model, the dataset index, imported modules), which makes f
 When the script's own ``gc.collect()`` calls (:mod:`trainprof.capture.explicit_gc`) take
 at least :data:`EXPLICIT` of the run's GC time, they are the finding instead
 (``explicit_collect``): thresholds do not make them rarer, and each is a full collection.
+Collections in the steps where torch.compile compiled are left out: Dynamo collects while
+it compiles, a cost of the compilation (:mod:`trainprof.diagnosis.recompile`).
 Bands: >= 10% high, >= 3% medium, >= 1% low (the same order as TF's "All Others"
 overhead bands, H5, scaled down because GC has a single, cheap fix).
 """
@@ -18,6 +20,8 @@ overhead bands, H5, scaled down because GC has a single, cheap fix).
 from __future__ import annotations
 
 from typing import Any
+
+import numpy as np
 
 from trainprof.diagnosis.context import Context
 from trainprof.diagnosis.finding import Finding, Fix, band
@@ -30,9 +34,23 @@ HIGH, MEDIUM, LOW = 0.10, 0.03, 0.01
 EXPLICIT = 0.5
 
 
+def _compiling_gc_s(ctx: Context) -> float:
+    """GC seconds of the steady steps in which torch.compile compiled: Dynamo collects
+    while it compiles (``gc.collect(1)``), the compilation's cost (diagnosis/recompile.py),
+    which gc.freeze() would not remove."""
+    steps = set((ctx.summary.get("compiles") or {}).get("steps") or [])
+    if not steps or not ctx.has_steps():
+        return 0.0
+    inside = np.isin(ctx.steady["step"], list(steps))
+    return float(ctx.seconds("gc_ns")[inside].sum())
+
+
 @rule("gc.collector_time")
 def collector_time(ctx: Context) -> Finding | None:
     share = float(ctx.breakdown.get("gc") or 0.0)
+    compiling = _compiling_gc_s(ctx)
+    if compiling > 0 and ctx.total_s > 0:
+        share = max(0.0, share - compiling / ctx.total_s)
     severity = band(share, HIGH, MEDIUM, LOW)
     if severity is None:
         return None
@@ -43,6 +61,8 @@ def collector_time(ctx: Context) -> Finding | None:
         "gen2_per_step": info.get("gen2_per_step"),
         "step_median_s": ctx.step_info.get("median_s"),
     }
+    if compiling > 0:
+        evidence["gc_while_compiling_s"] = compiling  # left out: torch.compile's
     gen2_fraction = None
     if ctx.has_steps():
         gc_s = ctx.seconds("gc_ns")

@@ -37,6 +37,7 @@ FAMILIES: tuple[str, ...] = (
     "periodic",
     "gc",
     "optimizer",
+    "recompile",
     "zero_grad",
     "debug_modes",
     "eval_autograd",

@@ -100,6 +100,27 @@ def attention_text(att: dict[str, Any] | None) -> str | None:
     return text
 
 
+def compiles_text(info: dict[str, Any] | None) -> str | None:
+    """The "Compile" row: torch.compile's compilations, those after the warm-up (at which
+    steps, how long) and a frame that hit the recompile limit (analysis/compiles.py)."""
+    if not info:
+        return None
+    n = int(info.get("count") or 0)
+    text = f"{n} compilation{'s' if n != 1 else ''} ({fmt_time(info.get('seconds'))})"
+    after = int(info.get("after_warmup") or 0)
+    if after:
+        steps = [str(s) for s in info.get("steps_after_warmup") or []]
+        shown = ", ".join(steps[:6]) + (", ..." if len(steps) > 6 else "")
+        text += (f", {after} after the warm-up, at steps {shown} "
+                 f"({fmt_time(info.get('after_warmup_s'))})")
+    else:
+        text += ", none after the warm-up"
+    if info.get("limit_hit"):
+        text += (f" · recompile limit ({info.get('recompile_limit')}) hit at step "
+                 f"{info.get('limit_hit_step')}: uncompiled since")
+    return text
+
+
 def op_time_text(timed: dict[str, Any] | None) -> str | None:
     """The "Model ops" row: forward and backward's op time a step by kind (products,
     attention, pointwise and other fusable ops, views), from the op count's window."""
@@ -473,7 +494,8 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
         table.add_row("Throughput", " · ".join(thr) or "—")
         for label, text in (("Compute", compute_text(summary.get("compute"))),
                             ("Attention", attention_text(summary.get("attention"))),
-                            ("Model ops", op_time_text(summary.get("op_time")))):
+                            ("Model ops", op_time_text(summary.get("op_time"))),
+                            ("Compile", compiles_text(summary.get("compiles")))):
             if text:
                 table.add_row(label, text)
     breakdown = summary.get("breakdown")
