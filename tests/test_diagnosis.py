@@ -139,7 +139,7 @@ def test_every_family_is_registered():
         "device", "distributed", "host_launch", "optimizer", "debug_modes", "memory_growth",
         "eval_autograd", "host_to_device", "zero_grad", "tf32", "cpu_threads", "padding",
         "checkpointing", "precision", "channels_last_cpu", "float64", "small_batch",
-        "attention", "fusion"}
+        "attention", "fusion", "recompile"}
 
 
 def test_a_failing_rule_is_skipped_and_ranking_is_by_gain():
@@ -436,6 +436,27 @@ def test_checkpoint_every_n_steps_and_irregular_spikes():
     steps = make_steps(90, other=irregular)
     assert not [g for g in diagnose(make_summary(steps), steps)
                 if g["category"] == "periodic_overhead"]
+
+
+def test_a_checkpoint_period_is_found_under_bursts_of_outside_load():
+    """Every 5th step saves a checkpoint (+0.3 s of "other"); bursts of outside load stall
+    a quarter of the steps by 0.5-1.5 s in forward and backward, more than the checkpoints:
+    the outliers together fit no period, the larger ones are the bursts, and the period is
+    found among the outliers that are mostly "other"."""
+    rng = np.random.default_rng(11)
+    n = 40  # a short run: so many outliers that all of them together fit no period
+    other = np.zeros(n)
+    other[4::5] = 0.3
+    fwd, bwd = np.full(n, 40 * MS), np.full(n, 80 * MS)
+    hit = rng.choice(np.setdiff1d(np.arange(n), np.arange(4, n, 5)), size=10, replace=False)
+    burst = rng.uniform(0.5, 1.5, size=10)
+    fwd[hit] += burst / 3
+    bwd[hit] += 2 * burst / 3
+    steps = make_steps(n, forward=fwd, backward=bwd, other=other)
+    (f,) = [f for f in diagnose(make_summary(steps), steps)
+            if f["category"] == "periodic_overhead"]
+    assert (f["cause"], f["evidence"]["period_steps"]) == ("checkpoint_or_logging", 5)
+    assert f["evidence"]["excess_by_phase"]["other"] > 0.9
 
 
 def test_fit_period_tolerates_a_missed_occurrence_and_strays_but_not_chaos():
