@@ -168,12 +168,87 @@ def test_worker_memory_from_samples_and_the_rollup_parser():
         {"t": 1.0, "workers_dirty_bytes": {"11": [200 * MB, 200 * MB], "12": [150 * MB, 250 * MB]}},
         {"t": 2.0, "workers_dirty_bytes": {"11": [260 * MB, 140 * MB]}},  # 12 exited
     ]
-    w = worker_memory(samples)
+    w = worker_memory(samples)  # no worker files: forked workers, counted from first sight
     assert w == {"workers": 2, "private_first_median_bytes": 21 * MB,
-                 "private_peak_median_bytes": 205 * MB, "private_growth_median_bytes": 184 * MB,
+                 "private_peak_median_bytes": 205 * MB,
+                 "private_baseline_median_bytes": 21 * MB,
+                 "private_growth_median_bytes": 184 * MB, "growth_measured_workers": 2,
                  "shared_dirty_drop_median_bytes": 185 * MB,
-                 "concurrent_private_peak_bytes": 350 * MB}
+                 "concurrent_private_peak_bytes": 350 * MB,
+                 "concurrent_private_peak_workers": 2,
+                 "concurrent_growth_peak_bytes": (180 + 128) * MB,
+                 "concurrent_growth_peak_workers": 2}
     assert worker_memory([{"t": 0.0}]) is None
+
+
+def test_a_spawned_workers_growth_counts_from_its_first_batch():
+    """A spawn worker first seen importing torch (17 MB, then 150 MB) has not grown; its
+    growth counts from its own reading after its first batch, or failing that from the
+    sampler's first reading after it; with neither it is not judged."""
+    from trainprof.analysis.memory_growth import worker_memory, worker_starts
+
+    def doc(pid, **stream):
+        return {"pid": pid, "role": "worker", "streams": [{"start_method": "spawn", **stream}]}
+
+    starts = worker_starts([
+        doc(11, first_batch_ns=int(1.5e9), dirty_after_first_batch=[150 * MB, 0, int(1.6e9)]),
+        doc(12, first_batch_ns=int(1.5e9)),  # recorded before the worker read its own
+        doc(13),  # never finished a batch
+        {"pid": 99, "role": "main", "streams": [{}]},
+    ])
+    assert set(starts) == {"11", "12", "13"}
+    samples = [
+        {"t": 1.0, "workers_dirty_bytes": {"11": [17 * MB, 0], "12": [17 * MB, 0],
+                                           "13": [17 * MB, 0]}},
+        {"t": 2.0, "workers_dirty_bytes": {"11": [151 * MB, 0], "12": [150 * MB, 0],
+                                           "13": [150 * MB, 0]}},
+        {"t": 3.0, "workers_dirty_bytes": {"11": [152 * MB, 0], "12": [152 * MB, 0],
+                                           "13": [150 * MB, 0]}},
+    ]
+    w = worker_memory(samples, starts)
+    assert w["growth_measured_workers"] == 2  # 13: only start-up seen, not judged
+    assert w["private_growth_median_bytes"] == 2 * MB
+    assert w["concurrent_growth_peak_bytes"] == 4 * MB
+    assert w["concurrent_growth_peak_workers"] == 2
+    assert w["private_baseline_median_bytes"] == 150 * MB
+    # counted from the first sight, as before: 135 MB a worker of start-up
+    assert worker_memory(samples)["private_growth_median_bytes"] == 135 * MB
+
+
+def _worker_finding(**workers):
+    return _findings({"host": None, "gpus": {}, "host_memory_bytes": 16 * 1024 * MB,
+                      "workers": workers})
+
+
+def test_the_worker_finding_per_worker_and_total_figures_agree():
+    """The title's per-worker figure times its workers is its total: growth beside
+    growth (not a median growth beside a sum of whole private sizes: "135 MiB each
+    (290 MiB across 2 workers)"), over the workers alive at the peak."""
+    (f,) = _worker_finding(
+        workers=6, private_first_median_bytes=17 * MB, private_peak_median_bytes=290 * MB,
+        private_baseline_median_bytes=150 * MB, private_growth_median_bytes=140 * MB,
+        shared_dirty_drop_median_bytes=0, concurrent_private_peak_bytes=580 * MB,
+        concurrent_private_peak_workers=2, concurrent_growth_peak_bytes=270 * MB,
+        concurrent_growth_peak_workers=2)
+    assert f["cause"] == "worker_memory_growth"
+    assert f["title"].startswith("Each DataLoader worker's memory grew by 135 MiB after its "
+                                 "first batch (270 MiB across 2 workers at once)")
+    assert f["evidence"]["workers_at_peak"] == 2
+    assert "135 MiB each" in f["verify"]
+    # start-up only: no growth after the first batch, whatever the private sizes
+    assert _worker_finding(
+        workers=2, private_peak_median_bytes=150 * MB, private_growth_median_bytes=0,
+        shared_dirty_drop_median_bytes=0, concurrent_private_peak_bytes=300 * MB,
+        concurrent_private_peak_workers=2, concurrent_growth_peak_bytes=0,
+        concurrent_growth_peak_workers=2) == []
+    (f,) = _worker_finding(
+        workers=2, private_peak_median_bytes=200 * MB, private_growth_median_bytes=180 * MB,
+        shared_dirty_drop_median_bytes=150 * MB, concurrent_private_peak_bytes=390 * MB,
+        concurrent_private_peak_workers=2, concurrent_growth_peak_bytes=350 * MB,
+        concurrent_growth_peak_workers=2)
+    assert f["cause"] == "worker_copy_on_read"
+    assert f["title"].startswith("Each DataLoader worker holds 195 MiB of memory of its own "
+                                 "(390 MiB across 2 workers at once)")
 
 
 COPIES = """
@@ -224,3 +299,62 @@ def test_workers_copying_a_list_dataset_are_found_and_numpy_storage_fixes_it(tmp
     assert not [f for f in fixed.json()["findings"] if f["category"] == "memory"]
     workers = fixed.json()["memory_growth"]["workers"]
     assert workers["private_growth_median_bytes"] < 16 * MB
+
+
+WORKER_CACHE = """
+    import sys
+    import time
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+
+    class Data(Dataset):
+        def __init__(self, cache):
+            self.cache = {} if cache else None
+
+        def __len__(self):
+            return 512
+
+        def __getitem__(self, i):
+            if self.cache is not None:  # 1 MiB a sample, kept: 256 MiB a worker
+                self.cache.setdefault(i, torch.ones(2**18))
+            return torch.full((16,), float(i)), i % 2
+
+    def main():
+        loader = DataLoader(Data("--cache" in sys.argv), batch_size=16, num_workers=2,
+                            multiprocessing_context=sys.argv[1], persistent_workers=True)
+        model = torch.nn.Linear(16, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for epoch in range(3):
+            for x, y in loader:
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                time.sleep(0.05)
+
+    if __name__ == "__main__":
+        main()
+"""
+
+
+@pytest.mark.parametrize("args, cause", [
+    (["spawn"], None),  # start-up only: a fresh interpreter importing torch (~150 MB)
+    (["spawn", "--cache"], "worker_memory_growth"),
+    (["fork", "--cache"], "worker_memory_growth"),
+])
+def test_spawned_workers_start_up_is_not_growth_and_a_cache_is(tmp_path, args, cause):
+    write_script(tmp_path, "train.py", WORKER_CACHE)
+    res = trainprof("run", "--json", "--no-html", "train.py", *args, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    doc = res.json()
+    found = [f for f in doc["findings"] if f["category"] == "memory"]
+    assert [f["cause"] for f in found] == ([cause] if cause else []), found
+    workers = doc["memory_growth"]["workers"]
+    assert workers["growth_measured_workers"] == 2, workers
+    if cause is None:
+        assert workers["private_baseline_median_bytes"] > 64 * MB  # torch imported
+        assert workers["private_growth_median_bytes"] < 16 * MB
+        return
+    ev = found[0]["evidence"]
+    assert ev["private_growth_per_worker_bytes"] > 128 * MB, ev  # of the 256 MiB cached
+    assert ev["per_worker_at_peak_bytes"] * ev["workers_at_peak"] == pytest.approx(
+        ev["workers_growth_peak_bytes"], abs=2)

@@ -97,53 +97,143 @@ def series_growth(t: np.ndarray, y: np.ndarray, steps_per_s: float | None,
     return out
 
 
-def worker_memory(samples: list[dict[str, Any]]) -> dict[str, Any] | None:
+#: start methods whose workers start a fresh interpreter: their memory at first sight
+#: is a process still importing torch and unpickling its dataset, not a baseline
+FRESH_INTERPRETER = ("spawn", "forkserver")
+
+
+def worker_starts(procs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per DataLoader worker pid (as a string): when its start-up ended, from its own
+    file (trainprof.analysis.workers.load_worker_files): ``start_method``; ``t`` (s,
+    the samples' clock) and ``private``/``shared`` (bytes) where the worker read its
+    dirty memory just after its first batch (``dirty_after_first_batch``); else ``t``
+    of its first batch, where it had one."""
+    out: dict[str, dict[str, Any]] = {}
+    for doc in procs:
+        if doc.get("role") != "worker" or not isinstance(doc.get("pid"), int):
+            continue
+        for st in doc.get("streams") or []:
+            if not isinstance(st, dict):
+                continue
+            entry: dict[str, Any] = {"start_method": st.get("start_method")}
+            after = st.get("dirty_after_first_batch")
+            first_batch = st.get("first_batch_ns")
+            if (isinstance(after, list) and len(after) == 3
+                    and all(isinstance(v, int) for v in after)):
+                entry.update(private=after[0], shared=after[1], t=after[2] / 1e9)
+            elif isinstance(first_batch, int) and first_batch > 0:
+                entry["t"] = first_batch / 1e9
+            out[str(doc["pid"])] = entry
+            break  # a worker loads for one DataLoader
+    return out
+
+
+def _baseline(start: dict[str, Any] | None,
+              readings: list[tuple[float, int, int]]) -> tuple[float, int] | None:
+    """(from when, private bytes) that a worker's growth is counted from; None: not known.
+
+    Its own reading after its first batch where it made one. Otherwise, for a ``spawn``
+    or ``forkserver`` worker, the sampler's first reading at or after its first batch
+    (None without one: its readings are all start-up); for a forked worker (or one whose
+    start method is not known) the sampler's first reading of it, since a fork child
+    starts with its parent's interpreter and allocates little of its own to start.
+    """
+    if start and "private" in start:
+        return float(start["t"]), int(start["private"])
+    if start and start.get("start_method") in FRESH_INTERPRETER:
+        since = start.get("t")
+        after = [(t, p) for t, p, _ in readings if since is not None and t >= since]
+        return after[0] if after else None
+    return (readings[0][0], readings[0][1]) if readings else None
+
+
+def worker_memory(samples: list[dict[str, Any]],
+                  starts: dict[str, dict[str, Any]] | None = None) -> dict[str, Any] | None:
     """What each DataLoader worker wrote into memory of its own over its life.
 
     From ``workers_dirty_bytes`` (about once a second, trainprof.capture.proc_stats):
     per worker the first and the largest private dirty size, and how much of the
     memory it shared dirty with the training process at first it no longer shares
     (pages copied on write: copy-on-read of the dataset's Python objects). Medians
-    over workers; ``concurrent_private_peak_bytes`` is the largest sum over the workers
-    alive at one time. None when no worker was read.
+    over workers.
+
+    *Growth* is what a worker wrote after its start-up (``starts``, from
+    :func:`worker_starts`; :func:`_baseline`): its largest private size from then on,
+    less its size then. Why not from the first reading: a ``spawn``/``forkserver`` worker
+    is first seen while its fresh interpreter imports torch and unpickles the dataset
+    (measured: 17 MB, then 150 MB after its first batch, for a dataset holding nothing),
+    which is no memory the dataset keeps; only a dataset that keeps what it loads (a
+    cache) grows after its first batch, under any start method.
+
+    Totals are over the workers alive at one time, never summed over every worker the
+    run had (without ``persistent_workers`` each epoch starts new ones):
+    ``concurrent_private_peak_bytes`` the largest sum of private sizes in one reading
+    (``concurrent_private_peak_workers`` the workers in it) and
+    ``concurrent_growth_peak_bytes`` the largest sum of growths
+    (``concurrent_growth_peak_workers``), so that a per-worker figure and a total are
+    of the same memory. None when no worker was read.
     """
-    first: dict[str, tuple[int, int]] = {}
-    last: dict[str, tuple[int, int]] = {}
-    peak: dict[str, int] = {}
-    concurrent = 0
+    readings: dict[str, list[tuple[float, int, int]]] = {}
+    per_sample: list[tuple[float, dict[str, int]]] = []
     for s in samples:
         dirty = s.get("workers_dirty_bytes")
         if not isinstance(dirty, dict) or not dirty:
             continue
-        total = 0
+        t = float(s.get("t") or 0.0)
+        now: dict[str, int] = {}
         for pid, pair in dirty.items():
             if not isinstance(pair, list) or len(pair) != 2:
                 continue
             private, shared = int(pair[0]), int(pair[1])
-            first.setdefault(pid, (private, shared))
-            last[pid] = (private, shared)
-            peak[pid] = max(peak.get(pid, 0), private)
-            total += private
-        concurrent = max(concurrent, total)
-    if not first:
+            readings.setdefault(pid, []).append((t, private, shared))
+            now[pid] = private
+        per_sample.append((t, now))
+    if not readings:
         return None
-    growth = [peak[p] - first[p][0] for p in first]
-    shared_drop = [first[p][1] - last[p][1] for p in first]
+    starts = starts or {}
+    base = {pid: _baseline(starts.get(pid), r) for pid, r in readings.items()}
+    first = {pid: r[0] for pid, r in readings.items()}
+    peak = {pid: max(p for _, p, _ in r) for pid, r in readings.items()}
+    growth: dict[str, int] = {}
+    for pid, r in readings.items():
+        b = base[pid]
+        if b is not None:
+            growth[pid] = max([0, *(p - b[1] for t, p, _ in r if t >= b[0])])
+    private_peak = private_workers = growth_peak = growth_workers = 0
+    for t, now in per_sample:
+        if sum(now.values()) > private_peak:
+            private_peak, private_workers = sum(now.values()), len(now)
+        grown = [max(0, p - b[1]) for pid, p in now.items()
+                 if (b := base[pid]) is not None and t >= b[0]]
+        if sum(grown) > growth_peak:
+            growth_peak, growth_workers = sum(grown), len(grown)
     return {
-        "workers": len(first),
-        "private_first_median_bytes": int(np.median([first[p][0] for p in first])),
+        "workers": len(readings),
+        "private_first_median_bytes": int(np.median([first[p][1] for p in first])),
         "private_peak_median_bytes": int(np.median([peak[p] for p in first])),
-        "private_growth_median_bytes": int(np.median(growth)),
-        "shared_dirty_drop_median_bytes": int(np.median(shared_drop)),
-        "concurrent_private_peak_bytes": int(concurrent),
+        # after start-up, over the workers whose start-up end is known
+        "private_baseline_median_bytes": (
+            int(np.median([b[1] for b in base.values() if b is not None]))
+            if growth else None),
+        "private_growth_median_bytes": int(np.median(list(growth.values()))) if growth else 0,
+        "growth_measured_workers": len(growth),
+        "shared_dirty_drop_median_bytes": int(np.median(
+            [first[p][2] - readings[p][-1][2] for p in first])),
+        "concurrent_private_peak_bytes": int(private_peak),
+        "concurrent_private_peak_workers": private_workers,
+        "concurrent_growth_peak_bytes": int(growth_peak),
+        "concurrent_growth_peak_workers": growth_workers,
     }
 
 
 def memory_growth(samples: list[dict[str, Any]], t_start: float | None, t_end: float | None,
-                  steps_per_s: float | None, host_memory: int | None) -> dict[str, Any]:
+                  steps_per_s: float | None, host_memory: int | None,
+                  starts: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """``{"host": growth of RSS, "gpus": {index: growth of used memory}}`` over the
-    steady window ``[t_start, t_end]`` (series with too few samples are left out)."""
-    out: dict[str, Any] = {"host": None, "gpus": {}, "workers": worker_memory(samples),
+    steady window ``[t_start, t_end]`` (series with too few samples are left out), and
+    the DataLoader workers' own memory (:func:`worker_memory`; ``starts``:
+    :func:`worker_starts`)."""
+    out: dict[str, Any] = {"host": None, "gpus": {}, "workers": worker_memory(samples, starts),
                            "host_memory_bytes": host_memory}
     if t_start is None or t_end is None:
         return out

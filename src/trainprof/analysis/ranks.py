@@ -114,14 +114,30 @@ def rank_row(label: str, summary: dict[str, Any], meta: dict[str, Any]) -> dict[
         "workers_cpu_pct": workers_pct,
         # DDP's all-reduce not hidden behind this rank's backward, s a step (analysis.ddp)
         "ddp_exposed_comm_s": _ddp_exposed_s(summary),
+        # ... and as a share of this rank's step (analysis.ddp: never above 1)
+        "ddp_exposed_share": _ddp_exposed_share(summary),
     }
 
 
 def _ddp_exposed_s(summary: dict[str, Any]) -> float | None:
-    """The rank's DDP communication left exposed, seconds a step (all its DDP models)."""
-    values = [m["exposed_ms"] / 1e3 for m in summary.get("ddp") or []
-              if isinstance(m.get("exposed_ms"), int | float)]
+    """The rank's DDP communication left exposed, seconds a step (all its DDP models).
+
+    Only models whose sampled iterations were usable as steady ones (``exposed_share``
+    set: analysis.ddp): a warm-up iteration's all-reduce is no figure for a step."""
+    values = [m["exposed_ms"] / 1e3 for m in _usable_ddp(summary)]
     return sum(values) if values else None
+
+
+def _ddp_exposed_share(summary: dict[str, Any]) -> float | None:
+    """The share of the rank's step its DDP models' exposed all-reduces take (at most 1)."""
+    values = [float(m["exposed_share"]) for m in _usable_ddp(summary)]
+    return min(1.0, sum(values)) if values else None
+
+
+def _usable_ddp(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    return [m for m in summary.get("ddp") or [] if isinstance(m, dict)
+            and isinstance(m.get("exposed_ms"), int | float)
+            and isinstance(m.get("exposed_share"), int | float)]
 
 
 def common_step_durations(

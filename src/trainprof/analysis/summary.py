@@ -21,13 +21,13 @@ from trainprof.analysis.deep import analyse_deep_windows
 from trainprof.analysis.device import device_statistics
 from trainprof.analysis.handoff import summarize_handoff
 from trainprof.analysis.loop_stacks import summarize_loop_stacks
-from trainprof.analysis.memory_growth import memory_growth
+from trainprof.analysis.memory_growth import memory_growth, worker_starts
 from trainprof.analysis.ops import load_ops, summarize_op_time
 from trainprof.analysis.padding import summarize_padding
 from trainprof.analysis.python_profile import summarize_python_profile
 from trainprof.analysis.steps import complete_steps, step_statistics
 from trainprof.analysis.system import load_samples, outside_cores_during, summarize_system
-from trainprof.analysis.workers import summarize_workers
+from trainprof.analysis.workers import load_worker_files, summarize_workers
 from trainprof.store import Run
 
 
@@ -208,7 +208,8 @@ def summarize_run(run: Run) -> dict[str, Any]:
         # RSS and GPU memory that keep growing through the steady state (a leak)
         "memory_growth": memory_growth(
             samples, t_start, t_end, stats.get("steps_per_s"),
-            ((meta.get("fingerprint") or {}).get("cpu") or {}).get("memory_total_bytes")),
+            ((meta.get("fingerprint") or {}).get("cpu") or {}).get("memory_total_bytes"),
+            worker_starts(load_worker_files(run.path)[0])),
         # inside the DataLoader workers: blocked vs CPU per sample, collate, start-up
         "workers": workers,
         # receiving the workers' batches in the training process (capture/handoff.py)

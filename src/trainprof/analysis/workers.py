@@ -12,7 +12,9 @@ stream holds sums (``batches``, ``samples``, ``fetch_ns``, ``get_ns`` and
 ``collate_ns``, ``collate_cpu_ns``, ``runq_ns``: time runnable but waiting for a
 core), timestamps on the run's clock (``time.perf_counter_ns``: ``requested_ns`` when
 the DataLoader asked for workers, ``started_ns`` when the worker ran its
-``worker_init_fn``, ``first_batch_ns``), and histograms of per-sample blocked and CPU
+``worker_init_fn``, ``first_batch_ns``), a worker's ``dirty_after_first_batch``
+(``[private, shared, ns]``: its memory at the end of its start-up, read by
+trainprof.analysis.memory_growth), and histograms of per-sample blocked and CPU
 time and per-batch collate time. ``<pid>.stacks.json`` (with ``--py``): per function
 ``[file, first_line, qualname, self_samples, total_samples]`` while inside ``fetch``.
 

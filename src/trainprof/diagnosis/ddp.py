@@ -18,7 +18,10 @@ ranks where there are several.
   for once its backward compute is done, from DDP's own timing
   (:mod:`trainprof.analysis.ddp`; no trace needed), on the rank that waits least - a
   straggler's delay shows as every other rank's communication. Only DDP's samples past
-  its first ten iterations, or three of them at least. The fix follows the numbers: Gloo
+  its first ten iterations, or three of them at least, and only iterations no longer
+  than the steady step allows (analysis.ddp's ``exposed_share``: a sampled warm-up
+  iteration set against the steady median step once read "397% of step"; a share is
+  never above 1, and none is given from such samples). The fix follows the numbers: Gloo
   on GPUs -> NCCL; an all-reduce shorter than the backward compute -> smaller buckets
   (the first starts sooner); else fewer all-reduces (``no_sync()`` accumulation, a larger
   batch per rank) or 16-bit gradients - which two Gloo ranks of one host measured slower
@@ -108,24 +111,35 @@ def exposed_communication(ctx: Context) -> Finding | None:
     # DDP's figures past its first ten iterations (bucket rebuilding, caches warming, one
     # sample a second read of those), or three of those at least: a 30-step run's single
     # sample of iteration 10 once put 39% on the all-reduce (--deep measures a short run)
+    # Only models whose share of the step could be given (analysis.ddp: exposed_share is
+    # None where DDP's sampled iterations ran far longer than the steady step - a warm-up
+    # iteration 10 in trainprof's op-count window once read "397% of step").
     models = [m for m in ctx.summary.get("ddp") or []
               if isinstance(m, dict) and isinstance(m.get("exposed_ms"), int | float)
-              and (m.get("samples_from") == "steady" or int(m.get("samples") or 0) >= 3)]
+              and isinstance(m.get("exposed_share"), int | float)
+              and (m.get("samples_from") == "steady"
+                   or int(m.get("usable_samples", m.get("samples")) or 0) >= 3)]
     step = number(ctx.step_info.get("median_s"))
     if not models or not step:
         return None
     exposed_s = sum(float(m["exposed_ms"]) for m in models) / 1e3
+    share = sum(float(m["exposed_share"]) for m in models)
     # every rank waits in the all-reduce for the slowest one: a fast rank's "communication"
     # holds the straggler's delay (uneven_input_pipeline's finding). The rank that waits
     # least shows the communication itself.
     per_rank = {str(r.get("label")): float(r["ddp_exposed_comm_s"])
                 for r in ctx.summary.get("ranks") or []
                 if isinstance(r.get("ddp_exposed_comm_s"), int | float)}
+    rank_share = {str(r.get("label")): float(r["ddp_exposed_share"])
+                  for r in ctx.summary.get("ranks") or []
+                  if isinstance(r.get("ddp_exposed_share"), int | float)}
     least = None
     if len(per_rank) >= 2:
         least = min(per_rank, key=lambda k: per_rank[k])
         exposed_s = per_rank[least]
-    share = exposed_s / step
+        share = rank_share.get(least, exposed_s / step)
+    if share > 1.0:  # figures of no steady step: nothing to report (never "397% of step")
+        return None
     severity = band(share, COMM_HIGH, COMM_MEDIUM)
     if severity is None:
         return None

@@ -116,37 +116,59 @@ def worker_copies(ctx: Context) -> Finding | None:
     memory until it writes a page; reading a Python object writes its reference count,
     so every page of the dataset's lists, dicts and strings that a worker reads is
     copied into it. Told apart from a worker's own allocations (a per-worker cache) by
-    its shared dirty memory, which shrinks by what is copied."""
+    its shared dirty memory, which shrinks by what is copied.
+
+    A worker's own allocations count from the end of its start-up (its first batch:
+    trainprof.analysis.memory_growth.worker_memory), not from the sampler's first sight
+    of it: a ``spawn`` worker is first seen while its interpreter imports torch, and
+    counting that (~130 MiB a worker) reported a dataset holding nothing as a cache.
+    The per-worker figure in the title is the total over the workers alive at the
+    peak divided by their number, so the two always agree (the total is never summed
+    over workers that were not alive together, nor mixed with a median of another
+    quantity: it once read "135 MiB each (290 MiB across 2 workers)", growth beside
+    whole private sizes)."""
     growth = ctx.summary.get("memory_growth")
     w = growth.get("workers") if isinstance(growth, dict) else None
     if not isinstance(w, dict):
         return None
     growth_per_worker = int(w.get("private_growth_median_bytes") or 0)
     dropped = int(w.get("shared_dirty_drop_median_bytes") or 0)
-    total = int(w.get("concurrent_private_peak_bytes") or 0)
     # copies: memory shared with the training process at a worker's first reading, private
     # later; the copying starts with the first samples, so the worker's whole private
-    # size is what it holds. Otherwise only what it allocated after its first reading.
+    # size is what it holds. Otherwise only what it allocated after its start-up.
     copied = dropped >= WORKER_MIN_COPIED
-    per_worker = int(w.get("private_peak_median_bytes") or 0) if copied else growth_per_worker
-    if total < WORKERS_MIN_TOTAL or (not copied and growth_per_worker < WORKER_MIN_GROWTH):
+    if copied:
+        total = int(w.get("concurrent_private_peak_bytes") or 0)
+        n = int(w.get("concurrent_private_peak_workers") or 0)
+    else:
+        total = int(w.get("concurrent_growth_peak_bytes") or 0)
+        n = int(w.get("concurrent_growth_peak_workers") or 0)
+    if (n <= 0 or total < WORKERS_MIN_TOTAL
+            or (not copied and growth_per_worker < WORKER_MIN_GROWTH)):
         return None
+    per_worker = total / n
     host = growth.get("host_memory_bytes")
     share = total / float(host) if host else None
     severity = ("high" if share is not None and share >= WORKERS_HIGH else
                 "medium" if share is not None and share >= WORKERS_MEDIUM else "low")
-    n = int(w.get("workers") or 0)
     dataset = str((ctx.train_loader or {}).get("dataset") or "the dataset").rsplit(".", 1)[-1]
-    title = (f"Each DataLoader worker holds {per_worker / MIB:,.0f} MiB of memory of its own "
-             f"({total / MIB:,.0f} MiB across {n} workers)"
+    title = ((f"Each DataLoader worker holds {per_worker / MIB:,.0f} MiB of memory of its own "
+              if copied else
+              f"Each DataLoader worker's memory grew by {per_worker / MIB:,.0f} MiB after "
+              "its first batch ")
+             + f"({total / MIB:,.0f} MiB across {n} workers at once)"
              + (": the dataset's Python objects copied into every worker" if copied else ""))
     evidence = {
-        "workers": n,
+        "workers": int(w.get("workers") or 0),
+        "workers_at_peak": n,
+        "per_worker_at_peak_bytes": int(per_worker),
         "private_per_worker_bytes": w.get("private_peak_median_bytes"),
         "private_first_per_worker_bytes": w.get("private_first_median_bytes"),
+        "private_after_startup_per_worker_bytes": w.get("private_baseline_median_bytes"),
         "private_growth_per_worker_bytes": growth_per_worker,
         "shared_dirty_drop_per_worker_bytes": w.get("shared_dirty_drop_median_bytes"),
-        "workers_private_peak_bytes": total,
+        "workers_private_peak_bytes": w.get("concurrent_private_peak_bytes"),
+        "workers_growth_peak_bytes": w.get("concurrent_growth_peak_bytes"),
         "host_memory_bytes": host,
         "share_of_host_memory": share,
         "dataset": (ctx.train_loader or {}).get("dataset"),
@@ -170,14 +192,17 @@ def worker_copies(ctx: Context) -> Finding | None:
         )
     else:
         text = (
-            "Each worker allocates memory of its own as it runs (not copies of the "
-            "training process's): a cache inside the dataset, or per-sample buffers kept "
+            "Each worker allocates memory of its own as it runs, after its first batch "
+            "(its start-up is not counted; nor are copies of the training process's "
+            "memory): a cache inside the dataset, or per-sample buffers kept "
             "alive, held once per worker. Bound the cache, or keep it on disk shared by "
             "all workers (`trainprof.fixes.CachedDataset`)."
         )
         snippet = "dataset = CachedDataset(dataset, \"cache_dir\")  # one on-disk copy for all"
     verify = (f"trainprof run {ctx.script} after the change: the workers' private memory "
-              f"(now {per_worker / MIB:,.0f} MiB each) should fall, and this finding go")
+              f"(now {per_worker / MIB:,.0f} MiB each"
+              + ("" if copied else " grown after the first batch")
+              + ") should fall, and this finding go")
     return Finding(category="memory",
                    cause="worker_copy_on_read" if copied else "worker_memory_growth",
                    title=title, severity=severity, evidence=evidence, estimated_gain=0.0,

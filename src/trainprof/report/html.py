@@ -644,8 +644,13 @@ def _ddp_section(s: dict[str, Any]) -> str:
         "iterations 3–10, and over the iterations that all-reduced). <b>all_reduce</b>: "
         "from the first bucket's launch to the last one's completion; <b>overlap</b>: the "
         "part of it while the backward still computed; <b>exposed</b>: the rest, which the "
-        "step waits for after its backward (share: of the median step time). On a merged "
-        "run these are the main rank's; each rank's exposed time is in the Ranks table.</p>"
+        "step waits for after its backward (share: of the median step time, or of the "
+        "sampled iteration's own forward-to-all-reduce span where that is longer; an "
+        "iteration that ran over 1.5x the median step is no steady one and gives no "
+        "share). On a merged run these are the main rank's; each rank's exposed time is "
+        "in the Ranks table.</p>"
+        + "".join(f'<p class="note">{esc(m["share_withheld"])}.</p>' for m in models
+                  if m.get("share_withheld"))
         if timed else
         '<p class="note">DDP sampled no iteration that all-reduced (it times iterations '
         "1–10 and every 100th): the settings only.</p>")

@@ -223,7 +223,9 @@ def _ddp_rows(models: list[dict[str, Any]]) -> list[str]:
             its = m.get("iterations") or []
             head += (f" · all-reduce {m['comm_ms']:.1f} ms a step, {m['overlap_ms']:.1f} ms "
                      f"under backward, {m['exposed_ms']:.1f} ms exposed"
-                     + (f" ({share * 100:.0f}% of step)" if isinstance(share, float) else "")
+                     + (f" ({share * 100:.0f}% of step)" if isinstance(share, float) else
+                        " (no share of the step: DDP timed no steady iteration)"
+                        if m.get("share_withheld") else "")
                      + f"  (DDP's timing of iteration{'s' if len(its) != 1 else ''} "
                      + ", ".join(map(str, its[:4])) + ("..." if len(its) > 4 else "") + ")")
         rows.append(head)
