@@ -23,6 +23,7 @@ import importlib.util
 import os
 import platform
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -465,9 +466,19 @@ def _packages() -> dict[str, str]:
 
 
 def _git(args: list[str], cwd: str) -> subprocess.CompletedProcess[str]:
+    """Run git; FileNotFoundError when it is not on the PATH.
+
+    git is looked up here, not by ``subprocess``: given a bare name, ``subprocess`` searches
+    ``os.get_exec_path()``, which enters ``warnings.catch_warnings()``. That resets the
+    once-per-location memory of every module's warnings (``__warningregistry__``), and this
+    runs on the recorder's thread in the middle of the script's steps: a warning the script
+    had already shown once showed again."""
     env = dict(os.environ, GIT_OPTIONAL_LOCKS="0", GIT_TERMINAL_PROMPT="0", LC_ALL="C")
+    exe = shutil.which("git", path=env.get("PATH", os.defpath))
+    if exe is None:
+        raise FileNotFoundError("git")
     return subprocess.run(
-        ["git", *args],
+        [exe, *args],
         cwd=cwd,
         stdin=subprocess.DEVNULL,
         capture_output=True,

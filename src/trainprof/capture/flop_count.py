@@ -28,6 +28,11 @@ op time by kind) and watches for attention computed op by op
 ``ignore_compile_internals``, so it runs beside a ``torch.compile``-d model too: off while
 Dynamo compiles, on while the compiled code runs.
 
+Warnings raised under it are placed as without it (:mod:`trainprof.capture.window_warnings`):
+a warning from an op's Python kernel (``stacklevel=k``) would otherwise count the mode's
+frames and those torch calls it through. (A C++ warning of an op it runs needs nothing: the
+op's C++ call hands it to the Python call that dispatched to the mode.)
+
 Kinds are named ``"<device type> <dtype>"``, ``"cuda float32 tf32"`` for float32 products
 and convolutions that TF32 tensor cores may run (``torch.backends.cuda.matmul.allow_tf32``
 and ``torch.backends.cudnn.allow_tf32``, read when the window opens).
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainprof.capture import window_warnings
 from trainprof.capture.eager_attention import EagerAttention
 from trainprof.capture.op_time import OpClock, kind_of
 
@@ -149,13 +155,19 @@ class FlopCount:
                         errors.setdefault(str(packet), f"{type(exc).__name__}: {exc}")
                 return out
 
+        # a warning raised in an op's Python (a Python kernel's ``stacklevel=k``) would count
+        # this mode's frames, and the frames torch calls it through: placed as without them
+        # (capture/window_warnings.py). Used alone when the model is torch.compile'd.
+        window_warnings.watch(_Flops.__torch_dispatch__, function_mode=False)
         self._mode = _Flops()
         self._mode.__enter__()
+        window_warnings.open_window()
 
     def stop(self) -> None:
         mode, self._mode = self._mode, None
         if mode is not None:
             mode.__exit__(None, None, None)
+            window_warnings.close_window()
 
     def per_step(self, steps: int) -> dict[str, float]:
         return {k: v / steps for k, v in sorted(self.by_kind.items())} if steps else {}

@@ -29,6 +29,12 @@ a dataset's per-sample indexing) are counted apart: they are the library's
 loops. Backward ops run in C++ and are not counted: the loop lives in the
 Python that builds the graph.
 
+Warnings: every torch call in the window runs inside the mode's frame, where Python would
+place the warnings torch raises (``F.softmax``'s ``stacklevel=3``, a C++ ``TORCH_WARN``:
+``opcount.py: return func(...)``, once more, past the script's filters for its module);
+:mod:`trainprof.capture.window_warnings` places them as without the mode, at no cost per
+call.
+
 Output: ``RUN_DIR/ops.json`` (see :meth:`OpCountTool.close`).
 """
 
@@ -42,6 +48,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from trainprof.capture import window_warnings
 from trainprof.capture.flop_count import FlopCount
 from trainprof.capture.window import Schedule
 
@@ -402,6 +409,10 @@ class OpCountTool:
                             seen[id(arg)] = weakref.ref(arg)
                 return func(*args, **(kwargs or {}))
 
+        # a warning torch raises in ``func`` (``stacklevel=k`` from torch's Python, or a
+        # C++ TORCH_WARN: the innermost Python frame) would be placed at the line above,
+        # not the script's: capture/window_warnings.py places it as without this mode
+        window_warnings.watch(_Count.__torch_function__, function_mode=True)
         return _Count()
 
     def count_flops(self, first: Any, flops: float | None, conv: bool) -> None:
@@ -431,6 +442,7 @@ class OpCountTool:
             # the products and convolutions the compiled code calls.
             self._mode = self._make_mode()
             self._mode.__enter__()
+            window_warnings.open_window()  # warnings placed as without the mode
         self.flop_count.start()
 
     def stop(self, step: int) -> None:
@@ -440,6 +452,7 @@ class OpCountTool:
         mode, self._mode = self._mode, None
         if mode is not None:
             mode.__exit__(None, None, None)
+            window_warnings.close_window()
         self.steps += max(0, step - self._started_at)
         if step > self._started_at:
             self.windows.append([self._started_at, step])
@@ -452,6 +465,7 @@ class OpCountTool:
             self.flop_count.stop()
             if self._mode is not None:
                 self._mode.__exit__(None, None, None)
+                window_warnings.close_window()
                 self._mode = None
             self._started_at = None
         if self.steps == 0:
