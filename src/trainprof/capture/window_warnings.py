@@ -93,9 +93,16 @@ def watch(hook: Any, function_mode: bool) -> None:
     _MODE_CODES[inspect.unwrap(hook).__code__] = function_mode
 
 
+#: The warnings module's hooks this relies on (CPython's, 3.11-3.13); without them the
+#: warnings are left where Python places them.
+_SUPPORTED = hasattr(warnings, "_showwarnmsg") and hasattr(warnings, "_filters_mutated")
+
+
 def open_window() -> None:
     """Start placing the warnings raised through the modes' frames (see the module's docs)."""
     global _open, _saved_show, _saved_mutated
+    if not _SUPPORTED:
+        return
     _open += 1
     if _open > 1:
         return
@@ -150,7 +157,7 @@ def _keep_dynamo_out() -> None:
 def close_window() -> None:
     """Stop, once every window that opened has closed: the filter and the show hook go."""
     global _open
-    if _open == 0:
+    if not _SUPPORTED or _open == 0:
         return
     _open -= 1
     if _open:
