@@ -1042,7 +1042,7 @@ def test_ddps_own_timing_shows_the_all_reduce_the_step_waits_for_and_its_fix(tmp
     doc = res.json()
     from trainprof.commands import analyse_folder
 
-    exposed = {}
+    exposed, median = {}, {}
     for label in ("0", "1"):
         rank, _ = analyse_folder(tmp_path / "a" / "ranks" / label)  # each rank on its own
         (m,) = rank["ddp"]
@@ -1052,6 +1052,7 @@ def test_ddps_own_timing_shows_the_all_reduce_the_step_waits_for_and_its_fix(tmp
         assert 0 <= m["overlap_ms"] <= m["comm_ms"] and m["exposed_ms"] <= m["comm_ms"]
         assert m["comm_ms"] > 1.0  # 16 MiB between two processes
         exposed[label] = m["exposed_ms"] / 1e3
+        median[label] = rank["steps"]["median_s"]
     rows = {r["label"]: r for r in doc["ranks"]}
     assert {k: rows[k]["ddp_exposed_comm_s"] for k in rows} == pytest.approx(exposed)
     (f,) = [f for f in doc["findings"] if f["cause"] == "exposed_communication"]
@@ -1061,8 +1062,10 @@ def test_ddps_own_timing_shows_the_all_reduce_the_step_waits_for_and_its_fix(tmp
     # the sampled iteration's own span, so never above 1), about exposed / the median step
     assert f["estimated_gain"] == pytest.approx(
         rows[least]["ddp_exposed_share"], rel=1e-3)  # (rounded to 4 digits)
-    assert f["estimated_gain"] == pytest.approx(
-        exposed[least] / doc["steps"]["median_s"], rel=0.1)
+    # (each sampled iteration's exposed time over the longer of the rank's median step and
+    # the iteration's span, at most 1.5 medians: a median between 1/1.5 and 1 of the ratio)
+    ratio = exposed[least] / median[least]
+    assert ratio / 1.5 * 0.95 <= f["estimated_gain"] <= ratio * 1.05
     assert f["severity"] in ("medium", "high") and f["category"] == "distributed"
     assert "model.no_sync()" in f["fix"]["snippet"] and "--knob ddp_" in f["verify"]
     # the HTML report has a section of its own: the main rank's model, every rank's exposed time
