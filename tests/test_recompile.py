@@ -57,9 +57,11 @@ def test_recompilations_after_the_warm_up_are_found_with_their_reasons(tp):
     assert [e["step"] for e in dynamo] == [0, 10, 20, 21, 22, 23, 24, 25]
     assert all(e["dur_s"] > 0 for e in dynamo) and record["recompile_limit"] == 8
     info = res.json()["compiles"]
-    # (step 10's recompilation counts once the warm-up has ended before it)
-    assert info["count"] == 8 and info["after_warmup"] in (6, 7)
-    assert info["steps_after_warmup"][-6:] == [20, 21, 22, 23, 24, 25]
+    # (step 10's recompilation, in the op count's cool-down step, is not a steady step: the
+    # share is of the steady steps' time, and only their compilations count in it)
+    assert info["count"] == 8 and info["after_warmup"] == 6
+    assert info["steps_after_warmup"] == [20, 21, 22, 23, 24, 25]
+    assert 0 < info["after_warmup_share"] < 1
     assert info["limit_hit"] and info["limit_hit_step"] == 25
     assert set(info["reason_kinds"]) == {"shape", "grad_mode"}
     assert "size mismatch at index 0. expected 32, actual 33" in info["reason_examples"]["shape"]

@@ -56,12 +56,11 @@ def summarize_compiles(record: dict[str, Any] | None, steps: np.ndarray, warmup:
     if not isinstance(record, dict) or not record.get("events"):
         return None
     events = [e for e in record["events"] if isinstance(e, dict)]
-    first_steady = (int(steps["step"][warmup]) if len(steps) > warmup else None)
     # recompilations (a frame's attempt 1 and on: a frame compiled first late in the run -
-    # an evaluation function - pays its one compilation like any other) in steady steps
-    after = [e for e in events
-             if first_steady is not None and int(e.get("step") or 0) >= first_steady
-             and _attempt(e) >= 1]
+    # an evaluation function - pays its one compilation like any other) in the steady steps
+    # the share is of (not those under a heavy tool, which the statistics leave out)
+    steady = set(steps["step"][warmup:].tolist()) if len(steps) > warmup else set()
+    after = [e for e in events if int(e.get("step") or 0) in steady and _attempt(e) >= 1]
     # attempts per frame: Dynamo's own compilations (a deferred backward shares the id)
     attempts: dict[str, int] = {}
     for e in events:
