@@ -79,6 +79,12 @@ def test_recompilations_after_the_warm_up_are_found_with_their_reasons(tp):
     assert compiles_text(info).startswith("8 compilations (")
     assert " after the warm-up, at steps " in compiles_text(info)
     assert compiles_text(info).endswith("recompile limit (8) hit at step 25: uncompiled since")
+    from trainprof.commands import analyse_folder, write_html
+    from trainprof.store import load_run
+
+    summary, _ = analyse_folder(res.run_dir)
+    page = write_html(summary, load_run(res.run_dir), res.run_dir / "r.html").read_text()
+    assert "torch.compile recompilations</div><div class=\"v\">6</div>" in page
 
 
 def test_a_model_compiled_once_has_no_recompilation(tp):

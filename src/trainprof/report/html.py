@@ -56,6 +56,7 @@ from trainprof.report.html_assets import CSS, JS
 from trainprof.report.impact import impact_text
 from trainprof.report.terminal import (
     attention_text,
+    compiles_text,
     compute_text,
     fmt_bytes,
     fmt_pct,
@@ -422,6 +423,11 @@ def _verdict(s: dict[str, Any]) -> str:
         if fusable is not None:
             tiles.append(_tile("model ops fusable", f"{fusable * 100:.0f}%",
                                op_time_text(s.get("op_time")) or ""))
+        compiles = s.get("compiles") or {}
+        if compiles.get("count"):
+            tiles.append(_tile("torch.compile recompilations",
+                               f"{int(compiles.get('after_warmup') or 0)}",
+                               compiles_text(compiles) or ""))
         warm = f"warm-up {steps.get('warmup')}, steady {steps.get('steady_count')}"
         if steps.get("warmup_median_s") is not None:
             warm += f" (warm-up median {fmt_time(steps['warmup_median_s'])})"
