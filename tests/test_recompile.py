@@ -85,6 +85,15 @@ def test_recompilations_after_the_warm_up_are_found_with_their_reasons(tp):
     summary, _ = analyse_folder(res.run_dir)
     page = write_html(summary, load_run(res.run_dir), res.run_dir / "r.html").read_text()
     assert "torch.compile recompilations</div><div class=\"v\">6</div>" in page
+    # compare shows them side by side
+    from trainprof.analysis.compare import compare_runs
+    from trainprof.report.compare_terminal import _recompilations
+
+    side = compare_runs(load_run(res.run_dir), load_run(res.run_dir))["a"]["recompilations"]
+    assert side["after_warmup"] == 6 and side["limit_hit"]
+    assert _recompilations(side).startswith("6 (") and _recompilations(side).endswith(
+        "limit hit")
+    assert _recompilations(None) == "—"
 
 
 def test_a_model_compiled_once_has_no_recompilation(tp):

@@ -247,6 +247,11 @@ def _run_side(run: Run, steady: np.ndarray, warm: int, count: int) -> dict[str, 
                     for k in ("flops_per_step", "flops_per_s", "utilization")},
         # the time of attention computed op by op a step (analysis/attention.py): 0 where the
         # op count's window ran and found none, None where it did not run
+        # torch.compile's recompilations in the steady steps, and their seconds (None: it
+        # compiled nothing; analysis/compiles.py)
+        "recompilations": ({k: (summary.get("compiles") or {}).get(k)
+                            for k in ("after_warmup", "after_warmup_s", "limit_hit")}
+                           if summary.get("compiles") else None),
         "attention_s_per_step": ((summary.get("attention") or {}).get("s_per_step")
                                  if summary.get("attention")
                                  else 0.0 if summary.get("ops") else None),

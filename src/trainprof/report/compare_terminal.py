@@ -84,6 +84,15 @@ def verdict_line(result: dict[str, Any]) -> Text:
     return line
 
 
+def _recompilations(rec: dict[str, Any] | None) -> str:
+    """torch.compile's recompilations in the steady steps (— where nothing compiled)."""
+    if not rec:
+        return "—"
+    n = int(rec.get("after_warmup") or 0)
+    text = f"{n} ({fmt_time(rec.get('after_warmup_s'))})" if n else "0"
+    return text + (", limit hit" if rec.get("limit_hit") else "")
+
+
 def _short(value: Any, width: int = 40) -> str:
     text = "—" if value is None else str(value)
     return text if len(text) <= width else text[: width - 1] + "…"
@@ -134,6 +143,9 @@ def _steps_table(result: dict[str, Any]) -> Table:
     if x or y:
         table.add_row("attention op by op", _attention(x), _attention(y),
                       _ratio(y / x) if x and y else "—")
+    rec_a, rec_b = a.get("recompilations"), b.get("recompilations")
+    if rec_a or rec_b:
+        table.add_row("recompilations", _recompilations(rec_a), _recompilations(rec_b), "")
     sys_a, sys_b = a.get("system") or {}, b.get("system") or {}
     for key, label in (("proc_cpu_pct", "process CPU"), ("workers_cpu_pct", "workers CPU"),
                        ("sys_cpu_pct", "system CPU"), ("iowait_pct", "iowait")):
