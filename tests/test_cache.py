@@ -117,6 +117,14 @@ def test_another_dataset_or_key_rebuilds_the_cache(tmp_path):
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
 
 
+def test_a_folder_of_other_files_is_refused_and_left_as_it_was(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "x.png").write_bytes(b"image")
+    with pytest.raises(PackError, match="holds other files: give an empty or new folder"):
+        CachedDataset([np.zeros(2)], tmp_path / "data")
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["x.png"]  # no .lock
+
+
 def test_items_that_change_shape_or_are_not_arrays_are_refused(tmp_path):
     class Growing:
         def __len__(self):

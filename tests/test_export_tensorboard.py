@@ -200,6 +200,11 @@ def test_errors_are_one_line(run_dir: Path, tmp_path: Path, monkeypatch) -> None
                     cwd=tmp_path)
     assert res.returncode == 2 and res.stderr.startswith("error: no such run folder")
     assert len(res.stderr.strip().splitlines()) == 1
+    (tmp_path / "afile").write_text("x")  # a log folder that is a file
+    res = trainprof("export", str(run_dir), "--tensorboard", str(tmp_path / "afile"),
+                    cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr.strip() == (
+        f"error: --tensorboard {tmp_path / 'afile'}: a file, not a log folder")
     # without the tensorboard package: how to get it
     monkeypatch.setitem(sys.modules, "tensorboard.summary.writer.event_file_writer", None)
     tb._tensorboard.cache_clear()

@@ -229,6 +229,7 @@ def test_cli_packs_checks_and_proves_the_reads(tmp_path):
     (["--decode", "--ext", "txt", "src", "out"], "error: --decode needs image or .npy files"),
     (["--ext", "jpg", "src", "out"], "error: no files to pack under src with extensions .jpg"),
     (["--shard-size", "0", "src", "out"], "error: argument --shard-size: expected a positive"),
+    (["src", "src/inner.pack"], "error: cannot pack src into src/inner.pack, a folder inside it"),
 ])
 def test_cli_bad_input_is_one_error_line(tmp_path, args, message):
     _image_folder(tmp_path / "src", 6)
@@ -242,6 +243,22 @@ def test_cli_bad_input_is_one_error_line(tmp_path, args, message):
     assert (tmp_path / "notes.txt").read_text() == "mine"
     assert not (tmp_path / "out").exists()
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]
+
+
+def test_a_stray_file_among_the_images_is_skipped_as_imagefolder_does(tmp_path):
+    """One notes.txt in a class folder made every row raw bytes, and training crashed."""
+    expected = _image_folder(tmp_path / "src", 12)
+    (tmp_path / "src" / "class_b" / "notes.txt").write_text("x")
+    manifest = pack_folder(tmp_path / "src", tmp_path / "pack")
+    assert manifest["codec"] == "image" and manifest["count"] == 12
+    assert manifest["source"]["skipped_non_image_files"] == 1
+    ds = PackedDataset(tmp_path / "pack")
+    assert ds.targets == [label for path, label in expected if path.suffix == ".png"]
+    assert np.array_equal(np.asarray(ds[5][0]), _pixels(expected[5][0]))
+    done = _trainprof("pack", "src", "pack2", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "1 file that is not an image skipped, as ImageFolder does" in " ".join(
+        done.stdout.split())
 
 
 def test_flat_folder_of_npy_files_packs_to_arrays_in_path_order(tmp_path):

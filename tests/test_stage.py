@@ -118,6 +118,10 @@ def test_the_command_prints_the_local_path(tmp_path):
     assert res.stdout.strip() == str(path) and "reusing the copy" in res.stderr
     res = trainprof("stage", str(src), "--to", str(src / "class0"), cwd=tmp_path)
     assert res.returncode == 2 and "a folder inside it" in res.stderr
+    (tmp_path / "afile").write_text("x")  # --to naming a file: one line, not a traceback
+    res = trainprof("stage", str(src), "--to", str(tmp_path / "afile"), cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr.strip() == (
+        f"error: --to {tmp_path / 'afile'}: a file, not a folder to stage into")
     res = trainprof("stage", str(tmp_path / "nope"), cwd=tmp_path)
     assert (res.returncode, res.stdout) == (2, "")
     assert res.stderr.strip() == f"error: no such file or folder: {tmp_path / 'nope'}"

@@ -436,6 +436,8 @@ def export_command(
     wandb: str | None = None,
 ) -> int:
     """``trainprof export``: the run for other tools (Perfetto's timeline, TensorBoard, W&B)."""
+    if tensorboard is not None and Path(tensorboard).exists() and not Path(tensorboard).is_dir():
+        raise UsageError(f"--tensorboard {tensorboard}: a file, not a log folder")
     if perfetto is None and tensorboard is None and wandb is None:
         raise UsageError("say what to export: --perfetto PATH, --tensorboard LOGDIR and/or "
                          "--wandb PROJECT")
@@ -644,6 +646,9 @@ def pack_command(
     from trainprof.report.pack_progress import progress_reporter
 
     listing = list_folder(source, extensions)
+    if Path(out).resolve().is_relative_to(Path(source).resolve()):
+        # the pack would be packed with the samples next time, as a class of its own
+        raise UsageError(f"cannot pack {source} into {out}, a folder inside it")
     check_target(Path(out), force)
     print(f"trainprof: packing {len(listing.files):,} files from {source} into {out}",
           file=sys.stderr)

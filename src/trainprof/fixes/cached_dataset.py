@@ -144,7 +144,15 @@ class CachedDataset(_Base):  # type: ignore[misc,valid-type]
         return state
 
     # -- the cache ------------------------------------------------------------------------
+    def _refuse_other_files(self) -> None:
+        """A folder that holds files but no cache's manifest is not the cache's to fill."""
+        if (self.path.is_dir() and not (self.path / MANIFEST).exists()
+                and any(p.name != ".lock" for p in self.path.iterdir())):
+            raise PackError(f"{self.path} holds other files: give an empty or new folder "
+                            "for the cache")
+
     def _create_or_check(self) -> None:
+        self._refuse_other_files()  # before the lock file: a refused folder is left as it was
         self.path.mkdir(parents=True, exist_ok=True)
         with open(self.path / ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # ranks and workers may start together
@@ -164,9 +172,8 @@ class CachedDataset(_Base):  # type: ignore[misc,valid-type]
                 for entry in self.path.iterdir():
                     if entry.name != ".lock":
                         entry.unlink() if entry.is_file() else shutil.rmtree(entry)
-            elif any(p.name != ".lock" for p in self.path.iterdir()):
-                raise PackError(f"{self.path} holds other files: give an empty or new folder "
-                                "for the cache")
+            else:
+                self._refuse_other_files()  # (again under the lock: another rank's)
             need = len(self) * sum(
                 np.dtype(f["dtype"]).itemsize * int(np.prod(f["shape"], dtype=np.int64))
                 for f in self.manifest["fields"]

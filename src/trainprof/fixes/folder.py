@@ -5,7 +5,9 @@ The layout is torchvision's ``ImageFolder``'s when the folder has class sub-fold
 a class give the order, so index *i* of the pack is index *i* of
 ``ImageFolder(root)`` (files found by extension aside: give ``extensions`` for that);
 files beside the class folders (a marker, a README) are skipped and counted, as
-ImageFolder ignores them. A folder without class sub-folders, or with more files at
+ImageFolder ignores them; so are the files that are not images in a folder that is
+mostly images (a ``notes.txt``), which ImageFolder's extension filter leaves out and which
+would otherwise make every row raw bytes. A folder without class sub-folders, or with more files at
 its top than in its sub-folders, packs every file under it, sorted by path.
 
 Files are read by a pool of threads (reads release the GIL, and on network storage
@@ -46,6 +48,8 @@ class FolderListing:
     total_bytes: int = 0
     newest_mtime: float = 0.0
     extensions: list[str] = field(default_factory=list)
+    #: files that are not images in a folder of images: skipped, as ImageFolder does
+    skipped_non_images: int = 0
 
 
 def list_folder(root: Path | str, extensions: tuple[str, ...] | None = None) -> FolderListing:
@@ -91,6 +95,16 @@ def list_folder(root: Path | str, extensions: tuple[str, ...] | None = None) -> 
         skipped = len(top_files)  # ImageFolder ignores them too (a "done" marker, a README)
     else:
         files = walk(root)
+    non_images = 0
+    if not exts and files:
+        # ImageFolder keeps only images: in a folder of images, a stray file (notes.txt)
+        # is skipped and counted, not packed - it would make every row raw bytes
+        is_image = [f.suffix.lower() in IMAGE_EXTENSIONS for f in files]
+        if any(is_image) and not all(is_image) and 2 * sum(is_image) >= len(files):
+            non_images = len(files) - sum(is_image)
+            if labels is not None:
+                labels = [lab for lab, keep in zip(labels, is_image, strict=True) if keep]
+            files = [f for f, keep in zip(files, is_image, strict=True) if keep]
     if not files:
         raise PackError(f"no files to pack under {root}"
                         + (f" with extensions {', '.join(exts)}" if exts else ""))
@@ -100,7 +114,7 @@ def list_folder(root: Path | str, extensions: tuple[str, ...] | None = None) -> 
         total += st.st_size
         newest = max(newest, st.st_mtime)
     return FolderListing(root, files, labels, classes, skipped, int(total), newest,
-                         sorted({f.suffix.lower() for f in files}))
+                         sorted({f.suffix.lower() for f in files}), non_images)
 
 
 def codec_for(extensions: list[str]) -> str:
@@ -201,6 +215,7 @@ def pack_folder(root: Path | str, out: Path | str, *, decode: bool = False,
         "bytes": listing.total_bytes,
         "newest_mtime": listing.newest_mtime,
         "skipped_top_level_files": listing.skipped,
+        "skipped_non_image_files": listing.skipped_non_images,
     }
     extra: dict[str, Any] = {"source": source, "decoded": decode, "codec": codec}
     if listing.classes is not None:

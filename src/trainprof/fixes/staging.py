@@ -129,6 +129,8 @@ def stage(source: str | os.PathLike[str], to: str | os.PathLike[str] | None = No
     root = Path(os.path.abspath(to)) if to is not None else local_root()
     if src.is_dir() and root.resolve().is_relative_to(src.resolve()):
         raise UsageError(f"cannot stage {source} into {root}, a folder inside it")
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"--to {to}: a file, not a folder to stage into")
     listing = _listing(src)
     total = sum(size for _, size, _ in listing)
     digest = _digest(src, listing)

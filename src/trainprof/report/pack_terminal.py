@@ -57,6 +57,11 @@ def render_pack(doc: dict[str, Any], file: IO[str] | None = None) -> None:
         skipped = source["skipped_top_level_files"]
         detail.append(f"{skipped} top-level file{'s' if skipped != 1 else ''} skipped, as "
                       "ImageFolder does")
+    if source.get("skipped_non_image_files"):
+        skipped = source["skipped_non_image_files"]
+        detail.append(f"{skipped} file{'s' if skipped != 1 else ''} that "
+                      f"{'are' if skipped != 1 else 'is'} not an image skipped, as ImageFolder "
+                      "does")
     shards = len(manifest["shards"])
     about = f" ({', '.join(detail)})" if detail else ""
     grid.add_row(
