@@ -236,6 +236,14 @@ def test_the_slowest_stage_in_the_workers_names_the_cause():
     f, _, _ = diagnose_with(entry(0.1, 0.0, 0.9, 0.5), system={
         "n_samples": 20, "proc_cpu_pct": 40.0, "workers_cpu_pct": 60.0, "sys_cpu_pct": 100.0})
     assert f["cause"] == "cpu_transforms"
+    assert 'CachedDataset(Images(...), "cache/train"' in f["fix"]["snippet"]
+    # a dataset cached already is not wrapped in a second cache: its transform is what is left
+    f, _, _ = diagnose_with(entry(0.1, 0.3, 0.6, 0.5), loader_kw={
+        "dataset": "trainprof.fixes.cached_dataset.CachedDataset"})
+    assert f["cause"] == "cpu_transforms" and "CachedDataset(CachedDataset" not in (
+        f["fix"]["snippet"])
+    assert "# cached already: what each sample still costs is its transform" in (
+        f["fix"]["snippet"])
     # collate: 64 ms per 32-sample batch against 1 ms per sample
     f, _, _ = diagnose_with(entry(0.2, 0.0, 0.8, 64.0))
     assert f["cause"] == "collate" and "collate_fn takes 64.0 ms per batch" in f["title"]

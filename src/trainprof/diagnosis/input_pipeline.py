@@ -102,13 +102,23 @@ PACK_SNIPPET = (
 
 
 def cache_snippet(dataset: str, loader_call: str, *, on_cuda: bool) -> str:
-    """The cpu_transforms fix: the deterministic part cached, the float work batched."""
+    """The cpu_transforms fix: the deterministic part cached, the float work batched. A
+    dataset that is a ``CachedDataset`` already keeps its cache: what is left per sample is
+    its transform, kept in uint8, and the float work is batched."""
     device = "cuda" if on_cuda else "cpu"
+    if dataset == "CachedDataset":
+        head = ("from trainprof.fixes import DevicePrefetcher\n\n"
+                "# cached already: what each sample still costs is its transform; keep it to\n"
+                "# the random part, in uint8 (crop, flip), and batch the rest below\n"
+                "dataset = CachedDataset(..., transform=crop_flip_uint8)\n")
+    else:
+        head = ("from trainprof.fixes import CachedDataset, DevicePrefetcher\n\n"
+                "# the deterministic part (decode, resize) once, kept on disk; the random part\n"
+                "# per sample, in uint8 (crop, flip)\n"
+                f"dataset = CachedDataset({dataset}(...), \"cache/train\", "
+                "transform=crop_flip_uint8)\n")
     return (
-        "from trainprof.fixes import CachedDataset, DevicePrefetcher\n\n"
-        "# the deterministic part (decode, resize) once, kept on disk; the random part\n"
-        "# per sample, in uint8 (crop, flip)\n"
-        f"dataset = CachedDataset({dataset}(...), \"cache/train\", transform=crop_flip_uint8)\n"
+        head
         + loader_call.replace(f"    {dataset}(...),  # your dataset, unchanged",
                               "    dataset,  # the cached dataset above")
         + "\n# float conversion, colour jitter and Normalize once per batch, where the model "
@@ -790,11 +800,15 @@ def _data_wait(ctx: Context) -> Finding | None:
                 f"the training process (collate_fn {collate_ms:.2f} ms a batch, "
                 f"{cpu_ms * 1000:.1f} µs a sample), which keeps every core busy"
             )
+            outside = ctx.external_cores
+            busy_by = (f"this process {sysinfo.get('proc_cpu_pct') or 0:.0f}% CPU, 100% = one "
+                       "core" + (f"; other processes ~{outside:.1f} cores"
+                                 if outside is not None and outside >= 0.5 else ""))
             why = (
-                "With num_workers=0 the loading runs in the training process, which already "
-                f"keeps the {core_txt} busy ({sysinfo.get('proc_cpu_pct') or 0:.0f}% CPU, 100% "
-                "= one core): a worker process would take a core from the model's threads "
-                "rather than overlap with it. Make each batch cheaper."
+                "With num_workers=0 the loading runs in the training process, and the "
+                f"{core_txt} are busy already ({busy_by}): a worker process would take a core "
+                "from the model's threads rather than overlap with it. Make each batch "
+                "cheaper."
             )
             if stage == "collate":
                 why += (
