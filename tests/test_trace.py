@@ -578,6 +578,10 @@ def test_cpu_only_trace_from_torch_profiler(tmp_path):
     assert "aten::addmm" in names or "aten::linear" in names
     top = res["findings"][0]
     assert (top["category"], top["cause"]) == ("input_pipeline", "too_few_workers")
+    # a CPU run: no pinned memory for copies to a GPU there is none of, and workers that
+    # share the cores with the model are for trainprof tune to prove
+    assert "pin_memory" not in top["fix"]["snippet"] and "GPU" not in top["fix"]["text"]
+    assert "trainprof tune --knob num_workers=0,2,4" in top["fix"]["text"]
     text = io.StringIO()
     render_trace(res, file=text)
     assert "GPU" not in text.getvalue().split("Top operators")[0].replace("GPU 0", "")

@@ -117,6 +117,7 @@ def _dataloader(doc: dict[str, Any]) -> Finding | None:
         evidence["gpu_utilization"] = util
     if iters:
         evidence["dataloader_iterator"] = iters[0].split("#", 1)[-1].split(".", 1)[0]
+    cpu_only = bool(doc.get("cpu_only"))
     if single or not multi:
         cause = "too_few_workers"
         text = (
@@ -124,8 +125,12 @@ def _dataloader(doc: dict[str, Any]) -> Finding | None:
             + ("the DataLoader runs in the training process (num_workers=0), "
                if single else "")
             + "so loading and the model's work take turns. Load in worker processes, so the "
-            "next batches are prepared while the model computes; on a GPU, pinned batches "
-            "also make the host-to-device copy asynchronous."
+            "next batches are prepared while the model computes"
+            + ("; on a CPU run the workers share the cores with the model's threads, and a "
+               "trace does not tell how many are free: `trainprof run` of the script measures "
+               "it, and `trainprof tune --knob num_workers=0,2,4` whether workers pay."
+               if cpu_only else
+               "; on a GPU, pinned batches also make the host-to-device copy asynchronous.")
         )
         workers = 4
     else:
@@ -143,8 +148,9 @@ def _dataloader(doc: dict[str, Any]) -> Finding | None:
         "    batch_size=...,  # unchanged\n"
         f"    num_workers={workers},  # worker processes load the next batches\n"
         "    persistent_workers=True,  # start them once, not every epoch\n"
-        "    pin_memory=True,  # page-locked batches: async copies to the GPU\n"
-        "    prefetch_factor=4,\n"
+        + ("" if cpu_only else
+           "    pin_memory=True,  # page-locked batches: async copies to the GPU\n")
+        + "    prefetch_factor=4,\n"
         ")"
     )
     return Finding(
