@@ -244,6 +244,19 @@ def test_a_run_that_shared_its_machine_is_noted(tmp_path: Path) -> None:
     assert r["a"]["system"]["outside_load_cores"] is None  # no samples
     assert any(n.startswith("while run B ran, other processes kept ~1.0 cores busy")
                for n in r["notes"])
+    # B is slower and shared its machine, A had it to itself (no samples: not known)
+    assert r["verdict"] == "slower" and r["load_change"] is None
+    (a / "samples.jsonl").write_text("".join(
+        json.dumps({"t": t, "proc_cpu_pct": 100.0, "workers": {},
+                    "sys_cpu_pct": [100.0, 0.0]}) + "\n" for t in range(1, 12)))
+    r = compare_runs(load_run(a), load_run(b))
+    assert r["load_change"] == {"a_cores": pytest.approx(0.0), "b_cores": pytest.approx(1.0)}
+    import io
+
+    out = io.StringIO()
+    render_compare(r, file=out)
+    assert ("most likely cause: other processes' load on the machine (A ~0.0 cores, B ~1.0)"
+            in " ".join(out.getvalue().split()))
 
 
 def test_batch_size_change_compares_time_per_sample(tmp_path: Path) -> None:

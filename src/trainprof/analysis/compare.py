@@ -686,6 +686,15 @@ def compare_runs(a: Run, b: Run) -> dict[str, Any]:
         "samples_per_s_ratio": (side_b["samples_per_s"] / side_a["samples_per_s"])
         if side_a["samples_per_s"] and side_b["samples_per_s"] else None,
     }
+    # the slower run shared its machine with other processes' work, the other did not (by
+    # half a core or more): that, more than any setting, is the likely cause
+    loads = [side_a["system"].get("outside_load_cores"),
+             side_b["system"].get("outside_load_cores")]
+    load_change = None
+    if significant and all(isinstance(x, int | float) for x in loads):
+        slower_more = (loads[1] - loads[0]) if verdict == "slower" else (loads[0] - loads[1])
+        if slower_more >= OUTSIDE_LOAD_NOTE:
+            load_change = {"a_cores": loads[0], "b_cores": loads[1]}
     for side, run, info in (("A", a, side_a), ("B", b, side_b)):
         if run.status != "finished":
             notes.append(f"run {side} is {run.status}: its last steps may be missing")
@@ -711,6 +720,8 @@ def compare_runs(a: Run, b: Run) -> dict[str, Any]:
         "mean_delta": total_delta,
         "phases": phases,
         "explains": explains,
+        # other processes' load on the machine, when the slower run had clearly more of it
+        "load_change": load_change,
         "throughput": thr,
         "compute_on": "cpu" if cpu_compute else "gpu",
         "environment_diff": env,

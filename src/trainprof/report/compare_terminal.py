@@ -71,16 +71,22 @@ def verdict_line(result: dict[str, Any]) -> Text:
         line.append(f", {conf}% CI {_ratio(ci[0])}–{_ratio(ci[1])}")
     line.append(")")
     explains = result.get("explains")
-    if explains and verdict != "no_difference":
+    if verdict == "no_difference":
+        return line
+    if explains:
         share = (result.get("phases") or {}).get(explains, {}).get("share_of_change")
         line.append(f"; {_PHASE_LABEL.get(explains, explains)}")
         if share is not None:
             line.append(f" accounts for {share * 100:.0f}% of the change")
-        top = (result.get("environment_diff") or [None])[0]
-        if top:
-            before = top.get("change_a", top.get("a"))
-            after = top.get("change_b", top.get("b"))
-            line.append(f"; most likely cause: {top['key']} {_short(before)} → {_short(after)}")
+    top = (result.get("environment_diff") or [None])[0]
+    load = result.get("load_change")
+    if load:  # the slower run shared its machine: that before any setting
+        line.append(f"; most likely cause: other processes' load on the machine (A ~"
+                    f"{load['a_cores']:.1f} cores, B ~{load['b_cores']:.1f})")
+    elif explains and top:
+        before = top.get("change_a", top.get("a"))
+        after = top.get("change_b", top.get("b"))
+        line.append(f"; most likely cause: {top['key']} {_short(before)} → {_short(after)}")
     return line
 
 
