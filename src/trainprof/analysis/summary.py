@@ -198,7 +198,8 @@ def summarize_run(run: Run) -> dict[str, Any]:
         "dataloaders": meta.get("dataloaders")
         or [ev for ev in run.events if ev.get("kind") == "dataloader"],
         # each optimizer seen stepping: class, parameters, the implementation its step runs
-        "optimizers": meta.get("optimizers") or [],
+        "optimizers": [{k: v for k, v in o.items() if k != "id"}  # (a Python object's id)
+                       for o in meta.get("optimizers") or [] if isinstance(o, dict)],
         "optimizers_not_described": meta.get("optimizers_not_described") or None,
         # debugging switches left on while training (anomaly detection, the profiler, env)
         "debug_modes": _debug_modes(meta),

@@ -994,7 +994,9 @@ def html_page(summary: dict[str, Any], run: Run) -> str:
         )
     more = {k: v for k, v in s.items() if k not in _KNOWN_KEYS and v not in (None, [], {})}
     if more:
-        sections.append(_section("more", "More analysis", render_generic(more)))
+        # (wide tables scroll inside the section, not the page)
+        sections.append(_section("more", "More analysis",
+                                 f'<div class="scroll">{render_generic(more)}</div>'))
     other = {}
     for key in ("syncs", "gc", "regions", "breakdown_detail"):
         if s.get(key):

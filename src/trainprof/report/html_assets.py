@@ -24,7 +24,7 @@ nav{position:sticky;top:0;background:#fff;border-bottom:1px solid var(--line);z-
 padding:6px 20px}
 nav .inner{max-width:1280px;margin:0 auto;display:flex;gap:14px;flex-wrap:wrap}
 nav a{color:var(--accent);text-decoration:none;font-size:13px}
-section{margin-top:26px}
+section{margin-top:26px;overflow-x:auto}
 h2{font-size:18px;margin:0 0 10px;padding-bottom:4px;border-bottom:2px solid var(--line)}
 h3{font-size:15px;margin:14px 0 6px}
 h4{font-size:14px;margin:12px 0 4px;color:var(--muted)}
