@@ -955,3 +955,18 @@ def test_a_loader_in_a_thread_with_little_other_time_is_no_finding():
     f = next(f for f in diagnose(summary, steps) if f["cause"] == "loader_in_thread")
     assert f["estimated_gain"] == pytest.approx(summary["breakdown"]["other"], abs=1e-4)
     assert "batch_load_s" not in f["evidence"]
+
+
+def test_summary_rows_print_code_as_text_not_markup():
+    """A loop line with brackets (`text[i + 1 : j]`) lost them: rich read them as a style."""
+    import io
+
+    from trainprof.report.console import make_console
+    from trainprof.report.terminal import _Rows
+
+    rows = _Rows()
+    code = "train.py:41 y = torch.stack([text[i + 1 : i + block + 1] for i in ix]) 72%"
+    rows.add_row("Other", code)
+    out = io.StringIO()
+    make_console(out).print(rows.layout(200))
+    assert code in out.getvalue()

@@ -448,7 +448,8 @@ class _Rows:
         table.add_column()
         room = width - max((len(label) for label, _ in self.rows), default=0) - 2
         for label, value in self.rows:
-            table.add_row(label, _fit(value, room) if isinstance(value, str) else value)
+            # text, never markup: a code line such as `x[i + 1 : j]` is not a rich style
+            table.add_row(label, Text(_fit(value, room)) if isinstance(value, str) else value)
         return table
 
 
