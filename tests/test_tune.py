@@ -678,6 +678,14 @@ def test_an_arm_whose_rounds_disagree_by_far_gets_no_verdict(tmp_path: Path) -> 
     line = verdict_line({**result, "metric": "step_time"}).plain
     assert "by round ×0.1" in line and "rerun with more --trials" in line
     assert "saved" not in line
+    # not significant either way, yet the rounds disagree: unsettled too, not "×2.00"
+    three = []
+    for t, (base, arm) in enumerate(((0.005, 0.0123), (0.0071, 0.0049), (0.0092, 0.0049))):
+        three.append(_trial(0, t, rng.normal(base, 0.0001, 30), 8, tmp_path))
+        three.append(_trial(1, t, rng.normal(arm, 0.0001, 30), 8, tmp_path))
+    row = analyse_tune(arms, three, arms[0], steps=30)["arms"][1]
+    assert row["round_ratios"] == [pytest.approx(r, rel=0.05) for r in (2.46, 0.69, 0.53)]
+    assert row["verdict"] == "unsettled"
     # five rounds or more: the bootstrap over the rounds judges, whatever one round did
     more = trials + [_trial(a, t, rng.normal(0.181 if a == 0 else 0.144, 0.004, 20), 8,
                             tmp_path) for t in (2, 3, 4) for a in (0, 1)]

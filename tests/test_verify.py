@@ -53,6 +53,9 @@ def test_the_knobs_are_read_from_the_first_tune_command_of_a_verify_line():
                       "can give: trainprof tune --knob synthetic_data=false,true t.py") == (
         ["num_workers=0,4"], None)
     assert knob_specs("re-run `trainprof run t.py` and `trainprof compare A B`") == ([], None)
+    # the script's own --steps (and a --knob it takes) are its arguments, not tune's
+    assert knob_specs("trainprof tune --knob fused=false,true t.py --steps 100000 --knob x=1"
+                      ) == (["fused=false,true"], None)
 
 
 def _finding(cause: str, verify: str, gain: float = 0.3) -> dict:

@@ -90,10 +90,11 @@ BATCH_TOLERANCE = 0.01
 TRIAL_SPREAD_NOTE = 0.10
 #: With fewer rounds than this, an arm whose rounds' ratios to the baseline (or, unpaired,
 #: whose or the baseline's trial means) differ by more than :data:`UNSETTLED_SPREAD` times
-#: gets no verdict: "unsettled". A percentile bootstrap over 2-4 clusters cannot see how far
-#: their spread is from the truth (experiments/stats.py), and one trial that a burst of
-#: outside load slowed 6 times gave a 2-round sweep "×0.20, 95% CI ×0.10-×0.81" where its
-#: steps' medians said ×0.86.
+#: gets no verdict: "unsettled", significant or not (rounds at ×2.46, ×0.69 and ×0.53 made
+#: "×2.00, not significant" of a fix that was faster in two rounds of three). A percentile
+#: bootstrap over 2-4 clusters cannot see how far their spread is from the truth
+#: (experiments/stats.py), and one trial that a burst of outside load slowed 6 times gave
+#: a 2-round sweep "×0.20, 95% CI ×0.10-×0.81" where its steps' medians said ×0.86.
 UNSETTLED_ROUNDS = 5
 UNSETTLED_SPREAD = 1.5
 #: How long a child gets to close its record after Ctrl-C before it is killed.
@@ -759,7 +760,7 @@ def analyse_tune(
                           if 2 <= len(side) < UNSETTLED_ROUNDS and min(side) > 0
                           and max(side) / min(side) > UNSETTLED_SPREAD), None)
         verdict = ("faster" if ratio < 1 else "slower") if significant else "no_difference"
-        if unsettled is not None and significant:
+        if unsettled is not None:  # whether or not the interval clears 1: its size is moot
             verdict = "unsettled"
             what = ("its rounds' ratios to the baseline" if paired
                     else "its trials' or the baseline's mean step times")

@@ -42,13 +42,21 @@ _STEPS = re.compile(r"--steps\s+(\d+)")
 
 def knob_specs(verify: str) -> tuple[list[str], int | None]:
     """The ``--knob`` specs and ``--steps`` of the first ``trainprof tune`` command in a
-    finding's verify line (``[]`` when it has none)."""
+    finding's verify line (``[]`` when it has none). Only tune's own options count: they
+    come before the script, and the script's own arguments (its ``--steps 100000``) after."""
     start = verify.find("trainprof tune")
     if start < 0:
         return [], None
-    command = verify[start:].split(";", 1)[0]
-    steps = _STEPS.search(command)
-    return _KNOB.findall(command), int(steps.group(1)) if steps else None
+    command = verify[start + len("trainprof tune"):].split(";", 1)[0]
+    words = command.split()
+    own: list[str] = []
+    i = 0
+    while i < len(words) and words[i].startswith("-"):  # tune's options, up to the script
+        own += words[i:i + 2]
+        i += 2
+    options = " ".join(own)
+    steps = _STEPS.search(options)
+    return _KNOB.findall(options), int(steps.group(1)) if steps else None
 
 
 def pick_finding(findings: list[dict[str, Any]], number: int | None
