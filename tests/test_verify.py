@@ -38,6 +38,17 @@ for step in range(60):
 """
 
 
+def test_a_trials_own_knobs_are_kept_in_every_arm():
+    from trainprof.experiments.verify import trial_knobs
+
+    meta = {"knobs": {"requested": {"num_workers": 4, "pin_memory": True,
+                                    "channels_last": True}}}
+    # the finding's own knob is measured; the trial's others stay as the trial ran them
+    assert trial_knobs(meta, ["channels_last=false,true"]) == ["num_workers=4",
+                                                               "pin_memory=true"]
+    assert trial_knobs({}, ["channels_last=false,true"]) == []
+
+
 def test_the_knobs_are_read_from_the_first_tune_command_of_a_verify_line():
     assert knob_specs("trainprof tune --knob channels_last=false,true train.py  (the model "
                       "and its inputs)") == (["channels_last=false,true"], None)

@@ -101,6 +101,29 @@ def current_first(specs: list[str], meta: dict[str, Any]) -> list[str]:
     return out
 
 
+def trial_knobs(meta: dict[str, Any], specs: list[str]) -> list[str]:
+    """The knobs a run was itself a trial of (a tune or verify trial's folder: its record's
+    ``knobs.requested``) that ``specs`` do not set, as one-value specs: every arm keeps
+    them, so the fix is measured in the setting the run had (its ``num_workers=4``), not
+    the script's own. Values that do not read back as they were are left out."""
+    from trainprof.capture.knobs import parse_value
+
+    requested = (meta.get("knobs") or {}).get("requested") or {}
+    named = {spec.partition("=")[0] for spec in specs}
+    out = []
+    for name, value in requested.items():
+        if name in named or value is None:
+            continue
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        try:
+            if parse_value(name, text) != value:
+                continue
+        except UsageError:
+            continue
+        out.append(f"{name}={text}")
+    return out
+
+
 def original_command(meta: dict[str, Any]) -> tuple[str, list[str], bool, Path | None]:
     """The run's target, its arguments, whether it is a module, and the folder it ran in."""
     command = meta.get("command")
@@ -168,7 +191,7 @@ def verify_command(run_dir: Path, *, finding: int | None, steps: int | None, tri
     run = load_run(run_dir)
     summary, _ = analyse_folder(run_dir)
     number, chosen, specs, verify_steps = pick_finding(summary.get("findings") or [], finding)
-    specs = current_first(specs, run.meta)
+    specs = current_first(specs, run.meta) + trial_knobs(run.meta, specs)
     target, args, module, cwd = original_command(run.meta)
     tune_dir = (out if out is not None else default_run_dir(
         f"verify-{Path(target).stem if not module else target.rsplit('.', 1)[-1]}")).resolve()
