@@ -259,6 +259,22 @@ def test_a_run_that_shared_its_machine_is_noted(tmp_path: Path) -> None:
             in " ".join(out.getvalue().split()))
 
 
+def test_a_knob_the_runs_were_trials_of_is_named(tmp_path: Path) -> None:
+    """Two trials of `trainprof tune --knob trim_padding=false,true`: no DataLoader setting or
+    command shows the change, the knob does."""
+    rng = np.random.default_rng(7)
+    base = 100 + rng.normal(0, 2, 100)
+    a = load_run(_write_run(tmp_path / "a", base, data_ms=base * 0.6, phase="backward",
+                            meta={"knobs": {"requested": {"trim_padding": False}}}))
+    b = load_run(_write_run(tmp_path / "b", base * 0.4, data_ms=base * 0.0, phase="backward",
+                            meta={"knobs": {"requested": {"trim_padding": True}}}))
+    r = compare_runs(a, b)
+    assert r["verdict"] == "faster"
+    top = r["environment_diff"][0]
+    assert (top["key"], top["category"], top["a"], top["b"]) == (
+        "knob.trim_padding", "knob", False, True)
+
+
 def test_batch_size_change_compares_time_per_sample(tmp_path: Path) -> None:
     """Twice the samples in 1.5x the time is faster per sample, not slower."""
     rng = np.random.default_rng(2)

@@ -97,6 +97,7 @@ COMPUTE = ("forward", "backward", "optimizer")
 
 #: Order of categories, used to break ties (most specific mechanism first).
 CATEGORIES = (
+    "knob",
     "dataloader",
     "optimizer",
     "model",
@@ -367,6 +368,10 @@ def _facts(run: Run) -> tuple[dict[str, tuple[str, Any]], bool]:
         put("eval_mode.autograd", "eval", mode)
     for key, value in _model_facts(run).items():
         put(key, "model", value)
+    # the knobs the run was a tune trial of (trainprof.capture.knobs): a setting changed
+    # from outside the script, which no other fact may show (trim_padding, autocast)
+    for name, value in ((meta.get("knobs") or {}).get("requested") or {}).items():
+        put(f"knob.{name}", "knob", value)
     command = meta.get("command") or fp.get("command")
     if command:
         # The interpreter path is python.executable; the rest is what the user typed.
@@ -452,6 +457,8 @@ def _weights(category: str, key: str, cpu_compute: bool) -> dict[str, float]:
     elif category == "eval":
         setp(0.1, *BREAKDOWN_KEYS)
         p["forward"] = 1.0  # the eval calls are timed as forward
+    elif category == "knob":
+        setp(0.9, *BREAKDOWN_KEYS)  # a fix applied on purpose: first suspect, on any phase
     elif category == "optimizer":
         setp(0.1, *BREAKDOWN_KEYS)
         p["optimizer"] = 1.0 if key.endswith((".implementation", ".class")) else 0.8
