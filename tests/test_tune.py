@@ -616,6 +616,24 @@ def test_arms_are_paired_by_round_unless_a_trial_failed(tmp_path: Path) -> None:
     assert any("not paired by round" in n for n in doc["notes"])
 
 
+def test_a_dataloader_knob_in_a_script_without_a_dataloader_gets_no_verdict(tmp_path):
+    """prefetch_factor=2,4 on a script that makes no DataLoader: the arms are the same runs,
+    and one noisy trial each said "×1.17 as fast"."""
+    from trainprof.experiments.verify import judge
+
+    arms = build_arms(parse_knobs(["prefetch_factor=2,4"]))
+    rng = np.random.default_rng(9)
+    trials = [_trial(0, 0, rng.normal(0.012, 0.0003, 20), 8, tmp_path),
+              _trial(1, 0, rng.normal(0.010, 0.0003, 20), 8, tmp_path)]
+    for t in trials:
+        t.meta = {"knobs": {"requested": {"prefetch_factor": 2 + 2 * t.arm},
+                            "dataloaders": []}}
+    doc = analyse_tune(arms, trials, arms[0], steps=20)
+    assert doc["arms"][1]["verdict"] == "no_effect" and doc["best"] is None
+    assert any("the script created no DataLoader" in n for n in doc["notes"])
+    assert judge({"estimated_gain": 0.2}, doc)["verdict"] == "not applicable"
+
+
 def test_alternating_step_times_are_compared_by_their_mean(tmp_path: Path) -> None:
     """Workers deliver batches in turn: 20, 6, 20, 6 ms. The median picks a mode by chance."""
     arms = build_arms(parse_knobs(["num_workers=0,2"]))

@@ -573,6 +573,19 @@ def _loader_setting(loader: dict[str, Any], knob: str) -> Any:
     return loader.get(knob)
 
 
+def _inert(arm: Arm, baseline: Arm, meta: dict[str, Any]) -> bool:
+    """The arm differs from the baseline only in DataLoader knobs, and the script made no
+    DataLoader: its runs are the baseline's, whatever their times say (a 1-trial sweep of
+    prefetch_factor without a DataLoader said "×1.17 as fast")."""
+    from trainprof.capture.knobs import DATALOADER_KNOBS
+
+    record = meta.get("knobs") or {}
+    if not meta or record.get("dataloaders"):
+        return False
+    differ = [k for k in arm.settings if arm.settings[k] != baseline.settings.get(k)]
+    return bool(differ) and all(k in DATALOADER_KNOBS for k in differ)
+
+
 def _knob_notes(arm: Arm, meta: dict[str, Any]) -> list[str]:
     """What a run's knob record says did not apply as asked."""
     from trainprof.capture.knobs import DATALOADER_KNOBS
@@ -760,7 +773,10 @@ def analyse_tune(
                           if 2 <= len(side) < UNSETTLED_ROUNDS and min(side) > 0
                           and max(side) / min(side) > UNSETTLED_SPREAD), None)
         verdict = ("faster" if ratio < 1 else "slower") if significant else "no_difference"
-        if unsettled is not None:  # whether or not the interval clears 1: its size is moot
+        meta = next((t.meta for t in ts if t.meta), {})
+        if _inert(arm, baseline, meta):
+            verdict = "no_effect"  # the knob changed nothing: the runs are the baseline's
+        elif unsettled is not None:  # whether or not the interval clears 1: its size is moot
             verdict = "unsettled"
             what = ("its rounds' ratios to the baseline" if paired
                     else "its trials' or the baseline's mean step times")

@@ -13,6 +13,8 @@ those knobs, and then sets what was measured against what the finding estimated:
 * ``not confirmed``: no significant difference: the fix does not matter here, or more
   ``--trials`` are needed (the interval says which);
 * ``refuted``: significantly slower: keep the current setting;
+* ``not applicable``: the knob changed nothing in this script (a DataLoader knob where
+  the script makes none);
 * ``unsettled``: the fastest arm's trials disagree too much to size the change (one ran
   far slower than the others: outside load), whatever its interval says - rerun with more
   ``--trials`` on a quieter machine (:data:`trainprof.experiments.tune.UNSETTLED_SPREAD`).
@@ -164,6 +166,8 @@ def judge(finding: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
         verdict = "beyond the bound" if beyond else "confirmed"
     elif best.get("verdict") == "slower":  # even the fastest arm: all of them are
         verdict = "refuted"
+    elif best.get("verdict") == "no_effect":  # the knob did not apply: nothing measured
+        verdict = "not applicable"
     elif best.get("verdict") == "unsettled":  # its rounds disagree: no size to judge
         verdict = "unsettled"
         out["round_ratios"] = best.get("round_ratios")

@@ -23,6 +23,7 @@ _VERDICT = {
     "slower": ("slower", "bold red"),
     "no_difference": ("not significant", "yellow"),
     "unsettled": ("unsettled", "yellow"),
+    "no_effect": ("knob did nothing", "dim"),
     "baseline": ("baseline", "dim"),
     None: ("no data", "dim"),
 }

@@ -16,7 +16,7 @@ from trainprof.report.terminal import utilization_text
 
 _STYLE = {"confirmed": "bold green", "beyond the bound": "bold green",
           "not confirmed": "bold yellow", "refuted": "bold red", "no data": "bold yellow",
-          "unsettled": "bold yellow"}
+          "unsettled": "bold yellow", "not applicable": "bold yellow"}
 
 
 def _pct(x: float | None) -> str:
@@ -50,6 +50,7 @@ def verdict_line(result: dict[str, Any]) -> Text:
         "not confirmed": "no significant difference: more --trials, or the fix does not "
                          "matter here",
         "refuted": "keep the current setting",
+        "not applicable": "the knob changed nothing in this script (see tune's notes)",
         "unsettled": "its trials disagree too much to tell the size (a trial ran far slower "
                      "than the others: outside load?); rerun with more --trials on a quieter "
                      "machine",
