@@ -38,6 +38,22 @@ for step in range(60):
 """
 
 
+def test_an_aside_knob_is_not_judged_against_the_findings_estimate():
+    from trainprof.experiments.verify import judge
+    from trainprof.report.verify_terminal import verdict_line
+
+    finding = {"estimated_gain": 0.66, "verify": "`trainprof run t.py` after the change; a "
+               "worker for a thread: trainprof tune --knob num_workers=0,1 t.py"}
+    doc = {"metric": "step_time", "arms": [
+        {"name": "num_workers=1", "baseline": True, "ratio": 1.0},
+        {"name": "num_workers=0", "ratio": 0.72, "ci": [0.6, 0.8], "verdict": "faster"}]}
+    result = judge(finding, doc)
+    assert result["aside"] and result["verdict"] == "confirmed"
+    line = verdict_line({**result, "metric": "step_time"}).plain
+    assert "the finding's fix is a code change, not measured here" in line
+    assert line.endswith("keep that setting") and "66%" not in line
+
+
 def test_a_trials_own_knobs_are_kept_in_every_arm():
     from trainprof.experiments.verify import trial_knobs
 
@@ -64,6 +80,11 @@ def test_the_knobs_are_read_from_the_first_tune_command_of_a_verify_line():
                       "can give: trainprof tune --knob synthetic_data=false,true t.py") == (
         ["num_workers=0,4"], None)
     assert knob_specs("re-run `trainprof run t.py` and `trainprof compare A B`") == ([], None)
+    # a fix that is a code change: verify measures the bound (synthetic_data), not an aside
+    line = ("`trainprof run t.py` after the change, then trainprof compare A B; a worker for a "
+            "thread: trainprof tune --knob num_workers=0,1 --knob torch_threads=1,2 t.py; the "
+            "most any input fix can gain: trainprof tune --knob synthetic_data=false,true t.py")
+    assert knob_specs(line) == (["synthetic_data=false,true"], None)
     # the script's own --steps (and a --knob it takes) are its arguments, not tune's
     assert knob_specs("trainprof tune --knob fused=false,true t.py --steps 100000 --knob x=1"
                       ) == (["fused=false,true"], None)

@@ -42,13 +42,26 @@ _KNOB = re.compile(r"--knob\s+([a-z_0-9]+=[A-Za-z0-9_.,\-]+)")
 _STEPS = re.compile(r"--steps\s+(\d+)")
 
 
+def measures_fix(verify: str) -> bool:
+    """Whether a verify line's knob applies the finding's fix itself: the line starts with
+    its ``trainprof tune``. A line that starts otherwise ("`trainprof run ...` after the
+    change") has a fix that is a code change; a knob further on is an aside (a worker for a
+    thread) or the bound (``synthetic_data``: the most any input fix can gain)."""
+    return verify.lstrip("` ").startswith("trainprof tune")
+
+
 def knob_specs(verify: str) -> tuple[list[str], int | None]:
-    """The ``--knob`` specs and ``--steps`` of the first ``trainprof tune`` command in a
-    finding's verify line (``[]`` when it has none). Only tune's own options count: they
-    come before the script, and the script's own arguments (its ``--steps 100000``) after."""
+    """The ``--knob`` specs and ``--steps`` of the ``trainprof tune`` command in a finding's
+    verify line that verify measures (``[]`` when it has none): the first, or where the fix
+    is a code change (:func:`measures_fix`) the one that measures the finding's bound
+    (``synthetic_data``) if there is one. Only tune's own options count: they come before
+    the script, and the script's own arguments (its ``--steps 100000``) after."""
     start = verify.find("trainprof tune")
     if start < 0:
         return [], None
+    bound = verify.find("trainprof tune --knob synthetic_data")
+    if not measures_fix(verify) and bound >= 0:
+        start = bound
     command = verify[start + len("trainprof tune"):].split(";", 1)[0]
     words = command.split()
     own: list[str] = []
@@ -146,7 +159,12 @@ def judge(finding: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
     measured = [a for a in arms if a.get("ratio") is not None]
     bound = float(finding.get("estimated_gain") or 0.0)
     unknown = bool((finding.get("evidence") or {}).get("gain_unknown"))
-    out: dict[str, Any] = {"estimated_gain": bound, "gain_unknown": unknown}
+    verify = str(finding.get("verify") or "")
+    # a knob beside a fix that is a code change: the estimate is not this knob's to meet
+    aside = ("trainprof tune" in verify and not measures_fix(verify)
+             and "--knob synthetic_data" not in verify)
+    out: dict[str, Any] = {"estimated_gain": bound, "gain_unknown": unknown or aside,
+                           "aside": aside}
     if not measured:
         return {**out, "verdict": "no data", "arm": None}
     best = min(measured, key=lambda a: a["ratio"])
@@ -162,7 +180,8 @@ def judge(finding: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
                                   best.get("flops_utilization")])
     if best.get("verdict") == "faster":
         least = out["saving_ci"][0]  # the interval must clear the bound, not the estimate
-        beyond = not unknown and bound > 0 and least is not None and least > bound
+        beyond = (not unknown and not aside and bound > 0 and least is not None
+                  and least > bound)
         verdict = "beyond the bound" if beyond else "confirmed"
     elif best.get("verdict") == "slower":  # even the fastest arm: all of them are
         verdict = "refuted"

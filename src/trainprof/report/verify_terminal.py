@@ -33,7 +33,9 @@ def verdict_line(result: dict[str, Any]) -> Text:
     verdict = str(result.get("verdict"))
     line = Text()
     line.append(f"Verdict: {verdict}", style=_STYLE.get(verdict, "bold"))
-    estimate = ("its gain was not estimated" if result.get("gain_unknown")
+    estimate = ("the finding's fix is a code change, not measured here: this is its verify "
+                "line's aside" if result.get("aside")
+                else "its gain was not estimated" if result.get("gain_unknown")
                 else f"the finding said up to {_pct(result.get('estimated_gain'))}")
     if result.get("arm") is None:
         line.append(f" - no arm has a usable measurement; {estimate}")
@@ -45,7 +47,7 @@ def verdict_line(result: dict[str, Any]) -> Text:
     if verdict in ("confirmed", "beyond the bound"):
         measured += f", {_pct(result.get('saving'))} saved"
     advice = {
-        "confirmed": "apply the fix",
+        "confirmed": "keep that setting" if result.get("aside") else "apply the fix",
         "beyond the bound": "apply the fix; the estimate was too low (worth reporting)",
         "not confirmed": "no significant difference: more --trials, or the fix does not "
                          "matter here",
