@@ -681,7 +681,13 @@ def test_an_arm_whose_rounds_disagree_by_far_gets_no_verdict(tmp_path: Path) -> 
               _trial(1, 0, rng.normal(0.144, 0.004, 20), 8, tmp_path),
               _trial(0, 1, rng.normal(0.181, 0.004, 20), 8, tmp_path),
               _trial(1, 1, rng.normal(0.144, 0.004, 20), 8, tmp_path)]
+    # the disturbed trial's own record: another process on one of the 2 cores
+    trials[0].summary = {"system": {"sys_cpu_pct": 100.0, "proc_cpu_pct": 100.0,
+                                    "workers_cpu_pct": 0.0},
+                         "environment": {"usable_cores": 2}}
     doc = analyse_tune(arms, trials, arms[0], steps=20)
+    assert "compile=false trial 1: other processes kept ~1.0 cores busy while it ran" in (
+        doc["notes"])
     row = doc["arms"][1]
     assert row["paired"] and row["ratio"] < 0.25 and row["ci"][1] < 1  # the interval alone
     assert row["round_ratios"] == [pytest.approx(0.144 / disturbed.mean(), rel=0.05),

@@ -69,7 +69,7 @@ from trainprof.analysis.steps import (
     detect_warmup,
 )
 from trainprof.analysis.summary import summarize_run
-from trainprof.analysis.system import outside_cores
+from trainprof.analysis.system import OUTSIDE_LOAD_CORES, outside_cores
 from trainprof.store import Run
 
 #: Resamples of the bootstrap (each run resampled independently).
@@ -81,9 +81,7 @@ CONFIDENCE = 0.95
 PRACTICAL_THRESHOLD = 0.02
 #: Fewer steady steps than this in either run: no verdict.
 MIN_STEADY_STEPS = 5
-#: Cores of other processes' load on a run's machine from which compare notes it (the noise
-#: rule's threshold for outside load).
-OUTSIDE_LOAD_NOTE = 0.5
+
 #: Resample size cap (m-out-of-n bootstrap beyond it).
 MAX_RESAMPLE = 10_000
 #: Samples per step differing by more than this fraction: compare time per sample.
@@ -700,13 +698,13 @@ def compare_runs(a: Run, b: Run) -> dict[str, Any]:
     load_change = None
     if significant and all(isinstance(x, int | float) for x in loads):
         slower_more = (loads[1] - loads[0]) if verdict == "slower" else (loads[0] - loads[1])
-        if slower_more >= OUTSIDE_LOAD_NOTE:
+        if slower_more >= OUTSIDE_LOAD_CORES:
             load_change = {"a_cores": loads[0], "b_cores": loads[1]}
     for side, run, info in (("A", a, side_a), ("B", b, side_b)):
         if run.status != "finished":
             notes.append(f"run {side} is {run.status}: its last steps may be missing")
         load = info["system"].get("outside_load_cores")
-        if isinstance(load, int | float) and load >= OUTSIDE_LOAD_NOTE:
+        if isinstance(load, int | float) and load >= OUTSIDE_LOAD_CORES:
             notes.append(f"while run {side} ran, other processes kept ~{load:.1f} cores busy: "
                          "part of the difference may be the machine's, not the runs'")
     env, env_notes = environment_diff(a, b, phase_weights, cpu_compute)

@@ -22,6 +22,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from trainprof.analysis.system import OUTSIDE_LOAD_CORES
+
 #: Smallest loop worth reporting: trip count, and calls per step of its line.
 MIN_TRIPS = 8
 MIN_LINE_CALLS = 16
@@ -152,9 +154,6 @@ def source_line(filename: str, lineno: int) -> str | None:
     return None
 
 
-#: Cores of other processes' work during the op count's window from which its op times
-#: are not read by the rules (the noise rule's threshold for outside load).
-DISTURBED_CORES = 0.5
 
 
 def summarize_op_time(ops: dict[str, Any] | None, step_s: float | None,
@@ -173,9 +172,9 @@ def summarize_op_time(ops: dict[str, Any] | None, step_s: float | None,
 
     ``outside_cores``: the cores other processes kept busy while the window ran
     (:func:`trainprof.analysis.system.outside_cores_during`). From
-    :data:`DISTURBED_CORES` the split is ``disturbed``: other processes' work slows the
-    ops unevenly (a product on every core loses more than a one-thread copy, or the
-    reverse), and the rules do not read it."""
+    :data:`~trainprof.analysis.system.OUTSIDE_LOAD_CORES` the split is ``disturbed``: other
+    processes' work slows the ops unevenly (a product on every core loses more than a
+    one-thread copy, or the reverse), and the rules do not read it."""
     timed = (ops or {}).get("op_time_per_step")
     model = timed.get("model") if isinstance(timed, dict) else None
     if not isinstance(model, dict) or not step_s or step_s <= 0:
@@ -201,5 +200,5 @@ def summarize_op_time(ops: dict[str, Any] | None, step_s: float | None,
         # CUDA event pairs still pending when the run's record closed (dropped)
         "unresolved": timed.get("unresolved"),
         "outside_load_cores": outside_cores,
-        "disturbed": outside_cores is not None and outside_cores >= DISTURBED_CORES,
+        "disturbed": outside_cores is not None and outside_cores >= OUTSIDE_LOAD_CORES,
     }

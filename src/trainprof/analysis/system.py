@@ -123,6 +123,11 @@ def summarize_system(
     }
 
 
+#: Cores of other processes' work on the machine from which trainprof says so: the noise
+#: rule's ``external_load``, an op-time window ``disturbed``, a note in compare and tune.
+OUTSIDE_LOAD_CORES = 0.5
+
+
 def outside_cores(system: dict[str, Any], cores: int | None) -> float | None:
     """Cores other processes kept busy over a summary's samples: the system's CPU (its mean
     per core, times the usable cores) less this run's process and its DataLoader workers.

@@ -27,13 +27,14 @@ from typing import Any
 
 import numpy as np
 
+from trainprof.analysis.system import OUTSIDE_LOAD_CORES
 from trainprof.diagnosis.context import Context, robust_scale
 from trainprof.diagnosis.finding import Finding, Fix
 from trainprof.diagnosis.registry import rule
 
 MIN_STEADY = 10
 CV_LOW, CV_MEDIUM = 0.10, 0.25
-EXTERNAL_CORES = 0.5
+EXTERNAL_CORES = OUTSIDE_LOAD_CORES
 
 
 @rule("noise.step_time_stability")

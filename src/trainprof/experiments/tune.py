@@ -620,6 +620,16 @@ def _knob_notes(arm: Arm, meta: dict[str, Any]) -> list[str]:
     return notes
 
 
+def _outside_load(trial: Trial) -> float | None:
+    """Cores other processes kept busy while the trial's steady steps ran (its summary's
+    system samples; analysis/system.outside_cores), None where unknown."""
+    from trainprof.analysis.system import outside_cores
+
+    summary = trial.summary or {}
+    return outside_cores(summary.get("system") or {},
+                         (summary.get("environment") or {}).get("usable_cores"))
+
+
 def _flops_utilization(trials: list[Trial]) -> float | None:
     """The median over the trials of their FLOPs utilization (analysis/compute_efficiency.py):
     how near the machine's matmul peak an arm's steps ran; None where no trial has one."""
@@ -644,6 +654,7 @@ def analyse_tune(
 ) -> dict[str, Any]:
     """Per-arm statistics, ratios to the baseline, verdicts and the best arm (module docstring)."""
     from trainprof.analysis.compare import CONFIDENCE, N_BOOT, PRACTICAL_THRESHOLD, SEED
+    from trainprof.analysis.system import OUTSIDE_LOAD_CORES
     from trainprof.experiments.stats import ratio_ci
 
     by_arm: dict[int, list[Trial]] = {a.index: [] for a in arms}
@@ -701,6 +712,11 @@ def analyse_tune(
                     next((t.meta for t in by_arm[arm.index] if t.meta), {}))
         row["actual"] = {k: _actual(k, meta) for k in arm.settings}
         notes.extend(_knob_notes(arm, meta))
+        for t in ts:  # a trial that shared its machine: its time is partly the machine's
+            load = _outside_load(t)
+            if load is not None and load >= OUTSIDE_LOAD_CORES:
+                notes.append(f"{arm.name} trial {t.trial + 1}: other processes kept ~{load:.1f} "
+                             "cores busy while it ran")
         for t in by_arm[arm.index]:
             if not t.stopped and (t.status != "finished" or t.exit_code not in (0, None)):
                 notes.append(f"{arm.name} trial {t.trial + 1}: {t.status}, exit code "
