@@ -261,6 +261,16 @@ def test_a_stray_file_among_the_images_is_skipped_as_imagefolder_does(tmp_path):
         done.stdout.split())
 
 
+def test_a_sample_that_does_not_decode_names_its_file(tmp_path):
+    _image_folder(tmp_path / "src", 6)
+    (tmp_path / "src" / "class_b" / "1.png").write_bytes(b"not a png")
+    pack_folder(tmp_path / "src", tmp_path / "pack")
+    ds = PackedDataset(tmp_path / "pack")
+    with pytest.raises(Image.UnidentifiedImageError,
+                       match=r"\(sample 2, from class_b/1\.png of .*pack\)"):
+        ds[2]
+
+
 def test_flat_folder_of_npy_files_packs_to_arrays_in_path_order(tmp_path):
     rng = np.random.default_rng(2)
     arrays = {f"{name}.npy": rng.standard_normal((2, 3)).astype(np.float32)

@@ -388,6 +388,8 @@ def test_cheap_batches_are_timed_one_in_eight_and_scaled_to_all(tmp_path):
         "ended": True, "streams": [{**st.snapshot(), "loader_index": 0, "worker_id": None,
                                     "num_workers": 0, "generation": 1}]}).encode())
     w = summarize_workers(run)["loaders"][0]
+    # every batch's samples counted (only the timing is one in eight): a count, not an estimate
+    assert not w["samples_estimated"] and w["samples"] == 16384
     split = w["fetch_split"]
     # the truth: the wall and CPU time of the whole loop (timing included: a few %)
     assert w["sample_blocked_ms"]["mean"] + w["sample_cpu_ms"]["mean"] == pytest.approx(
@@ -397,12 +399,38 @@ def test_cheap_batches_are_timed_one_in_eight_and_scaled_to_all(tmp_path):
     assert w["sample_cpu_ms"]["mean"] >= 0.020  # at least the burn's 40 µs in half the samples
 
 
+def test_samples_counted_on_a_few_timed_batches_are_shown_as_an_estimate(tmp_path):
+    """num_workers=0 and cheap samples: the training process times a few batches a second
+    and scales the samples it saw to all batches - an estimate, shown with "~" (a run of
+    exactly 6,000 samples read "6,016 samples")."""
+    doc = run_script(tmp_path, """
+class Cheap(Sleepy):
+    def __len__(self):
+        return 12_000
+    def __getitem__(self, i):
+        return torch.zeros(8), i % 2
+
+train(DataLoader(Cheap(), batch_size=8), step_s=0.001)
+""")
+    w = loader_entry(doc)
+    assert w["mode"] == "main" and w["batches"] == 1500
+    if not w["samples_estimated"]:  # (a machine slow enough to time every batch)
+        assert w["samples"] == 12_000
+        return
+    from trainprof.report.terminal import _worker_rows
+
+    assert w["samples"] == pytest.approx(12_000, rel=0.1)
+    rows = _worker_rows(doc["workers"], doc["dataloaders"])
+    assert any(f"~{w['samples']:,} samples" in text for _, text in rows), rows
+
+
 def test_num_workers_0_is_measured_in_the_training_process(tmp_path):
     doc = run_script(tmp_path, """
 train(DataLoader(Sleepy(), batch_size=8))
 """)
     w = loader_entry(doc)
     assert (w["mode"], w["num_workers"], w["samples"], w["batches"]) == ("main", 0, 96, 12)
+    assert not w["samples_estimated"]  # every batch timed: counted, not scaled
     assert w["processes"] == 1 and w["startup"] is None and w["busy_share"] is None
     assert w["cpu_wait_share"] is None  # no schedstat reads on the training thread
     assert 4.9 <= reads_ms(w) <= 6.5 and w["sample_cpu_ms"]["median"] < 1.0, w

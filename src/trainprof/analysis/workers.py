@@ -340,6 +340,8 @@ def _summarize_loader(index: int | None, mode: str, procs: list[tuple[dict[str, 
         "generations": len({_num(s, "generation") for s in streams}),
         "batches": tot["batches"],
         "samples": tot["samples"],
+        # counted on the timed batches and scaled to all of them: an estimate, not a count
+        "samples_estimated": any(s.get("samples_scaled") for s in streams),
         "samples_timed": tot["samples_timed"],
         "sample_blocked_ms": _ms_stats(_merge_hist(streams, "blocked"), blocked_ns,
                                        tot["samples"]),

@@ -218,16 +218,20 @@ class Stream:
 
     def snapshot(self) -> dict[str, Any]:
         acc = list(self.acc)
+        scaled = False
         if self.rearm:  # only the timed batches were seen: batches from the iterators
             batches = max(self.yielded, acc[TIMED_BATCHES])
             timed = acc[TIMED_BATCHES]
             acc[SAMPLES] = round(acc[SAMPLES] * batches / timed) if timed else 0
             acc[BATCHES] = batches
+            scaled = timed < batches
         return {
             **self.info,
             **dict(zip(ACC_NAMES, acc, strict=True)),
             **({"first_batches": list(self.digests)} if self.digests else {}),
             "runq_measured": self._fd >= 0,
+            # samples counted from the timed batches and scaled to all (an estimate)
+            "samples_scaled": scaled,
             "capture_off": self.off,
             "hist": {
                 "blocked": sparse_hist(list(self.h_blocked)),

@@ -204,7 +204,30 @@ class PackedDataset(_Base):  # type: ignore[misc,valid-type]
                 return [torch.from_numpy(r) for r in ordered]
             return ordered
         raw = [self._blob(name, int(i)) for i in sorted_idx]
-        return [self._decode_blob(field["codec"], raw[j]) for j in inverse]
+        out = []
+        for j in inverse:
+            try:
+                out.append(self._decode_blob(field["codec"], raw[j]))
+            except PackError:
+                raise
+            except Exception as exc:  # a corrupt sample: name it, as the file would be named
+                index = int(sorted_idx[j])
+                try:
+                    named = type(exc)(f"{exc} (sample {index}{self._source_of(index)} "
+                                      f"of {self.path})")
+                except Exception:  # noqa: BLE001 - a type that takes other arguments
+                    raise exc from None
+                raise named from exc
+        return out
+
+    def _source_of(self, index: int) -> str:
+        """", from FILE" for a folder pack's sample (its source file), else ""."""
+        if "path" not in {f["name"] for f in self.manifest["fields"]}:
+            return ""
+        try:
+            return f", from {self.path_of(index)}"
+        except Exception:  # noqa: BLE001 - the name is a courtesy
+            return ""
 
     def _decode_blob(self, codec: str, data: bytes) -> Any:
         if not self.decode or codec == "raw":

@@ -308,7 +308,7 @@ def _worker_rows(workers: dict[str, Any] | None,
                    f"{w.get('generations')} generation(s)")
         parts = [
             who,
-            f"{w['samples']:,} samples",
+            f"{'~' if w.get('samples_estimated') else ''}{w['samples']:,} samples",
             f"per sample blocked {_ms_txt(w.get('sample_blocked_ms'))}, "
             f"CPU {_ms_txt(w.get('sample_cpu_ms'))}",
             f"collate {_ms_txt(w.get('collate_ms'))}/batch",
