@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -228,16 +229,21 @@ def test_a_module_that_runs_itself_again_is_recorded_as_a_rank(tmp_path):
     assert sorted(p.name for p in (res.run_dir / "ranks").iterdir()) == ["1"]
 
 
+#: Five optimizer steps of a one-tensor model (torch imported by the body before it).
+FIVE_STEPS = """
+w = torch.zeros(3, requires_grad=True)
+opt = torch.optim.SGD([w], lr=0.1)
+for _ in range(5):
+    (w * 2).sum().backward(); opt.step(); opt.zero_grad()
+"""
+
+
 def test_json_stdout_is_only_json_and_script_output_goes_to_stderr(tp):
-    body = """
+    body = textwrap.dedent("""
     import os, torch
     print("hello from the script")
     os.system("echo from a child process")
-    w = torch.zeros(3, requires_grad=True)
-    opt = torch.optim.SGD([w], lr=0.1)
-    for _ in range(5):
-        (w * 2).sum().backward(); opt.step(); opt.zero_grad()
-    """
+    """) + FIVE_STEPS
     res = tp(body, "--json")
     assert res.returncode == 0, res.stderr
     json.loads(res.stdout)  # nothing else on stdout
@@ -248,7 +254,7 @@ def test_json_stdout_is_only_json_and_script_output_goes_to_stderr(tp):
 def test_json_stdout_stays_one_document_when_the_script_prints_at_exit(tp):
     """atexit handlers, a __del__ at shutdown and a thread still printing all run after the
     script's last line (and after the document): their output goes to stderr too."""
-    body = """
+    body = textwrap.dedent("""
     import atexit, threading, time, torch
 
     class Tidy:
@@ -258,11 +264,7 @@ def test_json_stdout_stays_one_document_when_the_script_prints_at_exit(tp):
     tidy = Tidy()
     atexit.register(lambda: print("atexit handler"))
     threading.Thread(target=lambda: (time.sleep(0.5), print("late thread"))).start()
-    w = torch.zeros(3, requires_grad=True)
-    opt = torch.optim.SGD([w], lr=0.1)
-    for _ in range(5):
-        (w * 2).sum().backward(); opt.step(); opt.zero_grad()
-    """
+    """) + FIVE_STEPS
     res = tp(body, "--json")
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["steps"]["count"] == 5  # one document, nothing after it

@@ -27,8 +27,6 @@ import numpy as np
 _SEP = os.sep
 #: A compile id's attempt number (``"0/3"`` -> 3; ``"[0/3]"`` in some versions).
 _COMPILE_ID = re.compile(r"(\d+)/(\d+)")
-#: The leading ``0/1: `` of a guard-failure text.
-_REASON_PREFIX = re.compile(r"^\s*\d+/\d+:\s*")
 #: Reason kinds by the words of Dynamo's guard-failure texts.
 _KINDS = (("shape", ("size mismatch", "stride mismatch", "dimensionality", "rank")),
           ("grad_mode", ("grad_mode",)),
@@ -81,12 +79,12 @@ def summarize_compiles(record: dict[str, Any] | None, steps: np.ndarray, warmup:
     kinds: dict[str, int] = {}
     examples: dict[str, str] = {}
     for entry in record.get("reasons") or []:
+        # distinct texts with their counts (the capture left out which cache entry failed)
         for reason in entry.get("reasons") or []:
-            text = str(reason.get("text") if isinstance(reason, dict) else reason)
-            count = int(reason.get("count") or 1) if isinstance(reason, dict) else 1
+            text = str(reason.get("text") or "")
             kind = reason_kind(text)
-            kinds[kind] = kinds.get(kind, 0) + count
-            examples.setdefault(kind, _REASON_PREFIX.sub("", text).strip())
+            kinds[kind] = kinds.get(kind, 0) + int(reason.get("count") or 1)
+            examples.setdefault(kind, text)
     return {
         "count": sum(1 for e in events if e.get("trigger") == "dynamo"),
         "seconds": sum(float(e.get("dur_s") or 0.0) for e in events),

@@ -43,6 +43,8 @@ class CompileEvents:
         self._open: dict[str, tuple[int, int, str]] = {}
         self._callbacks: tuple[Any, Any] | None = None
         self._lock = threading.Lock()
+        self._noted = -1  # guard failures Dynamo had noted when the reasons were last read
+        self._reasons_cache: list[dict[str, Any]] = []
 
     def register(self) -> None:
         """Register Dynamo's compilation callbacks, once (Dynamo must be imported)."""
@@ -88,6 +90,18 @@ class CompileEvents:
         except Exception:  # noqa: BLE001, S110 - the process is ending its record anyway
             pass
 
+    def _reasons(self) -> list[dict[str, Any]]:
+        """:func:`recompile_reasons`, read again only when Dynamo has noted more failures:
+        the record is rebuilt once a second, and a recompilation storm notes thousands."""
+        dynamo = sys.modules.get("torch._dynamo")
+        try:
+            noted = sum(len(v) for v in list(dynamo.utils.guard_failures.values()))
+        except Exception:  # noqa: BLE001 - Dynamo not imported, or without the record
+            return []
+        if noted != self._noted:
+            self._noted, self._reasons_cache = noted, recompile_reasons()
+        return self._reasons_cache
+
     def record(self, origin_ns: int) -> dict[str, Any] | None:
         """run.json's ``compiles``: the compilations (step, seconds, start on the step
         clock) and Dynamo's reasons for compiling again; None when nothing compiled."""
@@ -96,7 +110,7 @@ class CompileEvents:
         events = [{"step": e["step"], "t_start_ns": e["t_ns"] - origin_ns,
                    "dur_s": e["dur_s"], "trigger": e["trigger"],
                    "compile_id": e["compile_id"]} for e in self.events]
-        return {"events": events, "dropped": self.dropped, "reasons": recompile_reasons(),
+        return {"events": events, "dropped": self.dropped, "reasons": self._reasons(),
                 "recompile_limit": _recompile_limit()}
 
 
