@@ -3,7 +3,9 @@
 From run.json's ``activation_checkpointing`` (:mod:`trainprof.capture.checkpointing`:
 the training thread's outermost ``torch.utils.checkpoint.checkpoint`` calls, timed).
 ``share`` is their time over the time of all complete steps (warm-up included: the
-record keeps run totals, as the hand-over's does), which is what the backward pass's
+record keeps run totals, as the hand-over's does; calls in steps recorded under a heavy
+tool are left out of both, the capture keeping their time apart as ``profiled_s``),
+which is what the backward pass's
 recomputation of those regions costs, about: see the capture's docstring.
 """
 

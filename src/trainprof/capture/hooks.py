@@ -80,6 +80,7 @@ from trainprof.capture.worker import WorkerCapture
 from trainprof.schema import (
     BACKWARD,
     DATA,
+    FLAG_PROFILED,
     FLAG_SKIPPED,
     FORWARD,
     GC,
@@ -1022,12 +1023,19 @@ class Instrumentation:
                         or is_compiling()):
                     return orig(function, *args, **kwargs)
                 ckpt.depth += 1
+                if clock.bwd_pending and clock.current == OTHER:
+                    clock.top_level_event()  # a region begins a backward-delimited step
                 t0 = perf_counter_ns()
+                if not clock.started:
+                    # a region that begins the run begins its first step: its first call
+                    # (which imports torch._dynamo, 0.9 s) is the step's, not before it
+                    clock.begin(t0)
                 try:
                     return orig(function, *args, **kwargs)
                 finally:
                     ckpt.depth -= 1
-                    ckpt.add(perf_counter_ns() - t0, clock.n_steps, kwargs.get("use_reentrant"))
+                    ckpt.add(perf_counter_ns() - t0, clock.n_steps, kwargs.get("use_reentrant"),
+                             bool(clock.extra_flags & FLAG_PROFILED))
 
             return checkpoint
 
