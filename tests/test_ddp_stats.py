@@ -8,6 +8,8 @@ whose all-reduce is really exposed is in ``test_ranks.py``.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -68,7 +70,7 @@ def test_a_run_keeps_ddps_sampled_iterations_and_settings(one_rank, tmp_path):
     assert m["exposed_ms"] == pytest.approx(max(0, sample[3] - sample[4]) / 1e6)
     assert m["exposed_share"] == pytest.approx(m["exposed_ms"] / 1e3 / doc["steps"]["median_s"])
 
-    # TensorBoard: each sampled iteration at its number
+    # TensorBoard: each sampled iteration at its step (DDP counts forwards from 1)
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
     from tensorboard.util import tensor_util
@@ -79,9 +81,23 @@ def test_a_run_keeps_ddps_sampled_iterations_and_settings(one_rank, tmp_path):
     acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0})
     acc.Reload()
     events = acc.Tensors("ddp/allreduce_ms")
-    assert [e.step for e in events] == iterations
+    assert [e.step for e in events] == [i - 1 for i in iterations]
     assert [float(tensor_util.make_ndarray(e.tensor_proto)) for e in events] == pytest.approx(
         [s[3] / 1e6 for s in entry["samples"]], rel=1e-6)
+    # the wall time of a point is when its step ended
+    from trainprof.analysis.scalars import ddp_points, wall_origin
+    from trainprof.analysis.steps import complete_steps
+
+    steps = complete_steps(run.steps)
+    origin = wall_origin(run)
+    point = ddp_points(run, steps, origin)[-1]
+    (row,) = steps[steps["step"] == 99]
+    assert point.step == 99
+    assert point.wall == pytest.approx(origin + (row["t_start_ns"] + row["dur_ns"]) / 1e9)
+    # with 4 backward passes a step (accumulation), iteration N is step (N-1)//4
+    ops = json.loads((run.path / "ops.json").read_text())
+    (run.path / "ops.json").write_text(json.dumps({**ops, "backward_per_step": 4.0}))
+    assert [p.step for p in ddp_points(run, steps, origin)] == [(i - 1) // 4 for i in iterations]
 
 
 def test_a_dropped_model_is_not_kept_alive(one_rank):

@@ -21,8 +21,11 @@ clock time (seconds since the epoch) and ``(tag, value)`` pairs, only finite val
   ``workers/rss_mib``, ``system/cpu_pct`` (mean of the cores), ``system/iowait_pct``,
   ``system/disk_read_mb_per_s``, and per GPU ``gpu<i>/util_pct``, ``memory_used_mib``,
   ``power_w``, ``temperature_c``, ``sm_clock_mhz``.
-* **DDP** (:func:`ddp_points`), per DDP model, at each iteration DDP's reducer sampled (1-10,
-  then every 100th; the iteration number is the step's unless gradients accumulate):
+* **DDP** (:func:`ddp_points`), per DDP model, at the step of each iteration DDP's reducer
+  sampled (1-10, then every 100th). DDP counts its forward passes from 1 (its reducer's
+  ``num_iterations_``, raised in ``prepare_for_forward``), so iteration N is step N-1; with
+  k backward passes a step (gradient accumulation, ``backward_per_step`` of the op count's
+  window, one forward each; a run with one DDP model) it is step (N-1)//k:
   ``ddp/forward_ms``, ``backward_compute_ms``, ``allreduce_ms``, ``overlap_ms`` and
   ``exposed_ms`` (:mod:`trainprof.analysis.ddp` defines them).
 
@@ -48,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from trainprof.analysis.ops import load_ops
 from trainprof.analysis.steps import complete_steps
 from trainprof.analysis.system import load_samples
 from trainprof.schema import PHASE_NAMES
@@ -354,11 +358,20 @@ def sample_points(run: Run, steps: np.ndarray, origin: float,
 # --------------------------------------------------------------------------- DDP
 
 
+def iteration_step(iteration: int, forwards_per_step: int) -> int:
+    """The step (from 0) of DDP's iteration ``iteration`` (its forward passes, from 1)."""
+    return max(0, iteration - 1) // max(1, forwards_per_step)
+
+
 def ddp_points(run: Run, steps: np.ndarray, origin: float) -> list[Point]:
     """DDP's own timing of each sampled iteration (trainprof.capture.ddp_stats), at the
-    iteration's number: a forward pass, the step's number unless gradients accumulate.
-    Several DDP models: ``ddp0/``, ``ddp1/``, ... ."""
+    iteration's step (:func:`iteration_step`). Several DDP models: ``ddp0/``, ``ddp1/``, ... ."""
     models = [m for m in run.meta.get("ddp") or [] if isinstance(m, dict)]
+    per_step = 1
+    if len(models) == 1:  # several models' forwards (a GAN's) need not be the backwards
+        backward = (load_ops(run.path) or {}).get("backward_per_step")
+        if isinstance(backward, (int, float)) and backward >= 1.5:
+            per_step = round(backward)
     end = (float(steps["t_start_ns"][-1] + steps["dur_ns"][-1]) / 1e9 if len(steps) else 0.0)
     out = []
     for k, m in enumerate(models):
@@ -367,13 +380,14 @@ def ddp_points(run: Run, steps: np.ndarray, origin: float) -> list[Point]:
             if not (isinstance(sample, list) and len(sample) >= 5):
                 continue
             it, fwd, bwd, comm, overlap = (int(x) for x in sample[:5])
+            step = iteration_step(it, per_step)
             # DDP's figures are read once a second, not timed here: at the run's clock, when
             # the iteration's step ended if it is known, else at the run's end
-            at = np.searchsorted(steps["step"], it) if len(steps) else 0
+            at = np.searchsorted(steps["step"], step) if len(steps) else 0
             wall = (origin + float(steps["t_start_ns"][at] + steps["dur_ns"][at]) / 1e9
-                    if len(steps) and at < len(steps) and steps["step"][at] == it
+                    if len(steps) and at < len(steps) and steps["step"][at] == step
                     else origin + end)
-            out.append(Point(it, wall, [(f"{prefix}/{name}", value / 1e6) for name, value in (
+            out.append(Point(step, wall, [(f"{prefix}/{name}", value / 1e6) for name, value in (
                 ("forward_ms", fwd), ("backward_compute_ms", bwd), ("allreduce_ms", comm),
                 ("overlap_ms", overlap), ("exposed_ms", max(0, comm - overlap)))]))
     return out
