@@ -3,6 +3,7 @@ and version, shared by the node's ranks, complete or absent."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import shutil
@@ -125,6 +126,29 @@ def test_the_command_prints_the_local_path(tmp_path):
     res = trainprof("stage", str(tmp_path / "nope"), cwd=tmp_path)
     assert (res.returncode, res.stdout) == (2, "")
     assert res.stderr.strip() == f"error: no such file or folder: {tmp_path / 'nope'}"
+    (tmp_path / "empty").mkdir()  # staged, and said: a job would train on nothing
+    res = trainprof("stage", str(tmp_path / "empty"), "--to", str(tmp_path / "local"),
+                    cwd=tmp_path)
+    assert res.returncode == 0 and Path(res.stdout.strip()).is_dir()
+    assert "staged 0 files" in res.stderr
+    assert f"warning: {tmp_path / 'empty'} holds no files" in res.stderr
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "a.bin").write_bytes(b"x")
+    res = trainprof("stage", str(tmp_path / "one"), "--to", str(tmp_path / "local"),
+                    cwd=tmp_path)
+    assert "staged 1 file," in res.stderr and "warning" not in res.stderr
+    first = Path(res.stdout.strip())
+    (tmp_path / "one" / "b.bin").write_bytes(b"yy")  # a new version: a fresh copy, and the
+    res = trainprof("stage", str(tmp_path / "one"), "--to", str(tmp_path / "local"),
+                    "--json", cwd=tmp_path)  # earlier one named, not removed (a job may read it)
+    doc = json.loads(res.stdout)
+    assert doc["copied"] and doc["older_copies"] == [str(first)] and doc["older_bytes"] == 1
+    assert first.is_dir()
+    res = trainprof("stage", str(tmp_path / "one"), "--to", str(tmp_path / "local"),
+                    cwd=tmp_path)
+    assert "reusing the copy" in res.stderr
+    assert (f"1 copy of an earlier version of {tmp_path / 'one'} stays beside it (0.0 MiB); "
+            f"once no job reads it: rm -rf {first}") in res.stderr
 
 
 def test_ctrl_c_is_taken_between_items_and_the_handler_restored():

@@ -8,6 +8,7 @@ live run and a later report of it always agree.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import time
 from collections.abc import Iterator
@@ -610,17 +611,30 @@ def stage_command(source: Path, *, to: Path | None, threads: int, json_out: bool
             progress(done, total) if time.perf_counter() - start > 1.0 else None))
     seconds = time.perf_counter() - start
     doc = {"source": str(source), "path": str(staged.path), "copied": staged.copied,
-           "files": staged.files, "bytes": staged.bytes, "seconds": seconds}
+           "files": staged.files, "bytes": staged.bytes, "seconds": seconds,
+           "older_copies": [str(p) for p in staged.older], "older_bytes": staged.older_bytes}
     if json_out:
         render_json(doc)
         return 0
+    files = f"{staged.files:,} file{'' if staged.files == 1 else 's'}"
     if staged.copied:
         rate = staged.bytes / seconds / 2**20 if seconds > 0 else 0.0
-        print(f"trainprof: staged {staged.files:,} files, {staged.bytes / 2**20:,.1f} MiB, in "
+        print(f"trainprof: staged {files}, {staged.bytes / 2**20:,.1f} MiB, in "
               f"{seconds:.1f} s ({rate:,.0f} MiB/s)", file=sys.stderr)
     else:
-        print(f"trainprof: reusing the copy made earlier ({staged.files:,} files, "
+        print(f"trainprof: reusing the copy made earlier ({files}, "
               f"{staged.bytes / 2**20:,.1f} MiB)", file=sys.stderr)
+    if staged.older:
+        what = ("1 copy of an earlier version of {} stays" if len(staged.older) == 1 else
+                f"{len(staged.older)} copies of earlier versions of {{}} stay").format(source)
+        print(f"trainprof: {what} beside it ({staged.older_bytes / 2**20:,.1f} MiB); "
+              f"once no job reads {'it' if len(staged.older) == 1 else 'them'}: "
+              f"rm -rf {' '.join(shlex.quote(str(p)) for p in staged.older)}",
+              file=sys.stderr)
+    if not staged.files:
+        # a job script reads the path that follows: say so before it trains on nothing
+        print(f"trainprof: warning: {source} holds no files: the copy is empty",
+              file=sys.stderr)
     print(staged.path)
     return 0
 

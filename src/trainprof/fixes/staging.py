@@ -15,6 +15,10 @@ it once. What a hand-written ``cp -r`` in a job script gets wrong, and this does
   place when all are there, and marked complete beside it (``.NAME.staged.json``); a
   killed job leaves a partial or unmarked copy that the next call removes, and a file
   of the wrong size after copying is an error.
+* **Older versions named, not removed**: the complete copies of earlier versions of
+  the same source stay (a job started before the change may still read one), and are
+  returned (``Staged.older``) so that the command can say what they hold and how to
+  remove them.
 * **Room checked first**: the copy is refused, with the sizes, before anything is
   written when the local disk has not room for it plus :data:`HEADROOM`.
 
@@ -59,6 +63,9 @@ class Staged:
     copied: bool  # False: an earlier complete copy was reused
     files: int
     bytes: int
+    #: complete copies of earlier versions of the same source under the same folder
+    older: tuple[Path, ...] = ()
+    older_bytes: int = 0
 
 
 def local_root() -> Path:
@@ -104,6 +111,24 @@ def _complete(dest: Path, digest: str) -> bool:
     return marker.get("digest") == digest and dest.exists()
 
 
+def _older_copies(root: Path, src: Path, digest: str) -> tuple[tuple[Path, ...], int]:
+    """Complete copies under ``root`` of other versions of ``src``, and their bytes."""
+    found, size = [], 0
+    for marker in sorted(root.glob(MARKER.format(name=f"{src.name}-*"))):
+        try:
+            doc = json.loads(marker.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(doc, dict) or doc.get("source") != str(src) or doc.get(
+                "digest") == digest:
+            continue
+        copy = root / f"{src.name}-{doc.get('digest')}"
+        if copy.exists():
+            found.append(copy)
+            size += int(doc.get("bytes") or 0)
+    return tuple(found), size
+
+
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
@@ -139,8 +164,9 @@ def stage(source: str | os.PathLike[str], to: str | os.PathLike[str] | None = No
     target = dest / src.name if src.is_file() else dest
     with open(root / f".{dest.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one rank copies; the others wait, then reuse
+        older, older_bytes = _older_copies(root, src, digest)
         if _complete(dest, digest):
-            return Staged(target, False, len(listing), total)
+            return Staged(target, False, len(listing), total, older, older_bytes)
         for stale in root.glob(f"{dest.name}.partial-*"):
             _remove(stale)  # a copy a killed job left
         _remove(dest)  # a copy whose marker was never written
@@ -160,7 +186,7 @@ def stage(source: str | os.PathLike[str], to: str | os.PathLike[str] | None = No
         except BaseException:
             _remove(partial)
             raise
-    return Staged(target, True, len(listing), total)
+    return Staged(target, True, len(listing), total, older, older_bytes)
 
 
 def _copy(src: Path, partial: Path, listing: list[tuple[str, int, int]], threads: int,
