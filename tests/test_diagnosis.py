@@ -604,6 +604,42 @@ def test_measurement_noise():
                if g["category"] == "measurement_noise")
 
 
+def test_a_long_warm_up_under_outside_load_is_named():
+    # 20 steps at 25 ms while other processes kept 1.5 cores busy, then 60 at 10 ms
+    fwd = np.full(80, 3 * MS)
+    fwd[:20] = 18 * MS
+    steps = make_steps(80, forward=fwd)
+    quiet = {"n_samples": 20, "proc_cpu_pct": 100.0, "sys_cpu_pct": 50.0}  # 0 outside
+
+    def found(**system):
+        summary = make_summary(steps, system={**quiet, **system})
+        return [f for f in diagnose(summary, steps) if f["cause"] == "warmup_under_load"]
+
+    (f,) = found(outside_cores_warmup=1.5)
+    assert f["category"] == "measurement_noise" and f["estimated_gain"] == 0.0
+    warm = f["evidence"]["warmup_steps"]
+    assert warm == 20 and f["title"].startswith(
+        "The first 20 steps (25% of the run), counted as warm-up, ran while other processes "
+        "kept ~1.5 cores busy")
+    assert f["evidence"]["warmup_median_s"] == pytest.approx(25 * MS, rel=0.05)
+    text = " ".join(f["fix"]["text"].split())
+    assert "steps took 25.1 ms (median) against 10.0 ms after them" in text  # (the jitter)
+    assert "~1.5 of the 2 usable cores busy, and ~0.0 after" in text
+    # the load no higher than after; under half a core; no slower than the steady steps
+    assert found(outside_cores_warmup=1.5, sys_cpu_pct=125.0) == []  # 1.5 after as well
+    assert found(outside_cores_warmup=0.4) == []
+    assert found() == []  # no samples in the warm-up
+    flat = make_steps(80)
+    summary = make_summary(flat, system={**quiet, "outside_cores_warmup": 1.5})
+    summary["steps"]["warmup"] = 20  # long, but as fast as the rest
+    summary["steps"]["warmup_median_s"] = summary["steps"]["median_s"]
+    assert not [g for g in diagnose(summary, flat) if g["cause"] == "warmup_under_load"]
+    # compiling in the warm-up (Dynamo's workers read as outside load): not named
+    summary = make_summary(steps, system={**quiet, "outside_cores_warmup": 1.5},
+                           compiles={"steps": [0, 1], "steps_after_warmup": []})
+    assert not [g for g in diagnose(summary, steps) if g["cause"] == "warmup_under_load"]
+
+
 def test_composite_ranking():
     fwd = np.full(80, 3 * MS)
     fwd[5::10] = 23 * MS

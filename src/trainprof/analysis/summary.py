@@ -172,6 +172,14 @@ def summarize_run(run: Run) -> dict[str, Any]:
     system = summarize_system(samples, t_start, t_end)
     if system.get("n_samples", 0) == 0 and samples:
         system = summarize_system(samples)  # run too short for a steady window
+    usable_cores = ((meta.get("fingerprint") or {}).get("cpu") or {}).get("usable_cores")
+    if origin is not None and warm > 0 and samples:
+        # other processes' load while the warm-up steps ran: a burst of it at the start
+        # looks like warm-up (diagnosis/noise.py's warmup_under_load)
+        head = done[:warm]
+        system["outside_cores_warmup"] = outside_cores_during(samples, [(
+            origin + float(head["t_start_ns"][0]) / 1e9,
+            origin + float(head["t_start_ns"][-1] + head["dur_ns"][-1]) / 1e9)], usable_cores)
     explicit = meta.get("explicit_gc")
     if explicit and isinstance(stats.get("gc"), dict):
         stats["gc"]["explicit"] = _explicit_gc(explicit, float(done["dur_ns"].sum()) / 1e9)
@@ -181,9 +189,7 @@ def summarize_run(run: Run) -> dict[str, Any]:
     op_time = summarize_op_time(
         ops, mean_step_s, stats.get("breakdown"),
         outside_cores_during(samples, _step_spans(run.steps, (ops or {}).get("window_steps"),
-                                                  origin),
-                             (((meta.get("fingerprint") or {}).get("cpu") or {})
-                              .get("usable_cores"))))
+                                                  origin), usable_cores))
     summary: dict[str, Any] = {
         "run_dir": str(run.path),
         "name": meta.get("name"),

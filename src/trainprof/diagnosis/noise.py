@@ -13,6 +13,14 @@ samples. Hence:
   the machine's cores busy (system CPU in cores minus this run's process and
   workers >= 0.5 core), the cause is ``external_load``.
 
+* ``warmup_under_load``: a long warm-up (at least 5 steps and a fifth of the run,
+  whose median step is 1.5x the steady one or more) during which other processes kept
+  at least half a core more busy than in the steady steps. Warm-up is told from the
+  step times alone (:func:`trainprof.analysis.steps.detect_warmup`), so a burst of
+  outside load at the start reads as warm-up and the steady figures come from the
+  quieter rest: an explorer's run under a burst had its throughput overstated 2x. Not
+  where the warm-up compiled (torch.compile's worker processes count as outside load).
+
 The evidence includes the *resolution* of the run: ``2.8 x CV / sqrt(n)``, the
 smallest relative difference between the mean step times of two such runs that a
 comparison can tell from noise at about 95% (two-sample normal approximation).
@@ -125,3 +133,59 @@ def step_time_stability(ctx: Context) -> Finding | None:
         fix=Fix(text=text, snippet=snippet),
         verify=verify_more,
     )
+
+
+#: A warm-up this long (steps, and share of the run's steps) is worth a look at the load.
+LONG_WARMUP_STEPS, LONG_WARMUP_SHARE = 5, 0.2
+#: ... and this much slower than the steady steps (median over median).
+SLOW_WARMUP = 1.5
+
+
+@rule("noise.warmup_under_load")
+def warmup_under_load(ctx: Context) -> Finding | None:
+    info = ctx.step_info
+    warm, count = int(info.get("warmup") or 0), int(info.get("count") or 0)
+    if warm < LONG_WARMUP_STEPS or count <= 0 or warm < LONG_WARMUP_SHARE * count:
+        return None
+    during = ctx.system.get("outside_cores_warmup")
+    after = ctx.external_cores or 0.0
+    if not isinstance(during, int | float) or during < EXTERNAL_CORES or (
+            during - after < EXTERNAL_CORES):
+        return None
+    w_med, s_med = info.get("warmup_median_s"), info.get("median_s")
+    if not (w_med and s_med) or w_med < SLOW_WARMUP * s_med:
+        return None
+    compiles = ctx.summary.get("compiles") or {}
+    if set(compiles.get("steps") or []) - set(compiles.get("steps_after_warmup") or []):
+        return None  # compiling in the warm-up: its worker processes look like outside load
+    cores = ctx.cores
+    of_cores = f" of the {cores} usable cores" if cores else ""
+    return Finding(
+        category="measurement_noise",
+        cause="warmup_under_load",
+        title=(f"The first {warm} steps ({warm / count:.0%} of the run), counted as warm-up, "
+               f"ran while other processes kept ~{during:.1f} cores busy"),
+        severity="low",
+        evidence={"warmup_steps": warm, "steps": count, "warmup_median_s": w_med,
+                  "step_median_s": s_med, "outside_cores_warmup": during,
+                  "outside_cores_steady": after},
+        estimated_gain=0.0,
+        fix=Fix(
+            text=(
+                f"Warm-up is where step times settle, told from the step times alone. These "
+                f"{warm} steps took {_ms(w_med)} (median) against {_ms(s_med)} after them, "
+                f"while other processes kept ~{during:.1f}{of_cores} busy, and ~{after:.1f} "
+                "after: part of this warm-up was the load, not the script warming up. The "
+                "steady-state figures (step time, throughput, shares) come from the quieter "
+                f"rest of the run; on a machine loaded throughout, steps run nearer "
+                f"{_ms(w_med)}. Measure on an idle machine, or on cores nobody else uses."
+            ),
+            snippet="ps -eo pid,pcpu,etime,args --sort=-pcpu | head  # who else uses the CPU",
+        ),
+        verify=(f"re-run `trainprof run {ctx.script}` on an otherwise idle machine: the "
+                "warm-up should be a few steps"),
+    )
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
