@@ -373,6 +373,33 @@ def test_format_facts_of_the_field():
 
 
 @needs_traces
+def test_separate_runs_in_one_folder_are_not_taken_for_ranks(tb_results):
+    from trainprof.analysis.trace.analyse import merge_ranks
+
+    # nw0 and nw4: two single-GPU runs of one script, no process group, no collective
+    docs = [{k: v for k, v in d.items() if k != "findings"} | {"rank": i}
+            for i, d in enumerate(tb_results.values())]
+    assert all(d["distributed_info"] is None and d["communication"] is None for d in docs)
+    doc = merge_ranks(TB, docs)
+    assert doc["rank_spread"]["one_job"] is False
+    assert doc["rank_spread"]["spread_pct"] == pytest.approx(20.6, abs=0.1)
+    assert "straggler_rank" not in [f["cause"] for f in diagnose_trace(doc)]
+    out = io.StringIO()
+    render_trace(doc, file=out)
+    text = " ".join(out.getvalue().split())
+    assert "2 separate traces" in text and "Per trace" in text and "Per rank" not in text
+    assert ("2 separate runs, mean step time: nw0-steps5-10.pt.trace.json.gz 177.6 ms · "
+            "nw4-steps5-10.pt.trace.json.gz 141.1 ms") in text
+    # the same two, said by torch.profiler to be ranks of one job: a straggler
+    ranks = [d | {"distributed_info": {"backend": "nccl", "rank": d["rank"], "world_size": 2}}
+             for d in docs]
+    doc = merge_ranks(TB, ranks)
+    assert doc["rank_spread"]["one_job"] is True
+    (f,) = [f for f in diagnose_trace(doc) if f["cause"] == "straggler_rank"]
+    assert f["title"].startswith("Rank 0 is 21% slower per step than rank 1")
+
+
+@needs_traces
 @needs_more
 def test_directory_of_ranks_is_merged():
     doc = analyse_trace(MORE / "hta" / "trace_filter_2ranks")
@@ -383,6 +410,7 @@ def test_directory_of_ranks_is_merged():
         mean = np.mean([r["breakdown_us"][c] for r in doc["ranks"].values()])
         assert doc["breakdown_us"][c] == pytest.approx(mean)
     assert doc["rank_spread"]["spread_pct"] >= 0
+    assert doc["rank_spread"]["one_job"] is True  # distributedInfo: world size 128
     out = io.StringIO()
     render_trace(doc, file=out)
     assert "Per rank" in out.getvalue()

@@ -491,6 +491,8 @@ def _communication(doc: dict[str, Any]) -> Finding | None:
 
 def _straggler(doc: dict[str, Any]) -> Finding | None:
     spread = doc.get("rank_spread") or {}
+    if spread.get("one_job") is False:  # separate runs: no collective makes one wait
+        return None
     pct = _num(spread.get("spread_pct")) / 100.0
     severity = band(pct, 0.30, 0.10)
     if severity is None:

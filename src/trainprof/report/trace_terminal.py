@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import IO, Any
 
 from rich.table import Table
@@ -77,7 +78,7 @@ def _header(doc: dict[str, Any]) -> Text:
     if names:
         facts.append(", ".join(names))
     if ranks:
-        facts.append(f"{len(ranks)} ranks")
+        facts.append(f"{len(ranks)} {'ranks' if _one_job(doc) else 'separate traces'}")
     facts.append(f"{fmt.get('events', 0):,} events")
     if fmt.get("json_bytes"):
         facts.append(f"{fmt_bytes(fmt['json_bytes'])} JSON")
@@ -264,18 +265,32 @@ def _kernels_table(doc: dict[str, Any], n: int = 10) -> Table | None:
     return table
 
 
+def _one_job(doc: dict[str, Any]) -> bool:
+    """False for a folder of separate runs' traces (analyse.py's ``one_job``)."""
+    return (doc.get("rank_spread") or {}).get("one_job") is not False
+
+
+def _trace_name(doc: dict[str, Any], rank: Any) -> str:
+    """The file name of a folder's trace ``rank`` (its number in file order)."""
+    source = ((doc.get("ranks") or {}).get(str(rank)) or {}).get("source")
+    return Path(str(source)).name if source else str(rank)
+
+
 def _ranks_table(doc: dict[str, Any]) -> Table | None:
     ranks = doc.get("ranks")
     if not ranks:
         return None
     table = Table(box=None, padding=(0, 1), header_style="bold")
-    for col in ("rank", "step time", "Kernel", "Comm.", "DataLoader", "CPU Exec", "GPU idle"):
-        table.add_column(col, justify="right")
+    one_job = _one_job(doc)
+    for col in ("rank" if one_job else "trace", "step time", "Kernel", "Comm.", "DataLoader",
+                "CPU Exec", "GPU idle"):
+        table.add_column(col, justify="right" if one_job else "left")
     for r, d in ranks.items():
         pct = d.get("breakdown_pct") or {}
         t = (d.get("temporal") or {}).get(str(d.get("rank"))) or {}
         table.add_row(
-            str(r), _us((d.get("step_time_us") or {}).get("mean")), _pct(pct.get("Kernel")),
+            str(r) if one_job else _trace_name(doc, r),
+            _us((d.get("step_time_us") or {}).get("mean")), _pct(pct.get("Kernel")),
             _pct(pct.get("Communication")), _pct(pct.get("DataLoader")), _pct(pct.get("CpuOp")),
             _pct(t.get("idle_pct")),
         )
@@ -389,11 +404,18 @@ def render_trace(result: dict[str, Any], file: IO[str] | None = None) -> None:
             + (f" ({dl['iterators'][0].split('#', 1)[-1]})" if dl.get("iterators") else ""),
         )
     spread = result.get("rank_spread")
-    if spread:
+    if spread and _one_job(result):
         grid.add_row(
             "Ranks",
             f"step time spread {_pct(spread.get('spread_pct'))} (slowest rank "
             f"{spread.get('slowest_rank')}, fastest {spread.get('fastest_rank')})",
+        )
+    elif spread:
+        means = spread.get("step_time_mean_us") or {}
+        grid.add_row(
+            "Traces",
+            f"{len(means)} separate runs, mean step time: " + " · ".join(
+                f"{_trace_name(result, r)} {_us(m)}" for r, m in means.items()),
         )
     findings = result.get("findings") or []
     grid.add_row(
@@ -409,7 +431,7 @@ def render_trace(result: dict[str, Any], file: IO[str] | None = None) -> None:
 
     ranks = _ranks_table(result)
     if ranks is not None:
-        console.print(Text("\nPer rank", style="bold"))
+        console.print(Text("\nPer rank" if _one_job(result) else "\nPer trace", style="bold"))
         console.print(ranks)
     table = _flops_table(result)
     if table is not None:

@@ -45,6 +45,25 @@ def _rank_of(info: LoadInfo, fallback: int) -> int:
     return int(m.group(1)) if m else fallback
 
 
+def _distributed_info(info: LoadInfo) -> dict[str, Any] | None:
+    dist = info.metadata.get("distributedInfo")
+    return ({k: dist.get(k) for k in ("backend", "rank", "world_size")}
+            if isinstance(dist, dict) else None)
+
+
+def _one_job(docs: list[dict[str, Any]]) -> bool:
+    """Whether the traces of a folder are ranks of one job: they say so (torch.profiler's
+    ``distributedInfo``, one world size over 1), or one of them communicates. Traces of
+    separate runs put side by side (two settings of one script) are neither, and have no
+    collective at which one would wait for another."""
+    if any(d.get("communication") for d in docs):
+        return True
+    infos = [d.get("distributed_info") for d in docs]
+    sizes = {i.get("world_size") for i in infos if isinstance(i, dict)}
+    return (all(isinstance(i, dict) for i in infos) and len(sizes) == 1
+            and isinstance(next(iter(sizes)), int) and next(iter(sizes)) > 1)
+
+
 def _device_type(ev: Events, info: LoadInfo) -> str:
     cats = {c.lower() for c in ev.categories}
     if any(c.startswith("mtia") for c in cats):
@@ -191,6 +210,8 @@ def analyse_file(path: Path, fallback_rank: int = 0) -> dict[str, Any]:
         "memcpy": memcpy_stats(ev, links, steps),
         "sync": sync_stats(ev, links, steps),
         "communication": tb.communication_overlap(steps, roles),
+        # torch.profiler's record of the process group (backend, rank, world size)
+        "distributed_info": _distributed_info(info),
         "device_properties": props if isinstance(props, list) else [],
         "cpu_only": cpu_only,
         "warnings": warnings,
@@ -226,6 +247,7 @@ def merge_ranks(directory: Path, docs: list[dict[str, Any]]) -> dict[str, Any]:
     comm = [d["communication"] for d in docs if d["communication"]]
     warnings = [w for d in docs for w in d["warnings"]]
     notes = sorted({n for d in docs for n in d["notes"]})
+    one_job = _one_job(docs)
     return {
         "kind": "trace",
         "schema_version": SCHEMA_VERSION,
@@ -269,6 +291,8 @@ def merge_ranks(directory: Path, docs: list[dict[str, Any]]) -> dict[str, Any]:
         "notes": notes,
         "ranks": {str(d["rank"]): d for d in docs},
         "rank_spread": {
+            # False: separate runs side by side, whose step times no collective ties
+            "one_job": one_job,
             "step_time_mean_us": {str(d["rank"]): m for d, m in zip(docs, means, strict=True)},
             "slowest_rank": str(docs[int(np.argmax(means))]["rank"]),
             "fastest_rank": str(docs[int(np.argmin(means))]["rank"]),
@@ -279,5 +303,10 @@ def merge_ranks(directory: Path, docs: list[dict[str, Any]]) -> dict[str, Any]:
             f"{len(docs)} ranks: breakdown averaged over ranks; operators, kernels, memory, "
             f"launches, memcpy and syncs shown for rank {first['rank']} "
             "(every rank's are under 'ranks')"
+        ) if one_job else (
+            f"{len(docs)} traces with no distributedInfo and no communication: separate runs "
+            "rather than ranks of one job, shown side by side (each under 'ranks', by file "
+            f"order); the breakdown is their average, operators and kernels those of "
+            f"{Path(first['source']).name}"
         ),
     }
