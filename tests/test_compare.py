@@ -8,6 +8,7 @@ The statistics are also checked on run folders written with known step times.
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -257,6 +258,42 @@ def test_a_run_that_shared_its_machine_is_noted(tmp_path: Path) -> None:
     render_compare(r, file=out)
     assert ("most likely cause: other processes' load on the machine (A ~0.0 cores, B ~1.0)"
             in " ".join(out.getvalue().split()))
+    assert r["likely_cause"] == {"kind": "load", **r["load_change"]}
+
+
+def test_a_setting_that_acts_on_the_changed_phase_is_named_before_the_load(
+        tmp_path: Path) -> None:
+    """num_workers 0 -> 4 and data wait down by most of the step: the setting, whatever
+    the load did besides (A ran on a machine busier by a core)."""
+    rng = np.random.default_rng(8)
+    base = 100 + rng.normal(0, 2, 100)
+    loader = {"dataset": "D", "batch_size": 32, "num_workers": 0, "index": 0}
+    busy = [{"t": t, "proc_cpu_pct": 100.0, "workers": {}, "sys_cpu_pct": [100.0, 100.0]}
+            for t in range(1, 12)]
+    quiet = [{**x, "sys_cpu_pct": [100.0, 0.0]} for x in busy]
+
+    def pair(a_data: np.ndarray, b_data: np.ndarray, b_loader: dict) -> dict:
+        meta = {"fingerprint": {"cpu": {"usable_cores": 2}}}
+        a = _write_run(tmp_path / f"a{len(list(tmp_path.iterdir()))}", base,
+                       data_ms=a_data, meta={**meta, "dataloaders": [loader]})
+        b = _write_run(tmp_path / f"b{len(list(tmp_path.iterdir()))}", base * 0.2,
+                       data_ms=b_data, meta={**meta, "dataloaders": [b_loader]})
+        (a / "samples.jsonl").write_text("".join(json.dumps(x) + "\n" for x in busy))
+        (b / "samples.jsonl").write_text("".join(json.dumps(x) + "\n" for x in quiet[:3]))
+        return compare_runs(load_run(a), load_run(b))
+
+    r = pair(base * 0.9, base * 0.1, {**loader, "num_workers": 4})
+    assert r["verdict"] == "faster" and r["explains"] == "data_wait"
+    assert r["load_change"] == {"a_cores": pytest.approx(1.0), "b_cores": pytest.approx(0.0)}
+    assert r["likely_cause"] == {"kind": "setting", "key": "dataloader[0].num_workers",
+                                 "a": 0, "b": 4, "also_load": r["load_change"]}
+    out = io.StringIO()
+    render_compare(r, file=out)
+    assert ("most likely cause: dataloader[0].num_workers 0 → 4 (other processes' load "
+            "changed too: A ~1.0 cores, B ~0.0)") in " ".join(out.getvalue().split())
+    # the same change in 'other', on which a DataLoader setting does not act: the load
+    r = pair(base * 0.1, base * 0.02, {**loader, "num_workers": 4})
+    assert r["explains"] == "other" and r["likely_cause"]["kind"] == "load"
 
 
 def test_a_knob_the_runs_were_trials_of_is_named(tmp_path: Path) -> None:

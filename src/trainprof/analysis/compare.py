@@ -709,6 +709,7 @@ def compare_runs(a: Run, b: Run) -> dict[str, Any]:
                          "part of the difference may be the machine's, not the runs'")
     env, env_notes = environment_diff(a, b, phase_weights, cpu_compute)
     notes += env_notes
+    likely = likely_cause(env, phases, explains, load_change, cpu_compute)
     return {
         "verdict": verdict,
         "significant": significant,
@@ -727,6 +728,8 @@ def compare_runs(a: Run, b: Run) -> dict[str, Any]:
         "explains": explains,
         # other processes' load on the machine, when the slower run had clearly more of it
         "load_change": load_change,
+        # what the headline names as the most likely cause (likely_cause)
+        "likely_cause": likely,
         "throughput": thr,
         "compute_on": "cpu" if cpu_compute else "gpu",
         "environment_diff": env,
@@ -734,6 +737,41 @@ def compare_runs(a: Run, b: Run) -> dict[str, Any]:
         "b": side_b,
         "notes": notes,
     }
+
+
+#: A changed setting acts directly on a phase from this weight on (``_weights``: a
+#: DataLoader setting on data wait, the model's math on forward/backward, a knob anywhere).
+DIRECT_WEIGHT = 0.8
+#: ... and it is named before other processes' load when that phase is this much of the change.
+DIRECT_SHARE = 0.5
+
+
+def likely_cause(env: list[dict[str, Any]], phases: dict[str, Any], explains: str | None,
+                 load_change: dict[str, Any] | None, cpu_compute: bool
+                 ) -> dict[str, Any] | None:
+    """The headline's most likely cause: the top-ranked changed fact, or other processes'
+    load on the slower run's machine.
+
+    Load comes first (it changes every phase and names no setting), unless the top fact
+    acts directly on the phase that carries most of the change: ``num_workers`` 0 → 4 and
+    data wait down 92% is the setting's doing, whatever the machine's load did besides
+    (an explorer's compare had named the load, above the table that ranked the setting
+    first). Then the load is named as well. None when the change has no explaining phase.
+    """
+    top = env[0] if env else None
+    if explains is None:
+        return {"kind": "load", **load_change} if load_change else None
+    share = (phases.get(explains) or {}).get("share_of_change")
+    direct = bool(top) and _weights(top["category"], top["key"], cpu_compute).get(
+        explains, 0.0) >= DIRECT_WEIGHT and isinstance(share, int | float) and (
+        share >= DIRECT_SHARE)
+    if load_change and not direct:
+        return {"kind": "load", **load_change}
+    if top is None:
+        return None
+    return {"kind": "setting", "key": top["key"],
+            "a": top.get("change_a", top.get("a")), "b": top.get("change_b", top.get("b")),
+            "also_load": load_change}
 
 
 def exceeds_slowdown(result: dict[str, Any], pct: float) -> bool:

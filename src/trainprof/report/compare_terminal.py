@@ -78,15 +78,17 @@ def verdict_line(result: dict[str, Any]) -> Text:
         line.append(f"; {_PHASE_LABEL.get(explains, explains)}")
         if share is not None:
             line.append(f" accounts for {share * 100:.0f}% of the change")
-    top = (result.get("environment_diff") or [None])[0]
-    load = result.get("load_change")
-    if load:  # the slower run shared its machine: that before any setting
+    cause = result.get("likely_cause")
+    if cause and cause.get("kind") == "load":  # the slower run shared its machine
         line.append(f"; most likely cause: other processes' load on the machine (A ~"
-                    f"{load['a_cores']:.1f} cores, B ~{load['b_cores']:.1f})")
-    elif explains and top:
-        before = top.get("change_a", top.get("a"))
-        after = top.get("change_b", top.get("b"))
-        line.append(f"; most likely cause: {top['key']} {_short(before)} → {_short(after)}")
+                    f"{cause['a_cores']:.1f} cores, B ~{cause['b_cores']:.1f})")
+    elif cause:
+        line.append(f"; most likely cause: {cause['key']} {_short(cause.get('a'))} → "
+                    f"{_short(cause.get('b'))}")
+        load = cause.get("also_load")
+        if load:
+            line.append(f" (other processes' load changed too: A ~{load['a_cores']:.1f} "
+                        f"cores, B ~{load['b_cores']:.1f})")
     return line
 
 
