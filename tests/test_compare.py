@@ -373,9 +373,21 @@ def test_too_few_steps_gives_no_verdict(tmp_path: Path) -> None:
     a = load_run(_write_run(tmp_path / "a", np.array([100.0, 101, 99])))
     b = load_run(_write_run(tmp_path / "b", np.array([200.0, 201, 199])))
     r = compare_runs(a, b)
-    assert r["verdict"] == "no_difference" and r["ratio"] is None and r["ci"] is None
+    assert r["verdict"] == "insufficient_data" and r["ratio"] is None and r["ci"] is None
     assert any("too few steady steps" in n for n in r["notes"])
     assert not exceeds_slowdown(r, 0)
+    out = io.StringIO()
+    render_compare(r, file=out)
+    assert out.getvalue().startswith("No verdict: too few steady steps to compare")
+    # a CI gate that compared nothing does not pass
+    res = trainprof("compare", str(tmp_path / "a"), str(tmp_path / "b"), "--fail-if-slower",
+                    "5", cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr.strip().endswith(
+        "error: --fail-if-slower: nothing compared, too few steady steps (at least 5 in "
+        "each run)")
+    res = trainprof("compare", str(tmp_path / "a"), str(tmp_path / "b"), "--json",
+                    cwd=tmp_path)
+    assert res.returncode == 0 and json.loads(res.stdout)["verdict"] == "insufficient_data"
 
 
 def test_block_bootstrap_is_wider_on_autocorrelated_steps() -> None:

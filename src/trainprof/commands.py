@@ -408,7 +408,7 @@ def compare_command(
     fail_if_slower: float | None = None,
 ) -> int:
     """``trainprof compare``: B against A; exit 1 on a significant slowdown (``fail_if_slower``)."""
-    from trainprof.analysis.compare import compare_runs, exceeds_slowdown
+    from trainprof.analysis.compare import MIN_STEADY_STEPS, compare_runs, exceeds_slowdown
 
     result = compare_runs(load_main_run(run_a), load_main_run(run_b))
     if json_out:
@@ -422,6 +422,11 @@ def compare_command(
 
         written = render_compare_html(result, html)
         print(f"trainprof: HTML comparison written to {written}", file=sys.stderr)
+    if fail_if_slower is not None and result.get("verdict") == "insufficient_data":
+        # a gate that compared nothing must not pass: the same exit as bad input
+        print(f"error: --fail-if-slower: nothing compared, too few steady steps (at least "
+              f"{MIN_STEADY_STEPS} in each run)", file=sys.stderr)
+        return 2
     if fail_if_slower is not None and exceeds_slowdown(result, fail_if_slower):
         print(f"trainprof: B is significantly slower than A by more than {fail_if_slower:g}%",
               file=sys.stderr)

@@ -25,7 +25,9 @@ that, repeat runs (``trainprof tune`` does).
 **Verdict.** ``slower`` / ``faster`` when the interval excludes 1 *and* the change is at least
 :data:`PRACTICAL_THRESHOLD` (2%) — a change smaller than that is within what an unchanged
 script shows from one run to the next on a quiet machine, and not worth a CI failure even when
-thousands of steps make it statistically detectable. Otherwise ``no_difference``.
+thousands of steps make it statistically detectable. Otherwise ``no_difference``; and
+``insufficient_data`` when either run has fewer than :data:`MIN_STEADY_STEPS` steady steps,
+so that a CI gate can tell "no slowdown" from "nothing compared".
 
 **Phases.** Per phase (``data_wait``, ``forward``, ``backward``, ``optimizer``, ``gc``,
 ``other``, grouped as in :mod:`trainprof.analysis.steps`), the *mean* seconds per step (or per
@@ -588,7 +590,8 @@ def _uses_gpu(run: Run) -> bool:
 def compare_runs(a: Run, b: Run) -> dict[str, Any]:
     """Compare run B against baseline A (see the module docstring for every definition).
 
-    Returns a JSON-serialisable document: ``verdict`` (``faster``/``slower``/``no_difference``),
+    Returns a JSON-serialisable document: ``verdict`` (``faster``/``slower``/
+    ``no_difference``/``insufficient_data``),
     ``ratio`` (median B / median A), ``ci`` ([lo, hi], 95%), ``change_pct``, ``metric``,
     ``phases``, ``explains``, ``throughput``, ``environment_diff`` (ranked), ``a``/``b``
     summaries and ``notes``.
@@ -617,6 +620,7 @@ def compare_runs(a: Run, b: Run) -> dict[str, Any]:
     verdict = "no_difference"
     significant = False
     if len(va) < MIN_STEADY_STEPS or len(vb) < MIN_STEADY_STEPS:
+        verdict = "insufficient_data"
         notes.append(
             f"too few steady steps to compare (A {len(va)}, B {len(vb)}; "
             f"at least {MIN_STEADY_STEPS} each): run longer"

@@ -183,7 +183,7 @@ def _phases_table(result: dict[str, Any]) -> Table:
     table.add_column("share of change", justify="right")
     explains = result.get("explains")
     # no difference: phase deltas that nearly cancel make "shares" of thousands of percent
-    changed = result.get("verdict") != "no_difference"
+    changed = result.get("verdict") in ("slower", "faster")
     for ph, v in (result.get("phases") or {}).items():
         style = "bold" if ph == explains and changed else None
         pct = v.get("delta_pct")

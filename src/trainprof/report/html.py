@@ -1072,7 +1072,7 @@ def _compare_phases(result: dict[str, Any]) -> str:
         return render_generic(phases, "phases")
     explains = result.get("explains")
     # no difference: phase deltas that nearly cancel make "shares" of thousands of percent
-    changed = result.get("verdict") != "no_difference"
+    changed = result.get("verdict") in ("slower", "faster")
     rows = []
     for ph, v in phases.items():
         pct, share = v.get("delta_pct"), v.get("share_of_change") if changed else None
