@@ -11,10 +11,11 @@ from trainprof.diagnosis import diagnose
 
 
 def _finding(threads: int, cores: int = 2, proc: float = 100.0, sys_cpu: float = 50.0,
-             workers: float = 0.0, **env):
+             workers: float = 0.0, parts: dict | None = None, **env):
     steps = make_steps(60)  # compute-bound: forward, backward, optimizer
     summary = make_summary(steps, system={"n_samples": 20, "proc_cpu_pct": proc,
-                                          "workers_cpu_pct": workers, "sys_cpu_pct": sys_cpu})
+                                          "workers_cpu_pct": workers, "sys_cpu_pct": sys_cpu},
+                           **(parts or {}))
     summary["environment"] = {"usable_cores": cores, "torch_num_threads": threads,
                               "cuda": None, "gpu_count": 0, **env}
     found = [f for f in diagnose(summary, steps) if f["cause"] == "too_few_threads"]
@@ -42,6 +43,22 @@ def test_no_finding_without_idle_cores_or_on_cuda_or_at_full_pool():
     assert _finding(1, sys_cpu=100.0) is None  # the other core is busy (another process)
     assert _finding(1, workers=90.0) is None  # a worker uses it
     assert _finding(1, cuda="12.4", gpu_count=1) is None
+
+
+def test_ranks_sharing_the_host_share_its_cores():
+    # examples/ddp_straggler.py: 2 ranks of 1 thread each on 2 cores, the straggler
+    # idle half its step: rank 0 is not told to take both cores
+    ranks = {"ranks": [{"label": str(i), "host": "node1", "steps": 60,
+                        "torch_num_threads": 1} for i in range(2)]}
+    assert _finding(1, parts=ranks) is None
+    assert _finding(1, parts={"distributed": {"rank": 0, "world_size": 2}}) is None
+    # 2 ranks of 1 thread on 4 cores, 2 of them idle: 2 threads each
+    f = _finding(1, cores=4, sys_cpu=50.0, parts=ranks)
+    assert f is not None and "torch.set_num_threads(2)" in f["fix"]["snippet"]
+    # ranks on two hosts, one each: the host's cores are the rank's
+    apart = {"ranks": [{"label": str(i), "host": f"node{i}", "steps": 60,
+                        "torch_num_threads": 1} for i in range(2)]}
+    assert _finding(1, parts=apart) is not None
 
 
 def test_the_pool_stops_at_the_physical_cores():

@@ -124,6 +124,36 @@ def test_the_runs_own_setting_is_the_baseline_where_its_record_tells_it():
         "num_workers=4,8", "torch_threads=1,4"]
 
 
+def test_a_spawned_launchs_settings_are_its_main_ranks(tmp_path):
+    """mp.spawn: the launching process kept 2 threads, each rank set 1: the baseline of
+    torch_threads=1,2 is the ranks' 1 (it was the launcher's 2, and verify measured
+    the finding's own proposal as the baseline)."""
+    import numpy as np
+
+    from trainprof.experiments.verify import _main_rank_meta
+    from trainprof.schema import STEP_FIELDS
+    from trainprof.store import RunWriter
+
+    dtype = np.dtype([(f, np.int64) for f in STEP_FIELDS])
+
+    def record(path, threads: int, steps: int) -> None:
+        rec = np.zeros(steps, dtype=dtype)
+        rec["step"] = np.arange(steps)
+        rec["dur_ns"] = rec["other_ns"] = 10_000_000
+        rec["t_start_ns"] = rec["step"] * 10_000_000
+        writer = RunWriter(path, {"name": path.name, "clock_origin_s": 0.0,
+                                  "training_thread": {"torch_num_threads": threads}})
+        writer.append_step_bytes(rec.tobytes())
+        writer.close("finished", 0)
+
+    record(tmp_path / "launch", 2, 0)
+    for rank in ("0", "1"):
+        record(tmp_path / "launch" / "ranks" / rank, 1, 30)
+    meta = _main_rank_meta(tmp_path / "launch")
+    assert meta["training_thread"]["torch_num_threads"] == 1
+    assert current_first(["torch_threads=1,2"], meta) == ["torch_threads=1,2"]
+
+
 def test_the_command_is_the_runs_own():
     meta = {"command": ["/usr/bin/python3", "train.py", "--lr", "0.1"],
             "fingerprint": {"cwd": "/data/job"}}

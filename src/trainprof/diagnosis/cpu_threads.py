@@ -18,12 +18,17 @@ little to the math. The gain claimed is Amdahl's bound with the math as
 the parallel part: ``compute_share x (1 - T / T')`` for ``T`` threads now and ``T'``
 proposed; ops too small to split gain less, which the verify sweep measures.
 Not on CUDA runs, where the host needs about one thread to launch the device's work.
+Ranks that share a host share its cores: the pool is not pushed past a rank's share of
+them (the ranks on the host in a merged launch, else the process group's world size, an
+upper bound), so that two ranks of one thread each on 2 cores, one of them idle while it
+waits for the other, are not told to take both cores each.
 Bands as the contention rule's: >= 20% high, >= 5% medium, >= 2% low.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Any
 
 from trainprof.diagnosis.context import Context
@@ -49,6 +54,9 @@ def too_few_threads(ctx: Context) -> Finding | None:
     if (isinstance(physical, int) and isinstance(logical, int)
             and 0 < physical < logical):
         cap = max(1, round(cores * physical / logical))
+    ranks = _ranks_on_host(ctx)
+    if ranks > 1:
+        cap = max(1, cap // ranks)
     if threads >= cap:
         return None
     sysinfo = ctx.system
@@ -115,3 +123,15 @@ def too_few_threads(ctx: Context) -> Finding | None:
         evidence=evidence, estimated_gain=gain, fix=Fix(text=text, snippet=snippet),
         verify=verify,
     )
+
+
+def _ranks_on_host(ctx: Context) -> int:
+    """Ranks sharing this host: the most on one host among a merged launch's ranks, else
+    the process group's world size (an upper bound: a rank's own record), else 1."""
+    rows = [r for r in ctx.summary.get("ranks") or [] if isinstance(r, dict)]
+    if rows:
+        hosts = Counter(r.get("host") for r in rows)
+        return hosts.most_common(1)[0][1]
+    dist = ctx.summary.get("distributed") or {}
+    size = dist.get("world_size") if isinstance(dist, dict) else None
+    return size if isinstance(size, int) and size > 1 else 1

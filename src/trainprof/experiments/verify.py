@@ -116,6 +116,14 @@ def current_first(specs: list[str], meta: dict[str, Any]) -> list[str]:
     return out
 
 
+def _main_rank_meta(run_dir: Path) -> dict[str, Any]:
+    """The metadata of the record a folder's figures come from (``load_ranks``' main)."""
+    from trainprof.analysis.ranks import load_ranks
+
+    main, _ = load_ranks(run_dir)
+    return main.meta
+
+
 def trial_knobs(meta: dict[str, Any], specs: list[str]) -> list[str]:
     """The knobs a run was itself a trial of (a tune or verify trial's folder: its record's
     ``knobs.requested``) that ``specs`` do not set, as one-value specs: every arm keeps
@@ -214,7 +222,11 @@ def verify_command(run_dir: Path, *, finding: int | None, steps: int | None, tri
     run = load_run(run_dir)
     summary, _ = analyse_folder(run_dir)
     number, chosen, specs, verify_steps = pick_finding(summary.get("findings") or [], finding)
-    specs = current_first(specs, run.meta) + trial_knobs(run.meta, specs)
+    # the settings the finding read: the main rank's where the script spawned its ranks
+    # (the launching process kept its own: 2 threads where each rank set 1); the command
+    # stays the launching process's, the one the user ran
+    settings = _main_rank_meta(run_dir) if (run_dir / RANKS_DIR).is_dir() else run.meta
+    specs = current_first(specs, settings) + trial_knobs(settings, specs)
     target, args, module, cwd = original_command(run.meta)
     tune_dir = (out if out is not None else default_run_dir(
         f"verify-{Path(target).stem if not module else target.rsplit('.', 1)[-1]}")).resolve()
