@@ -90,6 +90,8 @@ if __name__ == "__main__":
     parser.add_argument("--workers", type=int, default=0,
                         help="make the batches in this many DataLoader workers (0: in the loop)")
     parser.add_argument("--latency-ms", type=float, default=4.0)
+    parser.add_argument("--data", default=DATA, help="the token file (made there if missing)")
     args = parser.parse_args()
+    DATA = args.data  # get_batch reads it, as nanoGPT's reads its data_dir
     make_tokens(DATA)
     train(args.steps, args.workers, args.latency_ms / 1e3)

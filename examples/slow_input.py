@@ -1,7 +1,7 @@
 """A small image classifier whose input pipeline is the bottleneck.
 
 Each sample is one .npy file on disk (class sub-folders, like ImageFolder), read
-as if from remote storage (a few milliseconds of latency per file opened), then
+as if from remote storage (1.5 ms of latency per file opened, --latency-ms), then
 normalised in Python, one sample at a time, in the training process
 (num_workers=0). The model itself is cheap. This is what
 `trainprof run examples/slow_input.py` is meant to catch.

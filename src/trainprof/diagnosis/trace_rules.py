@@ -377,7 +377,7 @@ def _tensor_cores(doc: dict[str, Any]) -> Finding | None:
     snippet = (
         ("torch.backends.cuda.matmul.allow_tf32 = True  # TF32 tensor cores for fp32 matmuls\n"
          "torch.backends.cudnn.allow_tf32 = True\n" if ampere else "")
-        + ("scaler = torch.cuda.amp.GradScaler()  # fp16 needs loss scaling\n"
+        + ("scaler = torch.amp.GradScaler(\"cuda\")  # fp16 needs loss scaling\n"
            if not ampere else "")
         + f"with torch.autocast(device_type=\"cuda\", dtype={dtype}):\n"
         "    loss = criterion(model(x), y)\n"
