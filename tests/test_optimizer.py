@@ -189,6 +189,11 @@ def test_a_run_records_each_optimizer_and_the_knob(tmp_path):
     assert [(o["class"], o["implementation"], o["param_tensors"], o["primary"])
             for o in opts] == [("torch.optim.adamw.AdamW", SINGLE, 16, True),
                                ("torch.optim.sgd.SGD", SINGLE, 2, False)]
+    # each one's own step() calls, timed from the second optimizer's first step on (that
+    # step described it; both were gone before the record closed)
+    assert [o["steps"] for o in opts] == [39, 19]
+    assert all(0 < o["step_s"] < 5 for o in opts)
+    assert opts[0]["step_s"] / 40 > opts[1]["step_s"] / 20  # 16 tensors' update vs 2's
     assert res.json()["steps"]["count"] == 40
     assert _actual("optimizer", meta) == SINGLE
     # the knob, as trainprof tune passes it
@@ -253,6 +258,31 @@ def test_every_optimizer_the_script_builds_is_named_in_the_fix():
     assert f["fix"]["snippet"].endswith("# and fused=True for every other optimizer: Adam ×1")
     (f,) = _findings(5e-3, _opt())
     assert "every other optimizer" not in f["fix"]["snippet"]
+
+
+def test_with_several_optimizers_the_share_is_the_candidates_own():
+    """A recommender: SparseAdam (no fused one) over the embeddings, 11.4 ms a step,
+    and a for-loop Adam over the MLP, 0.36 ms: the 12 ms optimizer phase is not the Adam's.
+    (Steps of 9 ms forward and backward besides.)"""
+    sparse = _opt(**{"class": "torch.optim.sparse_adam.SparseAdam", "supports": [],
+                     "step_s": 11.4e-3 * 80, "steps": 80})
+    adam = _opt(**{"class": "torch.optim.adam.Adam", "primary": False, "param_tensors": 4,
+                   "step_s": 0.36e-3 * 80, "steps": 80})
+    assert _findings(11.76e-3, sparse, adam) == []  # 0.36 ms of a 21.8 ms step: 1.7%
+    # the same, with the Adam's update larger: its own share, its own seconds
+    adam.update(step_s=2e-3 * 80)
+    (f,) = _findings(13.4e-3, sparse, adam)
+    part = 2 / 13.4
+    assert f["evidence"]["share_of_optimizer_phase"] == pytest.approx(part, abs=1e-4)
+    assert f["estimated_gain"] == pytest.approx(13.4 / 22.4 * part, rel=0.02)
+    assert f["evidence"]["optimizer_s_per_step"] == pytest.approx(2e-3)
+    assert f["evidence"]["step_s_by_optimizer"] == {"SparseAdam": pytest.approx(11.4e-3),
+                                                    "Adam": pytest.approx(2e-3)}
+    assert f["title"].startswith("Adam.step() takes 8.9% of step time")
+    # not every optimizer timed (a record from before): the whole phase, as before
+    del sparse["step_s"]
+    (f,) = _findings(13.4e-3, sparse, adam)
+    assert f["estimated_gain"] == pytest.approx(13.4 / 22.4, rel=0.02)
 
 
 def test_the_optimizer_finding_bands_and_alternatives():

@@ -33,6 +33,7 @@ from trainprof.capture.knobs import install_knobs
 from trainprof.capture.loop_stacks import LoopStackSampler
 from trainprof.capture.opcount import OpCountTool, compiled_frames
 from trainprof.capture.optimizer_impl import class_name, describe_optimizer
+from trainprof.capture.optimizer_time import OptimizerTimes
 from trainprof.capture.peak_flops import peaks
 from trainprof.capture.ranks import MAX_RECORDED, RANKS_DIR, ChildRuns, launcher_rank
 from trainprof.capture.sampler_process import SamplerProcess
@@ -171,6 +172,8 @@ class Recorder:
         self.loaders = LoaderRegistry(self._on_new_loader)
         self._optimizers: list[dict[str, Any]] = []
         self._optimizer_refs: list[weakref.ref[Any]] = []  # one per entry of _optimizers
+        self._optimizer_spent: list[list[int]] = []  # one per entry: [ns, steps] of step()
+        self._optimizer_times = OptimizerTimes(lambda: self.clock.owner)
         self._optimizers_more = 0  # optimizers beyond MAX_OPTIMIZERS, counted only
         # eval-mode model calls as last written (capture/eval_autograd.py)
         self._eval_autograd: dict[str, Any] | None = None
@@ -268,6 +271,7 @@ class Recorder:
             runner.finish(n_done)  # tools write their results (traces, profiles) here
         if self.instrumentation is not None:
             self.instrumentation.uninstall()
+        self._optimizer_times.close()
         self.loaders.shutdown_workers()
         self.loaders.note_threads(self.clock.owner)
         self._kill_leftover_workers()
@@ -418,6 +422,15 @@ class Recorder:
             entry = {"class": class_name(optimizer), "error": f"{type(exc).__name__}: {exc}"}
         entry["id"] = id(optimizer)
         self._optimizers.append(entry)
+        # its [ns, steps] (capture/optimizer_time.py), timed once there are two: read at
+        # each flush, and after the optimizer is gone (a script may drop it first)
+        self._optimizer_spent.append([0, 0])
+        if len(self._optimizers) == 2:
+            first = self._optimizer_refs[0]() if self._optimizer_refs[0] is not None else None
+            if first is not None:
+                self._optimizer_times.watch(first, self._optimizer_spent[0])
+        if len(self._optimizers) >= 2:
+            self._optimizer_times.watch(optimizer, self._optimizer_spent[-1])
         # (the clock described only optimizers it holds a weak reference to)
         # the clock's own reference: the primary one is found by it, alive or not
         self._optimizer_refs.append(self.clock.optimizer_ref(optimizer))
@@ -430,6 +443,11 @@ class Recorder:
         # the live one's id; and not by the object, which may be gone by the last look (the
         # script's objects collected before the record closes: a short run's only look)
         primary = self.clock.primary_optimizer_ref()
+        if len(self._optimizers) >= 2:
+            for entry, spent in zip(list(self._optimizers), list(self._optimizer_spent),
+                                    strict=False):
+                # its step() calls in the training thread since a second optimizer stepped
+                entry["step_s"], entry["steps"] = spent[0] / 1e9, spent[1]
         entries = [{**e, "primary": primary is not None and ref is primary}
                    for e, ref in zip(list(self._optimizers), list(self._optimizer_refs),
                                      strict=False)]

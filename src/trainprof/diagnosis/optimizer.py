@@ -22,7 +22,11 @@ and the ``verify`` line measures it.
 Gain: an upper bound, the optimizer's share of the step (the update cannot take less
 than nothing), robust to a few descheduled steps (:meth:`Context.steady_share`: the update
 costs the same every step); ``trainprof tune --knob optimizer=script,fused`` measures the
-real one.
+real one. With several optimizers, the optimizer phase is all of theirs: the share is
+the candidates' part of it, by each optimizer's own ``step()`` time (run.json's
+``optimizers[].step_s``). A recommender's SparseAdam (no fused one) over 45M embedding
+parameters took 11.4 ms a step beside an Adam over a 61k-parameter MLP at 0.36 ms, and
+the whole phase, 41% of the step, had been put on the Adam.
 """
 
 from __future__ import annotations
@@ -67,6 +71,26 @@ def _short(cls: str) -> str:
     return cls.rsplit(".", 1)[-1]
 
 
+def _timed(ctx: Context) -> list[dict[str, Any]]:
+    """The described optimizers whose step() time was recorded."""
+    return [e for e in ctx.summary.get("optimizers") or [] if isinstance(e, dict)
+            and isinstance(e.get("step_s"), int | float) and e.get("steps")]
+
+
+def _candidates_part(ctx: Context, candidates: list[dict[str, Any]]) -> float | None:
+    """The candidates' part of every optimizer's step() time; None where it is not known
+    for each of them (a record from before the timing, optimizers not described) or one
+    optimizer is all there is."""
+    every = [e for e in ctx.summary.get("optimizers") or [] if isinstance(e, dict)]
+    timed = _timed(ctx)
+    if len(every) < 2 or len(timed) != len(every) or ctx.summary.get(
+            "optimizers_not_described"):
+        return None
+    total = sum(float(e["step_s"]) for e in timed)
+    mine = sum(float(e["step_s"]) for e in candidates if e in timed)
+    return mine / total if total > 0 else None
+
+
 @rule("optimizer.implementation")
 def optimizer_implementation(ctx: Context) -> Finding | None:
     candidates = _candidates(ctx)
@@ -76,6 +100,9 @@ def optimizer_implementation(ctx: Context) -> Finding | None:
     detail = ctx.summary.get("breakdown_detail") or {}
     share = ctx.steady_share(
         "optimizer_ns", float(detail.get("optimizer_step", ctx.breakdown.get("optimizer")) or 0.0))
+    part = _candidates_part(ctx, candidates)
+    if part is not None:
+        share *= part
     severity = band(share, HIGH, MEDIUM, LOW)
     if severity is None:
         return None
@@ -95,8 +122,18 @@ def optimizer_implementation(ctx: Context) -> Finding | None:
     }
     if "zero_grad" in detail:
         evidence["zero_grad_share"] = detail["zero_grad"]
-    if ctx.has_steps():
+    if part is not None:
+        # of the optimizer phase, by each optimizer's own step() time
+        evidence["share_of_optimizer_phase"] = part
+        evidence["step_s_by_optimizer"] = {
+            _short(str(e.get("class"))): e["step_s"] / e["steps"] for e in _timed(ctx)}
+    if main.get("steps") and isinstance(main.get("step_s"), int | float):
+        opt_s = float(main["step_s"]) / int(main["steps"])
+    elif ctx.has_steps():
         opt_s = float(np.median(ctx.seconds("optimizer_ns")))
+    else:
+        opt_s = None
+    if opt_s is not None:
         evidence["optimizer_s_per_step"] = opt_s
         if n:
             evidence["optimizer_s_per_tensor"] = opt_s / n
