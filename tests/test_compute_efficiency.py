@@ -72,6 +72,41 @@ def test_convolutions_and_the_cpus_attention_kernel_are_counted():
     assert count.by_kind == {"cpu float32": attention * 3.5}
 
 
+def test_fused_recurrent_layers_are_counted_as_products():
+    """An nn.LSTM on the CPU runs as mkldnn_rnn_layer, one call per layer and direction:
+    its gate products had counted nothing, and its kernels were timed as pointwise ops."""
+    torch.manual_seed(0)
+    lstm = nn.LSTM(32, 64, num_layers=2, batch_first=True, bidirectional=True)
+    x = torch.randn(8, 20, 32)
+    count = _counted(lambda: lstm(x)[0].sum().backward())
+    rows = 8 * 20
+    layer1 = 2.0 * rows * 256 * (32 + 64)  # 4 gates of 64; the input's 32 and the state's 64
+    layer2 = 2.0 * rows * 256 * (128 + 64)  # the first layer's two directions in
+    forward = 2 * (layer1 + layer2)  # two directions
+    assert count.by_kind == {"cpu float32": pytest.approx(3 * forward)}  # + backward, twice
+    assert count.errors == {}
+    assert not [op for op in count.op_clock.fusable_ns if "rnn" in op]
+    assert count.op_clock.ns[("model", "product")] > 0
+
+
+def test_cudnns_flat_weights_give_each_layers_gate_products():
+    from trainprof.capture.flop_count import _rnn_formulas
+
+    formulas = {str(op): f for op, f in _rnn_formulas(torch.ops.aten).items()}
+    x = torch.empty(20, 8, 32, device="meta")  # (T, B, in)
+    w = [torch.empty(*shape, device="meta") for shape in
+         [(256, 32), (256, 64), (256,), (256,),  # layer 1: w_ih, w_hh, b_ih, b_hh
+          (256, 64), (256, 64), (256,), (256,)]]  # layer 2
+    forward = 2.0 * 160 * 256 * (32 + 64) + 2.0 * 160 * 256 * (64 + 64)
+    assert formulas["aten._cudnn_rnn"](x, w, 4) == forward
+    assert formulas["aten._cudnn_rnn_backward"](x, w, 4) == 2 * forward
+    # a projection (proj_size 16, with biases: 5 tensors a layer): w_hh is 4H x 16
+    w = [torch.empty(*shape, device="meta") for shape in
+         [(256, 32), (256, 16), (256,), (256,), (16, 64)]]
+    assert formulas["aten._cudnn_rnn"](x, w, 5) == (
+        2.0 * 160 * 256 * (32 + 16) + 2.0 * 160 * 16 * 64)
+
+
 def test_utilization_divides_each_kind_by_its_own_peak():
     ops = {"flops_by_kind_per_step": {"cpu bfloat16": 8e9, "cpu float32": 1e9},
            "steps_sampled": 2}

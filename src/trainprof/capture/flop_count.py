@@ -20,7 +20,16 @@ with the formula applied to its global shape.
 
 Not in torch's registry and added here: the CPU's attention kernel,
 ``_scaled_dot_product_flash_attention_for_cpu`` and its backward, with the formulas the
-registry gives the CUDA kernels.
+registry gives the CUDA kernels; and the fused recurrent layers, ``mkldnn_rnn_layer`` (an
+``nn.LSTM`` on the CPU: one call per layer and direction) and cuDNN's ``_cudnn_rnn``
+(every layer in one call), with their backward: each time step's gate products,
+``2 x rows x gates*H x (in + H)`` for ``rows`` time steps times batch rows (a packed
+sequence's tokens), ``gates*H x in`` and ``gates*H x H`` the input's and the hidden
+state's weights (4 gates for an LSTM, 3 for a GRU), and twice that backward (the inputs'
+and the weights' gradients), as a matrix product's. An LSTM's steps had counted nothing
+but its head (24.6 kFLOP a step) and its kernels read as pointwise ops.
+Gated recurrent layers that run as separate ops (a GRU on the CPU, packed sequences) are
+counted through their products.
 
 The same mode times every op it passes on (:mod:`trainprof.capture.op_time`: the model's
 op time by kind) and watches for attention computed op by op
@@ -61,6 +70,51 @@ def _cpu_attention_formulas(aten: Any, fc: Any) -> dict[Any, Any]:
     if backward is not None:
         out[backward] = lambda g, q, k, v, *a, **kw: fc.sdpa_backward_flop_count(
             g.shape, q.shape, k.shape, v.shape)
+    return out
+
+
+def _rnn_rows(x: Any) -> int:
+    """Time steps x batch rows of a recurrent layer's input ((T, B, in), (B, T, in) or a
+    packed sequence's (tokens, in))."""
+    return x.numel() // x.shape[-1] if x.dim() >= 2 and x.shape[-1] else 0
+
+
+def _gate_products(rows: int, w_ih: Any, w_hh: Any) -> float:
+    """Forward FLOPs of one layer and direction: the input's and the hidden state's gate
+    products at every time step."""
+    return 2.0 * rows * w_ih.shape[0] * (w_ih.shape[1] + w_hh.shape[1])
+
+
+def _cudnn_layers(weights: Any, stride: int) -> float:
+    """Per time-step row, the forward FLOPs of cuDNN's flat weight list: ``stride``
+    tensors per layer and direction, w_ih and w_hh first (then biases, a projection)."""
+    total = 0.0
+    for i in range(0, len(weights) - 1, max(1, stride)):
+        w_ih, w_hh = weights[i], weights[i + 1]
+        total += _gate_products(1, w_ih, w_hh)
+        if stride in (3, 5):  # a projection (proj_size > 0): w_hr, proj x H
+            w_hr = weights[i + stride - 1]
+            total += 2.0 * w_hr.shape[0] * w_hr.shape[1]
+    return total
+
+
+def _rnn_formulas(aten: Any) -> dict[Any, Any]:
+    """The fused recurrent layers' FLOPs (see the module's docs)."""
+    out: dict[Any, Any] = {}
+    pairs = (
+        ("mkldnn_rnn_layer", 1.0,
+         lambda x, w_ih, w_hh, *a, **kw: _gate_products(_rnn_rows(x), w_ih, w_hh)),
+        ("mkldnn_rnn_layer_backward", 2.0,
+         lambda x, w_ih, w_hh, *a, **kw: _gate_products(_rnn_rows(x), w_ih, w_hh)),
+        ("_cudnn_rnn", 1.0,
+         lambda x, weights, stride, *a, **kw: _rnn_rows(x) * _cudnn_layers(weights, stride)),
+        ("_cudnn_rnn_backward", 2.0,
+         lambda x, weights, stride, *a, **kw: _rnn_rows(x) * _cudnn_layers(weights, stride)),
+    )
+    for name, times, formula in pairs:
+        op = getattr(aten, name, None)
+        if op is not None:
+            out[op] = (lambda f, k: lambda *a, **kw: k * f(*a, **kw))(formula, times)
     return out
 
 
@@ -107,6 +161,7 @@ class FlopCount:
         clock_start, clock_stop = self.op_clock.start, self.op_clock.stop
         registry = dict(fc.flop_registry)
         registry.update(_cpu_attention_formulas(torch.ops.aten, fc))
+        registry.update(_rnn_formulas(torch.ops.aten))
         kinds: dict[Any, str] = {}  # op overload -> product, view or fusable
         by_kind, errors = self.by_kind, self.errors
         tf32_products = bool(torch.backends.cuda.matmul.allow_tf32)
