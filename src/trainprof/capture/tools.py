@@ -37,10 +37,10 @@ def build_windows(
     if deep is not None:
         from trainprof.capture.deep import DEEP_FLAGS, TorchProfilerTool
 
-        schedule, flags = parse_spec(deep, frozenset(DEEP_FLAGS))
+        schedule, flags = parse_spec(deep, frozenset(DEEP_FLAGS), option="--deep")
         runners.append(WindowRunner(schedule, [TorchProfilerTool(run_dir, schedule, flags)]))
     if py is not None or lines is not None:
-        schedule, _ = parse_spec(py, default=PY_DEFAULT_SCHEDULE)
+        schedule, _ = parse_spec(py, default=PY_DEFAULT_SCHEDULE, option="--py")
         tools: list[Any] = []
         if lines is not None:
             # first: resolving its targets must not land inside cProfile's window

@@ -1,0 +1,54 @@
+"""Bad command lines: one ``error:`` line on stderr, exit 2, and nothing left behind.
+
+These run the CLI's entry point in this process (``trainprof.cli.main``): a refusal comes
+before any script runs, so no subprocess is needed to see what the user sees.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from trainprof.cli import main
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """Exit code, stdout and stderr of ``trainprof ARGV``."""
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A script that would train if it ran, in a fresh working directory."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("raise SystemExit('the script ran')\n")
+    return "train.py"
+
+
+@pytest.mark.parametrize(
+    ("option", "spec", "message"),
+    [
+        ("--deep", "active=-1",
+         "--deep active=-1: active takes a whole number >= 1 (recorded steps a cycle)"),
+        ("--deep", "repeat=-1",
+         "--deep repeat=-1: repeat takes a whole number >= 0 (cycles; 0: until the run ends)"),
+        ("--deep", "skip_first=1e3", "--deep skip_first=1e3: skip_first takes a whole number "
+         ">= 0 (steps left alone first)"),
+        ("--deep", "skip_first=1,active=2,bogusflag",
+         "--deep: unknown window flag 'bogusflag' (flags: flops, memory, modules, shapes, "
+         "stack)"),
+        ("--py", "skip_first=x",
+         "--py skip_first=x: skip_first takes a whole number >= 0 (steps left alone first)"),
+        ("--py", "memory", "--py: unknown window flag 'memory' (flags: none)"),
+        ("--deep", "foo=1",
+         "--deep: unknown window key 'foo' (keys: skip_first, wait, warmup, active, repeat)"),
+    ],
+)
+def test_a_malformed_window_spec_is_parsed_as_one_not_taken_for_the_script(
+    capsys: pytest.CaptureFixture[str], script: str, option: str, spec: str, message: str,
+) -> None:
+    code, out, err = cli(capsys, "run", option, spec, script)
+    assert (code, out, err) == (2, "", f"error: {message}\n")
