@@ -52,3 +52,36 @@ def test_a_malformed_window_spec_is_parsed_as_one_not_taken_for_the_script(
 ) -> None:
     code, out, err = cli(capsys, "run", option, spec, script)
     assert (code, out, err) == (2, "", f"error: {message}\n")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["run", "--deep", "foo=1"],
+         "--deep: unknown window key 'foo' (keys: skip_first, wait, warmup, active, repeat)"),
+        (["run", "--deep", "active=0"],
+         "--deep active=0: active takes a whole number >= 1 (recorded steps a cycle)"),
+        (["run", "--lines", "nosuch"], "bad --lines target 'nosuch': expected module:function, "
+         "module:Class.method or path/to/file.py:function"),
+        (["tune", "--knob", "gc_threshold=700,0", "--slurm", "cluster=kube"],
+         "--slurm cluster=kube: use one of slurm, local"),
+    ],
+)
+def test_a_bad_option_leaves_no_run_folder(
+    capsys: pytest.CaptureFixture[str], script: str, tmp_path: Path,
+    argv: list[str], message: str,
+) -> None:
+    code, _, err = cli(capsys, *argv, script)
+    assert (code, err) == (2, f"error: {message}\n")
+    assert not (tmp_path / "trainprof-runs").exists()
+
+
+def test_a_slurm_parameter_submitit_refuses_leaves_no_tune_folder(
+    capsys: pytest.CaptureFixture[str], script: str, tmp_path: Path,
+) -> None:
+    pytest.importorskip("submitit")
+    for slurm in ("foo=bar", "cluster=local,foo=bar"):
+        code, _, err = cli(capsys, "tune", "--knob", "gc_threshold=700,0", "--slurm", slurm,
+                           script)
+        assert code == 2 and err.startswith("error: --slurm: ") and err.count("\n") == 1, err
+        assert not (tmp_path / "trainprof-runs").exists(), slurm

@@ -224,3 +224,13 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
     (tmp_path / "launch" / "ranks" / "0").mkdir(parents=True)
     res = trainprof("verify", str(tmp_path / "launch"), cwd=tmp_path)
     assert res.returncode == 2 and "a launch of several ranks" in res.stderr
+
+
+def test_a_refused_verify_leaves_no_empty_folder(tmp_path):
+    write_script(tmp_path, "train.py", DOUBLE)
+    run = trainprof("run", "--no-html", "--max-steps", "20", "train.py", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    (tmp_path / "train.py").unlink()  # the script the run ran is gone: nothing to measure
+    res = trainprof("verify", str(run.run_dir), cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr.endswith("error: no such script: train.py\n")
+    assert list((tmp_path / "trainprof-runs").iterdir()) == []

@@ -23,7 +23,7 @@ from trainprof.analysis.deep import trace_findings
 from trainprof.analysis.ranks import load_main_run, load_ranks, merge_ranks, rank_dirs
 from trainprof.analysis.steps import complete_steps
 from trainprof.analysis.summary import summarize_run
-from trainprof.capture.tools import build_windows
+from trainprof.capture.tools import build_windows, parse_tools
 from trainprof.errors import UsageError
 from trainprof.held_signals import deferred_sigint, finish_despite_sigterm
 from trainprof.report.json_report import render_json
@@ -180,6 +180,7 @@ def run_command(
     )
 
     check_target(target, module)  # before the capture imports torch: refused at once
+    parse_tools(deep, py, lines)  # a bad option before the run folder exists: none left empty
     from trainprof.capture.ranks import default_launch_dir, launcher_rank, wait_for_ranks
     from trainprof.capture.recorder import Recorder
 

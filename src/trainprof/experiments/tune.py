@@ -1093,15 +1093,16 @@ def tune_command(
     base = find_baseline(baseline, parsed, arms)
     check_target(target, module)
     job_params = None
+    name = target.rsplit(".", 1)[-1] if module else Path(target).stem
     if slurm is not None:
-        from trainprof.experiments.jobs import parse_params
+        from trainprof.experiments.jobs import check_runner, parse_params
 
         job_params = parse_params(slurm)
-    name = target.rsplit(".", 1)[-1] if module else Path(target).stem
+        check_runner(job_params, name)  # before the tune folder exists: none left empty
+    if out is not None and out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"--out {out} exists and is not an empty folder")
+    created = out is None or not out.exists()
     tune_dir = out if out is not None else default_run_dir(f"tune-{name}")
-    if tune_dir.exists() and (not tune_dir.is_dir() or any(tune_dir.iterdir())):
-        raise UsageError(f"--out {tune_dir} exists and is not an empty folder")
-    created = not tune_dir.exists()
     try:
         tune_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

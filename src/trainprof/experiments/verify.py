@@ -228,18 +228,23 @@ def verify_command(run_dir: Path, *, finding: int | None, steps: int | None, tri
               f"{' '.join([('-m ' if module else '') + target, *args])}"
               + (f" (in {cwd})" if cwd else ""), flush=True)
     here = Path.cwd()
-    if cwd is not None:
-        try:
-            os.chdir(cwd)
-        except OSError as exc:
-            raise UsageError(f"cannot enter the folder the run ran in, {cwd}: "
-                             f"{exc.strerror}") from None
     captured = io.StringIO()
     try:
+        if cwd is not None:
+            try:
+                os.chdir(cwd)
+            except OSError as exc:
+                raise UsageError(f"cannot enter the folder the run ran in, {cwd}: "
+                                 f"{exc.strerror}") from None
         with contextlib.redirect_stdout(captured) if json_out else contextlib.nullcontext():
             code = tune_command(target, args, module=module, knobs=specs,
                                 steps=steps or verify_steps or 60, trials=trials,
                                 json_out=False, out=tune_dir, baseline=None)
+    except UsageError:
+        if out is None:  # refused before any trial (the script is gone): no empty folder left
+            with contextlib.suppress(OSError):
+                tune_dir.rmdir()
+        raise
     finally:
         os.chdir(here)
     import orjson
