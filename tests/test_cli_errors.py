@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from trainprof.cli import main
+from trainprof.cli import build_parser, main
 
 
 def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -85,3 +85,19 @@ def test_a_slurm_parameter_submitit_refuses_leaves_no_tune_folder(
                            script)
         assert code == 2 and err.startswith("error: --slurm: ") and err.count("\n") == 1, err
         assert not (tmp_path / "trainprof-runs").exists(), slurm
+
+
+def test_the_sampling_period_has_a_floor_that_help_states(
+    capsys: pytest.CaptureFixture[str], script: str, tmp_path: Path,
+) -> None:
+    code, _, err = cli(capsys, "run", "--sample-interval", "0.0001", script)
+    assert (code, err) == (2, "error: argument --sample-interval: expected at least 0.05 s, got "
+                              "'0.0001': CPU time is counted in 10 ms ticks, so a shorter period "
+                              "gives wrong CPU figures (see 'trainprof run --help')\n")
+    assert not (tmp_path / "trainprof-runs").exists()
+    assert build_parser().parse_args(["run", "--sample-interval", "0.05"]).sample_interval == 0.05
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "(default: 0.2 s, i.e. 5 Hz; at least 0.05 s: CPU time is counted in 10 ms ticks)" \
+        in shown

@@ -15,6 +15,7 @@ from typing import NoReturn
 
 from trainprof import __version__
 from trainprof.capture.knobs import KNOBS
+from trainprof.capture.sampler import DEFAULT_INTERVAL_S, MIN_INTERVAL_S
 from trainprof.capture.window import looks_like_spec
 from trainprof.errors import UsageError
 from trainprof.experiments.jobs import DEFAULT_TIMEOUT_MIN
@@ -110,6 +111,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _sample_interval(text: str) -> float:
+    """A sampling period no shorter than the CPU counters resolve (see MIN_INTERVAL_S)."""
+    value = _positive_float(text)
+    if value < MIN_INTERVAL_S:
+        raise argparse.ArgumentTypeError(
+            f"expected at least {MIN_INTERVAL_S:g} s, got {text!r}: CPU time is counted in "
+            "10 ms ticks, so a shorter period gives wrong CPU figures")
+    return value
+
+
 def build_parser() -> _Parser:
     parser = _Parser(
         prog="trainprof",
@@ -134,8 +145,11 @@ def build_parser() -> _Parser:
                      help="stop the script cleanly after N steps")
     run.add_argument("--json", action="store_true",
                      help="print one JSON document on stdout (the script's stdout goes to stderr)")
-    run.add_argument("--sample-interval", type=_positive_float, default=0.2, metavar="SECONDS",
-                     help="system sampling period (default: 0.2 s, i.e. 5 Hz)")
+    run.add_argument("--sample-interval", type=_sample_interval, default=DEFAULT_INTERVAL_S,
+                     metavar="SECONDS",
+                     help=f"system sampling period (default: {DEFAULT_INTERVAL_S:g} s, i.e. "
+                          f"{1 / DEFAULT_INTERVAL_S:g} Hz; at least {MIN_INTERVAL_S:g} s: CPU "
+                          "time is counted in 10 ms ticks)")
     heavy = run.add_argument_group(
         "heavy tools over a window of steps",
         "SPEC is a comma list of key=N (skip_first, wait, warmup, active, repeat; repeat=0: until "
