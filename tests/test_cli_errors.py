@@ -101,3 +101,51 @@ def test_the_sampling_period_has_a_floor_that_help_states(
     shown = " ".join(capsys.readouterr().out.split())
     assert "(default: 0.2 s, i.e. 5 Hz; at least 0.05 s: CPU time is counted in 10 ms ticks)" \
         in shown
+
+
+@pytest.fixture
+def runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Two run folders with a record (its files' contents do not matter here: the output
+    path is refused before the record is read), in a fresh working directory."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("a", "b"):
+        (tmp_path / name / "deep").mkdir(parents=True)
+        for record_file in ("run.json", "steps.bin", "samples.jsonl", "ops.json"):
+            (tmp_path / name / record_file).write_text(f"{name}'s {record_file}")
+        (tmp_path / name / "deep" / "w.pt.trace.json.gz").write_text("trace")
+    return tmp_path
+
+
+def _record(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): p.read_text() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("target", ["run.json", "steps.bin", "samples.jsonl", "ops.json",
+                                    "findings.json", "deep/w.pt.trace.json.gz"])
+@pytest.mark.parametrize("argv", [
+    ["export", "a", "--perfetto"],
+    ["report", "a", "--html"],
+    ["compare", "a", "b", "--html"],
+])
+def test_no_output_overwrites_a_file_of_a_runs_record(
+    capsys: pytest.CaptureFixture[str], runs: Path, argv: list[str], target: str,
+) -> None:
+    before = _record(runs / "b")
+    option = argv[-1]
+    code, out, err = cli(capsys, *argv, f"b/{target}")
+    assert (code, out) == (2, "")
+    assert err == (f"error: {option} b/{target}: part of the record of the run in "
+                   f"{runs / 'b'}; writing it would destroy the run\n")
+    assert _record(runs / "b") == before
+
+
+def test_the_record_is_found_through_a_link_and_a_roundabout_path(
+    capsys: pytest.CaptureFixture[str], runs: Path,
+) -> None:
+    (runs / "link.json").symlink_to(runs / "a" / "run.json")
+    for path in ("link.json", "b/../a/./run.json"):
+        code, _, err = cli(capsys, "export", "a", "--perfetto", path)
+        assert code == 2 and "part of the record of the run in" in err, path
+    code, _, err = cli(capsys, "export", "a", "--tensorboard", "a/deep")  # a folder of it
+    assert (code, err) == (2, f"error: --tensorboard a/deep: part of the record of the run in "
+                              f"{runs / 'a'}; writing it would destroy the run\n")

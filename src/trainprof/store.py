@@ -54,6 +54,20 @@ STACKS_JSONL = "stacks.jsonl"
 FINDINGS_JSON = "findings.json"
 #: A ``trainprof tune`` folder's result, beside its trials' run folders.
 TUNE_JSON = "tune.json"
+#: ``trainprof verify``'s judgement, beside tune.json in its tune folder.
+VERIFY_JSON = "verify.json"
+#: The op count's sample of torch calls a step (trainprof.capture.opcount).
+OPS_JSON = "ops.json"
+#: The heavy tools' output: torch.profiler traces, cProfile and line_profiler results.
+DEEP_DIR = "deep"
+PYTHON_DIR = "python"
+
+#: Every file of a record, in a run folder or a tune folder: what no output may overwrite
+#: (trainprof.output_paths).
+RECORD_FILES = frozenset({RUN_JSON, STEPS_BIN, DEVICE_BIN, SAMPLES_JSONL, EVENTS_JSONL,
+                          STACKS_JSONL, FINDINGS_JSON, OPS_JSON, TUNE_JSON, VERIFY_JSON})
+#: A record's folders of tool output, every file in them part of the record.
+RECORD_DIRS = frozenset({DEEP_DIR, PYTHON_DIR})
 
 STATUSES = ("running", "finished", "crashed", "interrupted")
 

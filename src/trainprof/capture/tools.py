@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from trainprof.capture.window import Schedule, WindowRunner, parse_spec
+from trainprof.store import PYTHON_DIR
 
 #: Default window of cProfile / line_profiler: no warm-up needed, more steps than torch.profiler
 #: (a sampled call graph needs many calls; cProfile's own cost is per call, not per window).
@@ -73,7 +74,7 @@ def build_windows(
             # first: resolving its targets must not land inside cProfile's window
             from trainprof.capture.lineprof import SHARES_WINDOW_WITH_CPROFILE, LineProfileTool
 
-            line_tool = LineProfileTool(run_dir / "python", options.lines)
+            line_tool = LineProfileTool(run_dir / PYTHON_DIR, options.lines)
             if py is not None and not SHARES_WINDOW_WITH_CPROFILE:
                 # Python 3.12+: both need sys.monitoring's profiler slot; lines go
                 # in a window of their own, right after cProfile's
@@ -86,7 +87,7 @@ def build_windows(
         if py is not None:
             from trainprof.capture.pyprof import CProfileTool
 
-            tools.append(CProfileTool(run_dir / "python"))
+            tools.append(CProfileTool(run_dir / PYTHON_DIR))
         runners.append(WindowRunner(schedule, tools))
     if op_count:
         from trainprof.capture.opcount import OPCOUNT_SCHEDULE, OpCountTool

@@ -203,7 +203,7 @@ def verify_command(run_dir: Path, *, finding: int | None, steps: int | None, tri
     """
     from trainprof.commands import analyse_folder
     from trainprof.experiments.tune import tune_command
-    from trainprof.store import RANKS_DIR, RUN_JSON, default_run_dir, load_run
+    from trainprof.store import RANKS_DIR, RUN_JSON, VERIFY_JSON, default_run_dir, load_run
 
     run_dir = Path(run_dir)
     if not (run_dir / RUN_JSON).is_file():
@@ -253,7 +253,7 @@ def verify_command(run_dir: Path, *, finding: int | None, steps: int | None, tri
     result = {**head, "tune_dir": str(tune_dir), "status": doc.get("status"),
               "metric": doc.get("metric"), **judge(chosen, doc)}
     with contextlib.suppress(OSError):
-        (tune_dir / "verify.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+        (tune_dir / VERIFY_JSON).write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
     if json_out:
         from trainprof.report.json_report import render_json
 
