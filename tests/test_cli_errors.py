@@ -149,3 +149,34 @@ def test_the_record_is_found_through_a_link_and_a_roundabout_path(
     code, _, err = cli(capsys, "export", "a", "--tensorboard", "a/deep")  # a folder of it
     assert (code, err) == (2, f"error: --tensorboard a/deep: part of the record of the run in "
                               f"{runs / 'a'}; writing it would destroy the run\n")
+
+
+@pytest.mark.parametrize("argv", [
+    ["export", "a", "--perfetto"],
+    ["report", "a", "--html"],
+    ["compare", "a", "b", "--html"],
+])
+def test_an_output_path_is_checked_by_one_rule_before_any_work(
+    capsys: pytest.CaptureFixture[str], runs: Path, argv: list[str],
+) -> None:
+    option = argv[-1]
+    # more than the output's own folder missing: refused, nothing created
+    code, out, err = cli(capsys, *argv, "x/y/out.html")
+    assert (code, out, err) == (2, "", f"error: {option} x/y/out.html: no folder x (only the "
+                                       "output's own folder, y/, is created when missing)\n")
+    assert not (runs / "x").exists()
+    # a folder where the file goes (compare: before the comparison is printed)
+    code, out, err = cli(capsys, *argv, "b")
+    assert (code, out, err) == (
+        2, "", f"error: {option} b: a folder, not a file (name the file to write)\n")
+    (runs / "afile").write_text("x")
+    code, out, err = cli(capsys, *argv, "afile/out.html")
+    assert (code, out, err) == (2, "", f"error: {option} afile/out.html: afile is a file, "
+                                       "not a folder\n")
+
+
+def test_a_log_folder_follows_the_same_rule(capsys: pytest.CaptureFixture[str], runs: Path) -> None:
+    code, _, err = cli(capsys, "export", "a", "--tensorboard", "tb/logs")
+    assert (code, err) == (2, "error: --tensorboard tb/logs: no folder tb (only the output's "
+                              "own folder, logs/, is created when missing)\n")
+    assert not (runs / "tb").exists()

@@ -7,6 +7,14 @@ command, checked before any work so that a refusal costs nothing and leaves noth
   ``python/``) and their files. ``export --perfetto RUN/run.json`` replaced the run's own
   record with the export and destroyed the run.
 * A file where a file goes, a folder where a folder goes.
+* The folder an output goes in is created when missing, one folder and no more
+  (``--perfetto out/timeline.json`` makes ``out/``, as ``report --html`` always did): a path
+  whose folder's folder is missing too is more often a typo than a tree to make
+  (``--html /nonexist/dir/x.html`` had made ``/nonexist/dir`` as root), and it is refused
+  naming the folder that is missing.
+
+Nothing is created here: the writer makes the folder as it writes, so a command refused
+after this check (a bad run folder) leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -31,6 +39,13 @@ def check_output(path: Path, option: str, *, folder: bool = False) -> Path:
         raise UsageError(f"{shown}: a file, not a folder")
     if not folder and path.is_dir():
         raise UsageError(f"{shown}: a folder, not a file (name the file to write)")
+    home = resolved if folder else resolved.parent  # the folder the output goes in
+    named = path if folder else path.parent  # as the user wrote it, for the message
+    if home.exists() and not home.is_dir():
+        raise UsageError(f"{shown}: {named} is a file, not a folder")
+    if not home.exists() and not home.parent.is_dir():
+        raise UsageError(f"{shown}: no folder {named.parent} (only the output's own folder, "
+                         f"{named.name}/, is created when missing)")
     return path
 
 
