@@ -180,3 +180,45 @@ def test_a_log_folder_follows_the_same_rule(capsys: pytest.CaptureFixture[str], 
     assert (code, err) == (2, "error: --tensorboard tb/logs: no folder tb (only the output's "
                               "own folder, logs/, is created when missing)\n")
     assert not (runs / "tb").exists()
+
+
+def test_no_command_is_bad_input_the_usage_and_one_error_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, err = cli(capsys)
+    assert (code, out) == (2, "")
+    assert err == ("usage: trainprof [-h] [--version] COMMAND ...\n"
+                   "error: give a command: run, report, trace, compare, tune, verify, export, "
+                   "pack, stage (see 'trainprof --help')\n")
+
+
+@pytest.mark.parametrize(("argv", "command"), [
+    (["report", "a", "b"], "report"),
+    (["compare", "a", "b", "c"], "compare"),
+    (["run", "--bogus", "train.py"], "run"),
+])
+def test_words_left_over_point_at_the_commands_own_help(
+    capsys: pytest.CaptureFixture[str], argv: list[str], command: str,
+) -> None:
+    code, _, err = cli(capsys, *argv)
+    left = argv[-1] if command != "run" else "--bogus"
+    assert (code, err) == (2, f"error: unrecognized arguments: {left} "
+                              f"(see 'trainprof {command} --help')\n")
+
+
+def test_report_html_before_the_run_folder_takes_it_as_the_run_folder(
+    capsys: pytest.CaptureFixture[str], runs: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import trainprof.commands
+
+    calls = []
+    monkeypatch.setattr(trainprof.commands, "report_command",
+                        lambda run_dir, json_out, html: calls.append((run_dir, html)) or 0)
+    assert cli(capsys, "report", "--html", "a")[0] == 0
+    assert cli(capsys, "report", "--html", "out.html", "a")[0] == 0
+    assert cli(capsys, "report", "a", "--html")[0] == 0
+    assert calls == [(Path("a"), True), (Path("a"), "out.html"), (Path("a"), True)]
+    # a path that is no folder stays the page's, and the run folder is still missing
+    code, _, err = cli(capsys, "report", "--html", "out.html")
+    assert (code, err) == (2, "error: the following arguments are required: RUN_DIR "
+                              "(see 'trainprof report --help')\n")

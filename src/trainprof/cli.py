@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from trainprof import __version__
 from trainprof.capture.knobs import KNOBS
@@ -24,8 +24,22 @@ from trainprof.experiments.jobs import DEFAULT_TIMEOUT_MIN
 class _Parser(argparse.ArgumentParser):
     """argparse, but a bad option is a one-line ``error:`` (exit 2), not a usage dump."""
 
+    #: The commands, in --help's order (set by :func:`build_parser` on the top parser).
+    commands: tuple[str, ...] = ()
+
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see '{self.prog} --help')")
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:
+        """As argparse's, but words left over point at the help of the command that was
+        given (argparse's own message names the top parser's, which does not list them)."""
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = getattr(ns, "command", None)
+            prog = f"{self.prog} {command}" if command else self.prog
+            raise UsageError(f"unrecognized arguments: {' '.join(extras)} "
+                             f"(see '{prog} --help')")
+        return ns
 
 
 RUN_EPILOG = """\
@@ -172,8 +186,10 @@ def build_parser() -> _Parser:
     # launcher): this run is a rank of that one, which prints the summary
     run.add_argument("--rank-of", type=Path, metavar="RUN_DIR", help=argparse.SUPPRESS)
 
-    report = sub.add_parser("report", help="summarise an existing run folder, in any status")
-    report.add_argument("run_dir", type=Path, metavar="RUN_DIR",
+    report = sub.add_parser("report", help="summarise an existing run folder, in any status",
+                            usage="trainprof report [-h] [--json] [--html [PATH]] RUN_DIR")
+    # optional to argparse only: `report --html RUN_DIR` gives it to --html (see _report_dirs)
+    report.add_argument("run_dir", type=Path, nargs="?", metavar="RUN_DIR",
                         help="a run folder written by trainprof run (any status)")
     report.add_argument("--json", action="store_true", help="print one JSON document")
     report.add_argument("--html", nargs="?", const=True, default=None, metavar="PATH",
@@ -314,6 +330,7 @@ def build_parser() -> _Parser:
     stage.add_argument("--threads", type=_positive_int, default=8, metavar="N",
                        help="files copied at once (default: 8)")
     stage.add_argument("--json", action="store_true", help="print one JSON document")
+    parser.commands = tuple(sub.choices)
     return parser
 
 
@@ -370,6 +387,18 @@ def _split_run_args(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
+def _report_dirs(run_dir: Path | None, html: str | bool | None) -> tuple[Path, str | bool | None]:
+    """``report``'s RUN_DIR and --html: ``report --html RUN_DIR`` gives the run folder to
+    ``--html [PATH]`` (argparse fills the option's value first); a folder there with no
+    RUN_DIR is the run folder, and the page goes to its default place."""
+    if run_dir is None and isinstance(html, str) and Path(html).is_dir():
+        return Path(html), True
+    if run_dir is None:
+        raise UsageError("the following arguments are required: RUN_DIR "
+                         "(see 'trainprof report --help')")
+    return run_dir, html
+
+
 def _dispatch(argv: list[str]) -> int:
     parser = build_parser()
     if argv and argv[0] == "run":
@@ -418,10 +447,16 @@ def _dispatch(argv: list[str]) -> int:
             slurm=ns.slurm,
         )
     ns = parser.parse_args(argv)
+    if ns.command is None:
+        # bad input like any other (DESIGN.md's exit codes): the usage, then one error line
+        parser.print_usage(sys.stderr)
+        raise UsageError(f"give a command: {', '.join(parser.commands)} "
+                         "(see 'trainprof --help')")
     if ns.command == "report":
         from trainprof.commands import report_command
 
-        return report_command(ns.run_dir, json_out=ns.json, html=ns.html)
+        run_dir, html = _report_dirs(ns.run_dir, ns.html)
+        return report_command(run_dir, json_out=ns.json, html=html)
     if ns.command == "trace":
         from trainprof.commands import trace_command
 
@@ -454,8 +489,7 @@ def _dispatch(argv: list[str]) -> int:
         from trainprof.commands import stage_command
 
         return stage_command(ns.source, to=ns.to, threads=ns.threads, json_out=ns.json)
-    parser.print_help()
-    return 2
+    raise AssertionError(f"command {ns.command!r} has no dispatch")
 
 
 def main(argv: list[str] | None = None) -> int:
