@@ -161,6 +161,23 @@ def test_the_verdict_sets_the_measured_saving_against_the_bound(ratio, ci, verdi
     assert judge(_finding("x", ""), {"arms": []})["verdict"] == "no data"
 
 
+def test_help_lists_every_verdict_judge_gives(capsys):
+    from trainprof.cli import main
+    from trainprof.experiments.verify import VERDICTS
+    from trainprof.report.verify_terminal import _STYLE
+
+    given = {judge(_finding("x", "", gain=0.30), _doc(0.75, (0.7, 0.8), tune_verdict))["verdict"]
+             for tune_verdict in ("faster", "slower", "no_effect", "unsettled", "no_difference")}
+    given |= {judge(_finding("x", "", gain=0.10), _doc(0.5, (0.4, 0.6), "faster"))["verdict"],
+              judge(_finding("x", ""), {"arms": []})["verdict"]}
+    assert given == set(VERDICTS) == set(_STYLE)  # and the terminal styles each one
+    with pytest.raises(SystemExit):
+        main(["verify", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    for verdict, meaning in VERDICTS.items():
+        assert f"{verdict} ({meaning})" in shown
+
+
 def test_the_runs_with_the_fix_say_how_near_the_peak_they_ran():
     doc = _doc(0.25, (0.2, 0.3), "faster")
     doc["arms"][0]["flops_utilization"] = 0.004

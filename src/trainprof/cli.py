@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -19,6 +20,7 @@ from trainprof.capture.sampler import DEFAULT_INTERVAL_S, MIN_INTERVAL_S
 from trainprof.capture.window import looks_like_spec
 from trainprof.errors import UsageError
 from trainprof.experiments.jobs import DEFAULT_TIMEOUT_MIN
+from trainprof.experiments.verify import VERDICTS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -258,11 +260,10 @@ def build_parser() -> _Parser:
              "own command, against the finding's estimate",
         epilog="examples:\n  trainprof verify trainprof-runs/20261127-170000-train"
                "          # the first finding with a knob\n"
-               "  trainprof verify RUN_DIR --finding 2 --trials 5\n\n"
-               "The verdict: confirmed (significantly faster, within the finding's bound), "
-               "beyond the bound\n(faster than the estimate allowed), not confirmed (no "
-               "significant difference) or refuted\n(slower). The trials and verify.json go "
-               "to --out (default: ./trainprof-runs/<time>-verify-<name>/).",
+               "  trainprof verify RUN_DIR --finding 2 --trials 5\n\n" + textwrap.fill(
+                   "The verdict: " + ", ".join(f"{v} ({why})" for v, why in VERDICTS.items())
+                   + ". The trials and verify.json go to --out (default: "
+                   "./trainprof-runs/<time>-verify-<name>/).", width=79),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     verify.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run folder")

@@ -37,6 +37,18 @@ from typing import Any
 
 from trainprof.errors import UsageError
 
+#: Every verdict :func:`judge` gives, in the module docstring's order, with what it means in
+#: a few words (``trainprof verify --help`` lists them from here).
+VERDICTS = {
+    "confirmed": "significantly faster, within the finding's bound",
+    "beyond the bound": "faster than the estimate allowed",
+    "not confirmed": "no significant difference",
+    "refuted": "significantly slower",
+    "not applicable": "the knob changed nothing in this script",
+    "unsettled": "the trials disagree too much to size the change",
+    "no data": "no arm has a usable measurement",
+}
+
 #: ``--knob NAME=V1,V2`` and ``--steps N`` in a verify line's tune command.
 _KNOB = re.compile(r"--knob\s+([a-z_0-9]+=[A-Za-z0-9_.,\-]+)")
 _STEPS = re.compile(r"--steps\s+(\d+)")
