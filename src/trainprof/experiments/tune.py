@@ -739,8 +739,8 @@ def analyse_tune(
                     notes.append(
                         f"{arm.name}: its trials' mean step times differ by "
                         f"{spread * 100:.0f}%: the machine's speed varied (other load?); "
-                        "the interval allows for it, but with few trials only in part "
-                        "(experiments/stats.py), and more --trials make a verdict surer"
+                        "the interval allows for it, but with few trials only in part: "
+                        "more --trials make a verdict surer"
                     )
             short = [t for t in ts if steps is not None and t.count < steps]
             if short:
