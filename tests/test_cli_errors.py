@@ -222,3 +222,20 @@ def test_report_html_before_the_run_folder_takes_it_as_the_run_folder(
     code, _, err = cli(capsys, "report", "--html", "out.html")
     assert (code, err) == (2, "error: the following arguments are required: RUN_DIR "
                               "(see 'trainprof report --help')\n")
+
+
+def test_a_value_that_begins_with_a_dash_gets_the_options_own_error(
+    capsys: pytest.CaptureFixture[str], script: str,
+) -> None:
+    code, _, err = cli(capsys, "run", "--max-steps", "-5x", script)
+    assert (code, err) == (2, "error: argument --max-steps: expected a positive integer, got "
+                              "'-5x' (see 'trainprof run --help')\n")
+    # the script's own arguments are the script's, dashes and all
+    assert cli_split(["--max-steps", "3", script, "--steps", "-5M"]) == (
+        ["--max-steps", "3", script], ["--steps", "-5M"])
+
+
+def cli_split(argv: list[str]) -> tuple[list[str], list[str]]:
+    from trainprof.cli import _split_run_args
+
+    return _split_run_args(argv)

@@ -309,8 +309,8 @@ def build_parser() -> _Parser:
                            "while training, at the decoded size on disk")
     pack.add_argument("--ext", metavar="EXT[,EXT]",
                       help="pack only files with these extensions (e.g. jpg,png)")
-    pack.add_argument("--shard-size", type=_byte_size, metavar="SIZE",
-                      help="bytes per shard, e.g. 256M or 1G (default: 512M)")
+    pack.add_argument("--shard-size", type=_shard_size, metavar="SIZE",
+                      help="bytes per shard, e.g. 256M or 1G (default: 512M; at least 1M)")
     pack.add_argument("--threads", type=_positive_int, metavar="N",
                       help="threads reading the files (default: 4 per usable core, at most 32)")
     pack.add_argument("--force", action="store_true", help="replace an existing pack at OUT")
@@ -346,6 +346,41 @@ def _byte_size(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
     return value
+
+
+#: The smallest ``pack --shard-size``: a shard is a file to open and map, and a size of a few
+#: bytes made one per sample (2,048 shards of a 2,048-image pack), the very cost packing removes.
+MIN_SHARD_BYTES = 2**20
+
+
+def _shard_size(text: str) -> int:
+    value = _byte_size(text)
+    if value < MIN_SHARD_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"expected at least 1M (a shard is a file of its own), got {text!r}")
+    return value
+
+
+#: Options whose value may begin with '-' (``--shard-size -5M``): argparse takes such a word
+#: for an option and says only "expected one argument"; given as ``--shard-size=-5M`` the
+#: option's own check says what is wrong with the value.
+_SIGNED_VALUES = frozenset({"--shard-size", "--max-steps", "--sample-interval", "--steps",
+                            "--trials", "--threads", "--finding", "--fail-if-slower"})
+
+
+def _join_signed_values(args: list[str]) -> list[str]:
+    """``--opt -V`` as ``--opt=-V`` for the options in :data:`_SIGNED_VALUES`."""
+    joined: list[str] = []
+    i = 0
+    while i < len(args):
+        if (args[i] in _SIGNED_VALUES and i + 1 < len(args) and args[i + 1].startswith("-")
+                and args[i + 1] != "--"):
+            joined.append(f"{args[i]}={args[i + 1]}")
+            i += 2
+        else:
+            joined.append(args[i])
+            i += 1
+    return joined
 
 
 def _looks_like_params(token: str) -> bool:
@@ -404,7 +439,7 @@ def _dispatch(argv: list[str]) -> int:
     parser = build_parser()
     if argv and argv[0] == "run":
         own, script_args = _split_run_args(argv[1:])
-        ns = parser.parse_args(["run", *own])
+        ns = parser.parse_args(["run", *_join_signed_values(own)])
         target = ns.module if ns.module is not None else ns.script
         if target is None:
             raise UsageError("missing SCRIPT (or -m MODULE) to run (see 'trainprof run --help')")
@@ -427,7 +462,7 @@ def _dispatch(argv: list[str]) -> int:
         )
     if argv and argv[0] == "tune":
         own, script_args = _split_run_args(argv[1:])
-        ns = parser.parse_args(["tune", *own])
+        ns = parser.parse_args(["tune", *_join_signed_values(own)])
         target = ns.module if ns.module is not None else ns.script
         if target is None:
             raise UsageError("missing SCRIPT (or -m MODULE) to tune (see 'trainprof tune --help')")
@@ -447,7 +482,7 @@ def _dispatch(argv: list[str]) -> int:
             baseline=ns.baseline,
             slurm=ns.slurm,
         )
-    ns = parser.parse_args(argv)
+    ns = parser.parse_args(_join_signed_values(argv))
     if ns.command is None:
         # bad input like any other (DESIGN.md's exit codes): the usage, then one error line
         parser.print_usage(sys.stderr)
