@@ -239,3 +239,24 @@ def cli_split(argv: list[str]) -> tuple[list[str], list[str]]:
     from trainprof.cli import _split_run_args
 
     return _split_run_args(argv)
+
+
+@pytest.mark.parametrize("command", [["report"], ["verify"], ["export", "--perfetto", "t.json"],
+                                     ["compare"]])
+def test_every_command_names_a_folder_that_holds_no_run_alike(
+    capsys: pytest.CaptureFixture[str], runs: Path, command: list[str],
+) -> None:
+    (runs / "empty").mkdir()
+    (runs / "file.py").write_text("")
+    (runs / "bytes").mkdir()
+    (runs / "bytes" / "run.json").write_bytes(b'\xff\xfe{"schema_version": 1}')
+    for folder, message in [
+        ("missing", "no such run folder: missing"),
+        ("empty", "empty is not a run folder (no run.json)"),
+        ("file.py", "file.py is a file, not a run folder"),
+        ("bytes", "bytes/run.json: not a trainprof run record (not UTF-8 JSON)"),
+    ]:
+        argv = [command[0], folder, *command[1:]] if command[0] != "compare" else [
+            "compare", folder, "a"]
+        code, _, err = cli(capsys, *argv)
+        assert (code, err) == (2, f"error: {message}\n"), argv

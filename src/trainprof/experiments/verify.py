@@ -218,12 +218,10 @@ def verify_command(run_dir: Path, *, finding: int | None, steps: int | None, tri
     from trainprof.store import RANKS_DIR, RUN_JSON, VERIFY_JSON, default_run_dir, load_run
 
     run_dir = Path(run_dir)
-    if not (run_dir / RUN_JSON).is_file():
-        if (run_dir / RANKS_DIR).is_dir():
-            raise UsageError(f"{run_dir} is a launch of several ranks: verify runs one "
-                             "process; run the finding's tune line under your launcher")
-        raise UsageError(f"{run_dir} is not a run folder (no {RUN_JSON})")
-    run = load_run(run_dir)
+    if not (run_dir / RUN_JSON).is_file() and (run_dir / RANKS_DIR).is_dir():
+        raise UsageError(f"{run_dir} is a launch of several ranks: verify runs one "
+                         "process; run the finding's tune line under your launcher")
+    run = load_run(run_dir)  # its words for a folder that is missing or holds no run, as report's
     summary, _ = analyse_folder(run_dir)
     number, chosen, specs, verify_steps = pick_finding(summary.get("findings") or [], finding)
     specs = current_first(specs, run.meta) + trial_knobs(run.meta, specs)
