@@ -271,6 +271,27 @@ def test_deep_without_spec_takes_the_script_as_script(tp) -> None:
     assert len(list((res.run_dir / "deep").glob("*.steps12-16.pt.trace.json.gz"))) == 1
 
 
+def test_a_windows_first_line_says_what_it_will_record() -> None:
+    py = Schedule(skip_first=10, wait=0, warmup=0, active=20, repeat=1)
+    assert py.describe() == "steps 10-29 recorded, once"
+    assert Schedule().describe() == "steps 12-16 recorded after 2 warm-up steps, once"
+    assert Schedule(repeat=3).describe() == (
+        "steps 12-16 recorded after 2 warm-up steps, 3 times, every 7 steps")
+    assert Schedule(repeat=0).describe() == (
+        "steps 12-16 recorded after 2 warm-up steps, then every 7 steps until the run ends")
+    assert py.describe(max_steps=11) == "steps 10-29 recorded, once"  # it opens, cut short
+    assert py.describe(max_steps=10) == ("the window (steps 10-29) never opens: --max-steps 10 "
+                                         "ends the run before step 10 (lower its skip_first)")
+
+
+def test_a_window_that_max_steps_cuts_off_is_said_never_to_open(tp) -> None:
+    res = tp(DEEP_SCRIPT, "--py", "--max-steps", "3", "--no-html")
+    assert res.returncode == 0, res.stderr
+    assert ("trainprof: cprofile: the window (steps 10-29) never opens: --max-steps 3 ends the "
+            "run before step 10 (lower its skip_first)") in res.stderr.splitlines()
+    assert "recorded, once" not in res.stderr
+
+
 def test_bad_window_spec_is_a_usage_error(tp) -> None:
     res = tp(DEEP_SCRIPT, "--deep=active=0")
     assert res.returncode == 2

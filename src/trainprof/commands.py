@@ -216,7 +216,8 @@ def run_command(
     print(f"trainprof: recording to {run_dir}", file=sys.stderr, flush=True)
     for runner in recorder.windows[1:]:  # the first is the op-count sample, always on
         names = ", ".join(t.name for t in runner.tools)
-        print(f"trainprof: {names}: {runner.schedule.describe()}", file=sys.stderr, flush=True)
+        print(f"trainprof: {names}: {runner.schedule.describe(max_steps)}", file=sys.stderr,
+              flush=True)
 
     real_stdout: int | None = None  # with --json: where the document goes
 

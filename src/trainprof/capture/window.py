@@ -75,12 +75,23 @@ class Schedule:
         base = self.skip_first + k * self.cycle + self.wait
         return base, base + self.warmup, base + self.warmup + self.active
 
-    def describe(self) -> str:
-        first_w, first_a, first_end = self.phase_starts(0)
-        times = "until the run ends" if self.repeat == 0 else f"{self.repeat}x"
-        return (f"steps {first_a}-{first_end - 1} recorded"
-                f"{f' after {self.warmup} warm-up steps' if self.warmup else ''}"
-                f", every {self.cycle} steps {times}")
+    def describe(self, max_steps: int | None = None) -> str:
+        """The steps the window records, as a run's first lines say it; with the run's
+        ``max_steps``, a window that run never reaches is said to be one (not "steps 10-29
+        recorded" for a run of 3 steps)."""
+        _, first_a, first_end = self.phase_starts(0)
+        steps = f"steps {first_a}-{first_end - 1}"
+        if max_steps is not None and max_steps <= first_a:
+            return (f"the window ({steps}) never opens: --max-steps {max_steps} ends the run "
+                    f"before step {first_a} (lower its skip_first)")
+        if self.repeat == 1:
+            times = "once"
+        elif self.repeat == 0:
+            times = f"then every {self.cycle} steps until the run ends"
+        else:
+            times = f"{self.repeat} times, every {self.cycle} steps"
+        warmup = f" after {self.warmup} warm-up steps" if self.warmup else ""
+        return f"{steps} recorded{warmup}, {times}"
 
 
 #: What each key counts, and the least it takes: a bad value's error says both.
