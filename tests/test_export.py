@@ -200,6 +200,19 @@ def test_unwritable_path_is_a_usage_error(run_dir: Path, tmp_path: Path) -> None
         export_perfetto(load_run(run_dir), tmp_path / "no" / "such" / "dir" / "t.json")
 
 
+def test_cli_export_makes_the_outputs_own_folder_and_no_more(
+    run_dir: Path, tmp_path: Path,
+) -> None:
+    res = trainprof("export", str(run_dir), "--perfetto", "out/timeline.json", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert json.loads((tmp_path / "out" / "timeline.json").read_text())["traceEvents"]
+    res = trainprof("export", str(run_dir), "--perfetto", "a/b/timeline.json", cwd=tmp_path)
+    assert (res.returncode, res.stderr) == (2, "error: --perfetto a/b/timeline.json: no folder a "
+                                               "(only the output's own folder, b/, is created "
+                                               "when missing)\n")
+    assert not (tmp_path / "a").exists()
+
+
 def test_cli_export(run_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "cli.json"
     res = trainprof("export", str(run_dir), "--perfetto", str(out), cwd=tmp_path)

@@ -204,7 +204,7 @@ def test_errors_are_one_line(run_dir: Path, tmp_path: Path, monkeypatch) -> None
     res = trainprof("export", str(run_dir), "--tensorboard", str(tmp_path / "afile"),
                     cwd=tmp_path)
     assert res.returncode == 2 and res.stderr.strip() == (
-        f"error: --tensorboard {tmp_path / 'afile'}: a file, not a log folder")
+        f"error: --tensorboard {tmp_path / 'afile'}: a file, not a folder")
     # without the tensorboard package: how to get it
     monkeypatch.setitem(sys.modules, "tensorboard.summary.writer.event_file_writer", None)
     tb._tensorboard.cache_clear()

@@ -622,6 +622,10 @@ def test_cli_report_html_writes_the_page(injected_report, tmp_path: Path) -> Non
     (copy / "report.html").unlink()
     default = trainprof("report", str(copy), "--html", cwd=tmp_path)
     assert default.returncode == 0 and (copy / "report.html").stat().st_size > 10_000
+    (copy / "report.html").unlink()  # --html before the run folder: it is the run folder
+    swallowed = trainprof("report", "--html", str(copy), cwd=tmp_path)
+    assert swallowed.returncode == 0, swallowed.stderr
+    assert f"HTML report written to {copy / 'report.html'}" in swallowed.stderr
     folder = trainprof("report", str(run.path), "--html", str(tmp_path), cwd=tmp_path)
     assert folder.returncode == 2 and folder.stderr.startswith("error: ")
     assert "Traceback" not in folder.stderr

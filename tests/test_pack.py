@@ -229,6 +229,11 @@ def test_cli_packs_checks_and_proves_the_reads(tmp_path):
     (["--decode", "--ext", "txt", "src", "out"], "error: --decode needs image or .npy files"),
     (["--ext", "jpg", "src", "out"], "error: no files to pack under src with extensions .jpg"),
     (["--shard-size", "0", "src", "out"], "error: argument --shard-size: expected a positive"),
+    (["--shard-size", "1", "src", "out"], "error: argument --shard-size: expected at least 1M "
+                                          "(a shard is a file of its own), got '1' (see "
+                                          "'trainprof pack --help')"),
+    (["--shard-size", "-5M", "src", "out"], "error: argument --shard-size: expected a positive "
+                                            "size, got '-5M' (see 'trainprof pack --help')"),
     (["src", "src/inner.pack"], "error: cannot pack src into src/inner.pack, a folder inside it"),
 ])
 def test_cli_bad_input_is_one_error_line(tmp_path, args, message):
@@ -243,6 +248,21 @@ def test_cli_bad_input_is_one_error_line(tmp_path, args, message):
     assert (tmp_path / "notes.txt").read_text() == "mine"
     assert not (tmp_path / "out").exists()
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]
+
+
+def test_progress_lines_in_a_log_give_the_share_done() -> None:
+    import io
+
+    from trainprof.report.pack_progress import progress_reporter
+
+    log = io.StringIO()
+    with progress_reporter("packing", log) as progress:
+        for done in (0, 100, 768, 1024, 2047, 2048):
+            progress(done, 2048)
+    assert log.getvalue().splitlines() == [  # a line a tenth, each with its own percent
+        "  packing: 0 / 2,048 (0%)", "  packing: 768 / 2,048 (37%)",
+        "  packing: 1,024 / 2,048 (50%)", "  packing: 2,047 / 2,048 (99%)",
+        "  packing: 2,048 / 2,048 (100%)"]
 
 
 def test_a_stray_file_among_the_images_is_skipped_as_imagefolder_does(tmp_path):

@@ -857,6 +857,23 @@ def test_malformed_input_is_one_error_line(tmp_path, name):
         assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
+@pytest.mark.parametrize(("head", "says"), [
+    (b"<!DOCTYPE html>\n<html lang=\"en\"><head><title>trainprof \xc2\xb7 train</title>",
+     "trainprof's HTML report, not a trace (open it in a browser); trainprof trace reads a "
+     "torch.profiler / Kineto trace: Chrome-trace JSON, plain or gzipped, or a folder of them"),
+    (b"<html><body>a page</body></html>", "an HTML page, not a trace; trainprof trace reads a "
+     "torch.profiler / Kineto trace: Chrome-trace JSON, plain or gzipped, or a folder of them"),
+    (b"hello\nworld, some text", "not a JSON trace (it starts with 'hello world, some text')"),
+    (bytes(range(256)), "not a JSON trace (binary data)"),
+])
+def test_what_a_file_that_is_no_json_trace_is_said_to_be(tmp_path, head, says):
+    path = tmp_path / "report.html"
+    path.write_bytes(head)
+    with pytest.raises(UsageError) as err:
+        analyse_trace(path)
+    assert str(err.value) == f"{path}: {says}"
+
+
 def test_missing_path_and_empty_directory(tmp_path):
     for path in (tmp_path / "nope.json", tmp_path):
         proc = _cli(path)

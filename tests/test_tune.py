@@ -634,6 +634,19 @@ def test_a_dataloader_knob_in_a_script_without_a_dataloader_gets_no_verdict(tmp_
     assert judge({"estimated_gain": 0.2}, doc)["verdict"] == "not applicable"
 
 
+def test_trials_that_disagree_are_noted_in_the_users_words(tmp_path: Path) -> None:
+    arms = build_arms(parse_knobs(["num_workers=0,2"]))
+    rng = np.random.default_rng(5)
+    trials = [_trial(a, t, rng.normal(0.010 * (1 + 0.3 * t), 0.0002, 20), 8, tmp_path)
+              for a in range(2) for t in range(2)]
+    notes = analyse_tune(arms, trials, arms[0], steps=20)["notes"]
+    spread = [n for n in notes if "trials' mean step times differ by" in n]
+    assert spread and all(n.endswith("the interval allows for it, but with few trials only "
+                                      "in part: more --trials make a verdict surer")
+                          for n in spread)
+    assert not any(".py" in n for n in notes)  # no source file named to the user
+
+
 def test_alternating_step_times_are_compared_by_their_mean(tmp_path: Path) -> None:
     """Workers deliver batches in turn: 20, 6, 20, 6 ms. The median picks a mode by chance."""
     arms = build_arms(parse_knobs(["num_workers=0,2"]))

@@ -191,6 +191,23 @@ def test_the_verdict_sets_the_measured_saving_against_the_bound(ratio, ci, verdi
     assert judge(_finding("x", ""), {"arms": []})["verdict"] == "no data"
 
 
+def test_help_lists_every_verdict_judge_gives(capsys):
+    from trainprof.cli import main
+    from trainprof.experiments.verify import VERDICTS
+    from trainprof.report.verify_terminal import _STYLE
+
+    given = {judge(_finding("x", "", gain=0.30), _doc(0.75, (0.7, 0.8), tune_verdict))["verdict"]
+             for tune_verdict in ("faster", "slower", "no_effect", "unsettled", "no_difference")}
+    given |= {judge(_finding("x", "", gain=0.10), _doc(0.5, (0.4, 0.6), "faster"))["verdict"],
+              judge(_finding("x", ""), {"arms": []})["verdict"]}
+    assert given == set(VERDICTS) == set(_STYLE)  # and the terminal styles each one
+    with pytest.raises(SystemExit):
+        main(["verify", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    for verdict, meaning in VERDICTS.items():
+        assert f"{verdict} ({meaning})" in shown
+
+
 def test_the_runs_with_the_fix_say_how_near_the_peak_they_ran():
     doc = _doc(0.25, (0.2, 0.3), "faster")
     doc["arms"][0]["flops_utilization"] = 0.004
@@ -250,7 +267,17 @@ def test_verify_measures_the_first_findings_knob_from_anywhere(tmp_path):
 def test_bad_input_is_one_line_and_exit_2(tmp_path):
     res = trainprof("verify", str(tmp_path / "missing"), cwd=tmp_path)
     assert res.returncode == 2 and res.stderr.startswith("error: ")
-    assert "is not a run folder" in res.stderr and "Traceback" not in res.stderr
+    assert res.stderr == f"error: no such run folder: {tmp_path / 'missing'}\n"
     (tmp_path / "launch" / "ranks" / "0").mkdir(parents=True)
     res = trainprof("verify", str(tmp_path / "launch"), cwd=tmp_path)
     assert res.returncode == 2 and "a launch of several ranks" in res.stderr
+
+
+def test_a_refused_verify_leaves_no_empty_folder(tmp_path):
+    write_script(tmp_path, "train.py", DOUBLE)
+    run = trainprof("run", "--no-html", "--max-steps", "20", "train.py", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    (tmp_path / "train.py").unlink()  # the script the run ran is gone: nothing to measure
+    res = trainprof("verify", str(run.run_dir), cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr.endswith("error: no such script: train.py\n")
+    assert list((tmp_path / "trainprof-runs").iterdir()) == []

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import re
 
 import pytest
 
@@ -75,15 +74,25 @@ def test_parse_spec_defaults_keys_and_flags() -> None:
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("active=0", "active >= 1"),
-        ("bogus=3", "unknown window key 'bogus'"),
-        ("memory", "unknown window flag 'memory'"),
-        ("active=x", "bad window spec item"),
+        ("active=0", "--deep active=0: active takes a whole number >= 1 (recorded steps a cycle)"),
+        ("active=-1",
+         "--deep active=-1: active takes a whole number >= 1 (recorded steps a cycle)"),
+        ("repeat=-1",
+         "--deep repeat=-1: repeat takes a whole number >= 0 (cycles; 0: until the run ends)"),
+        ("skip_first=1e3",
+         "--deep skip_first=1e3: skip_first takes a whole number >= 0 (steps left alone first)"),
+        ("skip=x", "--deep skip=x: skip_first takes a whole number >= 0 (steps left alone first)"),
+        ("active=", "--deep active=: active takes a whole number >= 1 (recorded steps a cycle)"),
+        ("bogus=3",
+         "--deep: unknown window key 'bogus' (keys: skip_first, wait, warmup, active, repeat)"),
+        ("skip_first=1,active=2,bogusflag",
+         "--deep: unknown window flag 'bogusflag' (flags: memory)"),
     ],
 )
-def test_parse_spec_rejects_bad_specs(spec: str, message: str) -> None:
-    with pytest.raises(UsageError, match=re.escape(message)):
-        parse_spec(spec)
+def test_parse_spec_names_the_key_and_its_allowed_values(spec: str, message: str) -> None:
+    with pytest.raises(UsageError) as err:
+        parse_spec(spec, frozenset({"memory"}), option="--deep")
+    assert str(err.value) == message
 
 
 def test_looks_like_spec(tmp_path, monkeypatch) -> None:
@@ -91,9 +100,15 @@ def test_looks_like_spec(tmp_path, monkeypatch) -> None:
     assert looks_like_spec("active=3")
     assert looks_like_spec("skip_first=2,memory,shapes")
     assert looks_like_spec("memory")
+    # key=value items with bad values are still a spec: its error says what is wrong
+    for bad in ("active=-1", "repeat=-1", "skip_first=1e3", "skip_first=x",
+                "skip_first=1,active=2,bogusflag", "foo=1"):
+        assert looks_like_spec(bad), bad
     assert not looks_like_spec("train.py")
+    assert not looks_like_spec("conf=a.py")  # ends in .py: a script, however named
     assert not looks_like_spec("-m")
     assert not looks_like_spec("train")  # a bare word that is not a flag
+    assert not looks_like_spec("dir/x=1")  # a path, not a key
     (tmp_path / "memory").write_text("print(1)")
     assert not looks_like_spec("memory")  # an existing file is the script
 
@@ -256,10 +271,32 @@ def test_deep_without_spec_takes_the_script_as_script(tp) -> None:
     assert len(list((res.run_dir / "deep").glob("*.steps12-16.pt.trace.json.gz"))) == 1
 
 
+def test_a_windows_first_line_says_what_it_will_record() -> None:
+    py = Schedule(skip_first=10, wait=0, warmup=0, active=20, repeat=1)
+    assert py.describe() == "steps 10-29 recorded, once"
+    assert Schedule().describe() == "steps 12-16 recorded after 2 warm-up steps, once"
+    assert Schedule(repeat=3).describe() == (
+        "steps 12-16 recorded after 2 warm-up steps, 3 times, every 7 steps")
+    assert Schedule(repeat=0).describe() == (
+        "steps 12-16 recorded after 2 warm-up steps, then every 7 steps until the run ends")
+    assert py.describe(max_steps=11) == "steps 10-29 recorded, once"  # it opens, cut short
+    assert py.describe(max_steps=10) == ("the window (steps 10-29) never opens: --max-steps 10 "
+                                         "ends the run before step 10 (lower its skip_first)")
+
+
+def test_a_window_that_max_steps_cuts_off_is_said_never_to_open(tp) -> None:
+    res = tp(DEEP_SCRIPT, "--py", "--max-steps", "3", "--no-html")
+    assert res.returncode == 0, res.stderr
+    assert ("trainprof: cprofile: the window (steps 10-29) never opens: --max-steps 3 ends the "
+            "run before step 10 (lower its skip_first)") in res.stderr.splitlines()
+    assert "recorded, once" not in res.stderr
+
+
 def test_bad_window_spec_is_a_usage_error(tp) -> None:
     res = tp(DEEP_SCRIPT, "--deep=active=0")
     assert res.returncode == 2
-    assert res.stderr.strip() == "error: a window needs active >= 1 step"
+    assert res.stderr.strip() == ("error: --deep active=0: active takes a whole number >= 1 "
+                                  "(recorded steps a cycle)")
 
 
 def test_a_trace_finding_stands_beside_a_part_of_it_the_run_found() -> None:

@@ -10,21 +10,38 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from trainprof import __version__
 from trainprof.capture.knobs import KNOBS
+from trainprof.capture.sampler import DEFAULT_INTERVAL_S, MIN_INTERVAL_S
 from trainprof.capture.window import looks_like_spec
 from trainprof.errors import UsageError
 from trainprof.experiments.jobs import DEFAULT_TIMEOUT_MIN
+from trainprof.experiments.verify import VERDICTS
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but a bad option is a one-line ``error:`` (exit 2), not a usage dump."""
 
+    #: The commands, in --help's order (set by :func:`build_parser` on the top parser).
+    commands: tuple[str, ...] = ()
+
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see '{self.prog} --help')")
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:
+        """As argparse's, but words left over point at the help of the command that was
+        given (argparse's own message names the top parser's, which does not list them)."""
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = getattr(ns, "command", None)
+            prog = f"{self.prog} {command}" if command else self.prog
+            raise UsageError(f"unrecognized arguments: {' '.join(extras)} "
+                             f"(see '{prog} --help')")
+        return ns
 
 
 RUN_EPILOG = """\
@@ -110,6 +127,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _sample_interval(text: str) -> float:
+    """A sampling period no shorter than the CPU counters resolve (see MIN_INTERVAL_S)."""
+    value = _positive_float(text)
+    if value < MIN_INTERVAL_S:
+        raise argparse.ArgumentTypeError(
+            f"expected at least {MIN_INTERVAL_S:g} s, got {text!r}: CPU time is counted in "
+            "10 ms ticks, so a shorter period gives wrong CPU figures")
+    return value
+
+
 def build_parser() -> _Parser:
     parser = _Parser(
         prog="trainprof",
@@ -134,8 +161,11 @@ def build_parser() -> _Parser:
                      help="stop the script cleanly after N steps")
     run.add_argument("--json", action="store_true",
                      help="print one JSON document on stdout (the script's stdout goes to stderr)")
-    run.add_argument("--sample-interval", type=_positive_float, default=0.2, metavar="SECONDS",
-                     help="system sampling period (default: 0.2 s, i.e. 5 Hz)")
+    run.add_argument("--sample-interval", type=_sample_interval, default=DEFAULT_INTERVAL_S,
+                     metavar="SECONDS",
+                     help=f"system sampling period (default: {DEFAULT_INTERVAL_S:g} s, i.e. "
+                          f"{1 / DEFAULT_INTERVAL_S:g} Hz; at least {MIN_INTERVAL_S:g} s: CPU "
+                          "time is counted in 10 ms ticks)")
     heavy = run.add_argument_group(
         "heavy tools over a window of steps",
         "SPEC is a comma list of key=N (skip_first, wait, warmup, active, repeat; repeat=0: until "
@@ -158,8 +188,10 @@ def build_parser() -> _Parser:
     # launcher): this run is a rank of that one, which prints the summary
     run.add_argument("--rank-of", type=Path, metavar="RUN_DIR", help=argparse.SUPPRESS)
 
-    report = sub.add_parser("report", help="summarise an existing run folder, in any status")
-    report.add_argument("run_dir", type=Path, metavar="RUN_DIR",
+    report = sub.add_parser("report", help="summarise an existing run folder, in any status",
+                            usage="trainprof report [-h] [--json] [--html [PATH]] RUN_DIR")
+    # optional to argparse only: `report --html RUN_DIR` gives it to --html (see _report_dirs)
+    report.add_argument("run_dir", type=Path, nargs="?", metavar="RUN_DIR",
                         help="a run folder written by trainprof run (any status)")
     report.add_argument("--json", action="store_true", help="print one JSON document")
     report.add_argument("--html", nargs="?", const=True, default=None, metavar="PATH",
@@ -229,11 +261,10 @@ def build_parser() -> _Parser:
              "own command, against the finding's estimate",
         epilog="examples:\n  trainprof verify trainprof-runs/20261127-170000-train"
                "          # the first finding with a knob\n"
-               "  trainprof verify RUN_DIR --finding 2 --trials 5\n\n"
-               "The verdict: confirmed (significantly faster, within the finding's bound), "
-               "beyond the bound\n(faster than the estimate allowed), not confirmed (no "
-               "significant difference) or refuted\n(slower). The trials and verify.json go "
-               "to --out (default: ./trainprof-runs/<time>-verify-<name>/).",
+               "  trainprof verify RUN_DIR --finding 2 --trials 5\n\n" + textwrap.fill(
+                   "The verdict: " + ", ".join(f"{v} ({why})" for v, why in VERDICTS.items())
+                   + ". The trials and verify.json go to --out (default: "
+                   "./trainprof-runs/<time>-verify-<name>/).", width=79),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     verify.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run folder")
@@ -279,8 +310,8 @@ def build_parser() -> _Parser:
                            "while training, at the decoded size on disk")
     pack.add_argument("--ext", metavar="EXT[,EXT]",
                       help="pack only files with these extensions (e.g. jpg,png)")
-    pack.add_argument("--shard-size", type=_byte_size, metavar="SIZE",
-                      help="bytes per shard, e.g. 256M or 1G (default: 512M)")
+    pack.add_argument("--shard-size", type=_shard_size, metavar="SIZE",
+                      help="bytes per shard, e.g. 256M or 1G (default: 512M; at least 1M)")
     pack.add_argument("--threads", type=_positive_int, metavar="N",
                       help="threads reading the files (default: 4 per usable core, at most 32)")
     pack.add_argument("--force", action="store_true", help="replace an existing pack at OUT")
@@ -301,6 +332,7 @@ def build_parser() -> _Parser:
     stage.add_argument("--threads", type=_positive_int, default=8, metavar="N",
                        help="files copied at once (default: 8)")
     stage.add_argument("--json", action="store_true", help="print one JSON document")
+    parser.commands = tuple(sub.choices)
     return parser
 
 
@@ -315,6 +347,41 @@ def _byte_size(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
     return value
+
+
+#: The smallest ``pack --shard-size``: a shard is a file to open and map, and a size of a few
+#: bytes made one per sample (2,048 shards of a 2,048-image pack), the very cost packing removes.
+MIN_SHARD_BYTES = 2**20
+
+
+def _shard_size(text: str) -> int:
+    value = _byte_size(text)
+    if value < MIN_SHARD_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"expected at least 1M (a shard is a file of its own), got {text!r}")
+    return value
+
+
+#: Options whose value may begin with '-' (``--shard-size -5M``): argparse takes such a word
+#: for an option and says only "expected one argument"; given as ``--shard-size=-5M`` the
+#: option's own check says what is wrong with the value.
+_SIGNED_VALUES = frozenset({"--shard-size", "--max-steps", "--sample-interval", "--steps",
+                            "--trials", "--threads", "--finding", "--fail-if-slower"})
+
+
+def _join_signed_values(args: list[str]) -> list[str]:
+    """``--opt -V`` as ``--opt=-V`` for the options in :data:`_SIGNED_VALUES`."""
+    joined: list[str] = []
+    i = 0
+    while i < len(args):
+        if (args[i] in _SIGNED_VALUES and i + 1 < len(args) and args[i + 1].startswith("-")
+                and args[i + 1] != "--"):
+            joined.append(f"{args[i]}={args[i + 1]}")
+            i += 2
+        else:
+            joined.append(args[i])
+            i += 1
+    return joined
 
 
 def _looks_like_params(token: str) -> bool:
@@ -357,11 +424,23 @@ def _split_run_args(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
+def _report_dirs(run_dir: Path | None, html: str | bool | None) -> tuple[Path, str | bool | None]:
+    """``report``'s RUN_DIR and --html: ``report --html RUN_DIR`` gives the run folder to
+    ``--html [PATH]`` (argparse fills the option's value first); a folder there with no
+    RUN_DIR is the run folder, and the page goes to its default place."""
+    if run_dir is None and isinstance(html, str) and Path(html).is_dir():
+        return Path(html), True
+    if run_dir is None:
+        raise UsageError("the following arguments are required: RUN_DIR "
+                         "(see 'trainprof report --help')")
+    return run_dir, html
+
+
 def _dispatch(argv: list[str]) -> int:
     parser = build_parser()
     if argv and argv[0] == "run":
         own, script_args = _split_run_args(argv[1:])
-        ns = parser.parse_args(["run", *own])
+        ns = parser.parse_args(["run", *_join_signed_values(own)])
         target = ns.module if ns.module is not None else ns.script
         if target is None:
             raise UsageError("missing SCRIPT (or -m MODULE) to run (see 'trainprof run --help')")
@@ -384,7 +463,7 @@ def _dispatch(argv: list[str]) -> int:
         )
     if argv and argv[0] == "tune":
         own, script_args = _split_run_args(argv[1:])
-        ns = parser.parse_args(["tune", *own])
+        ns = parser.parse_args(["tune", *_join_signed_values(own)])
         target = ns.module if ns.module is not None else ns.script
         if target is None:
             raise UsageError("missing SCRIPT (or -m MODULE) to tune (see 'trainprof tune --help')")
@@ -404,11 +483,17 @@ def _dispatch(argv: list[str]) -> int:
             baseline=ns.baseline,
             slurm=ns.slurm,
         )
-    ns = parser.parse_args(argv)
+    ns = parser.parse_args(_join_signed_values(argv))
+    if ns.command is None:
+        # bad input like any other (DESIGN.md's exit codes): the usage, then one error line
+        parser.print_usage(sys.stderr)
+        raise UsageError(f"give a command: {', '.join(parser.commands)} "
+                         "(see 'trainprof --help')")
     if ns.command == "report":
         from trainprof.commands import report_command
 
-        return report_command(ns.run_dir, json_out=ns.json, html=ns.html)
+        run_dir, html = _report_dirs(ns.run_dir, ns.html)
+        return report_command(run_dir, json_out=ns.json, html=html)
     if ns.command == "trace":
         from trainprof.commands import trace_command
 
@@ -441,8 +526,7 @@ def _dispatch(argv: list[str]) -> int:
         from trainprof.commands import stage_command
 
         return stage_command(ns.source, to=ns.to, threads=ns.threads, json_out=ns.json)
-    parser.print_help()
-    return 2
+    raise AssertionError(f"command {ns.command!r} has no dispatch")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,9 +23,10 @@ from trainprof.analysis.deep import trace_findings
 from trainprof.analysis.ranks import load_main_run, load_ranks, merge_ranks, rank_dirs
 from trainprof.analysis.steps import complete_steps
 from trainprof.analysis.summary import summarize_run
-from trainprof.capture.tools import build_windows
+from trainprof.capture.tools import build_windows, parse_tools
 from trainprof.errors import UsageError
 from trainprof.held_signals import deferred_sigint, finish_despite_sigterm
+from trainprof.output_paths import check_output
 from trainprof.report.json_report import render_json
 from trainprof.report.terminal import render_summary
 from trainprof.store import (
@@ -180,6 +181,7 @@ def run_command(
     )
 
     check_target(target, module)  # before the capture imports torch: refused at once
+    parse_tools(deep, py, lines)  # a bad option before the run folder exists: none left empty
     from trainprof.capture.ranks import default_launch_dir, launcher_rank, wait_for_ranks
     from trainprof.capture.recorder import Recorder
 
@@ -214,7 +216,8 @@ def run_command(
     print(f"trainprof: recording to {run_dir}", file=sys.stderr, flush=True)
     for runner in recorder.windows[1:]:  # the first is the op-count sample, always on
         names = ", ".join(t.name for t in runner.tools)
-        print(f"trainprof: {names}: {runner.schedule.describe()}", file=sys.stderr, flush=True)
+        print(f"trainprof: {names}: {runner.schedule.describe(max_steps)}", file=sys.stderr,
+              flush=True)
 
     real_stdout: int | None = None  # with --json: where the document goes
 
@@ -371,6 +374,8 @@ def report_command(run_dir: Path, json_out: bool = False, html: Path | bool | No
 
     ``html``: True for ``RUN_DIR/report.html``, a path for elsewhere, None for none.
     """
+    if html is not None and html is not True:
+        html = check_output(Path(html), "--html")
     # Diagnosed again rather than read from findings.json: a run killed before
     # finalize_run has none stored, and the installed trainprof's rules apply.
     summary, run = analyse_folder(run_dir)
@@ -410,6 +415,8 @@ def compare_command(
     """``trainprof compare``: B against A; exit 1 on a significant slowdown (``fail_if_slower``)."""
     from trainprof.analysis.compare import MIN_STEADY_STEPS, compare_runs, exceeds_slowdown
 
+    if html is not None:  # before the comparison is printed: a bad path, a short refusal
+        check_output(html, "--html")
     result = compare_runs(load_main_run(run_a), load_main_run(run_b))
     if json_out:
         render_json(result)
@@ -442,8 +449,10 @@ def export_command(
     wandb: str | None = None,
 ) -> int:
     """``trainprof export``: the run for other tools (Perfetto's timeline, TensorBoard, W&B)."""
-    if tensorboard is not None and Path(tensorboard).exists() and not Path(tensorboard).is_dir():
-        raise UsageError(f"--tensorboard {tensorboard}: a file, not a log folder")
+    if perfetto is not None:
+        check_output(perfetto, "--perfetto")
+    if tensorboard is not None:
+        check_output(tensorboard, "--tensorboard", folder=True)
     if perfetto is None and tensorboard is None and wandb is None:
         raise UsageError("say what to export: --perfetto PATH, --tensorboard LOGDIR and/or "
                          "--wandb PROJECT")

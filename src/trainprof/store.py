@@ -54,6 +54,20 @@ STACKS_JSONL = "stacks.jsonl"
 FINDINGS_JSON = "findings.json"
 #: A ``trainprof tune`` folder's result, beside its trials' run folders.
 TUNE_JSON = "tune.json"
+#: ``trainprof verify``'s judgement, beside tune.json in its tune folder.
+VERIFY_JSON = "verify.json"
+#: The op count's sample of torch calls a step (trainprof.capture.opcount).
+OPS_JSON = "ops.json"
+#: The heavy tools' output: torch.profiler traces, cProfile and line_profiler results.
+DEEP_DIR = "deep"
+PYTHON_DIR = "python"
+
+#: Every file of a record, in a run folder or a tune folder: what no output may overwrite
+#: (trainprof.output_paths).
+RECORD_FILES = frozenset({RUN_JSON, STEPS_BIN, DEVICE_BIN, SAMPLES_JSONL, EVENTS_JSONL,
+                          STACKS_JSONL, FINDINGS_JSON, OPS_JSON, TUNE_JSON, VERIFY_JSON})
+#: A record's folders of tool output, every file in them part of the record.
+RECORD_DIRS = frozenset({DEEP_DIR, PYTHON_DIR})
 
 STATUSES = ("running", "finished", "crashed", "interrupted")
 
@@ -256,6 +270,30 @@ def _load_steps(path: Path, meta: dict[str, Any]) -> np.ndarray:
     return out
 
 
+def _read_meta(meta_path: Path) -> dict[str, Any]:
+    """A record's run.json; anything else there is a UsageError that says what it is
+    (orjson's own words for bytes that are not UTF-8, 'str is not valid UTF-8:
+    surrogates not allowed', told the user nothing)."""
+    def refused(why: str) -> UsageError:
+        return UsageError(f"{meta_path}: not a trainprof run record ({why})")
+
+    try:
+        data = meta_path.read_bytes()
+    except OSError as exc:
+        raise UsageError(f"cannot read {meta_path}: {exc.strerror or exc}") from exc
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise refused("not UTF-8 JSON") from None
+    try:
+        meta = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise refused(f"not JSON: {exc}") from None
+    if not isinstance(meta, dict) or "schema_version" not in meta:
+        raise refused("no schema_version")
+    return meta
+
+
 def load_run(run_dir: Path) -> Run:
     """Read a Run folder in any status.
 
@@ -272,13 +310,8 @@ def load_run(run_dir: Path) -> Run:
     if not run_dir.is_dir():
         raise UsageError(f"no such run folder: {run_dir}")
     if not meta_path.exists():
-        raise UsageError(f"not a trainprof run folder (no {RUN_JSON}): {run_dir}")
-    try:
-        meta = orjson.loads(meta_path.read_bytes())
-    except orjson.JSONDecodeError as exc:
-        raise UsageError(f"unreadable {meta_path}: {exc}") from exc
-    if not isinstance(meta, dict) or "schema_version" not in meta:
-        raise UsageError(f"not a trainprof run record: {meta_path}")
+        raise UsageError(f"{run_dir} is not a run folder (no {RUN_JSON})")
+    meta = _read_meta(meta_path)
     if meta["schema_version"] > SCHEMA_VERSION:
         raise UsageError(
             f"{run_dir} was written by a newer trainprof (schema {meta['schema_version']}); "

@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from trainprof.errors import UsageError
+from trainprof.store import DEEP_DIR
 
 log = logging.getLogger(__name__)
-
-DEEP_DIR = "deep"
 
 
 def analyse_deep_windows(run_dir: Path) -> list[dict[str, Any]] | None:

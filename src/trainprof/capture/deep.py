@@ -27,11 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from trainprof.capture.window import Schedule
+from trainprof.store import DEEP_DIR
 
 log = logging.getLogger(__name__)
-
-#: Sub-folder of the run folder that holds the deep-window traces.
-DEEP_DIR = "deep"
 
 #: Bare flags of ``--deep`` and what they turn on in ``torch.profiler.profile``.
 DEEP_FLAGS = {

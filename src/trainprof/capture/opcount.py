@@ -51,10 +51,10 @@ from typing import Any
 from trainprof.capture import window_warnings
 from trainprof.capture.flop_count import FlopCount
 from trainprof.capture.window import Schedule
+from trainprof.store import OPS_JSON
 
 #: The default sampling window: two steps, after the usual warm-up.
 OPCOUNT_SCHEDULE = Schedule(skip_first=8, wait=0, warmup=0, active=2, repeat=1)
-OPS_JSON = "ops.json"
 #: Call sites kept in the output (by calls per step).
 TOP_SITES = 30
 

@@ -8,15 +8,42 @@ Recorder (and, in a process the script starts, for that process's Recorder:
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from trainprof.capture.window import Schedule, WindowRunner, parse_spec
+from trainprof.store import PYTHON_DIR
 
 #: Default window of cProfile / line_profiler: no warm-up needed, more steps than torch.profiler
 #: (a sampled call graph needs many calls; cProfile's own cost is per call, not per window).
 PY_DEFAULT_SCHEDULE = Schedule(skip_first=10, wait=0, warmup=0, active=20, repeat=1)
+
+
+@dataclass(frozen=True)
+class ToolOptions:
+    """``--deep``/``--py``/``--lines`` parsed: what :func:`build_windows` runs."""
+
+    deep: Schedule | None  #: torch.profiler's window (None: no --deep)
+    deep_flags: frozenset[str]
+    py: Schedule  #: cProfile's window, and line_profiler's
+    lines: list[str] | None  #: line_profiler's targets (None: no --lines)
+
+
+def parse_tools(deep: str | None, py: str | None, lines: str | None) -> ToolOptions:
+    """The tools' options parsed; a bad SPEC or target raises UsageError.
+
+    ``trainprof run`` calls it before it creates the run folder, so that a bad option
+    leaves no empty folder behind.
+    """
+    from trainprof.capture.deep import DEEP_FLAGS
+    from trainprof.capture.lineprof import parse_targets
+
+    deep_schedule, flags = (None, frozenset()) if deep is None else parse_spec(
+        deep, frozenset(DEEP_FLAGS), option="--deep")
+    py_schedule, _ = parse_spec(py, default=PY_DEFAULT_SCHEDULE, option="--py")
+    targets = None if lines is None else parse_targets(lines)
+    return ToolOptions(deep_schedule, flags, py_schedule, targets)
 
 
 def build_windows(
@@ -33,24 +60,21 @@ def build_windows(
     :mod:`trainprof.capture.opcount`). Option errors (a bad SPEC, a malformed
     target) are raised here as UsageError, before the script starts.
     """
+    options = parse_tools(deep, py, lines)
     runners: list[WindowRunner] = []
-    if deep is not None:
-        from trainprof.capture.deep import DEEP_FLAGS, TorchProfilerTool
+    if options.deep is not None:
+        from trainprof.capture.deep import TorchProfilerTool
 
-        schedule, flags = parse_spec(deep, frozenset(DEEP_FLAGS))
-        runners.append(WindowRunner(schedule, [TorchProfilerTool(run_dir, schedule, flags)]))
-    if py is not None or lines is not None:
-        schedule, _ = parse_spec(py, default=PY_DEFAULT_SCHEDULE)
+        runners.append(WindowRunner(options.deep, [
+            TorchProfilerTool(run_dir, options.deep, options.deep_flags)]))
+    if py is not None or options.lines is not None:
+        schedule = options.py
         tools: list[Any] = []
-        if lines is not None:
+        if options.lines is not None:
             # first: resolving its targets must not land inside cProfile's window
-            from trainprof.capture.lineprof import (
-                SHARES_WINDOW_WITH_CPROFILE,
-                LineProfileTool,
-                parse_targets,
-            )
+            from trainprof.capture.lineprof import SHARES_WINDOW_WITH_CPROFILE, LineProfileTool
 
-            line_tool = LineProfileTool(run_dir / "python", parse_targets(lines))
+            line_tool = LineProfileTool(run_dir / PYTHON_DIR, options.lines)
             if py is not None and not SHARES_WINDOW_WITH_CPROFILE:
                 # Python 3.12+: both need sys.monitoring's profiler slot; lines go
                 # in a window of their own, right after cProfile's
@@ -63,7 +87,7 @@ def build_windows(
         if py is not None:
             from trainprof.capture.pyprof import CProfileTool
 
-            tools.append(CProfileTool(run_dir / "python"))
+            tools.append(CProfileTool(run_dir / PYTHON_DIR))
         runners.append(WindowRunner(schedule, tools))
     if op_count:
         from trainprof.capture.opcount import OPCOUNT_SCHEDULE, OpCountTool

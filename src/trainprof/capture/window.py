@@ -75,26 +75,50 @@ class Schedule:
         base = self.skip_first + k * self.cycle + self.wait
         return base, base + self.warmup, base + self.warmup + self.active
 
-    def describe(self) -> str:
-        first_w, first_a, first_end = self.phase_starts(0)
-        times = "until the run ends" if self.repeat == 0 else f"{self.repeat}x"
-        return (f"steps {first_a}-{first_end - 1} recorded"
-                f"{f' after {self.warmup} warm-up steps' if self.warmup else ''}"
-                f", every {self.cycle} steps {times}")
+    def describe(self, max_steps: int | None = None) -> str:
+        """The steps the window records, as a run's first lines say it; with the run's
+        ``max_steps``, a window that run never reaches is said to be one (not "steps 10-29
+        recorded" for a run of 3 steps)."""
+        _, first_a, first_end = self.phase_starts(0)
+        steps = f"steps {first_a}-{first_end - 1}"
+        if max_steps is not None and max_steps <= first_a:
+            return (f"the window ({steps}) never opens: --max-steps {max_steps} ends the run "
+                    f"before step {first_a} (lower its skip_first)")
+        if self.repeat == 1:
+            times = "once"
+        elif self.repeat == 0:
+            times = f"then every {self.cycle} steps until the run ends"
+        else:
+            times = f"{self.repeat} times, every {self.cycle} steps"
+        warmup = f" after {self.warmup} warm-up steps" if self.warmup else ""
+        return f"{steps} recorded{warmup}, {times}"
 
 
-_KEYS = {f.name for f in fields(Schedule)} | {"skip"}
-_ITEM = re.compile(r"^([a-z_]+)(?:=(\d+))?$")
+#: What each key counts, and the least it takes: a bad value's error says both.
+_KEY_RULES = {
+    "skip_first": (0, "steps left alone first"),
+    "wait": (0, "idle steps a cycle"),
+    "warmup": (0, "warm-up steps a cycle"),
+    "active": (1, "recorded steps a cycle"),
+    "repeat": (0, "cycles; 0: until the run ends"),
+}
+assert set(_KEY_RULES) == {f.name for f in fields(Schedule)}
+_KEYS = ", ".join(_KEY_RULES)
+_WORD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def parse_spec(
-    text: str | None, flags: frozenset[str] = frozenset(), default: Schedule | None = None
+    text: str | None,
+    flags: frozenset[str] = frozenset(),
+    default: Schedule | None = None,
+    option: str = "window",
 ) -> tuple[Schedule, frozenset[str]]:
     """Parse ``skip_first=10,warmup=2,active=5,repeat=1,<flag>,...`` into a schedule and flags.
 
     Every key is optional (defaults: ``default`` or :class:`Schedule`'s);
     ``skip`` is short for ``skip_first``. ``flags`` lists the bare words the
-    calling tool accepts (e.g. ``memory`` for torch.profiler).
+    calling tool accepts (e.g. ``memory`` for torch.profiler). ``option`` begins
+    each error (``--deep``), so that the user sees which option and which key to fix.
     """
     schedule = default or Schedule()
     chosen: set[str] = set()
@@ -104,38 +128,40 @@ def parse_spec(
         item = raw.strip()
         if not item:
             continue
-        m = _ITEM.match(item)
-        if m is None:
-            raise UsageError(f"bad window spec item {item!r}: expected key=N or a flag")
-        key, value = m.group(1), m.group(2)
-        if value is None:
-            if key not in flags:
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if not sep:
+            if item not in flags:
                 allowed = ", ".join(sorted(flags)) or "none"
-                raise UsageError(f"unknown window flag {key!r} (flags: {allowed})")
-            chosen.add(key)
+                raise UsageError(f"{option}: unknown window flag {item!r} (flags: {allowed})")
+            chosen.add(item)
             continue
-        if key not in _KEYS:
-            raise UsageError(
-                f"unknown window key {key!r} (keys: skip_first, wait, warmup, active, repeat)"
-            )
-        schedule = replace(schedule, **{"skip_first" if key == "skip" else key: int(value)})
-    if schedule.active <= 0:
-        raise UsageError("a window needs active >= 1 step")
+        key = "skip_first" if key == "skip" else key
+        if key not in _KEY_RULES:
+            raise UsageError(f"{option}: unknown window key {key!r} (keys: {_KEYS})")
+        least, meaning = _KEY_RULES[key]
+        if not (value.isascii() and value.isdigit()) or int(value) < least:
+            raise UsageError(f"{option} {item}: {key} takes a whole number >= {least} "
+                             f"({meaning})")
+        schedule = replace(schedule, **{key: int(value)})
     return schedule, frozenset(chosen)
 
 
 def looks_like_spec(token: str) -> bool:
-    """Whether a command-line token is a window spec (``key=N`` items and flags), not a script.
+    """Whether a command-line token is a window spec, not the script: ``key=value`` items
+    (whatever the values: a bad one is then an error about it, not "no such script") and
+    the tools' flags.
 
-    A path that exists is never a spec, so ``--deep train.py`` and a script
-    called ``memory`` still work.
+    A path that exists, or one ending in ``.py``, is never a spec, so ``--deep train.py``
+    and a script called ``memory`` still work; a bare word alone is a spec only when it is
+    a flag.
     """
-    if not token or token.startswith("-") or os.path.exists(token):
+    if not token or token.startswith("-") or token.endswith(".py") or os.path.exists(token):
         return False
-    return all(
-        (m := _ITEM.match(item)) is not None and (m.group(2) is not None or item in BARE_FLAGS)
-        for item in token.split(",")
-    )
+    items = [item.strip() for item in token.split(",") if item.strip()]
+    keys = [item.partition("=")[0].strip() for item in items]
+    if not items or not all(_WORD.match(key) for key in keys):
+        return False
+    return any("=" in item for item in items) or all(item in BARE_FLAGS for item in items)
 
 
 #: Bare flags of the window tools (torch.profiler's options); see :func:`parse_spec`.

@@ -27,6 +27,7 @@ import os
 import shutil
 import signal
 import socket
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,15 @@ def make_runner(tune_dir: Path, params: dict[str, Any], name: str) -> JobRunner:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UsageError(f"--slurm: {first}") from None
     return JobRunner(executor, cluster, {"cluster": cluster, **params})
+
+
+def check_runner(params: dict[str, Any], name: str) -> None:
+    """Raise the UsageError :func:`make_runner` would (no submitit, no ``sbatch``, a
+    parameter submitit refuses) before the tune folder exists, so that a bad ``--slurm``
+    leaves no empty folder: submitit creates its folder as its executor is made, so the
+    executor is tried in a temporary one, removed after."""
+    with tempfile.TemporaryDirectory(prefix="trainprof-slurm-check-") as tmp:
+        make_runner(Path(tmp), params, name)
 
 
 def run_round(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:

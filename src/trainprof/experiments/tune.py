@@ -739,8 +739,8 @@ def analyse_tune(
                     notes.append(
                         f"{arm.name}: its trials' mean step times differ by "
                         f"{spread * 100:.0f}%: the machine's speed varied (other load?); "
-                        "the interval allows for it, but with few trials only in part "
-                        "(experiments/stats.py), and more --trials make a verdict surer"
+                        "the interval allows for it, but with few trials only in part: "
+                        "more --trials make a verdict surer"
                     )
             short = [t for t in ts if steps is not None and t.count < steps]
             if short:
@@ -1093,15 +1093,16 @@ def tune_command(
     base = find_baseline(baseline, parsed, arms)
     check_target(target, module)
     job_params = None
+    name = target.rsplit(".", 1)[-1] if module else Path(target).stem
     if slurm is not None:
-        from trainprof.experiments.jobs import parse_params
+        from trainprof.experiments.jobs import check_runner, parse_params
 
         job_params = parse_params(slurm)
-    name = target.rsplit(".", 1)[-1] if module else Path(target).stem
+        check_runner(job_params, name)  # before the tune folder exists: none left empty
+    if out is not None and out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"--out {out} exists and is not an empty folder")
+    created = out is None or not out.exists()
     tune_dir = out if out is not None else default_run_dir(f"tune-{name}")
-    if tune_dir.exists() and (not tune_dir.is_dir() or any(tune_dir.iterdir())):
-        raise UsageError(f"--out {tune_dir} exists and is not an empty folder")
-    created = not tune_dir.exists()
     try:
         tune_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

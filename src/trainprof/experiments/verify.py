@@ -37,6 +37,18 @@ from typing import Any
 
 from trainprof.errors import UsageError
 
+#: Every verdict :func:`judge` gives, in the module docstring's order, with what it means in
+#: a few words (``trainprof verify --help`` lists them from here).
+VERDICTS = {
+    "confirmed": "significantly faster, within the finding's bound",
+    "beyond the bound": "faster than the estimate allowed",
+    "not confirmed": "no significant difference",
+    "refuted": "significantly slower",
+    "not applicable": "the knob changed nothing in this script",
+    "unsettled": "the trials disagree too much to size the change",
+    "no data": "no arm has a usable measurement",
+}
+
 #: ``--knob NAME=V1,V2`` and ``--steps N`` in a verify line's tune command.
 _KNOB = re.compile(r"--knob\s+([a-z_0-9]+=[A-Za-z0-9_.,\-]+)")
 _STEPS = re.compile(r"--steps\s+(\d+)")
@@ -211,15 +223,13 @@ def verify_command(run_dir: Path, *, finding: int | None, steps: int | None, tri
     """
     from trainprof.commands import analyse_folder
     from trainprof.experiments.tune import tune_command
-    from trainprof.store import RANKS_DIR, RUN_JSON, default_run_dir, load_run
+    from trainprof.store import RANKS_DIR, RUN_JSON, VERIFY_JSON, default_run_dir, load_run
 
     run_dir = Path(run_dir)
-    if not (run_dir / RUN_JSON).is_file():
-        if (run_dir / RANKS_DIR).is_dir():
-            raise UsageError(f"{run_dir} is a launch of several ranks: verify runs one "
-                             "process; run the finding's tune line under your launcher")
-        raise UsageError(f"{run_dir} is not a run folder (no {RUN_JSON})")
-    run = load_run(run_dir)
+    if not (run_dir / RUN_JSON).is_file() and (run_dir / RANKS_DIR).is_dir():
+        raise UsageError(f"{run_dir} is a launch of several ranks: verify runs one "
+                         "process; run the finding's tune line under your launcher")
+    run = load_run(run_dir)  # its words for a folder that is missing or holds no run, as report's
     summary, _ = analyse_folder(run_dir)
     number, chosen, specs, verify_steps = pick_finding(summary.get("findings") or [], finding)
     # the settings the finding read: the main rank's where the script spawned its ranks
@@ -240,18 +250,23 @@ def verify_command(run_dir: Path, *, finding: int | None, steps: int | None, tri
               f"{' '.join([('-m ' if module else '') + target, *args])}"
               + (f" (in {cwd})" if cwd else ""), flush=True)
     here = Path.cwd()
-    if cwd is not None:
-        try:
-            os.chdir(cwd)
-        except OSError as exc:
-            raise UsageError(f"cannot enter the folder the run ran in, {cwd}: "
-                             f"{exc.strerror}") from None
     captured = io.StringIO()
     try:
+        if cwd is not None:
+            try:
+                os.chdir(cwd)
+            except OSError as exc:
+                raise UsageError(f"cannot enter the folder the run ran in, {cwd}: "
+                                 f"{exc.strerror}") from None
         with contextlib.redirect_stdout(captured) if json_out else contextlib.nullcontext():
             code = tune_command(target, args, module=module, knobs=specs,
                                 steps=steps or verify_steps or 60, trials=trials,
                                 json_out=False, out=tune_dir, baseline=None)
+    except UsageError:
+        if out is None:  # refused before any trial (the script is gone): no empty folder left
+            with contextlib.suppress(OSError):
+                tune_dir.rmdir()
+        raise
     finally:
         os.chdir(here)
     import orjson
@@ -260,7 +275,7 @@ def verify_command(run_dir: Path, *, finding: int | None, steps: int | None, tri
     result = {**head, "tune_dir": str(tune_dir), "status": doc.get("status"),
               "metric": doc.get("metric"), **judge(chosen, doc)}
     with contextlib.suppress(OSError):
-        (tune_dir / "verify.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+        (tune_dir / VERIFY_JSON).write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
     if json_out:
         from trainprof.report.json_report import render_json
 

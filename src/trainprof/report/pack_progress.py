@@ -27,7 +27,9 @@ def progress_reporter(label: str, stream: IO[str]) -> Iterator[Callable[[int, in
         tenth = done * 10 // max(total, 1)
         if tenth > last[0]:
             last[0] = tenth
-            stream.write(f"  {label}: {done:,} / {total:,} ({tenth * 10}%)\n")
+            # the share done, not the tenth: 768 of 2,048 is 37%, not "30%" (floored, so
+            # 100% means all of it)
+            stream.write(f"  {label}: {done:,} / {total:,} ({done * 100 // max(total, 1)}%)\n")
             stream.flush()
 
     yield line

@@ -589,6 +589,7 @@ def export_perfetto(
     if path.name.endswith(".gz"):
         data = gzip.compress(data, compresslevel=6)
     try:
+        path.parent.mkdir(exist_ok=True)  # its folder, when missing (trainprof.output_paths)
         path.write_bytes(data)
     except OSError as exc:
         raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from exc

@@ -385,11 +385,7 @@ def iter_event_chunks(path: Path, info: LoadInfo) -> Iterator[list[Event]]:
             info.warnings.append(f"{path.name}: could not read the keys before traceEvents")
         del buf[: m.end() - 1]  # keep the '[' as the first separator slot
     else:
-        head = bytes(buf[:24]).strip(_WS)
-        printable = head.decode("ascii", "replace").isprintable()
-        what = f"it starts with {head.decode('ascii', 'replace')!r}" if printable else "binary data"
-        gz = " after gunzip" if info.compressed else ""
-        raise UsageError(f"{path}: not a JSON trace ({what}{gz})")
+        raise UsageError(_not_a_json_trace(path, bytes(buf[:4096]), info.compressed))
 
     # --- the events; buf[0] is always the separator slot before the next event
     splitter = _Splitter(path)
@@ -445,6 +441,24 @@ def iter_event_chunks(path: Path, info: LoadInfo) -> Iterator[list[Event]]:
         elif trailer != b"}":
             info.truncated = True
             info.warnings.append(f"{path.name}: the trace ends early, after its events")
+
+
+def _not_a_json_trace(path: Path, head: bytes, compressed: bool) -> str:
+    """Why ``path`` (whose first bytes are ``head``) is no JSON trace, in the user's terms: an
+    HTML page (trainprof's own report is the usual one, beside the run's traces: 'binary
+    data' told nothing), else the text it starts with, else binary data."""
+    start = head.strip(_WS)
+    gz = " after gunzip" if compressed else ""
+    if start[:16].lower().startswith((b"<!doctype html", b"<html")):
+        ours = b"<title>trainprof" in head
+        what = "trainprof's HTML report" if ours else "an HTML page"
+        hint = " (open it in a browser)" if ours else ""
+        return (f"{path}: {what}{gz}, not a trace{hint}; trainprof trace reads a "
+                "torch.profiler / Kineto trace: Chrome-trace JSON, plain or gzipped, or a "
+                "folder of them")
+    text = " ".join(start[:24].decode("ascii", "replace").split())  # newlines are text too
+    what = f"it starts with {text!r}" if text.isprintable() else "binary data"
+    return f"{path}: not a JSON trace ({what}{gz})"
 
 
 def _decode_object_or_none(buf: bytes) -> dict[str, Any] | None:
