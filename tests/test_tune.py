@@ -154,6 +154,18 @@ def test_terminal_table_fits_120_columns_and_names_the_best_arm(workers_tune) ->
     assert "faster" in row and "×0." in row
 
 
+def test_report_of_a_tune_folder_prints_its_table_again(workers_tune, tmp_path) -> None:
+    tune_dir = workers_tune["dir"]
+    res = trainprof("report", str(tune_dir), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("Best: num_workers=2 is ")
+    assert f"trainprof report {tune_dir}/<trial>" in res.stderr
+    res = trainprof("report", str(tune_dir), "--json", cwd=tmp_path)
+    assert json.loads(res.stdout)["arms"] == workers_tune["doc"]["arms"]
+    res = trainprof("report", str(tune_dir), "--html", cwd=tmp_path)
+    assert res.returncode == 2 and "an HTML report is a run's" in res.stderr
+
+
 def test_a_tune_folder_exports_to_tensorboards_hparams_dashboard(
     workers_tune, tmp_path: Path
 ) -> None:

@@ -33,6 +33,7 @@ from trainprof.store import (
     RANKS_DIR,
     RUN_JSON,
     TUNE_JSON,
+    VERIFY_JSON,
     Run,
     default_run_dir,
     load_run,
@@ -376,6 +377,9 @@ def report_command(run_dir: Path, json_out: bool = False, html: Path | bool | No
     """
     if html is not None and html is not True:
         html = check_output(Path(html), "--html")
+    run_dir = Path(run_dir)
+    if (run_dir / TUNE_JSON).is_file() and not (run_dir / RUN_JSON).is_file():
+        return _report_tune(run_dir, json_out=json_out, html=html is not None)
     # Diagnosed again rather than read from findings.json: a run killed before
     # finalize_run has none stored, and the installed trainprof's rules apply.
     summary, run = analyse_folder(run_dir)
@@ -387,6 +391,38 @@ def report_command(run_dir: Path, json_out: bool = False, html: Path | bool | No
         path = write_html(summary, run, Path(run_dir) / "report.html" if html is True
                            else Path(html))
         print(f"trainprof: HTML report written to {path}", file=sys.stderr)
+    return 0
+
+
+def _report_tune(tune_dir: Path, *, json_out: bool, html: bool) -> int:
+    """``trainprof report`` of a tune (or verify) folder: its table again, as tune printed
+    it (and verify's verdict), from tune.json (verify.json); its trials are run folders."""
+    from trainprof.report.tune_terminal import render_tune
+
+    if html:
+        raise UsageError(f"{tune_dir} is a trainprof tune folder: an HTML report is a run's; "
+                         f"give one of its trials (trainprof report {tune_dir}/<trial> --html)")
+    docs = {}
+    for name in (TUNE_JSON, VERIFY_JSON):
+        path = tune_dir / name
+        if path.is_file():
+            try:
+                docs[name] = orjson.loads(path.read_bytes())
+            except (OSError, orjson.JSONDecodeError) as exc:
+                raise UsageError(f"unreadable {path}: {exc}") from None
+    if not isinstance(docs.get(TUNE_JSON), dict):
+        raise UsageError(f"not a trainprof tune record: {tune_dir / TUNE_JSON}")
+    if json_out:
+        render_json(docs[VERIFY_JSON] if isinstance(docs.get(VERIFY_JSON), dict)
+                    else docs[TUNE_JSON])
+        return 0
+    render_tune(docs[TUNE_JSON])
+    if isinstance(docs.get(VERIFY_JSON), dict):
+        from trainprof.report.verify_terminal import render_verdict
+
+        render_verdict(docs[VERIFY_JSON])
+    print(f"trainprof: the trials are run folders: trainprof report {tune_dir}/<trial>",
+          file=sys.stderr)
     return 0
 
 
