@@ -151,6 +151,35 @@ def test_the_steps_own_work_gets_no_loop_finding(tp, line):
     assert not [f for f in doc["findings"] if f["cause"] == "loop_code"], doc["findings"]
 
 
+@pytest.mark.parametrize("source, recipe", [
+    ("pe.copy_(0.999 * pe + (1 - 0.999) * pm.detach())", "in_place"),
+    ("p += 0.1", "in_place"),
+    ("xb, yb = get_batch()", "workers"),
+    ("log_metrics(loss)", "every_n"),
+])
+def test_the_fix_follows_what_the_line_does(source, recipe):
+    """An explorer's EMA line (`pe.copy_(...)` over the parameters, no DataLoader) had been
+    given the batch recipe: `yield pe.copy_(...)` in worker processes, a NameError there
+    and an EMA of copies had it run."""
+    from test_diagnosis import MS, make_steps, make_summary
+
+    from trainprof.diagnosis import diagnose
+
+    steps = make_steps(80, other=10 * MS)  # 'other' half of a 20 ms step
+    row = {"file": "/w/train.py", "line": 32, "source": source, "share": 0.8, "samples": 80,
+           "phase_samples": 0, "inner": None, "library_call": None}
+    summary = make_summary(steps, loop_stacks={
+        "loop": {"function": "<module>"}, "other": {"samples": 100, "lines": [row]}})
+    (f,) = [f for f in diagnose(summary, steps) if f["cause"] == "loop_code"]
+    snippet = f["fix"]["snippet"]
+    assert ("IterableDataset" in snippet) == (recipe == "workers")
+    assert ("AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.999))" in snippet) == (
+        recipe == "in_place")
+    assert f["evidence"].get("updates_in_place", False) == (recipe == "in_place")
+    if recipe == "every_n":
+        assert snippet == "if step % 100 == 0:  # was: every step\n    log_metrics(loss)"
+
+
 @needs_c
 def test_the_scripts_sleeps_keep_their_length_and_its_signal_handler_is_left_alone(tp):
     body = """

@@ -84,6 +84,21 @@ def _target(node: ast.stmt | None) -> str | None:
     return None
 
 
+def _updates_in_place(node: ast.stmt | None) -> bool:
+    """The line updates a tensor in place: a call of an in-place method
+    (``pe.copy_(...)``, ``p.mul_(d)``: torch's trailing underscore) or an augmented
+    assignment (``p += ...``). Such a line makes no batch: it is the step's bookkeeping,
+    an EMA of the weights or a manual update, where a batch recipe would move it into
+    worker processes that cannot see the model (an explorer's EMA line got one)."""
+    if isinstance(node, ast.AugAssign):
+        return True
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+        func = node.value.func
+        return (isinstance(func, ast.Attribute) and func.attr.endswith("_")
+                and not func.attr.startswith("_"))
+    return False
+
+
 def _script_path(ctx: Context, file: str) -> str:
     """``file`` as ``--lines`` resolves it: the script as the user typed it, else absolute."""
     cmd = ctx.summary.get("command")
@@ -284,34 +299,51 @@ def loop_code(ctx: Context) -> Finding | None:
         ]
 
     no_loader = not ctx.loaders
+    node = _statement(source)
+    expr, target = _call_expr(node), _target(node)
+    in_place = _updates_in_place(node)
     text = (
         f"{other * 100:.0f}% of each step is spent in the training loop's own code, outside "
         "the DataLoader, the model, backward, zero_grad and the optimizer (phase 'other'); "
         f"{detail}. "
     )
-    node = _statement(source)
-    expr, target = _call_expr(node), _target(node)
     snippet = ""
     if no_loader:
         evidence["dataloader"] = None
+    if in_place:
+        evidence["updates_in_place"] = True
+        text += (
+            "The line updates a tensor in place, one tensor a call: run once per parameter "
+            "(an average of the weights, a manual update), it launches a few small ops per "
+            "tensor. Do it over all the tensors at once: torch's _foreach_ ops take lists "
+            "(one op each for all of them), and torch.optim.swa_utils.AveragedModel keeps "
+            "an exponential moving average of the weights that way."
+        )
+        snippet = (
+            "from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn\n\n"
+            "ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.999))  # once\n"
+            f"ema.update_parameters(model)  # each step, instead of {where}\n"
+            "# or, for any per-tensor update, all tensors in one op:\n"
+            "# torch._foreach_lerp_(ema_params, model_params, 1 - 0.999)"
+        )
+    elif no_loader and target and expr:
         text += (
             "The run uses no DataLoader, so batches are made in the loop while the model "
             "waits. If this line makes the batch, let DataLoader worker processes make the "
             "next batches while the model computes (each worker reseeds torch, numpy and "
             "random, so random batches stay independent)."
         )
-        if expr:
-            snippet = (
-                "from torch.utils.data import DataLoader, IterableDataset\n\n"
-                "class Batches(IterableDataset):\n"
-                "    def __iter__(self):\n"
-                "        while True:\n"
-                f"            yield {expr}  # was: {where}\n\n"
-                "batches = iter(DataLoader(Batches(), batch_size=None, num_workers=2,\n"
-                "                          persistent_workers=True, prefetch_factor=4))\n"
-                "# in the loop, instead of the line above:\n"
-                f"{target or 'batch'} = next(batches)"
-            )
+        snippet = (
+            "from torch.utils.data import DataLoader, IterableDataset\n\n"
+            "class Batches(IterableDataset):\n"
+            "    def __iter__(self):\n"
+            "        while True:\n"
+            f"            yield {expr}  # was: {where}\n\n"
+            "batches = iter(DataLoader(Batches(), batch_size=None, num_workers=2,\n"
+            "                          persistent_workers=True, prefetch_factor=4))\n"
+            "# in the loop, instead of the line above:\n"
+            f"{target or 'batch'} = next(batches)"
+        )
     else:
         text += (
             "If it is logging, a metric or a check, do it every N steps instead of every step; "
