@@ -604,6 +604,32 @@ def test_measurement_noise():
                if g["category"] == "measurement_noise")
 
 
+def test_steps_of_a_k_step_iteration_are_judged_as_iterations():
+    """A GAN's discriminator stepped twice a generator step: steps of 10 and 30 ms in turn,
+    every iteration 40 ms. Not noise; the same iterations varying are."""
+    from trainprof.analysis.iterations import steps_per_iteration
+
+    opts = [{"class": "D", "primary": True, "steps": 119},
+            {"class": "G", "primary": False, "steps": 59}]
+    assert steps_per_iteration(opts) == 2
+    assert steps_per_iteration([{**opts[0], "steps": 59}, opts[1]]) is None  # in step
+    assert steps_per_iteration([{**opts[0], "steps": 150}, opts[1]]) is None  # 2.5: no
+    assert steps_per_iteration(opts[:1]) is None
+    fwd = np.tile([7 * MS, 27 * MS], 60)
+    steps = make_steps(120, forward=fwd)
+    summary = make_summary(steps)
+    assert only(diagnose(summary, steps), "measurement_noise")["cause"] == "unstable_step_time"
+    summary["steps"]["per_iteration"] = 2
+    assert not [f for f in diagnose(summary, steps) if f["category"] == "measurement_noise"]
+    rng = np.random.default_rng(5)
+    noisy = make_steps(120, forward=fwd * rng.uniform(0.5, 1.5, 120))
+    summary = make_summary(noisy)
+    summary["steps"]["per_iteration"] = 2
+    f = only(diagnose(summary, noisy), "measurement_noise")
+    assert f["title"].startswith("Iteration times (2 steps each) vary by")
+    assert f["evidence"]["steps_per_iteration"] == 2
+
+
 def test_a_long_warm_up_under_outside_load_is_named():
     # 20 steps at 25 ms while other processes kept 1.5 cores busy, then 60 at 10 ms
     fwd = np.full(80, 3 * MS)

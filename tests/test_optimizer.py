@@ -206,6 +206,37 @@ def test_a_run_records_each_optimizer_and_the_knob(tmp_path):
     assert [e["set"] for e in meta["knobs"]["process"]["optimizer"]] == [FUSED, FUSED]
 
 
+GAN = """
+    import torch
+    from torch import nn
+
+    G, D = nn.Linear(16, 64), nn.Linear(64, 1)
+    opt_d = torch.optim.Adam(D.parameters(), lr=1e-4)
+    opt_g = torch.optim.Adam(G.parameters(), lr=1e-4)
+    for it in range(40):
+        for _ in range(2):  # the critic steps twice a generator step
+            loss_d = D(G(torch.randn(64, 16)).detach()).mean()
+            opt_d.zero_grad()
+            loss_d.backward()
+            opt_d.step()
+        loss_g = -D(G(torch.randn(64, 16))).mean()
+        opt_g.zero_grad()
+        loss_g.backward()
+        opt_g.step()
+"""
+
+
+def test_a_critic_stepped_twice_a_generator_step_makes_iterations_of_two_steps(tmp_path):
+    write_script(tmp_path, "gan.py", GAN)
+    res = trainprof("run", "--json", "--no-html", "gan.py", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    doc = res.json()
+    assert doc["steps"]["count"] == 80 and doc["steps"]["per_iteration"] == 2
+    assert [o["steps"] for o in doc["optimizers"]] == [78, 39]  # from the generator's first
+    assert any(n.startswith("the optimizer whose steps delimit steps stepped 2 times")
+               for n in doc["notes"])
+
+
 # -- the finding ------------------------------------------------------------------------------
 
 

@@ -20,6 +20,7 @@ from trainprof.analysis.ddp import summarize_ddp
 from trainprof.analysis.deep import analyse_deep_windows
 from trainprof.analysis.device import device_statistics
 from trainprof.analysis.handoff import summarize_handoff
+from trainprof.analysis.iterations import steps_per_iteration
 from trainprof.analysis.loop_stacks import summarize_loop_stacks
 from trainprof.analysis.memory_growth import memory_growth, worker_starts
 from trainprof.analysis.ops import load_ops, summarize_op_time
@@ -159,6 +160,7 @@ def summarize_run(run: Run) -> dict[str, Any]:
     """The summary document of a Run, in whatever status it is."""
     meta = run.meta
     stats = step_statistics(run.steps)
+    stats["steps"]["per_iteration"] = steps_per_iteration(meta.get("optimizers"))
     done = complete_steps(run.steps)
     t_start = t_end = None
     warm = stats["steps"]["warmup"]
@@ -264,12 +266,23 @@ def summarize_run(run: Run) -> dict[str, Any]:
         "deep": analyse_deep_windows(run.path),
         "missing": meta.get("missing", []),
         "notes": [*meta.get("notes", []), *_compile_notes(meta, stats),
-                  *_uncounted_flops(ops)],
+                  *_uncounted_flops(ops), *_iteration_notes(stats)],
         "findings": [],  # filled by the diagnosis (trainprof.commands.analyse)
     }
     if "recorded_status" in meta:
         summary["recorded_status"] = meta["recorded_status"]
     return summary
+
+
+def _iteration_notes(stats: dict[str, Any]) -> list[str]:
+    """Steps that are a part of the loop's iteration (a GAN's discriminator stepped k times
+    a generator step): say so, since their times alternate with it."""
+    k = (stats.get("steps") or {}).get("per_iteration")
+    if not k:
+        return []
+    return [f"the optimizer whose steps delimit steps stepped {k} times for each step of the "
+            f"script's other optimizer: an iteration of the loop is {k} steps, and step times "
+            f"alternate with it (the noise rule judges iterations of {k} steps)"]
 
 
 def _uncounted_flops(ops: dict[str, Any] | None) -> list[str]:

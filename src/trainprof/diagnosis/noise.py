@@ -11,7 +11,10 @@ samples. Hence:
   (1.4826 x MAD / median, so a periodic evaluation does not count as noise: the
   periodic rule reports that) >= 10% low, >= 25% medium. When other processes keep
   the machine's cores busy (system CPU in cores minus this run's process and
-  workers >= 0.5 core), the cause is ``external_load``.
+  workers >= 0.5 core), the cause is ``external_load``. Where an iteration of the loop is
+  k steps (a GAN's discriminator stepped k times a generator step:
+  :mod:`trainprof.analysis.iterations`), the steps alternate by design and the CV is over
+  iterations, sums of k consecutive steps.
 
 * ``warmup_under_load``: a long warm-up (at least 5 steps and a fifth of the run,
   whose median step is 1.5x the steady one or more) during which other processes kept
@@ -80,6 +83,12 @@ def step_time_stability(ctx: Context) -> Finding | None:
     if not ctx.has_steps():
         return None
     dur = ctx.durations
+    per = info.get("per_iteration")
+    grouped = isinstance(per, int) and per >= 2 and len(dur) >= MIN_STEADY * per
+    if grouped:
+        # an iteration of k steps of two kinds (a GAN's discriminator alone, then with the
+        # generator): the loop's structure, not noise; iterations are what vary or not
+        dur = dur[: len(dur) // per * per].reshape(-1, per).sum(axis=1)
     med, sigma = robust_scale(dur)
     if med <= 0:
         return None
@@ -88,7 +97,8 @@ def step_time_stability(ctx: Context) -> Finding | None:
         return None
     severity = "medium" if cv >= CV_MEDIUM else "low"
     n = len(dur)
-    kept = np.delete(dur, ctx.step_spikes) if len(ctx.step_spikes) < n else dur
+    kept = (np.delete(dur, ctx.step_spikes) if not grouped and len(ctx.step_spikes) < n
+            else dur)
     evidence: dict[str, Any] = {
         "robust_cv": cv,
         "cv_without_outliers": float(kept.std() / kept.mean()) if kept.mean() > 0 else None,
@@ -97,6 +107,8 @@ def step_time_stability(ctx: Context) -> Finding | None:
         "resolution": 2.8 * cv / math.sqrt(n),
         "outlier_steps": len(ctx.step_spikes),
     }
+    if grouped:
+        evidence["steps_per_iteration"] = per
     ext = ctx.external_cores
     if ext is not None:
         evidence["external_load_cores"] = ext
@@ -126,7 +138,9 @@ def step_time_stability(ctx: Context) -> Finding | None:
     return Finding(
         category="measurement_noise",
         cause=cause,
-        title=f"Step times vary by {cv * 100:.0f}% (robust CV over {n} steady steps)",
+        title=(f"Iteration times ({per} steps each) vary by {cv * 100:.0f}% (robust CV over "
+               f"{n} iterations)" if grouped else
+               f"Step times vary by {cv * 100:.0f}% (robust CV over {n} steady steps)"),
         severity=severity,
         evidence=evidence,
         estimated_gain=0.0,
