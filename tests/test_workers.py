@@ -430,7 +430,10 @@ train(DataLoader(Sleepy(), batch_size=8))
 """)
     w = loader_entry(doc)
     assert (w["mode"], w["num_workers"], w["samples"], w["batches"]) == ("main", 0, 96, 12)
-    assert not w["samples_estimated"]  # every batch timed: counted, not scaled
+    # every batch timed but the 3 loaded under the op count's window (steps 8-10: the
+    # tool's cost is in them), so the samples are scaled from the 9 others'
+    assert w["samples_timed"] == 72 and w["samples_estimated"]
+    assert doc["steps"]["profiled"] == 3
     assert w["processes"] == 1 and w["startup"] is None and w["busy_share"] is None
     assert w["cpu_wait_share"] is None  # no schedstat reads on the training thread
     assert 4.9 <= reads_ms(w) <= 6.5 and w["sample_cpu_ms"]["median"] < 1.0, w
@@ -442,6 +445,30 @@ train(DataLoader(Sleepy(), batch_size=8))
     assert f["evidence"]["fetch_split"]["blocked"] > 0.5
     assert "ms blocked (reads, latency)" in f["fix"]["text"]
     assert "num_workers=4,  # was 0" in f["fix"]["snippet"]
+
+
+def test_num_workers_0_batches_under_a_heavy_tool_are_left_untimed(tmp_path):
+    """--py's cProfile over steps 10-29 had made each 5 ms sample of a CPU-bound dataset
+    about half as long again, and the input findings quoted it."""
+    body = """
+class Busy(Dataset):
+    def __len__(self):
+        return 160  # 40 batches of 4
+
+    def __getitem__(self, i):
+        t = time.thread_time()
+        while time.thread_time() - t < 0.002:
+            [str(k) for k in range(50)]  # Python work: what a profiler slows most
+        return torch.zeros(8), i % 2
+
+train(DataLoader(Busy(), batch_size=4))
+"""
+    doc = run_script(tmp_path, body, "--py")
+    w = loader_entry(doc)
+    assert doc["steps"]["profiled"] >= 20  # --py's window (steps 10-29) and the op count's
+    assert w["samples_timed"] <= 4 * (40 - 20)  # the profiled steps' batches left out
+    # what the timed ones took is the dataset's own 2 ms of CPU, not the profiler's
+    assert 1.9 <= w["sample_cpu_ms"]["mean"] <= 2.6, w["sample_cpu_ms"]
 
 
 def test_cheap_num_workers_0_batches_run_torchs_fetch_and_are_all_counted(tmp_path):

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from trainprof import __version__
-from trainprof.capture import eval_autograd
+from trainprof.capture import eval_autograd, fetch_timing
 from trainprof.capture.clock import StepClock
 from trainprof.capture.debug_modes import DebugModes
 from trainprof.capture.device_timer import DeviceTimer
@@ -185,6 +185,8 @@ class Recorder:
         self.worker_capture = WorkerCapture(
             run_dir / WORKERS_DIR, sampling=lambda: self.worker_sampling
         )
+        # num_workers=0 batches loaded under a heavy tool are left untimed (fetch_timing)
+        fetch_timing.MAIN_CLOCK[0] = self.clock
         self.instrumentation = (
             Instrumentation(self.clock, self.loaders, self.worker_capture) if auto else None
         )
@@ -272,6 +274,8 @@ class Recorder:
         if self.instrumentation is not None:
             self.instrumentation.uninstall()
         self._optimizer_times.close()
+        if fetch_timing.MAIN_CLOCK[0] is self.clock:
+            fetch_timing.MAIN_CLOCK[0] = None
         self.loaders.shutdown_workers()
         self.loaders.note_threads(self.clock.owner)
         self._kill_leftover_workers()
