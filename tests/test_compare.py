@@ -328,6 +328,22 @@ def test_batch_size_change_compares_time_per_sample(tmp_path: Path) -> None:
     assert any("samples in a step" in n for n in r["notes"])
 
 
+def test_the_default_sampler_beside_a_scripts_batch_sampler_is_no_setting(tmp_path: Path) -> None:
+    """Random batches, then a bucketing batch sampler: torch sets the unused `sampler` to a
+    SequentialSampler, which had been ranked as a change acting on data wait."""
+    rng = np.random.default_rng(9)
+    base = 100 + rng.normal(0, 2, 100)
+    a_loader = {"index": 0, "batch_size": 32, "sampler": "torch.utils.data.sampler.RandomSampler",
+                "batch_sampler": "torch.utils.data.sampler.BatchSampler"}
+    b_loader = {"index": 0, "batch_size": None, "batch_sampler_batch_size": 32,
+                "sampler": "torch.utils.data.sampler.SequentialSampler",
+                "batch_sampler": "__main__.Buckets"}
+    a = load_run(_write_run(tmp_path / "a", base, meta={"dataloaders": [a_loader]}))
+    b = load_run(_write_run(tmp_path / "b", base * 0.8, meta={"dataloaders": [b_loader]}))
+    keys = [it["key"] for it in compare_runs(a, b)["environment_diff"]]
+    assert keys == ["dataloader[0].batch_sampler"]
+
+
 def _fingerprint(threads: int, pillow: str, torch: str = "2.13.0+cpu") -> dict:
     return {
         "fingerprint": {

@@ -269,6 +269,28 @@ def test_the_trim_padding_knob_gives_the_model_trimmed_batches(tp):
         "true (40 batches cut to ×0.62 of the positions)")
 
 
+def test_compare_shows_the_padding_of_each_run(tp):
+    """The padding finding's verify line sends the user to `trainprof compare`, which had no
+    padding row."""
+    import io
+
+    from trainprof.analysis.compare import compare_runs
+    from trainprof.report.compare_terminal import render_compare
+
+    plain = tp(TEXT)
+    cut = tp(TEXT, env={ENV_VAR: json.dumps({"trim_padding": True})})
+    assert plain.returncode == 0 and cut.returncode == 0, plain.stderr + cut.stderr
+    r = compare_runs(load_run(plain.run_dir), load_run(cut.run_dir))
+    pad_a, pad_b = r["a"]["padding"]["0"], r["b"]["padding"]["0"]
+    assert pad_a == pytest.approx(1 - 100 / 384, abs=0.05)  # TEXT: rows of ~100 real tokens
+    # the same real tokens, in batches cut from 384 positions to 240
+    assert (1 - pad_b) * 240 == pytest.approx((1 - pad_a) * 384, rel=0.01)
+    out = io.StringIO()
+    render_compare(r, file=out)
+    row = next(ln for ln in out.getvalue().splitlines() if ln.lstrip().startswith("padding"))
+    assert f"{pad_a * 100:.0f}% of positions" in row and f"{pad_b * 100:.0f}% of" in row
+
+
 #: TEXT with an LSTM given packed sequences in place of the MLP
 PACKED = TEXT.replace(TEXT[TEXT.index("class Model"):TEXT.index("model = Model()")], """
 from torch.nn.utils.rnn import pack_padded_sequence

@@ -253,6 +253,10 @@ def _run_side(run: Run, steady: np.ndarray, warm: int, count: int) -> dict[str, 
         "recompilations": ({k: (summary.get("compiles") or {}).get(k)
                             for k in ("after_warmup", "after_warmup_s", "limit_hit")}
                            if summary.get("compiles") else None),
+        # the share of the token positions that are padding, per loader that padded
+        # (analysis/padding.py): what the padding finding's "compare" verify line reads
+        "padding": {str(p.get("loader_index")): p.get("pad_share")
+                    for p in summary.get("padding") or []} or None,
         "attention_s_per_step": ((summary.get("attention") or {}).get("s_per_step")
                                  if summary.get("attention")
                                  else 0.0 if summary.get("ops") else None),
@@ -349,6 +353,10 @@ def _facts(run: Run) -> tuple[dict[str, tuple[str, Any]], bool]:
         for field, value in dl.items():
             if field == "batch_sampler_batch_size":
                 continue  # folded into batch_size below
+            if field == "sampler" and dl.get("batch_sampler") and not str(
+                    dl["batch_sampler"]).endswith(".BatchSampler"):
+                continue  # a batch_sampler of the script's makes the batches: torch's
+                # default sampler beside it is unused (SequentialSampler), not a setting
             if field == "batch_size" and value is None:
                 # a batch_sampler makes the batches: its batch size is the loader's, so a
                 # change to a batch sampler of the same size is not a batch-size change

@@ -92,6 +92,11 @@ def verdict_line(result: dict[str, Any]) -> Text:
     return line
 
 
+def _share(value: float | None) -> str:
+    """A share of the token positions (— where the run's batches held no padding)."""
+    return "—" if value is None else f"{value * 100:.0f}% of positions"
+
+
 def _recompilations(rec: dict[str, Any] | None) -> str:
     """torch.compile's recompilations in the steady steps (— where nothing compiled)."""
     if not rec:
@@ -151,6 +156,11 @@ def _steps_table(result: dict[str, Any]) -> Table:
     if x or y:
         table.add_row("attention op by op", _attention(x), _attention(y),
                       _ratio(y / x) if x and y else "—")
+    pad_a, pad_b = a.get("padding") or {}, b.get("padding") or {}
+    for index in sorted(set(pad_a) | set(pad_b)):
+        x, y = pad_a.get(index), pad_b.get(index)
+        table.add_row(f"padding (loader {index})" if len(set(pad_a) | set(pad_b)) > 1
+                      else "padding", _share(x), _share(y), "")
     rec_a, rec_b = a.get("recompilations"), b.get("recompilations")
     if rec_a or rec_b:
         table.add_row("recompilations", _recompilations(rec_a), _recompilations(rec_b), "")
