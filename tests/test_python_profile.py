@@ -391,6 +391,22 @@ def test_cli_py_and_lines_on_an_unmodified_script(tmp_path):
     assert section["hottest_user"]["hottest_line"]["line"] == hot_no
 
 
+def test_a_deep_window_inside_the_py_window_leaves_its_trace_export_out(tmp_path):
+    """--deep (steps 12-16 by default) inside --py's window (10-29): writing the trace had
+    been 36% of the cProfile's time, gzip and trainprof's _save on top of the table."""
+    write_script(tmp_path, "train_pp.py", CLI_SCRIPT)
+    res = trainprof("run", "--deep", "--py", "skip_first=3,active=12", "train_pp.py",
+                    cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert list((res.run_dir / "deep").glob("*.pt.trace.json.gz"))  # the trace was written
+    top = json.loads((res.run_dir / "python" / "top.json").read_text())
+    rows = [row for table in ("top_tottime", "top_cumtime") for row in top.get(table) or []]
+    assert not [r for r in rows if r["file"].endswith("gzip.py") or r["function"] == "_save"]
+    # starting and stopping torch.profiler stay (the window's own steps): a millisecond
+    assert all(r["cumtime"] < 0.1 * top["wall_s"] for r in rows
+               if r["file"].endswith("capture/deep.py")), rows
+
+
 def test_cli_lines_with_dash_m_resolves_the_running_module(tmp_path):
     """`-m pkg.train`: the target `pkg.train:f` is the module running as __main__, not a second
     import of it (whose functions the loop would never call)."""

@@ -26,6 +26,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from trainprof.capture import pyprof
 from trainprof.capture.window import Schedule
 from trainprof.store import DEEP_DIR
 
@@ -100,7 +101,8 @@ class TorchProfilerTool:
         last = min(end, self._stopped_at) - 1 if self._stopped_at is not None else end - 1
         name = f"{socket.gethostname()}_{os.getpid()}.steps{a_start}-{last}.pt.trace.json.gz"
         path = self.out_dir / name
-        prof.export_chrome_trace(str(path))
+        with pyprof.paused():  # writing the trace is trainprof's work, not the script's
+            prof.export_chrome_trace(str(path))
         self.traces.append({"path": str(path), "first_step": a_start, "last_step": last})
 
     # -- WindowTool -----------------------------------------------------------
