@@ -272,14 +272,16 @@ def test_a_setting_that_acts_on_the_changed_phase_is_named_before_the_load(
             for t in range(1, 12)]
     quiet = [{**x, "sys_cpu_pct": [100.0, 0.0]} for x in busy]
 
-    def pair(a_data: np.ndarray, b_data: np.ndarray, b_loader: dict) -> dict:
+    def pair(a_data: np.ndarray, b_data: np.ndarray, b_loader: dict,
+             b_busy: bool = False) -> dict:
         meta = {"fingerprint": {"cpu": {"usable_cores": 2}}}
         a = _write_run(tmp_path / f"a{len(list(tmp_path.iterdir()))}", base,
                        data_ms=a_data, meta={**meta, "dataloaders": [loader]})
         b = _write_run(tmp_path / f"b{len(list(tmp_path.iterdir()))}", base * 0.2,
                        data_ms=b_data, meta={**meta, "dataloaders": [b_loader]})
         (a / "samples.jsonl").write_text("".join(json.dumps(x) + "\n" for x in busy))
-        (b / "samples.jsonl").write_text("".join(json.dumps(x) + "\n" for x in quiet[:3]))
+        (b / "samples.jsonl").write_text("".join(json.dumps(x) + "\n"
+                                                 for x in (busy if b_busy else quiet)[:3]))
         return compare_runs(load_run(a), load_run(b))
 
     r = pair(base * 0.9, base * 0.1, {**loader, "num_workers": 4})
@@ -291,6 +293,13 @@ def test_a_setting_that_acts_on_the_changed_phase_is_named_before_the_load(
     render_compare(r, file=out)
     assert ("most likely cause: dataloader[0].num_workers 0 → 4 (other processes' load "
             "changed too: A ~1.0 cores, B ~0.0)") in " ".join(out.getvalue().split())
+    # both runs on a busy machine (a core each): the setting, with a caveat
+    r = pair(base * 0.9, base * 0.1, {**loader, "num_workers": 4}, b_busy=True)
+    assert r["load_change"] is None and r["likely_cause"]["both_loaded"] == {
+        "a_cores": pytest.approx(1.0), "b_cores": pytest.approx(1.0)}
+    out = io.StringIO()
+    render_compare(r, file=out)
+    assert "but both runs shared a busy machine" in " ".join(out.getvalue().split())
     # the same change in 'other', on which a DataLoader setting does not act: the load
     r = pair(base * 0.1, base * 0.02, {**loader, "num_workers": 4})
     assert r["explains"] == "other" and r["likely_cause"]["kind"] == "load"

@@ -722,6 +722,11 @@ def compare_runs(a: Run, b: Run) -> dict[str, Any]:
     env, env_notes = environment_diff(a, b, phase_weights, cpu_compute)
     notes += env_notes
     likely = likely_cause(env, phases, explains, load_change, cpu_compute)
+    if (likely and likely.get("kind") == "setting" and significant
+            and all(isinstance(x, int | float) and x >= OUTSIDE_LOAD_CORES for x in loads)):
+        # both runs shared a busy machine: a setting named as the cause may be the load's
+        # doing (an explorer's ×10.7 "caused by" a command change that sped its code up)
+        likely["both_loaded"] = {"a_cores": loads[0], "b_cores": loads[1]}
     return {
         "verdict": verdict,
         "significant": significant,

@@ -89,6 +89,11 @@ def verdict_line(result: dict[str, Any]) -> Text:
         if load:
             line.append(f" (other processes' load changed too: A ~{load['a_cores']:.1f} "
                         f"cores, B ~{load['b_cores']:.1f})")
+        busy = cause.get("both_loaded")
+        if busy and not load:
+            line.append(f" - but both runs shared a busy machine (other processes ~"
+                        f"{busy['a_cores']:.1f} and ~{busy['b_cores']:.1f} cores): the "
+                        "difference may be the machine's; compare runs on a quiet one")
     return line
 
 
