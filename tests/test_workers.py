@@ -1042,3 +1042,50 @@ def test_the_split_reminder_is_left_out_where_the_workers_streams_were_seen_to_d
     assert reminder in snippet(None)  # not compared
     assert reminder not in snippet(
         {"generation": 1, "identical_workers": 1, "workers_compared": 2})
+
+
+def test_cpu_transforms_gives_the_image_recipe_only_for_images_and_no_cache_to_a_stream():
+    """An IterableDataset was told to wrap itself in CachedDataset (which raises
+    PackError: it needs len() and [i]); 1-D signal features got the image recipe
+    (crop_flip_uint8, MEAN/STD, colour jitter)."""
+    from test_diagnosis import MS, loader, make_steps, make_summary
+
+    from trainprof.diagnosis import diagnose
+
+    def fix(tensors, **loader_kw):
+        steps = make_steps(60, data=10 * MS)
+        summary = make_summary(
+            steps, dataloaders=[loader(num_workers=2, persistent_workers=True, **loader_kw)],
+            system={"n_samples": 20, "proc_cpu_pct": 40.0, "workers_cpu_pct": 60.0,
+                    "sys_cpu_pct": 50.0},
+            workers={"loaders": [entry(0.1, 0.3, 0.6, 0.5)]},
+            batch_tensors=[{"loader_index": 0, "tensors": tensors}] if tensors else None)
+        (f,) = [f for f in diagnose(summary, steps) if f["category"] == "input_pipeline"]
+        assert f["cause"] == "cpu_transforms"
+        compile(f["fix"]["snippet"], "snippet", "exec")
+        return f, f["fix"]["text"] + f["fix"]["snippet"]
+
+    image_words = ("crop_flip_uint8", "MEAN", "color_jitter", "uint8", "Normalize")
+    images = [{"path": "batch[0]", "dtype": "uint8", "shape": [32, 3, 64, 64]}]
+    f, said = fix(images, dataset="__main__.PngFolder")
+    assert f["evidence"]["samples_are_images"] is True
+    assert 'CachedDataset(PngFolder(...), "cache/train", transform=crop_flip_uint8)' in said
+    assert all(w in said for w in image_words)
+    signals = [{"path": "batch[0]", "dtype": "float32", "shape": [64, 36]},
+               {"path": "batch[1]", "dtype": "int64", "shape": [64]}]
+    for tensors in (signals, None):  # not images, or nothing known: no image names
+        f, said = fix(tensors, dataset="__main__.Signals")
+        assert 'dataset = CachedDataset(Signals(...), "cache/train")' in said
+        assert not [w for w in image_words if w in said], said
+    # a stream: packed once ahead of training, read back map-style; no CachedDataset
+    tokens = [{"path": "batch[0]", "dtype": "int64", "shape": [16, 64]}] * 2
+    f, said = fix(tokens, dataset="__main__.TextStream", iterable_dataset=True, len=None,
+                  sampler="torch.utils.data.dataloader._InfiniteConstantSampler")
+    snippet = f["fix"]["snippet"]
+    assert "CachedDataset(" not in snippet and "crop_flip_uint8" not in said
+    assert 'pack_dataset(TextStream(...), "cache/train.pack")' in snippet
+    assert 'dataset = PackedDataset("cache/train.pack")' in snippet
+    assert "    dataset,  # the packed samples above" in snippet
+    assert "get_worker_info" not in snippet  # the packed dataset is map-style: no split
+    assert "needs a map-style dataset" in f["fix"]["text"]
+    assert "once the pack is written" in f["verify"]
