@@ -973,7 +973,8 @@ def test_an_iterable_dataset_every_worker_reads_whole_is_found(tmp_path):
     (f,) = [f for f in doc["findings"] if f["cause"] == "iterable_not_split"]
     assert (f["category"], f["severity"], f["estimated_gain"]) == ("input_pipeline", "high", 0)
     assert f["evidence"]["loader"]["dataset"].endswith("Rows")
-    assert f["title"].startswith("All 2 DataLoader workers load the same data: Rows")
+    assert f["title"].startswith("Duplicated data, every sample 2 times an epoch: all 2 "
+                                 "DataLoader workers load the same data, Rows")
     assert "get_worker_info()" in f["fix"]["snippet"] and "class Rows(" in f["fix"]["snippet"]
     report = trainprof("report", str(res.run_dir), cwd=tmp_path)
     assert "no faster step: fewer of them (each epoch repeats its data)" in report.stdout
@@ -1089,3 +1090,48 @@ def test_cpu_transforms_gives_the_image_recipe_only_for_images_and_no_cache_to_a
     assert "get_worker_info" not in snippet  # the packed dataset is map-style: no split
     assert "needs a map-style dataset" in f["fix"]["text"]
     assert "once the pack is written" in f["verify"]
+
+
+def test_the_split_snippet_gives_each_worker_its_own_files_and_each_sample_once():
+    """The fix split by sample (``i % shards == shard``): every worker still read and
+    tokenised the whole stream (1.9 ms of worker CPU a sample against 0.96 ms split by
+    file). It splits the files now, by sample only when there is a single file."""
+    import torch
+    from torch.utils.data import DataLoader, get_worker_info
+
+    from trainprof.diagnosis.iterable_split import split_snippet
+
+    snippet = split_snippet("Lines")
+    assert "files[shard::shards]" in snippet and snippet.index(
+        "files[shard::shards]") < snippet.index("i % shards == shard")
+    scope: dict[str, Any] = {}
+    exec(snippet, scope)
+    reads: list[tuple[int, int]] = []  # (file, worker) of every sample read, kept or not
+
+    class Lines(scope["Lines"]):
+        def __init__(self, files):
+            self.files = files
+
+        def read(self, path):
+            info = get_worker_info()
+            for i in range(5):  # the worker that read it travels with the sample
+                yield torch.tensor([int(path[1:]) * 100 + i, info.id if info else -1])
+
+        def samples(self):
+            for path in self.files:
+                yield from self.read(path)
+
+    for files in (["f0", "f1", "f2", "f3", "f4"], ["f7"]):
+        rows = [tuple(r.tolist()) for b in DataLoader(Lines(files), batch_size=2) for r in b]
+        split = [tuple(r.tolist()) for b in DataLoader(Lines(files), batch_size=2,
+                                                       num_workers=2) for r in b]
+        # each sample once, as without workers
+        assert sorted(s for s, _ in split) == sorted(s for s, _ in rows)
+        assert len({s for s, _ in split}) == 5 * len(files)
+        reads.extend((s // 100, w) for s, w in split)
+    # several files: each file read by one worker only
+    by_file: dict[int, set[int]] = {}
+    for file, worker in reads:
+        by_file.setdefault(file, set()).add(worker)
+    assert all(len(by_file[f]) == 1 for f in range(5)), by_file
+    assert by_file[7] == {0, 1}  # a single file: both read it, each keeps its share
