@@ -300,6 +300,12 @@ def test_an_rnn_given_packed_sequences_gets_no_padding_finding(tp):
     assert doc["padding"][0]["pad_share"] == pytest.approx(1 - 103 / 384)
     assert doc["ops"]["packed_sequences_per_step"] == 1.0
     assert not [f for f in doc["findings"] if f["cause"] == "padding"]
+    # the Padding row says why no finding follows its 73%
+    report = trainprof("report", str(res.run_dir), cwd=res.run_dir.parent)
+    row = " ".join(report.stdout.split("Padding #0", 1)[1].split("Optimizer", 1)[0].split())
+    assert row.startswith("batch['attention_mask']: 73% of 64 positions a row are padding")
+    assert row.endswith("the model packs its sequences (pack_padded_sequence): the padding "
+                        "costs no compute"), row
 
 
 def test_the_knob_is_undone_and_its_off_value_reports_the_padding_read():

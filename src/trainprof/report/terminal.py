@@ -277,15 +277,20 @@ def _ms_txt(stats: dict[str, Any] | None) -> str:
         fmt_time(med / 1e3))
 
 
-def _padding_line(entry: dict[str, Any]) -> str:
-    """One loader's padded sequences (trainprof.analysis.padding) in one line."""
+def _padding_line(entry: dict[str, Any], packed: bool = False) -> str:
+    """One loader's padded sequences (trainprof.analysis.padding) in one line; ``packed``:
+    the op count saw the model pack its sequences (``pack_padded_sequence``), so its RNN
+    runs on the real positions only and the padding costs no compute (no finding follows,
+    diagnosis/padding.py)."""
     lo, hi = entry.get("length_min"), entry.get("length_max")
     length = f"{hi}" if lo == hi else f"{lo}-{hi}"
     return (f"{entry.get('tensor')}: {float(entry.get('pad_share') or 0) * 100:.0f}% of "
             f"{length} positions a row are padding · "
             f"{float(entry.get('mean_real') or 0):.0f} real tokens a row, the longest of a "
             f"batch {float(entry.get('mean_longest') or 0):.0f} · {entry.get('batches')} "
-            "batches read")
+            "batches read"
+            + (" · the model packs its sequences (pack_padded_sequence): the padding costs "
+               "no compute" if packed else ""))
 
 
 def _worker_rows(workers: dict[str, Any] | None,
@@ -571,7 +576,9 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
     for entry in summary.get("padding") or []:
         if float(entry.get("pad_share") or 0) < 0.01:  # sequences without padding
             continue
-        table.add_row(f"Padding #{entry.get('loader_index')}", _padding_line(entry))
+        table.add_row(f"Padding #{entry.get('loader_index')}", _padding_line(
+            entry, packed=float((summary.get("ops") or {}).get("packed_sequences_per_step")
+                                or 0) > 0))
     for line in _optimizer_rows(summary.get("optimizers") or []):
         table.add_row("Optimizer", line)
     if summary.get("optimizers_not_described"):
