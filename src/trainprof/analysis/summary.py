@@ -221,7 +221,8 @@ def summarize_run(run: Run) -> dict[str, Any]:
         "workers": workers,
         # receiving the workers' batches in the training process (capture/handoff.py)
         "batch_handoff": summarize_handoff(meta.get("batch_handoff"), workers,
-                                           float(done["dur_ns"].sum()) / 1e9),
+                                           float(done["dur_ns"].sum()) / 1e9,
+                                           batch_tensors(meta.get("padding"))),
         # the first pass of activation-checkpointed regions: what the backward recomputes
         "activation_checkpointing": summarize_checkpointing(
             meta.get("activation_checkpointing"), float(done["dur_ns"].sum()) / 1e9, len(done)),

@@ -206,7 +206,8 @@ MAX_DESCRIBED = 8
 
 def describe_tensors(batch: Any) -> list[dict[str, Any]]:
     """The first :data:`MAX_DESCRIBED` tensors and arrays of ``batch``: where each is, its
-    dtype (torch's name, ``"uint8"``) and shape. Never raises; reads no data."""
+    dtype (torch's name, ``"uint8"``) and shape (NumPy arrays marked ``array``). Never
+    raises; reads no data."""
     import numpy as np
     import torch
 
@@ -218,6 +219,8 @@ def describe_tensors(batch: Any) -> list[dict[str, Any]]:
         if isinstance(x, torch.Tensor | np.ndarray):
             dtype = str(x.dtype).removeprefix("torch.")
             out.append({"path": path, "dtype": dtype, "shape": [int(n) for n in x.shape]})
+            if isinstance(x, np.ndarray):  # pickled whole from a worker, not shared memory
+                out[-1]["array"] = True
         elif isinstance(x, Mapping):
             for k in list(x.keys())[:16]:
                 walk(x[k], f"{path}[{k!r}]", depth + 1)

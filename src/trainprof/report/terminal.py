@@ -319,11 +319,15 @@ def _worker_rows(workers: dict[str, Any] | None,
             f"collate {_ms_txt(w.get('collate_ms'))}/batch",
         ]
         split = w.get("fetch_split") or {}
+        # whose time each share is of: the loading's (fetch_split), the workers' wall time
+        # from their first batch to their last (busy_share_active, analysis/workers.py)
         if split.get("waiting_for_cpu"):
-            parts.append(f"waiting for a core {split['waiting_for_cpu'] * 100:.0f}% of the time")
+            parts.append(f"waiting for a core {split['waiting_for_cpu'] * 100:.0f}% of the "
+                         "loading time")
         busy = (w.get("busy_share_active") or {}).get("median")
         if busy is not None:
-            parts.append(f"busy {busy * 100:.0f}%")
+            parts.append(f"each worker loading {busy * 100:.0f}% of its time (median; the "
+                         "rest waiting for the loop to ask for more)")
         startup = w.get("startup") or {}
         if startup.get("median_s") is not None:
             parts.append(f"start-up {fmt_time(startup['median_s'])}")
@@ -337,7 +341,8 @@ def _worker_rows(workers: dict[str, Any] | None,
     if handoff and handoff.get("tensors"):
         per_batch = handoff.get("tensors_per_batch")
         parts = [f"{handoff['tensors']:,} tensors"
-                 + (f" ({per_batch:.1f} a batch)" if per_batch else ""),
+                 + ((f" (~{per_batch:.1f} a batch)" if handoff.get("tensors_per_batch_estimated")
+                     else f" ({per_batch:.0f} a batch)") if per_batch else ""),
                  f"{fmt_time(float(handoff.get('mean_ms') or 0) / 1e3)} each (median "
                  f"{fmt_time(float(handoff.get('median_ms') or 0) / 1e3)})"]
         share = handoff.get("training_thread_share")
