@@ -450,3 +450,20 @@ def test_the_first_batchs_tensors_are_described_and_tell_images_from_other_data(
     # torchvision's datasets, or workers sampled decoding with PIL
     assert holds_images(loader(dataset="torchvision.datasets.folder.ImageFolder"), None)
     assert holds_images(loader(), signals, ["decode (PIL/ImageFile.py:300) 40%"])
+
+
+def test_the_padding_text_names_attention_only_where_the_model_has_it():
+    """An LSTM's padding was said to cost "attention" (and a quadratic saving): the op
+    count's window records attention ops when there are any."""
+    summary, steps = _summary(0.8, 0.6)
+    (f,) = _padding_findings(summary, steps)  # no attention op seen (an RNN)
+    assert "attention" not in f["fix"]["text"]
+    assert "(embedding, projections, the loss" in f["fix"]["text"]
+    summary["op_time"] = {"s_per_step": {"fused_attention": 0.02, "product": 0.09}}
+    (f,) = _padding_findings(summary, steps)
+    assert "(embedding, attention, projections" in f["fix"]["text"]
+    assert "the attention, quadratic, saves more" in f["fix"]["text"]
+    summary["op_time"] = None
+    summary["ops"] = {"eager_attention": [{"shape": [8, 4, 128, 128]}]}
+    (f,) = _padding_findings(summary, steps)
+    assert "the attention, quadratic, saves more" in f["fix"]["text"]
