@@ -382,3 +382,23 @@ def test_a_dtype_too_slow_to_repeat_is_timed_by_its_warm_up(monkeypatch):
     assert time_mod.perf_counter() - t0 < 0.5
     assert out["repeats"] <= 1 and len(calls) <= 2
     assert out["flops_per_s"] == pytest.approx(2.0 * 1024 ** 3 / 0.05, rel=0.5)
+
+
+def test_the_batch_snippet_keeps_each_optimizers_own_parameters():
+    """A recommender's SparseAdam (sparse embeddings) and Adam (the MLP): the snippet said
+    ``SparseAdam(model.parameters(), ...)``, which fails on the dense gradients."""
+    from trainprof.diagnosis.small_batch import far_from_peak
+
+    sparse = {"class": "torch.optim.sparse_adam.SparseAdam", "param_tensors": 3,
+              "numel": 44_800_000}
+    dense = {"class": "torch.optim.adam.Adam", "param_tensors": 6, "numel": 61_185}
+    found = far_from_peak(_context(0.05, 0.08, optimizers=[sparse, dense]))
+    assert found is not None
+    snippet = found.fix.snippet
+    assert "model.parameters()" not in snippet
+    assert "opt1 = torch.optim.SparseAdam(params1, lr=lr1 * 16 / 8)" in snippet
+    assert "opt2 = torch.optim.Adam(params2, lr=lr2 * 16 / 8)" in snippet
+    assert "over the parameters it has now" in snippet
+    # one optimizer: over the model's parameters, as most scripts build it
+    found = far_from_peak(_context(0.05, 0.08, optimizers=[dense]))
+    assert "opt = torch.optim.Adam(model.parameters(), lr=lr * 16 / 8)" in found.fix.snippet

@@ -243,3 +243,44 @@ def test_packed_collate_pickles_to_few_tensors_and_is_a_no_op_in_process():
                                               "torch.float64", "torch.int64"]
     assert spec[2][4][1][0] == 0  # "big": a leaf, not packed
     assert spec[2][4][1][1] is batch["big"]
+
+
+def test_tensors_a_batch_are_counted_in_a_batch_not_over_the_batches_made():
+    """"1.9 a batch" for batches of exactly 2 tensors: 120 tensors received over the 64
+    batches the 2 workers made for a 60-step run (4 prefetched, never received)."""
+    from trainprof.analysis.handoff import summarize_handoff
+
+    rec = {"strategies": ["file_descriptor"], "tensors": 120, "total_s": 0.1,
+           "training_thread": {"tensors": 120, "total_s": 0.1}, "hist": [[230, 120]]}
+    workers = {"loaders": [{"loader_index": 0, "mode": "workers", "batches": 64}]}
+    two = [{"loader_index": 0, "tensors": [
+        {"path": "batch[0]", "dtype": "int64", "shape": [16, 64]},
+        {"path": "batch[1]", "dtype": "int64", "shape": [16, 64]}]}]
+    summary = summarize_handoff(rec, workers, 1.0, two)
+    assert summary["tensors_per_batch"] == 2 and not summary["tensors_per_batch_estimated"]
+    # not described (a run recorded before): the estimate, said to be one
+    summary = summarize_handoff(rec, workers, 1.0, None)
+    assert summary["tensors_per_batch"] == pytest.approx(120 / 64)
+    assert summary["tensors_per_batch_estimated"]
+    from trainprof.report.terminal import _worker_rows
+
+    (row,) = [r for label, r in _worker_rows(None, None, summary) if "tensors" in r]
+    assert "120 tensors (~1.9 a batch)" in row
+    (row,) = [r for label, r in _worker_rows(None, None, summarize_handoff(
+        rec, workers, 1.0, two)) if "tensors" in r]
+    assert "120 tensors (2 a batch)" in row
+
+
+def test_the_loading_row_says_whose_time_its_shares_are_of():
+    """"waiting for a core 46% of the time · busy 0%" read as a contradiction: the first
+    is of the workers' loading time, the second of their time since their first batch."""
+    from test_workers import entry
+
+    from trainprof.report.terminal import _worker_rows
+
+    w = entry(0.1, 0.46, 0.44, 0.5, busy=0.004)
+    w["start_method"] = "fork"
+    (row,) = [r for label, r in _worker_rows({"loaders": [w]}) if label == "Loading #0"]
+    assert "waiting for a core 45% of the loading time" in row
+    assert ("each worker loading 0% of its time (median; the rest waiting for the loop to "
+            "ask for more)") in row

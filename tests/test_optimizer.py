@@ -395,3 +395,17 @@ def test_an_optimizer_per_epoch_is_described_a_bounded_number_of_times(tmp_path)
     rows = [line for line in (res.stdout + res.stderr).splitlines() if line.startswith("Optimizer")]
     assert "SGD · for-loop over 2 tensors (20 parameters, cpu) · 16 optimizers like it" in rows[0]
     assert rows[-1].endswith("14 more, not described (one is built per epoch or per step?)")
+
+
+def test_the_for_loop_is_worded_by_the_size_of_its_tensors():
+    """"a few small ops each" was said of 9 tensors of 44.9M parameters in all."""
+    (f,) = _findings(5e-3, _opt(param_tensors=9, numel=44_861_185))
+    assert ("one parameter tensor at a time (9 tensors, 44.9M parameters, 5.0M a tensor on "
+            "average: each op of the update a pass over a large tensor's memory)") in (
+        f["fix"]["text"])
+    assert "small ops" not in f["fix"]["text"]
+    (f,) = _findings(5e-3, _opt(param_tensors=6, numel=61_185))
+    assert ("(6 tensors, 61,185 parameters, 10,198 a tensor on average: a few small ops "
+            "each)") in f["fix"]["text"]
+    (f,) = _findings(5e-3, _opt(param_tensors=4, numel=1_000_000))
+    assert "250,000 a tensor on average: several ops of the update each)" in f["fix"]["text"]

@@ -327,3 +327,24 @@ def test_ctrl_c_while_packing_leaves_no_partial_pack(tmp_path):
     assert proc.returncode == 130, err
     assert "trainprof: interrupted" in err and "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no out, no partial folder
+
+
+def test_pack_dataset_packs_one_pass_of_a_stream(tmp_path):
+    """The cpu_transforms fix of an IterableDataset (CachedDataset needs len() and [i]):
+    one pass of the stream in this process, read back map-style in the stream's order."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    class Tokens(IterableDataset):
+        def __iter__(self):
+            for i in range(10):
+                t = torch.arange(i, i + 9)
+                yield t[:-1], t[1:]
+
+    pack_dataset(Tokens(), tmp_path / "cache" / "train.pack")
+    ds = PackedDataset(tmp_path / "cache" / "train.pack")
+    assert len(ds) == 10
+    for (x, y), (wx, wy) in zip(DataLoader(ds, batch_size=4),
+                                DataLoader(Tokens(), batch_size=4), strict=True):
+        assert torch.equal(x, wx) and torch.equal(y, wy)
+    with pytest.raises(PackError, match="map-style dataset .* or an IterableDataset"):
+        pack_dataset(object(), tmp_path / "nothing")

@@ -167,6 +167,9 @@ def test_the_probe_reads_each_loaders_first_batches_then_removes_itself(monkeypa
     assert second["dynamic"] == 4 * (40 + 25 + 40)
     assert (first["tensor"], first["side"], first["length_min"]) == (
         "batch['attention_mask']", "right", 64)
+    # the first batch's tensors, described (what the input fixes know of the samples)
+    assert second["batch_tensors"][0] == {"path": "batch['input_ids']", "dtype": "int64",
+                                          "shape": [4, 64]}
 
 
 def test_length_grouped_batches_cover_every_index_once_and_group_lengths():
@@ -319,6 +322,12 @@ def test_an_rnn_given_packed_sequences_gets_no_padding_finding(tp):
     assert doc["padding"][0]["pad_share"] == pytest.approx(1 - 103 / 384)
     assert doc["ops"]["packed_sequences_per_step"] == 1.0
     assert not [f for f in doc["findings"] if f["cause"] == "padding"]
+    # the Padding row says why no finding follows its 73%
+    report = trainprof("report", str(res.run_dir), cwd=res.run_dir.parent)
+    row = " ".join(report.stdout.split("Padding #0", 1)[1].split("Optimizer", 1)[0].split())
+    assert row.startswith("batch['attention_mask']: 73% of 64 positions a row are padding")
+    assert row.endswith("the model packs its sequences (pack_padded_sequence): the padding "
+                        "costs no compute"), row
 
 
 def test_the_knob_is_undone_and_its_off_value_reports_the_padding_read():
@@ -441,3 +450,42 @@ def test_no_padding_read_or_packed_sequences_leave_the_rule_silent():
 
 def test_trim_padding_default_collate_is_the_inner_default():
     assert TrimPadding().collate_fn is default_collate
+
+
+def test_the_first_batchs_tensors_are_described_and_tell_images_from_other_data():
+    """The cpu_transforms fix gives its image recipe (uint8 crops, Normalize per batch)
+    only where a loader's batches hold images: 1-D signal features got it."""
+    from trainprof.analysis.padding import holds_images
+    from trainprof.capture.padding import describe_tensors
+
+    images = (torch.zeros(8, 3, 32, 32, dtype=torch.uint8), torch.zeros(8, dtype=torch.long))
+    described = describe_tensors(images)
+    assert described == [{"path": "batch[0]", "dtype": "uint8", "shape": [8, 3, 32, 32]},
+                         {"path": "batch[1]", "dtype": "int64", "shape": [8]}]
+    assert holds_images(loader(), described) is True
+    assert holds_images(loader(), describe_tensors({"x": torch.zeros(4, 28, 28, 1)})) is True
+    signals = describe_tensors((torch.zeros(64, 36), torch.zeros(64, dtype=torch.long)))
+    assert holds_images(loader(), signals) is False
+    tokens = describe_tensors((torch.zeros(16, 64, dtype=torch.long),) * 2)
+    assert holds_images(loader(), tokens) is False
+    assert holds_images(loader(), None) is None  # nothing known: no image recipe either
+    # torchvision's datasets, or workers sampled decoding with PIL
+    assert holds_images(loader(dataset="torchvision.datasets.folder.ImageFolder"), None)
+    assert holds_images(loader(), signals, ["decode (PIL/ImageFile.py:300) 40%"])
+
+
+def test_the_padding_text_names_attention_only_where_the_model_has_it():
+    """An LSTM's padding was said to cost "attention" (and a quadratic saving): the op
+    count's window records attention ops when there are any."""
+    summary, steps = _summary(0.8, 0.6)
+    (f,) = _padding_findings(summary, steps)  # no attention op seen (an RNN)
+    assert "attention" not in f["fix"]["text"]
+    assert "(embedding, projections, the loss" in f["fix"]["text"]
+    summary["op_time"] = {"s_per_step": {"fused_attention": 0.02, "product": 0.09}}
+    (f,) = _padding_findings(summary, steps)
+    assert "(embedding, attention, projections" in f["fix"]["text"]
+    assert "the attention, quadratic, saves more" in f["fix"]["text"]
+    summary["op_time"] = None
+    summary["ops"] = {"eager_attention": [{"shape": [8, 4, 128, 128]}]}
+    (f,) = _padding_findings(summary, steps)
+    assert "the attention, quadratic, saves more" in f["fix"]["text"]

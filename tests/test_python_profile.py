@@ -453,3 +453,24 @@ def test_terminal_shows_only_the_hot_lines_of_a_long_function():
     assert shown == ["100", "109", "110", "129", "130"]
     assert sum(1 for ln in out if ln.strip().startswith("...")) == 2
     assert any("HOT = 1" in ln and "90.0" in ln and "900 µs" in ln for ln in out)
+
+
+def test_the_line_table_cuts_the_source_never_a_number_at_80_columns():
+    """Off a wide terminal the numbers came out as ``Lin…  Hits  Time  Per …`` and
+    ``5283…  560.5…`` while the source kept its width."""
+    long_source = "        loss = criterion(model(inputs.to(device)), targets.to(device)) * scale"
+    rows = [{"line": 52831 + i, "hits": 5605123, "time_s": 123.4, "per_hit_s": 2.2e-5,
+             "percent": 55.5, "source": long_source} for i in range(3)]
+    func = {"label": "m:step", "function": "step", "file": "/x/m.py", "first_line": 52831,
+            "total_time_s": 300.0, "hits": 3 * 5605123, "lines": rows, "hot_lines": rows}
+    section = {"cprofile": None, "lines": {"windows": [[2, 5]], "steps_profiled": 3,
+                                           "functions": [func]}, "messages": []}
+    buf = io.StringIO()
+    render_python_profile(section, Console(file=buf, width=80, color_system=None))
+    out = buf.getvalue().splitlines()
+    head = next(ln for ln in out if "Line #" in ln)
+    assert head.split()[:8] == ["Line", "#", "Hits", "Time", "Per", "Hit", "%", "Time"]
+    body = [ln for ln in out if ln.strip().startswith("5283")]
+    assert len(body) == 3 and all(len(ln) <= 80 for ln in body)
+    assert body[0].split()[:6] == ["52831", "5605123", "123.40", "s", "22", "µs"]
+    assert body[0].rstrip().endswith("…") and "loss = criterion(" in body[0]  # the source cut

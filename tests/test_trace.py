@@ -1088,3 +1088,18 @@ def test_large_trace_in_bounded_memory(tmp_path):
     assert got["steps"] == 90
     assert got["kernel"] == pytest.approx(400 * 14.0)
     assert got["growth"] < 1.25 * got["json"], got
+
+
+def test_no_number_of_the_trace_tables_is_cut_at_80_columns(tb_results, monkeypatch):
+    """Off a wide terminal rich shrank every column of a table too wide, numbers too
+    (``588…``, ``cal…``); now the operator and kernel names give up the room."""
+    import re
+
+    monkeypatch.setenv("COLUMNS", "80")
+    out = io.StringIO()
+    render_trace(tb_results["nw0-steps5-10.pt.trace.json.gz"], file=out)
+    text = out.getvalue()
+    # a number, a unit or a column header ending in an ellipsis
+    assert not re.findall(r"[\d,.]+…|\b(?:µs|ms|MiB|GiB|calls|self|total)…", text), text
+    assert re.search(r"aten::cudnn_convolution\S*\s+318\s+\d+\.\d ms", text)
+    assert "    162  80.8 ms  13.7%  498 µs" in text  # the top kernel's row, whole

@@ -1000,7 +1000,8 @@ def test_an_iterable_dataset_every_worker_reads_whole_is_found(tmp_path):
     (f,) = [f for f in doc["findings"] if f["cause"] == "iterable_not_split"]
     assert (f["category"], f["severity"], f["estimated_gain"]) == ("input_pipeline", "high", 0)
     assert f["evidence"]["loader"]["dataset"].endswith("Rows")
-    assert f["title"].startswith("All 2 DataLoader workers load the same data: Rows")
+    assert f["title"].startswith("Duplicated data, every sample 2 times an epoch: all 2 "
+                                 "DataLoader workers load the same data, Rows")
     assert "get_worker_info()" in f["fix"]["snippet"] and "class Rows(" in f["fix"]["snippet"]
     report = trainprof("report", str(res.run_dir), cwd=tmp_path)
     assert "no faster step: fewer of them (each epoch repeats its data)" in report.stdout
@@ -1069,3 +1070,95 @@ def test_the_split_reminder_is_left_out_where_the_workers_streams_were_seen_to_d
     assert reminder in snippet(None)  # not compared
     assert reminder not in snippet(
         {"generation": 1, "identical_workers": 1, "workers_compared": 2})
+
+
+def test_cpu_transforms_gives_the_image_recipe_only_for_images_and_no_cache_to_a_stream():
+    """An IterableDataset was told to wrap itself in CachedDataset (which raises
+    PackError: it needs len() and [i]); 1-D signal features got the image recipe
+    (crop_flip_uint8, MEAN/STD, colour jitter)."""
+    from test_diagnosis import MS, loader, make_steps, make_summary
+
+    from trainprof.diagnosis import diagnose
+
+    def fix(tensors, **loader_kw):
+        steps = make_steps(60, data=10 * MS)
+        summary = make_summary(
+            steps, dataloaders=[loader(num_workers=2, persistent_workers=True, **loader_kw)],
+            system={"n_samples": 20, "proc_cpu_pct": 40.0, "workers_cpu_pct": 60.0,
+                    "sys_cpu_pct": 50.0},
+            workers={"loaders": [entry(0.1, 0.3, 0.6, 0.5)]},
+            batch_tensors=[{"loader_index": 0, "tensors": tensors}] if tensors else None)
+        (f,) = [f for f in diagnose(summary, steps) if f["category"] == "input_pipeline"]
+        assert f["cause"] == "cpu_transforms"
+        compile(f["fix"]["snippet"], "snippet", "exec")
+        return f, f["fix"]["text"] + f["fix"]["snippet"]
+
+    image_words = ("crop_flip_uint8", "MEAN", "color_jitter", "uint8", "Normalize")
+    images = [{"path": "batch[0]", "dtype": "uint8", "shape": [32, 3, 64, 64]}]
+    f, said = fix(images, dataset="__main__.PngFolder")
+    assert f["evidence"]["samples_are_images"] is True
+    assert 'CachedDataset(PngFolder(...), "cache/train", transform=crop_flip_uint8)' in said
+    assert all(w in said for w in image_words)
+    signals = [{"path": "batch[0]", "dtype": "float32", "shape": [64, 36]},
+               {"path": "batch[1]", "dtype": "int64", "shape": [64]}]
+    for tensors in (signals, None):  # not images, or nothing known: no image names
+        f, said = fix(tensors, dataset="__main__.Signals")
+        assert 'dataset = CachedDataset(Signals(...), "cache/train")' in said
+        assert not [w for w in image_words if w in said], said
+    # a stream: packed once ahead of training, read back map-style; no CachedDataset
+    tokens = [{"path": "batch[0]", "dtype": "int64", "shape": [16, 64]}] * 2
+    f, said = fix(tokens, dataset="__main__.TextStream", iterable_dataset=True, len=None,
+                  sampler="torch.utils.data.dataloader._InfiniteConstantSampler")
+    snippet = f["fix"]["snippet"]
+    assert "CachedDataset(" not in snippet and "crop_flip_uint8" not in said
+    assert 'pack_dataset(TextStream(...), "cache/train.pack")' in snippet
+    assert 'dataset = PackedDataset("cache/train.pack")' in snippet
+    assert "    dataset,  # the packed samples above" in snippet
+    assert "get_worker_info" not in snippet  # the packed dataset is map-style: no split
+    assert "needs a map-style dataset" in f["fix"]["text"]
+    assert "once the pack is written" in f["verify"]
+
+
+def test_the_split_snippet_gives_each_worker_its_own_files_and_each_sample_once():
+    """The fix split by sample (``i % shards == shard``): every worker still read and
+    tokenised the whole stream (1.9 ms of worker CPU a sample against 0.96 ms split by
+    file). It splits the files now, by sample only when there is a single file."""
+    import torch
+    from torch.utils.data import DataLoader, get_worker_info
+
+    from trainprof.diagnosis.iterable_split import split_snippet
+
+    snippet = split_snippet("Lines")
+    assert "files[shard::shards]" in snippet and snippet.index(
+        "files[shard::shards]") < snippet.index("i % shards == shard")
+    scope: dict[str, Any] = {}
+    exec(snippet, scope)
+    reads: list[tuple[int, int]] = []  # (file, worker) of every sample read, kept or not
+
+    class Lines(scope["Lines"]):
+        def __init__(self, files):
+            self.files = files
+
+        def read(self, path):
+            info = get_worker_info()
+            for i in range(5):  # the worker that read it travels with the sample
+                yield torch.tensor([int(path[1:]) * 100 + i, info.id if info else -1])
+
+        def samples(self):
+            for path in self.files:
+                yield from self.read(path)
+
+    for files in (["f0", "f1", "f2", "f3", "f4"], ["f7"]):
+        rows = [tuple(r.tolist()) for b in DataLoader(Lines(files), batch_size=2) for r in b]
+        split = [tuple(r.tolist()) for b in DataLoader(Lines(files), batch_size=2,
+                                                       num_workers=2) for r in b]
+        # each sample once, as without workers
+        assert sorted(s for s, _ in split) == sorted(s for s, _ in rows)
+        assert len({s for s, _ in split}) == 5 * len(files)
+        reads.extend((s // 100, w) for s, w in split)
+    # several files: each file read by one worker only
+    by_file: dict[int, set[int]] = {}
+    for file, worker in reads:
+        by_file.setdefault(file, set()).add(worker)
+    assert all(len(by_file[f]) == 1 for f in range(5)), by_file
+    assert by_file[7] == {0, 1}  # a single file: both read it, each keeps its share

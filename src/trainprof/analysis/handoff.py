@@ -18,8 +18,17 @@ from trainprof.analysis.workers import hist_quantile
 
 
 def summarize_handoff(rec: dict[str, Any] | None, workers: dict[str, Any] | None,
-                      steps_total_s: float) -> dict[str, Any] | None:
-    """``batch_handoff`` of the summary; None when no worker's batch was received."""
+                      steps_total_s: float,
+                      batch_tensors: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
+    """``batch_handoff`` of the summary; None when no worker's batch was received.
+
+    ``tensors_per_batch``: the tensors of the workers' loaders' first batch as the
+    training process received it (``batch_tensors``, :func:`trainprof.analysis.padding.
+    batch_tensors`), where they all have the same count. Dividing the tensors received by
+    the batches the workers made is only an estimate (``tensors_per_batch_estimated``):
+    the workers make batches ahead (``prefetch_factor`` each) that a loop which stops
+    never receives, 2 tensors a batch came out as 1.9 (120 tensors, 64 batches made for
+    60 steps)."""
     if not rec or not rec.get("tensors"):
         return None
     n = int(rec["tensors"])
@@ -29,6 +38,7 @@ def summarize_handoff(rec: dict[str, Any] | None, workers: dict[str, Any] | None
     batches = sum(int(ld.get("batches") or 0) for ld in (workers or {}).get("loaders") or []
                   if ld.get("mode") == "workers")
     median, p90 = hist_quantile(hist, 0.5), hist_quantile(hist, 0.9)
+    per_batch = _tensors_in_a_batch(workers, batch_tensors)
     return {
         "strategies": rec.get("strategies") or [],
         "tensors": n,
@@ -37,7 +47,27 @@ def summarize_handoff(rec: dict[str, Any] | None, workers: dict[str, Any] | None
         "median_ms": median / 1e6 if median is not None else None,
         "p90_ms": p90 / 1e6 if p90 is not None else None,
         # batches the workers made: each batch's tensors are received one by one
-        "tensors_per_batch": n / batches if batches else None,
+        "tensors_per_batch": per_batch if per_batch else (n / batches if batches else None),
+        "tensors_per_batch_estimated": not per_batch and bool(batches),
         "training_thread_s": thread_s,
         "training_thread_share": thread_s / steps_total_s if steps_total_s > 0 else None,
     }
+
+
+def _tensors_in_a_batch(workers: dict[str, Any] | None,
+                        batch_tensors: list[dict[str, Any]] | None) -> int | None:
+    """The tensors of a batch of the workers' loaders, counted in their first batch; None
+    unless every such loader's was described, whole, with the same count."""
+    from trainprof.capture.padding import MAX_DESCRIBED
+
+    indices = {ld.get("loader_index") for ld in (workers or {}).get("loaders") or []
+               if ld.get("mode") == "workers" and ld.get("batches")}
+    described = {e.get("loader_index"): e.get("tensors") for e in batch_tensors or []
+                 if isinstance(e, dict)}
+    counts = set()
+    for index in indices:
+        tensors = described.get(index)
+        if not isinstance(tensors, list) or len(tensors) >= MAX_DESCRIBED:
+            return None
+        counts.add(sum(1 for t in tensors if not t.get("array")))
+    return counts.pop() if len(counts) == 1 and min(counts) > 0 else None

@@ -45,3 +45,53 @@ def summarize_padding(rec: dict[str, Any] | None) -> list[dict[str, Any]] | None
             "mean_longest": dynamic / rows if rows else None,
         })
     return out or None
+
+
+def batch_tensors(rec: dict[str, Any] | None) -> list[dict[str, Any]] | None:
+    """``batch_tensors`` of the summary: per loader read, its first batch's tensors (where,
+    dtype, shape: :func:`trainprof.capture.padding.describe_tensors`), whatever they hold."""
+    out = [{"loader_index": ld.get("loader_index"), "tensors": ld["batch_tensors"]}
+           for ld in (rec or {}).get("loaders") or []
+           if isinstance(ld, dict) and isinstance(ld.get("batch_tensors"), list)]
+    return out or None
+
+
+#: torchvision's datasets hold images (and videos): their module's prefix.
+_IMAGE_DATASET_MODULES = ("torchvision.datasets.",)
+#: In the workers' sampled functions, files of image decoding and transforms.
+_IMAGE_CODE = ("PIL/", "PIL\\", "torchvision/transforms", "torchvision\\transforms",
+               "torchvision/io", "cv2")
+#: Channel counts of an image tensor (grey, RGB, RGBA).
+_CHANNELS = (1, 3, 4)
+#: The smallest side of an image (MNIST's is 28; 8 keeps tiny test images).
+_MIN_SIDE = 8
+
+
+def image_tensor(t: dict[str, Any]) -> bool:
+    """A described tensor that is a batch of images: uint8 ``N,H,W`` or ``N,C,H,W`` /
+    ``N,H,W,C`` (decoded pixels), or a floating ``N,C,H,W`` / ``N,H,W,C`` with 1, 3 or 4
+    channels and sides of at least :data:`_MIN_SIDE` (after ``ToTensor``)."""
+    shape = [int(n) for n in t.get("shape") or []]
+    dtype = str(t.get("dtype") or "")
+    if dtype == "uint8" and len(shape) in (3, 4):
+        return sorted(shape[1:])[-2] >= _MIN_SIDE  # the shorter side (H, W)
+    if dtype.startswith(("float", "bfloat")) and len(shape) == 4:
+        return ((shape[1] in _CHANNELS and min(shape[2:]) >= _MIN_SIDE)
+                or (shape[3] in _CHANNELS and min(shape[1:3]) >= _MIN_SIDE))
+    return False
+
+
+def holds_images(loader: dict[str, Any] | None, tensors: list[dict[str, Any]] | None,
+                 functions: list[str] | None = None) -> bool | None:
+    """Whether ``loader``'s samples are images: True when its dataset is torchvision's, its
+    workers were sampled in image code (PIL, torchvision's transforms) or its first batch
+    holds an image tensor (:func:`image_tensor`); False when that batch was described and
+    holds none; None when nothing is known."""
+    dataset = str((loader or {}).get("dataset") or "")
+    if dataset.startswith(_IMAGE_DATASET_MODULES):
+        return True
+    if any(code in f for f in functions or [] for code in _IMAGE_CODE):
+        return True
+    if tensors:
+        return any(image_tensor(t) for t in tensors)
+    return None

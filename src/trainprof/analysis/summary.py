@@ -24,7 +24,7 @@ from trainprof.analysis.iterations import steps_per_iteration
 from trainprof.analysis.loop_stacks import summarize_loop_stacks
 from trainprof.analysis.memory_growth import memory_growth, worker_starts
 from trainprof.analysis.ops import load_ops, summarize_op_time
-from trainprof.analysis.padding import summarize_padding
+from trainprof.analysis.padding import batch_tensors, summarize_padding
 from trainprof.analysis.python_profile import summarize_python_profile
 from trainprof.analysis.steps import complete_steps, step_statistics
 from trainprof.analysis.system import load_samples, outside_cores_during, summarize_system
@@ -223,12 +223,15 @@ def summarize_run(run: Run) -> dict[str, Any]:
         "workers": workers,
         # receiving the workers' batches in the training process (capture/handoff.py)
         "batch_handoff": summarize_handoff(meta.get("batch_handoff"), workers,
-                                           float(done["dur_ns"].sum()) / 1e9),
+                                           float(done["dur_ns"].sum()) / 1e9,
+                                           batch_tensors(meta.get("padding"))),
         # the first pass of activation-checkpointed regions: what the backward recomputes
         "activation_checkpointing": summarize_checkpointing(
             meta.get("activation_checkpointing"), float(done["dur_ns"].sum()) / 1e9, len(done)),
         # how much of the first batches' sequences is padding (capture/padding.py)
         "padding": summarize_padding(meta.get("padding")),
+        # what the first batch of each loader holds: dtypes and shapes (capture/padding.py)
+        "batch_tensors": batch_tensors(meta.get("padding")),
         "device": device_statistics(
             run.device, int(done["step"][warm]) if len(done) > warm else 0
         ),

@@ -32,6 +32,11 @@ about 250 µs each (64 reads, 15-18 ms: the model's intra-op threads, spinning b
 ops, hold the cores), so only the first 16 batches of a loader are read: a few
 milliseconds once, in the data wait of a run's first steps (most of them warm-up), and
 nothing per step after them.
+
+The same reads keep what the input pipeline's fix needs to know of a loader's samples:
+:func:`describe_tensors` lists the first batch's tensors (where, dtype, shape; a few
+microseconds, no data read), so that a fix for images (uint8 crops, a normalisation per
+batch) is given only where the batches hold images.
 """
 
 from __future__ import annotations
@@ -195,6 +200,41 @@ def find_padding(batch: Any) -> Padding | None:
     return None
 
 
+#: Tensors of a batch described (its first ones, depth-first).
+MAX_DESCRIBED = 8
+
+
+def describe_tensors(batch: Any) -> list[dict[str, Any]]:
+    """The first :data:`MAX_DESCRIBED` tensors and arrays of ``batch``: where each is, its
+    dtype (torch's name, ``"uint8"``) and shape (NumPy arrays marked ``array``). Never
+    raises; reads no data."""
+    import numpy as np
+    import torch
+
+    out: list[dict[str, Any]] = []
+
+    def walk(x: Any, path: str, depth: int) -> None:
+        if len(out) >= MAX_DESCRIBED or depth > _MAX_DEPTH:
+            return
+        if isinstance(x, torch.Tensor | np.ndarray):
+            dtype = str(x.dtype).removeprefix("torch.")
+            out.append({"path": path, "dtype": dtype, "shape": [int(n) for n in x.shape]})
+            if isinstance(x, np.ndarray):  # pickled whole from a worker, not shared memory
+                out[-1]["array"] = True
+        elif isinstance(x, Mapping):
+            for k in list(x.keys())[:16]:
+                walk(x[k], f"{path}[{k!r}]", depth + 1)
+        elif isinstance(x, list | tuple):
+            for i, v in enumerate(x[:16]):
+                walk(v, f"{path}[{i}]", depth + 1)
+
+    try:
+        walk(batch, "batch", 0)
+    except Exception:
+        return out
+    return out
+
+
 class LoaderPadding:
     """The padding read from one DataLoader's batches, summed."""
 
@@ -209,6 +249,7 @@ class LoaderPadding:
         self.paths: dict[str, int] = {}
         self.sides: dict[str, int] = {}
         self.pad_values: dict[int, int] = {}
+        self.tensors: list[dict[str, Any]] | None = None  # the first batch's (describe_tensors)
 
     def add(self, p: Padding | None) -> None:
         self.batches += 1
@@ -236,6 +277,7 @@ class LoaderPadding:
             "length_max": max(self.lengths) if self.lengths else None,
             "tensor": most(self.paths), "side": most(self.sides),
             "pad_value": most(self.pad_values),
+            "batch_tensors": self.tensors,
         }
 
 
@@ -289,6 +331,8 @@ class PaddingProbe:
                 entry = self.loaders[index] = LoaderPadding()
             if entry.batches >= BATCHES_PER_LOADER:
                 return
+            if entry.tensors is None:
+                entry.tensors = describe_tensors(batch)
             entry.add(find_padding(batch))
             self.ns += perf_counter_ns() - t0
 

@@ -307,6 +307,16 @@ class Context:
                     + float(w.get("batches") or 0) * stat(w.get("collate_ms")))
         return total_ms / 1e3 / max(1, int(w.get("num_workers") or 0))
 
+    def batch_tensors(self, loader: dict[str, Any] | None) -> list[dict[str, Any]] | None:
+        """The tensors of ``loader``'s first batch (path, dtype, shape), by its index; None
+        when not described (capture/padding.py's ``describe_tensors``)."""
+        entries = self.summary.get("batch_tensors")
+        index = (loader or {}).get("index")
+        if not isinstance(entries, list) or not isinstance(index, int):
+            return None
+        return next((e.get("tensors") for e in entries
+                     if isinstance(e, dict) and e.get("loader_index") == index), None)
+
     @cached_property
     def worker_loaders(self) -> list[dict[str, Any]]:
         """Per DataLoader, what its workers measured (:mod:`trainprof.analysis.workers`)."""

@@ -330,7 +330,8 @@ def _stream_per_rank_fix(name: str, intro: str, ranks_txt: str,
         f"gradients average the same samples, and a pass over the data takes {world} "
         "times the work. Split the stream by rank as well as by worker "
         "(torch.distributed.get_rank() and get_world_size(), with get_worker_info() in "
-        "each worker)."
+        "each worker): by its files first, so that each worker of each rank reads only "
+        "its own; by sample only for a single source."
     )
     return title, text, split_snippet(name, by_rank=True)
 

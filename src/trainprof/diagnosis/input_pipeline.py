@@ -57,6 +57,7 @@ from typing import Any
 
 import numpy as np
 
+from trainprof.analysis.padding import holds_images
 from trainprof.diagnosis.context import Context
 from trainprof.diagnosis.context import stat as _ms
 from trainprof.diagnosis.finding import Finding, Fix, band, sweep
@@ -101,32 +102,59 @@ PACK_SNIPPET = (
 )
 
 
-def cache_snippet(dataset: str, loader_call: str, *, on_cuda: bool) -> str:
-    """The cpu_transforms fix: the deterministic part cached, the float work batched. A
-    dataset that is a ``CachedDataset`` already keeps its cache: what is left per sample is
-    its transform, kept in uint8, and the float work is batched."""
-    device = "cuda" if on_cuda else "cpu"
+def cache_snippet(dataset: str, loader_call: str, *, on_cuda: bool,
+                  images: bool | None = None, iterable: bool = False) -> str:
+    """The cpu_transforms fix: the deterministic part done once, the rest per sample.
+
+    ``CachedDataset`` needs a map-style dataset (``len`` and ``[i]``: it raises
+    ``PackError`` otherwise), so an ``IterableDataset`` is packed instead, one pass of its
+    stream ahead of training (:func:`trainprof.fixes.pack_dataset`), and read back as a
+    map-style ``PackedDataset``. The image recipe (crop and flip in uint8, the float work,
+    colour jitter and Normalize, once per batch by ``DevicePrefetcher``) only where the
+    samples are images (``images``: :func:`trainprof.analysis.padding.holds_images`);
+    else, or when unknown, no image names. A dataset that is a ``CachedDataset`` already
+    keeps its cache: what is left per sample is its transform."""
+    mine = f"    {dataset}(...),  # your dataset, unchanged"
+    if iterable:
+        return (
+            "from trainprof.fixes import PackedDataset, pack_dataset\n\n"
+            "# once, ahead of training (one process, one pass over a finite stream): the\n"
+            "# deterministic work (parsing, tokenising, decoding) written to disk\n"
+            f"pack_dataset({dataset}(...), \"cache/train.pack\")\n"
+            "dataset = PackedDataset(\"cache/train.pack\")  # map-style: the same samples\n"
+            + loader_call.replace(mine, "    dataset,  # the packed samples above"))
+    if images:
+        device = "cuda" if on_cuda else "cpu"
+        if dataset == "CachedDataset":
+            head = ("from trainprof.fixes import DevicePrefetcher\n\n"
+                    "# cached already: what each sample still costs is its transform; keep "
+                    "it to\n# the random part, in uint8 (crop, flip), and batch the rest below\n"
+                    "dataset = CachedDataset(..., transform=crop_flip_uint8)\n")
+        else:
+            head = ("from trainprof.fixes import CachedDataset, DevicePrefetcher\n\n"
+                    "# the deterministic part (decode, resize) once, kept on disk; the random "
+                    "part\n# per sample, in uint8 (crop, flip)\n"
+                    f"dataset = CachedDataset({dataset}(...), \"cache/train\", "
+                    "transform=crop_flip_uint8)\n")
+        return (
+            head
+            + loader_call.replace(mine, "    dataset,  # the cached dataset above")
+            + "\n# float conversion, colour jitter and Normalize once per batch, where the "
+            "model runs\n"
+            f"for x, y in DevicePrefetcher(loader, \"{device}\", mean=MEAN, std=STD, "
+            "batch_transform=color_jitter):\n"
+            "    ..."
+        )
     if dataset == "CachedDataset":
-        head = ("from trainprof.fixes import DevicePrefetcher\n\n"
-                "# cached already: what each sample still costs is its transform; keep it to\n"
-                "# the random part, in uint8 (crop, flip), and batch the rest below\n"
-                "dataset = CachedDataset(..., transform=crop_flip_uint8)\n")
+        head = ("# cached already: what each sample still costs is its transform; keep it to "
+                "the\n# random part, and do what can be done on a whole batch once per batch\n"
+                "dataset = CachedDataset(..., transform=random_part_only)\n")
     else:
-        head = ("from trainprof.fixes import CachedDataset, DevicePrefetcher\n\n"
-                "# the deterministic part (decode, resize) once, kept on disk; the random part\n"
-                "# per sample, in uint8 (crop, flip)\n"
-                f"dataset = CachedDataset({dataset}(...), \"cache/train\", "
-                "transform=crop_flip_uint8)\n")
-    return (
-        head
-        + loader_call.replace(f"    {dataset}(...),  # your dataset, unchanged",
-                              "    dataset,  # the cached dataset above")
-        + "\n# float conversion, colour jitter and Normalize once per batch, where the model "
-        "runs\n"
-        f"for x, y in DevicePrefetcher(loader, \"{device}\", mean=MEAN, std=STD, "
-        "batch_transform=color_jitter):\n"
-        "    ..."
-    )
+        head = ("from trainprof.fixes import CachedDataset\n\n"
+                "# the deterministic per-sample work once, kept on disk (random augmentation, "
+                "if any,\n# goes in transform=, which runs on every read)\n"
+                f"dataset = CachedDataset({dataset}(...), \"cache/train\")\n")
+    return head + loader_call.replace(mine, "    dataset,  # the cached dataset above")
 
 
 #: Samples the workers must have measured before their stage split names the cause.
@@ -135,6 +163,37 @@ MIN_SAMPLES = 16
 BUSY = 0.5
 #: Share of the workers' CPU-bound time spent waiting for a core above which no core is free.
 CPU_WAIT = 0.2
+
+
+def _cache_advice(images: bool | None, iterable: bool) -> str:
+    """What makes each sample cheaper (see :func:`cache_snippet`), in words."""
+    if iterable:
+        return (
+            "Do the deterministic work (parsing, tokenising, decoding) once, ahead of "
+            "training, not every epoch: `trainprof.fixes.pack_dataset` runs a finite stream "
+            "once in one process and writes its samples to a pack, which "
+            "`trainprof.fixes.PackedDataset` reads back (map-style, a slice of a mapped file "
+            "per sample); `CachedDataset` does not apply, it needs a map-style dataset. Only "
+            "random augmentations stay per sample. A stream too large to pass once: "
+            "tokenise (or decode) its files ahead of time into files of the results "
+            "(token ids as .npy) and stream those."
+        )
+    if images:
+        return (
+            "Do the deterministic work (decoding, resizing) once, not every epoch: "
+            "`trainprof.fixes.CachedDataset` keeps each item on disk the first time it is "
+            "computed (or `trainprof pack --decode` stores decoded images ahead of time), "
+            "and only the random augmentations stay per sample. Keep those in uint8 (crop, "
+            "flip), collate uint8, and do the float work (colour jitter, Normalize) once per "
+            "batch where the model runs: `trainprof.fixes.DevicePrefetcher`."
+        )
+    return (
+        "Do the deterministic per-sample work (parsing, feature extraction, tokenising, "
+        "decoding) once, not every epoch: `trainprof.fixes.CachedDataset` keeps each item "
+        "on disk the first time it is computed, and only random augmentations, if any, stay "
+        "per sample (its transform=). Work that can be done on a whole batch at once "
+        "(vectorised, in the model's dtype) is cheaper once per batch than once per sample."
+    )
 
 
 def _short(qualname: Any, default: str) -> str:
@@ -794,6 +853,10 @@ def _data_wait(ctx: Context) -> Finding | None:
             )
         comment = f"was {nw}; {core_txt}"
     elif cause == "cpu_transforms":
+        iterable = bool((loader or {}).get("iterable_dataset"))
+        images = holds_images(loader, ctx.batch_tensors(loader),
+                              _top_functions(w, 20) if w else None)
+        evidence["samples_are_images"] = images
         if nw == 0:
             title = (
                 f"Training waits for data {pct} of step time: batches are made on the CPU in "
@@ -838,22 +901,16 @@ def _data_wait(ctx: Context) -> Finding | None:
                 f"The {nw} workers are at {(per_worker or 0) * 100:.0f}% CPU each and no core "
                 "is free, so more workers cannot help: make each sample cheaper."
             )
-        text = (
-            f"{why}{fn_txt} Do the deterministic work (decoding, resizing, tokenising) once, "
-            "not every epoch: `trainprof.fixes.CachedDataset` keeps each item on disk the "
-            "first time it is computed (or `trainprof pack --decode` stores decoded images "
-            "ahead of time), and only the random augmentations stay per sample. Keep "
-            "those in uint8 (crop, flip), collate uint8, and do the float work (colour "
-            "jitter, Normalize) once per batch where the model runs: "
-            "`trainprof.fixes.DevicePrefetcher`."
-        )
+        text = f"{why}{fn_txt} " + _cache_advice(images, iterable)
         if decisive and not functions:
             text += f" `trainprof run --py {ctx.script}` shows which functions take the time."
         comment = f"unchanged: the {core_txt} are busy"
         run_dir = ctx.summary.get("run_dir") or "RUN"
+        filled = ("once the pack is written" if iterable
+                  else "(twice: the first run fills the cache)")
         verify = (
-            f"`trainprof run {ctx.script}` after the change (twice: the first run fills the "
-            f"cache), then trainprof compare {run_dir} <the new run>: the data wait share "
+            f"`trainprof run {ctx.script}` after the change {filled}, then trainprof "
+            f"compare {run_dir} <the new run>: the data wait share "
             f"(now {pct}) should fall"
         )
         threads = ctx.environment.get("torch_num_threads")
@@ -954,8 +1011,11 @@ def _data_wait(ctx: Context) -> Finding | None:
     if cause == "slow_reads" or (cause == "too_few_workers" and nw == 0 and blocked):
         snippet += "\n\n" + PACK_SNIPPET
     if cause == "cpu_transforms":
+        if iterable:  # the loader of the packed samples: map-style, nothing to split
+            snippet = loader_snippet({**(loader or {}), "iterable_dataset": False},
+                                     num_workers=suggested, pin_memory=pin, comment=comment)
         snippet = cache_snippet(_short((loader or {}).get("dataset"), "Dataset"), snippet,
-                                on_cuda=ctx.on_cuda)
+                                on_cuda=ctx.on_cuda, images=images, iterable=iterable)
     return Finding(
         category="input_pipeline",
         cause=cause,

@@ -66,6 +66,20 @@ def _packs_sequences(ctx: Context) -> bool:
     return isinstance(ops, dict) and float(ops.get("packed_sequences_per_step") or 0) > 0
 
 
+def _attends(ctx: Context) -> bool:
+    """The op count's window saw attention ops: the fused kernels' time, or attention
+    computed op by op (``op_time``'s ``fused_attention`` / ``attention``,
+    ``ops.eager_attention``). Not seen, or not counted: the text names no attention (an
+    LSTM's padding was said to cost attention)."""
+    op_time = ctx.summary.get("op_time")
+    kinds = (op_time or {}).get("s_per_step") if isinstance(op_time, dict) else None
+    if isinstance(kinds, dict) and any(float(kinds.get(k) or 0) > 0
+                                       for k in ("fused_attention", "attention")):
+        return True
+    ops = ctx.summary.get("ops")
+    return isinstance(ops, dict) and bool(ops.get("eager_attention"))
+
+
 @rule("padding.padded_sequences")
 def padded_sequences(ctx: Context) -> Finding | None:
     entry = _entry(ctx)
@@ -78,6 +92,7 @@ def padded_sequences(ctx: Context) -> Finding | None:
     shares = ctx.breakdown
     model = float(shares.get("forward") or 0.0) + float(shares.get("backward") or 0.0)
     gain = model * pad
+    attends = _attends(ctx)
     severity = band(gain, HIGH, MEDIUM, LOW)
     if severity is None:
         return None
@@ -106,8 +121,9 @@ def padded_sequences(ctx: Context) -> Finding | None:
         f"The batches' sequences ({tensor}, read in {entry.get('batches')} batches) are "
         f"{length_text}, but a row holds {mean_real:.0f} real tokens on average and the "
         f"longest row of a batch {mean_longest:.0f}: {pad * 100:.0f}% of the positions are "
-        "padding, and the model computes on every one of them (embedding, attention, "
-        "projections, the loss, and all of their backward passes) for nothing: the "
+        "padding, and the model computes on every one of them (embedding, "
+        f"{'attention, ' if attends else ''}projections, the loss, and all of their "
+        "backward passes) for nothing: the "
         f"forward and backward passes are {model * 100:.0f}% of the step."
     )
     lines: list[str] = []
@@ -168,8 +184,9 @@ def padded_sequences(ctx: Context) -> Finding | None:
             f"loader = DataLoader(dataset, batch_sampler=sampler{collate_arg})  # no "
             "batch_size, shuffle or sampler",
         ]
-    text += (" The estimate is linear in the positions: the attention, quadratic, saves "
-             "more; a step too short for its math to matter saves less.")
+    text += (" The estimate is linear in the positions: "
+             + ("the attention, quadratic, saves more; " if attends else "")
+             + "a step too short for its math to matter saves less.")
     verify = (f"trainprof tune --knob trim_padding=false,true {ctx.script}  (trims every batch "
               f"as TrimPadding would: the step should fall by up to {model * trim * 100:.0f}%)"
               if trims else

@@ -96,14 +96,9 @@ def far_from_peak(ctx: Context) -> Finding | None:
         "warm-up: Goyal et al. 2017) and check the memory. Gradient accumulation does not "
         "help here: it repeats the same small operations."
     )
-    optimizers = [o for o in ctx.summary.get("optimizers") or [] if isinstance(o, dict)]
-    name = str(optimizers[0].get("class") or "") if optimizers else ""
-    optimizer = (f"torch.optim.{name.rsplit('.', 1)[-1]}" if name.startswith("torch.optim.")
-                 else name or "torch.optim.SGD")
     snippet = "\n".join([
         f"loader = DataLoader(dataset, batch_size={batch * 2}, ...)  # was {batch}",
-        f"opt = {optimizer}(model.parameters(), lr=lr * {batch * 2} / {batch})  "
-        "# the linear scaling rule",
+        *_optimizer_lines(ctx, batch),
     ])
     return Finding(
         category="compute", cause="small_batch",
@@ -118,3 +113,26 @@ def far_from_peak(ctx: Context) -> Finding | None:
         verify=(f"trainprof tune --knob batch_size={sweep} {ctx.script}  (compared per "
                 "sample; the learning rate stays the script's)"),
     )
+
+
+def _optimizer_lines(ctx: Context, batch: int) -> list[str]:
+    """Each optimizer the script steps, its learning rate scaled (the linear scaling rule).
+
+    One optimizer: over ``model.parameters()``, as most scripts build it. Several (sparse
+    embeddings under ``SparseAdam``, the rest under ``Adam``): each keeps the parameters
+    it has now; ``SparseAdam(model.parameters())`` fails on the dense gradients."""
+    names = []
+    for o in ctx.summary.get("optimizers") or []:
+        if isinstance(o, dict):
+            name = str(o.get("class") or "")
+            names.append(f"torch.optim.{name.rsplit('.', 1)[-1]}"
+                         if name.startswith("torch.optim.") else name or "torch.optim.SGD")
+    scaled = f"{batch * 2} / {batch}"
+    if len(names) <= 1:
+        optimizer = names[0] if names else "torch.optim.SGD"
+        return [f"opt = {optimizer}(model.parameters(), lr=lr * {scaled})  "
+                "# the linear scaling rule"]
+    lines = ["# the linear scaling rule, for each optimizer, over the parameters it has now"]
+    lines += [f"opt{i} = {name}(params{i}, lr=lr{i} * {scaled})"
+              for i, name in enumerate(dict.fromkeys(names), start=1)]
+    return lines

@@ -333,20 +333,35 @@ def _encode(field: FieldSpec, value: Any, row: int) -> bytes:
 def pack_dataset(dataset: Any, out: Path | str, *, shard_bytes: int = DEFAULT_SHARD_BYTES,
                  overwrite: bool = False,
                  progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """Pack every item of a map-style dataset (``len`` and ``[i]``), in index order.
+    """Pack every item of a map-style dataset (``len`` and ``[i]``), in index order, or of
+    a finite stream (an ``IterableDataset``: no ``len``), in the order one pass of its
+    ``__iter__`` yields them in this process (no DataLoader worker: the whole stream).
 
     For the work a dataset does per item that gives the same result every epoch
     (reading, decoding, tokenising): do it once here, then train from
     ``PackedDataset(out)``, which returns the same items. Random augmentations belong
-    after, in the ``transform`` of the packed dataset.
+    after, in the ``transform`` of the packed dataset. A stream's progress has no total
+    (``progress`` gets -1 for it).
     """
+    source = {"source": {"kind": "dataset", "class": type(dataset).__qualname__}}
     try:
         total = len(dataset)
     except TypeError:
-        raise PackError("pack_dataset needs a map-style dataset (len() and [i])") from None
+        stream = _is_iterable_dataset(dataset) or (
+            hasattr(dataset, "__iter__") and not hasattr(dataset, "__getitem__"))
+        if not stream:
+            raise PackError("pack_dataset needs a map-style dataset (len() and [i]) or an "
+                            "IterableDataset") from None
+        return write_rows(iter(dataset), out, total=-1, shard_bytes=shard_bytes,
+                          overwrite=overwrite, progress=progress, extra=source)
     return write_rows((dataset[i] for i in range(total)), out, total=total,
                       shard_bytes=shard_bytes, overwrite=overwrite, progress=progress,
-                      extra={"source": {"kind": "dataset", "class": type(dataset).__qualname__}})
+                      extra=source)
+
+
+def _is_iterable_dataset(dataset: Any) -> bool:
+    torch = _torch_if_loaded()
+    return torch is not None and isinstance(dataset, torch.utils.data.IterableDataset)
 
 
 def write_rows(rows: Iterable[Any], out: Path | str, *, total: int,

@@ -14,7 +14,7 @@ from typing import IO, Any
 from rich.table import Table
 from rich.text import Text
 
-from trainprof.report.console import make_console
+from trainprof.report.console import keep_numbers_whole, make_console
 from trainprof.report.terminal import fmt_bytes, fmt_flops, fmt_pct, fmt_time
 
 #: Environment-diff rows shown; the rest is in --json.
@@ -177,7 +177,7 @@ def _steps_table(result: dict[str, Any]) -> Table:
     if sys_a.get("rss_peak_bytes") or sys_b.get("rss_peak_bytes"):
         table.add_row("RSS peak", fmt_bytes(sys_a.get("rss_peak_bytes")),
                       fmt_bytes(sys_b.get("rss_peak_bytes")), "")
-    return table
+    return keep_numbers_whole(table)
 
 
 def _attention(seconds: float | None) -> str:
@@ -212,7 +212,7 @@ def _phases_table(result: dict[str, Any]) -> Table:
             "—" if share is None else f"{share * 100:.0f}%",
             style=style,
         )
-    return table
+    return keep_numbers_whole(table)
 
 
 def _env_table(result: dict[str, Any]) -> Table | None:
@@ -234,7 +234,7 @@ def _env_table(result: dict[str, Any]) -> Table | None:
         acts = item.get("acts_on")
         table.add_row(str(item.get("rank")), str(item["key"]), _short(a, 48), _short(b, 48),
                       _PHASE_LABEL.get(acts, "—") if acts else "—")
-    return table
+    return keep_numbers_whole(table)
 
 
 def render_compare(result: dict[str, Any], file: IO[str] | None = None) -> None:

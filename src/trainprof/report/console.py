@@ -11,9 +11,12 @@ from __future__ import annotations
 import os
 from typing import IO
 
+from rich.cells import cell_len
 from rich.console import Console
+from rich.table import Table
+from rich.text import Text
 
-__all__ = ["make_console"]
+__all__ = ["keep_numbers_whole", "make_console"]
 
 #: Columns off a terminal (unless COLUMNS says otherwise).
 WIDTH_OFF_TERMINAL = 120
@@ -57,3 +60,45 @@ def make_console(out: IO[str]) -> Console:
     width = None if "COLUMNS" in os.environ else WIDTH_OFF_TERMINAL
     trimmed: IO[str] = _TrimmedLines(out)  # type: ignore[assignment]  # write/flush suffice
     return Console(file=trimmed, highlight=False, soft_wrap=True, width=width)
+
+
+def keep_numbers_whole(table: Table, cut: str | None = None,
+                       keep: tuple[str, ...] = ()) -> Table:
+    """``table`` with its numbers never cut, whatever the width: call it once its rows are in.
+
+    Rich fits a table wider than the console by shrinking its wrappable columns first, and
+    then, as a last resort, every column evenly, ``no_wrap`` ones too: numbers came out as
+    ``5283…`` and ``Lin…`` at 80 columns while a source line kept its width. So the
+    right-justified columns (numbers, in every table here) get ``no_wrap`` and a
+    ``min_width`` of their widest cell; the text column named ``cut`` (a source line, an
+    operator's name) becomes shrinkable, its cells still one line each, cut at the end, so
+    that it gives up the room before any number does. The columns named in ``keep`` (a
+    tune arm's name, its verdict) are kept whole like the numbers: a table too wide for the
+    console then runs past its width (the console soft-wraps) rather than drop them.
+    """
+    for column in table.columns:
+        cells = list(column.cells)
+        if column.justify == "right" or column.header in keep:
+            column.no_wrap = True
+            column.min_width = max([cell_len(_plain(column.header))]
+                                   + [cell_len(_plain(c)) for c in cells])
+        elif cut is not None and column.header == cut:
+            column.no_wrap = False
+            column._cells = [_one_line(c) for c in cells]
+    return table
+
+
+def _plain(cell: object) -> str:
+    return cell.plain if isinstance(cell, Text) else str(cell)
+
+
+def _one_line(cell: object) -> object:
+    """A cell kept to one line, cut at its end, in a column that may shrink."""
+    if isinstance(cell, Text):
+        cell = cell.copy()
+    elif isinstance(cell, str):
+        cell = Text.from_markup(cell)
+    else:
+        return cell
+    cell.no_wrap, cell.overflow = True, "ellipsis"
+    return cell

@@ -16,6 +16,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from trainprof.report.console import keep_numbers_whole
+
 
 def fmt_time(seconds: float | None) -> str:
     """As ``report.terminal.fmt_time``, plus nanoseconds for per-hit line times.
@@ -75,7 +77,7 @@ def _top_table(rows: list[dict[str, Any]], key: str, n: int) -> Table:
             fmt_time(per_call),
             Text(_short_location(r), style=style or ""),
         )
-    return table
+    return keep_numbers_whole(table)
 
 
 def _line_style(percent: float) -> str:
@@ -126,7 +128,7 @@ def _function_table(func: dict[str, Any]) -> Table:
             f"{pct:.1f}" if hits else "",
             Text(str(r.get("source", "")).rstrip(), style=_line_style(pct)),
         )
-    return table
+    return keep_numbers_whole(table, cut="Line Contents")
 
 
 def render_python_profile(

@@ -277,15 +277,20 @@ def _ms_txt(stats: dict[str, Any] | None) -> str:
         fmt_time(med / 1e3))
 
 
-def _padding_line(entry: dict[str, Any]) -> str:
-    """One loader's padded sequences (trainprof.analysis.padding) in one line."""
+def _padding_line(entry: dict[str, Any], packed: bool = False) -> str:
+    """One loader's padded sequences (trainprof.analysis.padding) in one line; ``packed``:
+    the op count saw the model pack its sequences (``pack_padded_sequence``), so its RNN
+    runs on the real positions only and the padding costs no compute (no finding follows,
+    diagnosis/padding.py)."""
     lo, hi = entry.get("length_min"), entry.get("length_max")
     length = f"{hi}" if lo == hi else f"{lo}-{hi}"
     return (f"{entry.get('tensor')}: {float(entry.get('pad_share') or 0) * 100:.0f}% of "
             f"{length} positions a row are padding · "
             f"{float(entry.get('mean_real') or 0):.0f} real tokens a row, the longest of a "
             f"batch {float(entry.get('mean_longest') or 0):.0f} · {entry.get('batches')} "
-            "batches read")
+            "batches read"
+            + (" · the model packs its sequences (pack_padded_sequence): the padding costs "
+               "no compute" if packed else ""))
 
 
 def _worker_rows(workers: dict[str, Any] | None,
@@ -314,11 +319,15 @@ def _worker_rows(workers: dict[str, Any] | None,
             f"collate {_ms_txt(w.get('collate_ms'))}/batch",
         ]
         split = w.get("fetch_split") or {}
+        # whose time each share is of: the loading's (fetch_split), the workers' wall time
+        # from their first batch to their last (busy_share_active, analysis/workers.py)
         if split.get("waiting_for_cpu"):
-            parts.append(f"waiting for a core {split['waiting_for_cpu'] * 100:.0f}% of the time")
+            parts.append(f"waiting for a core {split['waiting_for_cpu'] * 100:.0f}% of the "
+                         "loading time")
         busy = (w.get("busy_share_active") or {}).get("median")
         if busy is not None:
-            parts.append(f"busy {busy * 100:.0f}%")
+            parts.append(f"each worker loading {busy * 100:.0f}% of its time (median; the "
+                         "rest waiting for the loop to ask for more)")
         startup = w.get("startup") or {}
         if startup.get("median_s") is not None:
             parts.append(f"start-up {fmt_time(startup['median_s'])}")
@@ -332,7 +341,8 @@ def _worker_rows(workers: dict[str, Any] | None,
     if handoff and handoff.get("tensors"):
         per_batch = handoff.get("tensors_per_batch")
         parts = [f"{handoff['tensors']:,} tensors"
-                 + (f" ({per_batch:.1f} a batch)" if per_batch else ""),
+                 + ((f" (~{per_batch:.1f} a batch)" if handoff.get("tensors_per_batch_estimated")
+                     else f" ({per_batch:.0f} a batch)") if per_batch else ""),
                  f"{fmt_time(float(handoff.get('mean_ms') or 0) / 1e3)} each (median "
                  f"{fmt_time(float(handoff.get('median_ms') or 0) / 1e3)})"]
         share = handoff.get("training_thread_share")
@@ -571,7 +581,9 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
     for entry in summary.get("padding") or []:
         if float(entry.get("pad_share") or 0) < 0.01:  # sequences without padding
             continue
-        table.add_row(f"Padding #{entry.get('loader_index')}", _padding_line(entry))
+        table.add_row(f"Padding #{entry.get('loader_index')}", _padding_line(
+            entry, packed=float((summary.get("ops") or {}).get("packed_sequences_per_step")
+                                or 0) > 0))
     for line in _optimizer_rows(summary.get("optimizers") or []):
         table.add_row("Optimizer", line)
     if summary.get("optimizers_not_described"):

@@ -10,7 +10,7 @@ from typing import IO, Any
 from rich.table import Table
 from rich.text import Text
 
-from trainprof.report.console import make_console
+from trainprof.report.console import keep_numbers_whole, make_console
 from trainprof.report.terminal import _print_finding, fmt_bytes, fmt_flops
 
 #: Breakdown categories, their labels (the TensorBoard plugin's) and colours.
@@ -105,7 +105,7 @@ def _breakdown_table(doc: dict[str, Any]) -> Table:
             Text("█" * round(share / 100 * 30), style=style),
         )
     table.add_row(Text("Total (step)", style="bold"), _us(bd.get("Total")), "100%", "")
-    return table
+    return keep_numbers_whole(table)
 
 
 def _gpu_line(g: dict[str, Any]) -> str:
@@ -197,7 +197,7 @@ def _ops_table(doc: dict[str, Any], n: int = 12) -> Table | None:
         if device:
             row += [_us(op["device_self_us"]), _us(op["device_total_us"])]
         table.add_row(*row)
-    return table
+    return keep_numbers_whole(table, cut="operator")
 
 
 def _memory_line(name: str, d: dict[str, Any]) -> str:
@@ -240,7 +240,7 @@ def _memory_table(doc: dict[str, Any], n: int = 10) -> Table | None:
                     fmt_bytes(op.get(f"{side}_alloc_total_bytes")),
                     f"{op.get(f'{side}_allocs', 0):,}"]
         table.add_row(*row)
-    return table
+    return keep_numbers_whole(table, cut="operator")
 
 
 def _kernels_table(doc: dict[str, Any], n: int = 10) -> Table | None:
@@ -262,7 +262,7 @@ def _kernels_table(doc: dict[str, Any], n: int = 10) -> Table | None:
             _pct(k["occupancy_pct"], 0) if k.get("occupancy_pct") is not None else "—",
             "yes" if k.get("tensor_cores") else "",
         )
-    return table
+    return keep_numbers_whole(table, cut="kernel", keep=("TC",))
 
 
 def _one_job(doc: dict[str, Any]) -> bool:
@@ -282,9 +282,9 @@ def _ranks_table(doc: dict[str, Any]) -> Table | None:
         return None
     table = Table(box=None, padding=(0, 1), header_style="bold")
     one_job = _one_job(doc)
-    for col in ("rank" if one_job else "trace", "step time", "Kernel", "Comm.", "DataLoader",
-                "CPU Exec", "GPU idle"):
-        table.add_column(col, justify="right" if one_job else "left")
+    table.add_column("rank" if one_job else "trace", justify="right" if one_job else "left")
+    for col in ("step time", "Kernel", "Comm.", "DataLoader", "CPU Exec", "GPU idle"):
+        table.add_column(col, justify="right")
     for r, d in ranks.items():
         pct = d.get("breakdown_pct") or {}
         t = (d.get("temporal") or {}).get(str(d.get("rank"))) or {}
@@ -294,7 +294,7 @@ def _ranks_table(doc: dict[str, Any]) -> Table | None:
             _pct(pct.get("Communication")), _pct(pct.get("DataLoader")), _pct(pct.get("CpuOp")),
             _pct(t.get("idle_pct")),
         )
-    return table
+    return keep_numbers_whole(table)
 
 
 def flops_line(flops: dict[str, Any] | None) -> str | None:
@@ -347,7 +347,7 @@ def _flops_table(doc: dict[str, Any], n: int = 8) -> Table | None:
         table.add_row(name, shape, str(c["dtype"]),
                       str(c["calls"]), f"{c['gflops']:.3g}", _us(c["kernel_us_mean"]),
                       f"{c['tflops_per_s_mean']:.3g}")
-    return table
+    return keep_numbers_whole(table)
 
 
 def render_trace(result: dict[str, Any], file: IO[str] | None = None) -> None:

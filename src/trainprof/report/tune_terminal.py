@@ -15,7 +15,7 @@ from typing import IO, Any
 from rich.table import Table
 from rich.text import Text
 
-from trainprof.report.console import make_console
+from trainprof.report.console import keep_numbers_whole, make_console
 from trainprof.report.terminal import fmt_time, utilization_text
 
 _VERDICT = {
@@ -109,7 +109,7 @@ def _arms_table(doc: dict[str, Any]) -> Table:
             util = row.get("flops_utilization")
             cells.append("—" if util is None else utilization_text(util))
         table.add_row(*cells)
-    return table
+    return keep_numbers_whole(table, cut="recorded", keep=("arm", "verdict"))
 
 
 def render_tune(doc: dict[str, Any], file: IO[str] | None = None) -> None:
