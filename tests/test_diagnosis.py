@@ -206,6 +206,27 @@ def test_num_workers_0_is_too_few_workers_with_a_fitted_snippet():
                            "train.py")
 
 
+def test_workers_can_save_no_more_than_the_loading_spread_over_them():
+    """Amdahl over the loading: 20 ms batches beside a 1 ms model, one worker (2 cores,
+    CPU-bound loading): the step falls from 21 ms to 20 at best, not by the 95% waited."""
+    from trainprof.diagnosis.input_pipeline import workers_bound
+
+    assert workers_bound(0.95, 1) == pytest.approx(0.05)
+    assert workers_bound(0.855, 4) == pytest.approx(1 - 0.855 / 4)  # slow_input: 79%
+    assert workers_bound(0.33, 4) == pytest.approx(0.33)  # the rest of the step is longer
+    steps = make_steps(60, data=190 * MS)  # 190 ms of loading in a 200 ms step, all CPU
+    summary = make_summary(steps, dataloaders=[loader()],
+                           system={"n_samples": 20, "proc_cpu_pct": 100.0,
+                                   "workers_cpu_pct": 0.0, "sys_cpu_pct": 50.0})
+    f = only(diagnose(summary, steps), "input_pipeline")
+    wait = f["evidence"]["data_wait_share"]
+    suggested = f["evidence"]["suggested_workers"]
+    assert f["cause"] == "too_few_workers" and suggested == 1  # CPU-bound, 2 cores
+    assert f["estimated_gain"] == pytest.approx(workers_bound(wait, suggested))
+    assert f["estimated_gain"] < wait
+    assert "the step falls at most to the longer of the two" in f["fix"]["text"]
+
+
 def test_an_iterable_datasets_snippet_has_no_sampler_and_says_to_split_the_stream():
     """torch gives an IterableDataset's loader an ``_InfiniteConstantSampler`` itself (a
     sampler passed with one is an error), and each worker runs the dataset's own
