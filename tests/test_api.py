@@ -13,6 +13,7 @@ from torch import nn
 import trainprof
 from trainprof.analysis.steps import complete_steps, step_statistics
 from trainprof.analysis.summary import summarize_run
+from trainprof.schema import FLAG_MANUAL
 from trainprof.store import load_run
 
 
@@ -343,3 +344,64 @@ def test_profiling_a_compiled_model_compiles_it_once(tmp_path, how):
     assert ops["compiled"] is True and "sites" not in ops
     assert ops["flops_by_kind_per_step"] == {"cpu float32": 3 * 67584 - 2 * 16 * 32 * 64}
     assert not any(n.startswith("no FLOPs counted") for n in notes)
+
+
+def _train_step(model, opt) -> None:
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_n_iterations_with_prof_step_are_n_steps_and_max_steps_counts_them(tmp_path):
+    """The first iteration's optimizer step closes a step before the first prof.step()
+    (the clock cannot know yet that the script marks its own): with the sliver up to
+    prof.step() it is the user's one first step, for the summary and for max_steps (which
+    had stopped a max_steps=15 loop after 14 iterations, "Steps 14")."""
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    done = 0
+    with trainprof.profile(tmp_path / "r", max_steps=15, report=False) as prof:
+        for _ in range(40):
+            _train_step(model, opt)
+            done += 1
+            prof.step()
+    assert done == 15
+    assert prof.summary["steps"]["count"] == 15
+    assert prof.summary["notes"] == []
+    raw = load_run(tmp_path / "r").steps
+    # the optimizer step that closed the first record, then the 15 prof.step() calls
+    assert raw["flags"][0] & FLAG_MANUAL == 0 and len(raw) == 16
+
+
+@pytest.mark.parametrize("where", ["first", "twice"])
+def test_prof_step_twice_in_a_row_records_no_empty_step(tmp_path, where):
+    """prof.step() with no code since the last one (at the top of the loop as well as at
+    its end, or twice by mistake) closes no step: 40 iterations are 40 steps, not 80 of
+    which 40 last a few microseconds."""
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with trainprof.profile(tmp_path / "r", report=False) as prof:
+        if where == "first":
+            prof.step()
+            prof.step()
+        for _ in range(40):
+            _train_step(model, opt)
+            prof.step()
+            if where == "twice":
+                prof.step()
+    assert prof.summary["steps"]["count"] == 40
+    assert prof.summary["steps"]["median_s"] > 20e-6
+
+
+def test_a_step_of_untimed_work_is_still_a_step():
+    """Only the gap between two calls is dropped: a longer step with nothing timed in it
+    (a sleep, code outside any module) is closed as before."""
+    from trainprof.capture.clock import EMPTY_STEP_NS, StepClock
+
+    clock = StepClock()
+    clock.manual_step()
+    clock.manual_step()  # at once: empty
+    assert clock.n_steps == 0
+    time.sleep(EMPTY_STEP_NS / 1e9 * 2)
+    clock.manual_step()
+    assert clock.n_steps == 1
