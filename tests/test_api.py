@@ -405,3 +405,19 @@ def test_a_step_of_untimed_work_is_still_a_step():
     time.sleep(EMPTY_STEP_NS / 1e9 * 2)
     clock.manual_step()
     assert clock.n_steps == 1
+
+
+def test_a_profile_records_once_and_report_false_prints_nothing(tmp_path, capsys):
+    """A second ``with`` on the same profile wrote its record over the first one's, in the
+    same folder: it is refused, and the first record stays whole."""
+    from trainprof.errors import UsageError
+
+    prof = trainprof.profile(tmp_path / "r", report=False)
+    with prof:
+        _loop(prof, 10)
+    assert capsys.readouterr().err == ""  # report=False: not even the HTML report's path
+    assert (tmp_path / "r" / "report.html").exists()
+    with pytest.raises(UsageError, match=r"recorded already .* make a new one"), prof:
+        _loop(prof, 10)
+    assert load_run(tmp_path / "r").status == "finished"
+    assert step_statistics(load_run(tmp_path / "r").steps)["steps"]["count"] == 10
