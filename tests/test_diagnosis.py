@@ -860,6 +860,9 @@ def test_terminal_breaks_long_values_between_parts_never_inside_one(monkeypatch)
     assert max(len(line) for line in lines) <= 70
     cpu = [ln for ln in lines if "process 70%" in ln]
     assert cpu and cpu[0].rstrip().endswith("·")  # the CPU row broke between its parts
+    # "system" is the mean over all cores, the process and its workers count in cores
+    assert ("system 50% of all cores · iowait 1% (2 usable cores; process, workers: 100% = "
+            "one core)") in " ".join(buf.getvalue().split())
     assert not [ln for ln in lines if ln.strip() in ("·", "ms", "µs", "%")]
 
 

@@ -541,13 +541,15 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
             f"process {fmt_pct(system.get('proc_cpu_pct'))} · "
             f"workers {fmt_pct(system.get('workers_cpu_pct'))} "
             f"({system.get('n_workers_seen', 0)} seen) · "
-            f"system {fmt_pct(system.get('sys_cpu_pct'))}"
+            f"system {fmt_pct(system.get('sys_cpu_pct'))} of all cores"
         )
         if system.get("iowait_pct") is not None:
             cpu += f" · iowait {fmt_pct(system['iowait_pct'])}"
         cores = (summary.get("environment") or {}).get("usable_cores")
         if cores:
-            cpu += f"  ({cores} usable cores; 100% = one core)"
+            # the process and its workers in cores (psutil's per-process %), the system
+            # as the mean over its cores: the two scales are said apart
+            cpu += f"  ({cores} usable cores; process, workers: 100% = one core)"
         table.add_row("CPU", cpu)
         table.add_row("Memory", f"RSS peak {fmt_bytes(system.get('rss_peak_bytes'))}")
         for g in system.get("gpu") or []:
