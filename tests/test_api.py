@@ -421,3 +421,51 @@ def test_a_profile_records_once_and_report_false_prints_nothing(tmp_path, capsys
         _loop(prof, 10)
     assert load_run(tmp_path / "r").status == "finished"
     assert step_statistics(load_run(tmp_path / "r").steps)["steps"]["count"] == 10
+
+
+def test_regions_share_is_shown_and_their_wall_time_explained(tmp_path):
+    """A region's time in the Region row is its wall time, with its share of the steady
+    steps; the breakdown's "other" names the regions' part of it (it held them unsaid).
+    A region around training steps runs longer than the breakdown's region time (their
+    backward and optimizer count as those phases): a note says so."""
+    import io
+
+    from trainprof.report.html import _breakdown_bar
+    from trainprof.report.terminal import render_summary
+
+    with trainprof.profile(tmp_path / "r", report=False) as prof:
+        _loop(prof, 40, eval_every=10)
+    s = prof.summary
+    region = s["breakdown_detail"]["region"]
+    assert region > 0.2  # 20 ms sleeps against steps well under 1 ms
+    assert s["regions"]["eval"]["steady_share"] == pytest.approx(region, rel=0.2)
+    assert s["notes"] == []  # a region of its own work: wall time and region time agree
+    buf = io.StringIO()
+    render_summary(s, file=buf)
+    text = " ".join(buf.getvalue().split())
+    assert f"(region eval {region * 100:.1f}%)" in text
+    assert (f"Region eval 4× · {s['regions']['eval']['total_s'] * 1e3:.1f} ms wall time · "
+            f"{s['regions']['eval']['steady_share'] * 100:.1f}% of the steady steps' time") in text
+    assert f"other {s['breakdown']['other'] * 100:.1f}% (region eval" in _breakdown_bar(
+        s["breakdown"], f"region eval {region * 100:.1f}%")
+
+    class SlowSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            time.sleep(0.003)  # the optimizer phase, inside the region or not
+            return super().step(closure)
+
+    model = nn.Linear(4, 1)
+    opt = SlowSGD(model.parameters(), lr=0.1)
+    with trainprof.profile(tmp_path / "across", report=False) as prof:
+        for it in range(30):
+            if it == 10:
+                span = prof.region("span")
+                span.__enter__()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+            prof.step()
+            if it == 20:
+                span.__exit__(None, None, None)
+    (note,) = prof.summary["notes"]
+    assert note.startswith("the named regions ran ") and "(wall time, the Region rows)" in note
+    assert "backward passes, optimizer steps" in note

@@ -35,6 +35,18 @@ def fmt_time(seconds: float | None) -> str:
     return f"{seconds * 1e6:.0f} µs"
 
 
+def regions_in_other(summary: dict[str, Any]) -> str:
+    """The named regions' part of the breakdown's "other" (``"region eval 16.2%"``), or "".
+
+    The JSON ``breakdown`` keeps its six phases (regions inside "other"; the split is in
+    ``breakdown_detail``): a report shows the part, or an evaluation reads as "other"."""
+    share = float((summary.get("breakdown_detail") or {}).get("region") or 0.0)
+    if share < 0.0005:
+        return ""
+    names = list(summary.get("regions") or {})
+    return f"{f'region {names[0]}' if len(names) == 1 else 'regions'} {share * 100:.1f}%"
+
+
 def fmt_bytes(n: float | None) -> str:
     """Bytes in powers of 1024, labelled as such (IEC 80000-13: KiB, MiB, GiB), as
     ``nvidia-smi`` and ``torch.cuda.memory_summary`` print memory: "16.0 MB" for 2**24
@@ -509,6 +521,8 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
             if parts:
                 parts.append(" · ")
             parts.append(f"{label} {breakdown[key] * 100:.1f}%", style=style)
+        if regions_in_other(summary):
+            parts.append(f" ({regions_in_other(summary)})", style=_PHASE_STYLE["other"][1])
         table.add_row("", parts)
     device = summary.get("device")
     if device:
@@ -534,7 +548,11 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
             f"({gc_info['gen2_per_step']:.3f} full)" + _explicit_gc_txt(gc_info.get("explicit")),
         )
     for name, reg in (summary.get("regions") or {}).items():
-        table.add_row(f"Region {name}", f"{reg['count']}× · {fmt_time(reg['total_s'])} total")
+        # wall time: from its start to its end (the breakdown counts only its own time;
+        # a note says so where the two differ: analysis/summary.py)
+        share = reg.get("steady_share")
+        table.add_row(f"Region {name}", f"{reg['count']}× · {fmt_time(reg['total_s'])} wall time"
+                      + (f" · {share * 100:.1f}% of the steady steps' time" if share else ""))
     system = summary.get("system") or {}
     if system.get("n_samples"):
         cpu = (
