@@ -1009,3 +1009,34 @@ def test_summary_rows_print_code_as_text_not_markup():
     out = io.StringIO()
     make_console(out).print(rows.layout(200))
     assert code in out.getvalue()
+
+
+@pytest.mark.parametrize(("name", "cause"), [
+    ("eval", "evaluation"), ("save_ckpt", "checkpoint_or_logging"), ("ema", "periodic_work")])
+def test_periodic_spikes_of_a_named_region_are_named_by_it(name, cause):
+    """Inside prof.region("eval") the evaluation's forward passes are region time (in
+    "other"), which read as "checkpointing or logging" with the checkpoint recipe, though
+    the evidence named the region: the finding names it, with advice for what it is."""
+    region = np.zeros(80)
+    region[5::10] = 60 * MS
+    steps = make_steps(80, region=region)
+    summary = make_summary(steps, regions={name: {"count": 8, "total_s": 0.48}})
+    f = diagnose(summary, steps)[0]
+    assert (f["category"], f["cause"]) == ("periodic_overhead", cause)
+    assert f["evidence"]["region"] == name
+    assert f"Every 10 steps, the region '{name}' adds 0.06 s" in f["title"]
+    assert f"The region '{name}'" in f["fix"]["text"]
+    assert f"with prof.region({name!r}):" in f["fix"]["snippet"] or cause != "evaluation"
+    if cause == "evaluation":
+        assert "torch.no_grad()" in f["fix"]["text"] and "background" in f["fix"]["text"]
+        assert "save checkpoints" not in f["fix"]["text"] and "saver" not in f["fix"]["snippet"]
+        compile(f["fix"]["snippet"].replace("...", "pass"), "fix", "exec")
+    elif cause == "periodic_work":
+        assert "checkpoint" not in f["fix"]["text"]
+        compile(f["fix"]["snippet"].replace("...", "pass"), "fix", "exec")
+    else:
+        assert "SAVE_INTERVAL" in f["fix"]["snippet"]
+    # a region of another count is not these spikes: the phases decide as before
+    summary = make_summary(steps, regions={name: {"count": 2, "total_s": 0.1}})
+    f = diagnose(summary, steps)[0]
+    assert f["cause"] == "checkpoint_or_logging" and "region" not in f["evidence"]
