@@ -1040,3 +1040,32 @@ def test_periodic_spikes_of_a_named_region_are_named_by_it(name, cause):
     summary = make_summary(steps, regions={name: {"count": 2, "total_s": 0.1}})
     f = diagnose(summary, steps)[0]
     assert f["cause"] == "checkpoint_or_logging" and "region" not in f["evidence"]
+
+
+def test_a_few_huge_steps_that_pull_the_mean_are_named():
+    """Two ~2 s steps among 10 ms ones: the throughput (the mean's) and the median step
+    disagree 5x, and the robust CV leaves the two out by design: a finding names them, and
+    the Throughput row says why it disagrees with the Step time row."""
+    fwd = np.full(60, 3 * MS)
+    fwd[[23, 41]] = 2.0
+    steps = make_steps(60, forward=fwd)
+    summary = make_summary(steps, run_dir="r", status="finished", name="t", missing=[],
+                           notes=[])
+    out = diagnose(summary, steps)
+    (f,) = [f for f in out if f["cause"] == "rare_long_steps"]
+    assert f["category"] == "measurement_noise" and f["severity"] == "low"
+    assert f["evidence"]["at_steps"] == [23, 41] and f["evidence"]["long_steps"] == 2
+    assert f["title"].startswith("2 long steps make the mean step ")
+    assert "Steps 23, 41 took 2.0" in f["fix"]["text"] and "recur at no period" in f["fix"]["text"]
+    summary["findings"] = out
+    buf = io.StringIO()
+    render_summary(summary, file=buf)
+    mean, med = summary["steps"]["mean_s"], summary["steps"]["median_s"]
+    assert (f"mean step {mean * 1e3:.1f} ms, median {med * 1e3:.1f} ms: a few long steps "
+            "weigh") in " ".join(buf.getvalue().split())
+    # a periodic evaluation is the periodic rule's, however much it pulls the mean
+    fwd = np.full(80, 3 * MS)
+    fwd[5::10] = 63 * MS
+    steps = make_steps(80, forward=fwd)
+    assert not [g for g in diagnose(make_summary(steps), steps)
+                if g["cause"] == "rare_long_steps"]

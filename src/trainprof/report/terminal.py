@@ -506,6 +506,11 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
             thr.append(f"{summary['steps_per_s']:,.1f} steps/s")
         if summary.get("samples_per_s_all_ranks"):
             thr.append(f"all ranks {summary['samples_per_s_all_ranks']:,.0f} samples/s")
+        mean, median = steps.get("mean_s"), steps.get("median_s")
+        if thr and mean and median and mean > 1.5 * median:
+            # the throughput is the mean's, the Step time row the median's: say why they differ
+            thr.append(f"mean step {fmt_time(mean)}, median {fmt_time(median)}: a few long "
+                       "steps weigh")
         table.add_row("Throughput", " · ".join(thr) or "—")
         for label, text in (("Compute", compute_text(summary.get("compute"))),
                             ("Attention", attention_text(summary.get("attention"))),
