@@ -13,6 +13,7 @@ from torch import nn
 import trainprof
 from trainprof.analysis.steps import complete_steps, step_statistics
 from trainprof.analysis.summary import summarize_run
+from trainprof.schema import FLAG_MANUAL
 from trainprof.store import load_run
 
 
@@ -343,3 +344,128 @@ def test_profiling_a_compiled_model_compiles_it_once(tmp_path, how):
     assert ops["compiled"] is True and "sites" not in ops
     assert ops["flops_by_kind_per_step"] == {"cpu float32": 3 * 67584 - 2 * 16 * 32 * 64}
     assert not any(n.startswith("no FLOPs counted") for n in notes)
+
+
+def _train_step(model, opt) -> None:
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_n_iterations_with_prof_step_are_n_steps_and_max_steps_counts_them(tmp_path):
+    """The first iteration's optimizer step closes a step before the first prof.step()
+    (the clock cannot know yet that the script marks its own): with the sliver up to
+    prof.step() it is the user's one first step, for the summary and for max_steps (which
+    had stopped a max_steps=15 loop after 14 iterations, "Steps 14")."""
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    done = 0
+    with trainprof.profile(tmp_path / "r", max_steps=15, report=False) as prof:
+        for _ in range(40):
+            _train_step(model, opt)
+            done += 1
+            prof.step()
+    assert done == 15
+    assert prof.summary["steps"]["count"] == 15
+    assert prof.summary["notes"] == []
+    raw = load_run(tmp_path / "r").steps
+    # the optimizer step that closed the first record, then the 15 prof.step() calls
+    assert raw["flags"][0] & FLAG_MANUAL == 0 and len(raw) == 16
+
+
+@pytest.mark.parametrize("where", ["first", "twice"])
+def test_prof_step_twice_in_a_row_records_no_empty_step(tmp_path, where):
+    """prof.step() with no code since the last one (at the top of the loop as well as at
+    its end, or twice by mistake) closes no step: 40 iterations are 40 steps, not 80 of
+    which 40 last a few microseconds."""
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with trainprof.profile(tmp_path / "r", report=False) as prof:
+        if where == "first":
+            prof.step()
+            prof.step()
+        for _ in range(40):
+            _train_step(model, opt)
+            prof.step()
+            if where == "twice":
+                prof.step()
+    assert prof.summary["steps"]["count"] == 40
+    assert prof.summary["steps"]["median_s"] > 20e-6
+
+
+def test_a_step_of_untimed_work_is_still_a_step():
+    """Only the gap between two calls is dropped: a longer step with nothing timed in it
+    (a sleep, code outside any module) is closed as before."""
+    from trainprof.capture.clock import EMPTY_STEP_NS, StepClock
+
+    clock = StepClock()
+    clock.manual_step()
+    clock.manual_step()  # at once: empty
+    assert clock.n_steps == 0
+    time.sleep(EMPTY_STEP_NS / 1e9 * 2)
+    clock.manual_step()
+    assert clock.n_steps == 1
+
+
+def test_a_profile_records_once_and_report_false_prints_nothing(tmp_path, capsys):
+    """A second ``with`` on the same profile wrote its record over the first one's, in the
+    same folder: it is refused, and the first record stays whole."""
+    from trainprof.errors import UsageError
+
+    prof = trainprof.profile(tmp_path / "r", report=False)
+    with prof:
+        _loop(prof, 10)
+    assert capsys.readouterr().err == ""  # report=False: not even the HTML report's path
+    assert (tmp_path / "r" / "report.html").exists()
+    with pytest.raises(UsageError, match=r"recorded already .* make a new one"), prof:
+        _loop(prof, 10)
+    assert load_run(tmp_path / "r").status == "finished"
+    assert step_statistics(load_run(tmp_path / "r").steps)["steps"]["count"] == 10
+
+
+def test_regions_share_is_shown_and_their_wall_time_explained(tmp_path):
+    """A region's time in the Region row is its wall time, with its share of the steady
+    steps; the breakdown's "other" names the regions' part of it (it held them unsaid).
+    A region around training steps runs longer than the breakdown's region time (their
+    backward and optimizer count as those phases): a note says so."""
+    import io
+
+    from trainprof.report.html import _breakdown_bar
+    from trainprof.report.terminal import render_summary
+
+    with trainprof.profile(tmp_path / "r", report=False) as prof:
+        _loop(prof, 40, eval_every=10)
+    s = prof.summary
+    region = s["breakdown_detail"]["region"]
+    assert region > 0.2  # 20 ms sleeps against steps well under 1 ms
+    assert s["regions"]["eval"]["steady_share"] == pytest.approx(region, rel=0.2)
+    assert s["notes"] == []  # a region of its own work: wall time and region time agree
+    buf = io.StringIO()
+    render_summary(s, file=buf)
+    text = " ".join(buf.getvalue().split())
+    assert f"(region eval {region * 100:.1f}%)" in text
+    assert (f"Region eval 4× · {s['regions']['eval']['total_s'] * 1e3:.1f} ms wall time · "
+            f"{s['regions']['eval']['steady_share'] * 100:.1f}% of the steady steps' time") in text
+    assert f"other {s['breakdown']['other'] * 100:.1f}% (region eval" in _breakdown_bar(
+        s["breakdown"], f"region eval {region * 100:.1f}%")
+
+    class SlowSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            time.sleep(0.003)  # the optimizer phase, inside the region or not
+            return super().step(closure)
+
+    model = nn.Linear(4, 1)
+    opt = SlowSGD(model.parameters(), lr=0.1)
+    with trainprof.profile(tmp_path / "across", report=False) as prof:
+        for it in range(30):
+            if it == 10:
+                span = prof.region("span")
+                span.__enter__()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+            prof.step()
+            if it == 20:
+                span.__exit__(None, None, None)
+    (note,) = prof.summary["notes"]
+    assert note.startswith("the named regions ran ") and "(wall time, the Region rows)" in note
+    assert "backward passes, optimizer steps" in note

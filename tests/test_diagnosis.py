@@ -907,6 +907,9 @@ def test_terminal_breaks_long_values_between_parts_never_inside_one(monkeypatch)
     assert max(len(line) for line in lines) <= 70
     cpu = [ln for ln in lines if "process 70%" in ln]
     assert cpu and cpu[0].rstrip().endswith("·")  # the CPU row broke between its parts
+    # "system" is the mean over all cores, the process and its workers count in cores
+    assert ("system 50% of all cores · iowait 1% (2 usable cores; process, workers: 100% = "
+            "one core)") in " ".join(buf.getvalue().split())
     assert not [ln for ln in lines if ln.strip() in ("·", "ms", "µs", "%")]
 
 
@@ -1053,3 +1056,63 @@ def test_summary_rows_print_code_as_text_not_markup():
     out = io.StringIO()
     make_console(out).print(rows.layout(200))
     assert code in out.getvalue()
+
+
+@pytest.mark.parametrize(("name", "cause"), [
+    ("eval", "evaluation"), ("save_ckpt", "checkpoint_or_logging"), ("ema", "periodic_work")])
+def test_periodic_spikes_of_a_named_region_are_named_by_it(name, cause):
+    """Inside prof.region("eval") the evaluation's forward passes are region time (in
+    "other"), which read as "checkpointing or logging" with the checkpoint recipe, though
+    the evidence named the region: the finding names it, with advice for what it is."""
+    region = np.zeros(80)
+    region[5::10] = 60 * MS
+    steps = make_steps(80, region=region)
+    summary = make_summary(steps, regions={name: {"count": 8, "total_s": 0.48}})
+    f = diagnose(summary, steps)[0]
+    assert (f["category"], f["cause"]) == ("periodic_overhead", cause)
+    assert f["evidence"]["region"] == name
+    assert f"Every 10 steps, the region '{name}' adds 0.06 s" in f["title"]
+    assert f"The region '{name}'" in f["fix"]["text"]
+    assert f"with prof.region({name!r}):" in f["fix"]["snippet"] or cause != "evaluation"
+    if cause == "evaluation":
+        assert "torch.no_grad()" in f["fix"]["text"] and "background" in f["fix"]["text"]
+        assert "save checkpoints" not in f["fix"]["text"] and "saver" not in f["fix"]["snippet"]
+        compile(f["fix"]["snippet"].replace("...", "pass"), "fix", "exec")
+    elif cause == "periodic_work":
+        assert "checkpoint" not in f["fix"]["text"]
+        compile(f["fix"]["snippet"].replace("...", "pass"), "fix", "exec")
+    else:
+        assert "SAVE_INTERVAL" in f["fix"]["snippet"]
+    # a region of another count is not these spikes: the phases decide as before
+    summary = make_summary(steps, regions={name: {"count": 2, "total_s": 0.1}})
+    f = diagnose(summary, steps)[0]
+    assert f["cause"] == "checkpoint_or_logging" and "region" not in f["evidence"]
+
+
+def test_a_few_huge_steps_that_pull_the_mean_are_named():
+    """Two ~2 s steps among 10 ms ones: the throughput (the mean's) and the median step
+    disagree 5x, and the robust CV leaves the two out by design: a finding names them, and
+    the Throughput row says why it disagrees with the Step time row."""
+    fwd = np.full(60, 3 * MS)
+    fwd[[23, 41]] = 2.0
+    steps = make_steps(60, forward=fwd)
+    summary = make_summary(steps, run_dir="r", status="finished", name="t", missing=[],
+                           notes=[])
+    out = diagnose(summary, steps)
+    (f,) = [f for f in out if f["cause"] == "rare_long_steps"]
+    assert f["category"] == "measurement_noise" and f["severity"] == "low"
+    assert f["evidence"]["at_steps"] == [23, 41] and f["evidence"]["long_steps"] == 2
+    assert f["title"].startswith("2 long steps make the mean step ")
+    assert "Steps 23, 41 took 2.0" in f["fix"]["text"] and "recur at no period" in f["fix"]["text"]
+    summary["findings"] = out
+    buf = io.StringIO()
+    render_summary(summary, file=buf)
+    mean, med = summary["steps"]["mean_s"], summary["steps"]["median_s"]
+    assert (f"mean step {mean * 1e3:.1f} ms, median {med * 1e3:.1f} ms: a few long steps "
+            "weigh") in " ".join(buf.getvalue().split())
+    # a periodic evaluation is the periodic rule's, however much it pulls the mean
+    fwd = np.full(80, 3 * MS)
+    fwd[5::10] = 63 * MS
+    steps = make_steps(80, forward=fwd)
+    assert not [g for g in diagnose(make_summary(steps), steps)
+                if g["cause"] == "rare_long_steps"]

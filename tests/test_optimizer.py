@@ -275,7 +275,18 @@ def test_one_descheduled_optimizer_step_does_not_make_the_update_look_costly():
     opt[50] = 0.8
     (f,) = _findings(opt, _opt())
     assert f["estimated_gain"] == pytest.approx(0.25 / 9.25, rel=0.03)
-    assert f["severity"] == "low" and "takes 2.7% of step time" in f["title"]
+    assert f["severity"] == "low" and "takes 2.7% of a typical step" in f["title"]
+    # the breakdown's optimizer share, on the same page, is told apart
+    share_of = f["evidence"]["optimizer_share"]
+    steps = make_steps(80, optimizer=opt)
+    page = make_summary(steps)["breakdown"]["optimizer"]
+    assert page > 5 * share_of
+    assert (f"(2.7% of a typical step: its median time over the median step's; the "
+            f"breakdown's optimizer {page * 100:.1f}% is of the steady time, and a few slow "
+            "steps inflate it.)") in f["fix"]["text"]
+    # where the two agree, one share and no aside
+    (f,) = _findings(5e-3, _opt())
+    assert "of step time running" in f["title"] and "typical" not in f["fix"]["text"]
 
 
 def test_every_optimizer_the_script_builds_is_named_in_the_fix():
@@ -310,6 +321,8 @@ def test_with_several_optimizers_the_share_is_the_candidates_own():
     assert f["evidence"]["step_s_by_optimizer"] == {"SparseAdam": pytest.approx(11.4e-3),
                                                     "Adam": pytest.approx(2e-3)}
     assert f["title"].startswith("Adam.step() takes 8.9% of step time")
+    assert "the breakdown's optimizer 59.8% is of the steady time, and it holds the other " \
+        "optimizers' steps too.)" in f["fix"]["text"]
     # not every optimizer timed (a record from before): the whole phase, as before
     del sparse["step_s"]
     (f,) = _findings(13.4e-3, sparse, adam)

@@ -1174,7 +1174,7 @@ def test_profile_api_inside_trainprof_run_attaches_to_the_run(tp):
     import torch, trainprof
     w = torch.zeros(2, requires_grad=True)
     opt = torch.optim.SGD([w], lr=0.1)
-    with trainprof.profile() as prof:
+    with trainprof.profile(max_steps=5, out="elsewhere", deep="") as prof:
         for step in range(12):
             for micro in range(3):   # three optimizer steps per "step" the user marks
                 w.sum().backward(); opt.step()
@@ -1189,6 +1189,13 @@ def test_profile_api_inside_trainprof_run_attaches_to_the_run(tp):
     assert doc["steps"]["count"] == 12
     assert doc["regions"]["log"]["count"] == 12
     assert not (res.run_dir.parent / "trainprof-runs").exists()  # no second run folder
+    # the options that shape a record are the CLI's: those given here are named, once
+    assert not (res.run_dir.parent / "elsewhere").exists()
+    said = [ln for ln in res.stderr.splitlines() if "ignored" in ln]
+    assert said == ["trainprof: profile(out='elsewhere', max_steps=5, deep='') ignored: a "
+                    "record is open already (trainprof run's, or an outer profile()'s), and "
+                    "this one records into it; give them to `trainprof run` (--out, "
+                    "--max-steps, --deep) or the outer profile()"], res.stderr
 
 
 def test_report_reads_a_run_that_is_still_going(tmp_path):

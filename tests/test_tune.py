@@ -721,11 +721,17 @@ def test_an_arm_whose_rounds_disagree_by_far_gets_no_verdict(tmp_path: Path) -> 
     assert any("the size of the change is unsettled" in n for n in doc["notes"])
     out = io.StringIO()
     render_tune(doc, out)
-    assert out.getvalue().startswith("No arm is significantly faster")
+    # its interval excludes ×1: "no arm is significantly faster" would contradict it
+    head = " ".join(out.getvalue().split("\n\n")[0].split())
+    assert head.startswith("No arm is settled as faster than the baseline compile=false: "
+                           "compile=true ran at ×0.")
+    assert "; 1 trial ran while other processes kept up to ~1.0 cores busy" in head, head
     result = judge({"estimated_gain": 0.0, "evidence": {"gain_unknown": True}}, doc)
     assert result["verdict"] == "unsettled"
     line = verdict_line({**result, "metric": "step_time"}).plain
     assert "by round ×0.1" in line and "rerun with more --trials" in line
+    assert "far slower than the others: 1 trial ran while other processes kept up to ~1.0 " \
+        "cores busy)" in line
     assert "saved" not in line
     # not significant either way, yet the rounds disagree: unsettled too, not "×2.00"
     three = []
@@ -740,3 +746,40 @@ def test_an_arm_whose_rounds_disagree_by_far_gets_no_verdict(tmp_path: Path) -> 
                             tmp_path) for t in (2, 3, 4) for a in (0, 1)]
     row = analyse_tune(arms, more, arms[0], steps=20)["arms"][1]
     assert row["verdict"] == "faster"
+
+
+def test_the_headline_and_table_of_an_unsettled_arm_under_load(monkeypatch) -> None:
+    """An unsettled arm whose interval excludes ×1 is not "not significantly faster": it is
+    not settled; the trials flagged under outside load are counted in the verdict; and an
+    arm's settings never break inside one ("autocast=bf1" / "6") at 100 columns."""
+    from trainprof.report.tune_terminal import headline
+
+    def arm(name, verdict, ratio, ci, base=False, load=None):
+        return {"name": name, "baseline": base,
+                "actual": dict(p.split("=") for p in name.split()), "trials_usable": 3,
+                "trials_run": 3, "steady_steps": 150, "mean_s": 0.0123, "median_s": 0.012,
+                "samples_per_s": 1300.0, "ratio": ratio, "ci": ci, "verdict": verdict,
+                "outside_load": load}
+
+    doc = {"baseline": "autocast=false channels_last=true", "best": None, "confidence": 0.95,
+           "metric": "step_time", "target": "train.py", "design": "full", "trials_per_arm": 3,
+           "steps": 50, "trials_done": 12, "trials_planned": 12, "status": "finished",
+           "practical_threshold_pct": 2, "tune_dir": "/tmp/t", "notes": [], "arms": [
+               arm("autocast=false channels_last=true", "baseline", 1.0, None, True),
+               arm("autocast=bf16 channels_last=true", "unsettled", 0.8, [0.7, 0.9],
+                   load={"trials": 2, "max_cores": 1.3}),
+               arm("autocast=bf16 channels_last=false", "no_difference", 0.98, [0.93, 1.03])]}
+    assert headline(doc).plain == (
+        "No arm is settled as faster than the baseline autocast=false channels_last=true: "
+        "autocast=bf16 channels_last=true ran at ×0.80 (95% CI ×0.70–×0.90), but its trials "
+        "disagree too much to size the change; 2 trials ran while other processes kept up to "
+        "~1.3 cores busy")
+    doc["arms"][1].update(verdict="no_difference", outside_load=None)
+    assert headline(doc).plain == ("No arm is significantly faster than the baseline "
+                                   "autocast=false channels_last=true")
+    monkeypatch.setenv("COLUMNS", "100")
+    out = io.StringIO()
+    render_tune(doc, out)
+    words = out.getvalue().split()
+    for setting in ("autocast=false", "channels_last=true", "autocast=bf16", "channels_last=false"):
+        assert setting in words, out.getvalue()

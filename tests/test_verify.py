@@ -281,3 +281,18 @@ def test_a_refused_verify_leaves_no_empty_folder(tmp_path):
     res = trainprof("verify", str(run.run_dir), cwd=tmp_path)
     assert res.returncode == 2 and res.stderr.endswith("error: no such script: train.py\n")
     assert list((tmp_path / "trainprof-runs").iterdir()) == []
+
+
+def test_the_verdict_names_the_trials_that_ran_under_outside_load():
+    doc = _doc(1.01, (0.84, 1.19), "no_difference")
+    doc["arms"][0]["outside_load"] = {"trials": 1, "max_cores": 0.9}
+    doc["arms"][1]["outside_load"] = {"trials": 2, "max_cores": 1.4}
+    line = str(verdict_line(judge(_finding("x", "", gain=0.30), doc)))
+    assert line.startswith("Verdict: not confirmed")
+    assert line.endswith("(3 trials ran while other processes kept up to ~1.4 cores busy)")
+    doc["arms"][1]["verdict"] = "unsettled"
+    line = str(verdict_line(judge(_finding("x", "", gain=0.30), doc)))
+    assert "a trial ran far slower than the others: 3 trials ran while other processes kept " \
+        "up to ~1.4 cores busy); rerun" in line
+    del doc["arms"][0]["outside_load"], doc["arms"][1]["outside_load"]
+    assert "outside load?" in str(verdict_line(judge(_finding("x", "", gain=0.30), doc)))

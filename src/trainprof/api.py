@@ -48,9 +48,18 @@ class AttachedProfile(NullProfile):
     capture, and no second run folder is made.
     """
 
-    def __init__(self, recorder: Any) -> None:
+    def __init__(self, recorder: Any, ignored: dict[str, Any] | None = None) -> None:
         self._recorder = recorder
         self.run_dir = recorder.run_dir
+        if ignored:
+            # the CLI's record is in charge: say so, or max_steps=15 would silently not stop
+            given = ", ".join(f"{k}={v!r}" for k, v in ignored.items())
+            flags = ", ".join(dict.fromkeys(f for k in ignored if (f := _RUN_FLAGS.get(k))))
+            where = f"; give them to `trainprof run` ({flags}) or the outer profile()" \
+                if flags else ""
+            print(f"trainprof: profile({given}) ignored: a record is open already (trainprof "
+                  f"run's, or an outer profile()'s), and this one records into it{where}",
+                  file=sys.stderr)
 
     def step(self) -> None:
         self._recorder.step()
@@ -59,8 +68,21 @@ class AttachedProfile(NullProfile):
         return self._recorder.region(name)
 
 
+#: profile()'s options that the record sets, and the ``trainprof run`` option for each (None:
+#: none): under ``trainprof run`` they are the CLI's to give (see :class:`AttachedProfile`)
+_RUN_FLAGS: dict[str, str | None] = {
+    "out": "--out", "name": "--name", "max_steps": "--max-steps",
+    "sample_interval_s": "--sample-interval", "deep": "--deep", "py": "--py",
+    "lines": "--lines", "html": "--no-html", "report": None,
+}
+
+
 class Profile:
-    """An always-on capture of the code inside the ``with`` block."""
+    """An always-on capture of the code inside the ``with`` block.
+
+    One record per object: a second ``with`` on it would write over the first record in
+    the same folder, so it is refused (make a new ``trainprof.profile()``).
+    """
 
     def __init__(
         self,
@@ -107,10 +129,16 @@ class Profile:
         )
         self._recorder.worker_sampling = py is not None
         self._os_exit: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        self._entered = False
 
     def __enter__(self) -> Profile:
         from trainprof.capture.launcher import finish_before_os_exit
+        from trainprof.errors import UsageError
 
+        if self._entered:
+            raise UsageError(f"this trainprof.profile() has recorded already (to {self.run_dir}): "
+                             "make a new one for another record")
+        self._entered = True
         self._recorder.start()
         # os._exit(n) inside the block skips __exit__: close the record before it exits
         self._os_exit = finish_before_os_exit(lambda code: self._finish("finished", code))
@@ -147,7 +175,7 @@ class Profile:
 
             wait_for_ranks(self.run_dir, len(children.recorded) + len(children.reruns),
                            timeout_s=10.0)
-        self.summary = finalize_run(self.run_dir, html=self.html)
+        self.summary = finalize_run(self.run_dir, html=self.html, quiet=not self.report)
         if self.report and self._launch is not None and self._launch.local_rank != 0:
             print(f"trainprof: rank {self._launch.rank} recorded to {self.run_dir}",
                   file=sys.stderr)
@@ -184,7 +212,9 @@ def profile(
     """Profile the training loop inside a ``with`` block.
 
     Under ``trainprof run``, this attaches to that run instead of starting a
-    second one (see :class:`AttachedProfile`).
+    second one (see :class:`AttachedProfile`); the options that shape a record
+    are then the CLI's, and those given here are named on stderr as ignored.
+    A profile records once: a second ``with`` on the same object is refused.
 
     ``out``: the run folder (default ``./trainprof-runs/<timestamp>-<script>``);
     ``max_steps``: stop the loop (by raising out of the step boundary, caught
@@ -200,7 +230,12 @@ def profile(
 
     running = active_recorder()
     if running is not None:
-        return AttachedProfile(running)
+        given = {"out": out, "name": name, "max_steps": max_steps,
+                 "sample_interval_s": sample_interval_s, "report": report, "deep": deep,
+                 "py": py, "lines": lines, "html": html}
+        defaults = {"sample_interval_s": 0.2, "report": True, "html": True}
+        return AttachedProfile(running, {k: v for k, v in given.items()
+                                         if v != defaults.get(k)})
     return Profile(
         out, name, max_steps=max_steps, sample_interval_s=sample_interval_s, report=report,
         deep=deep, py=py, lines=lines, html=html,

@@ -105,27 +105,30 @@ def analyse_folder_records(
     return _diagnosed(merged, main_run), main_run, own_run, rank_runs
 
 
-def finalize_run(run_dir: Path, html: bool = False) -> dict[str, Any]:
+def finalize_run(run_dir: Path, html: bool = False, quiet: bool = False) -> dict[str, Any]:
     """Summarise a closed Run folder, diagnose it, and store both in it (findings.json).
 
     ``html``: also write ``RUN_DIR/report.html``. A report that cannot be
     written is a note on stderr, never a lost run: the record is already safe.
+    ``quiet``: no line saying where the report went (``profile(report=False)``
+    prints nothing of its own).
     """
     summary, run = analyse_folder(run_dir)
     save_summary(run_dir, summary)
     if html:
-        _write_html_noted(summary, run, Path(run_dir) / "report.html")
+        _write_html_noted(summary, run, Path(run_dir) / "report.html", quiet=quiet)
     return summary
 
 
-def _write_html_noted(summary: dict[str, Any], run: Run, path: Path) -> None:
-    """Write the HTML report; one that cannot be written is a line on stderr."""
+def _write_html_noted(summary: dict[str, Any], run: Run, path: Path, quiet: bool = False) -> None:
+    """Write the HTML report; one that cannot be written is a line on stderr, even ``quiet``."""
     try:
         written = write_html(summary, run, path)
     except Exception as exc:  # noqa: BLE001 - the run's record matters more than its page
         print(f"trainprof: HTML report not written: {exc}", file=sys.stderr)
     else:
-        print(f"trainprof: HTML report {written}", file=sys.stderr)
+        if not quiet:
+            print(f"trainprof: HTML report {written}", file=sys.stderr)
 
 
 @contextmanager

@@ -41,14 +41,55 @@ def _duration_s(meta: dict[str, Any]) -> float | None:
     return (end - start).total_seconds()
 
 
-def _regions(events: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    out: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0, "total_s": 0.0})
+def _regions(events: list[dict[str, Any]], steady: np.ndarray) -> dict[str, dict[str, float]]:
+    """Each named region's calls and wall time (``total_s``: from its start to its end,
+    whatever ran inside), and the wall time of those that began in the ``steady`` steps as
+    a share of their time (``steady_share``: what the region costs the steady state; the
+    breakdown's region share counts only the time no training phase claimed, see
+    :func:`_region_notes`)."""
+    out: dict[str, dict[str, float]] = defaultdict(
+        lambda: {"count": 0, "total_s": 0.0, "steady_share": 0.0})
+    starts, ends = steady["t_start_ns"], steady["t_start_ns"] + steady["dur_ns"]
+    steady_ns = float(steady["dur_ns"].sum()) if len(steady) else 0.0
     for ev in events:
         if ev.get("kind") == "region":
             r = out[str(ev.get("name"))]
             r["count"] += 1
             r["total_s"] += ev.get("dur_ns", 0) / 1e9
+            # begun in a steady step (not in a warm-up step, nor one a tool's window took)
+            t = int(ev.get("t_start_ns", -1))
+            i = int(np.searchsorted(starts, t, side="right")) - 1
+            if steady_ns > 0 and i >= 0 and t < ends[i]:
+                r["steady_share"] += ev.get("dur_ns", 0) / steady_ns
     return dict(out)
+
+
+def _region_notes(events: list[dict[str, Any]], steps: np.ndarray) -> list[str]:
+    """Regions whose wall time is well above what the steps count as region time: say why.
+
+    A region's time in the step records is exclusive, like every phase's: what ran inside
+    it at top level and the forward calls it made (an evaluation's forward passes are the
+    evaluation) count as region, but data waits, backward passes, optimizer steps and GC
+    inside it count as those phases. For an evaluation or a checkpoint the two agree; a
+    region around training steps (or one that reads a DataLoader) runs longer than the
+    breakdown's region share, and the Region rows' wall time would not add up with it."""
+    spans = sorted((int(ev.get("t_start_ns", 0)), int(ev.get("t_start_ns", 0))
+                    + int(ev.get("dur_ns", 0))) for ev in events if ev.get("kind") == "region")
+    wall = 0
+    end = None
+    for a, b in spans:  # the union: a nested region is inside its outer one
+        if end is None or a >= end:
+            wall += b - a
+            end = b
+        elif b > end:
+            wall += b - end
+            end = b
+    counted = int(steps["region_ns"].sum()) if len(steps) else 0
+    if wall - counted <= max(0.1 * wall, 1e6):
+        return []
+    return [f"the named regions ran {wall / 1e6:,.1f} ms (wall time, the Region rows); "
+            f"{counted / 1e6:,.1f} ms of it is region time in the breakdown: the data "
+            "waits, backward passes, optimizer steps and GC inside them count as those phases"]
 
 
 #: environment switches meant for debugging that slow a CUDA run (expert-rules.md H10):
@@ -202,7 +243,7 @@ def summarize_run(run: Run) -> dict[str, Any]:
         "ended_at": meta.get("ended_at"),
         "duration_s": _duration_s(meta),
         **stats,
-        "regions": _regions(run.events),
+        "regions": _regions(run.events, done[warm:]),
         "dataloaders": meta.get("dataloaders")
         or [ev for ev in run.events if ev.get("kind") == "dataloader"],
         # each optimizer seen stepping: class, parameters, the implementation its step runs
@@ -269,7 +310,8 @@ def summarize_run(run: Run) -> dict[str, Any]:
         "deep": analyse_deep_windows(run.path),
         "missing": meta.get("missing", []),
         "notes": [*meta.get("notes", []), *_compile_notes(meta, stats),
-                  *_uncounted_flops(ops), *_iteration_notes(stats)],
+                  *_uncounted_flops(ops), *_iteration_notes(stats),
+                  *_region_notes(run.events, run.steps)],
         "findings": [],  # filled by the diagnosis (trainprof.commands.analyse)
     }
     if "recorded_status" in meta:

@@ -83,6 +83,11 @@ from trainprof.schema import (
 #: accumulation over 64 micro-batches, small enough to be decided early.
 AUTO_DECIDE_AFTER = 64
 
+#: A manual step shorter than this with nothing timed in it is no step (see
+#: :meth:`StepClock._empty`): two ``prof.step()`` calls with no code between take a few
+#: microseconds; the shortest real steps, tens of them and a timed phase.
+EMPTY_STEP_NS = 100_000
+
 
 #: One step record as native int64s: ``array.frombytes`` of one packed record
 #: costs a tenth of ``array.extend`` of a tuple, which converts item by item.
@@ -248,6 +253,10 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
         # In the C core's struct, or a list and an array (_PyCore._init_core).
         self._init_core()
         self.mode = "auto"  # auto | optimizer | backward | manual
+        #: the steps closed automatically before the first prof.step(), which the analysis
+        #: merges into the first manual step: max_steps and the stop's message skip them
+        self.auto_prefix = 0
+        self._manual_end = 0  # when the last prof.step() that closed a step returned
         self.n_steps = 0
         self.started = False
         self.current = OTHER
@@ -452,16 +461,43 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
 
         Steps closed automatically before the first call are kept as they are;
         the analysis merges them into the first manual step
-        (:func:`trainprof.analysis.steps.complete_steps`).
+        (:func:`trainprof.analysis.steps.complete_steps`), and so ``max_steps``
+        counts them with it as one (:attr:`auto_prefix`): the user's first
+        iteration is one step, not an optimizer step and a sliver up to
+        ``prof.step()``. A manual step with nothing in it (see :meth:`_empty`) is
+        not closed: its few microseconds stay in the step that goes on.
         """
         if not self.started:
             self.begin(perf_counter_ns())
             self._set_mode("manual")
             return
+        if self.mode == "manual":
+            if self._empty():
+                return
+        elif self.n_steps:
+            # the first call after automatic steps: they and this one are one step
+            self.auto_prefix = self.n_steps
+            if self.max_steps is not None:
+                self.max_steps += self.auto_prefix
         self._set_mode("manual")
         self.bwd_pending = False
         self._subs.clear()
         self._close(FLAG_MANUAL)
+        self._manual_end = perf_counter_ns()
+
+    def _empty(self) -> bool:
+        """The open manual step is empty: ``prof.step()`` twice in a row (at the top of the
+        loop and again at its end, or twice by mistake). Nothing was timed in it - no
+        phase, no region, no counter - and less than :data:`EMPTY_STEP_NS` passed since the
+        last call returned: what separates two calls with no code between (from the return:
+        the last call may have started a tool's window, whose cost is the new step's). A
+        step of untimed work (a sleep, plain tensor code outside any module) lasts longer
+        and is kept."""
+        since = max(self.step_start, self._manual_end)
+        if self.current != OTHER or perf_counter_ns() - since >= EMPTY_STEP_NS:
+            return False
+        acc = self.acc
+        return not any(acc[i] for i in range(N_ACC) if i != OTHER)
 
     def _backward_boundary(self) -> None:
         if self.mode == "backward":
@@ -550,7 +586,7 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
                 self.max_steps = None  # raise once; cleanup code may step again
                 self.next_watch = nxt
                 self.stopped = True
-                raise StopTraining(f"reached --max-steps after {n} steps")
+                raise StopTraining(f"reached --max-steps after {n - self.auto_prefix} steps")
             nxt = min(nxt, self.max_steps)
         self.next_watch = nxt
 

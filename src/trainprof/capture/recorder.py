@@ -494,7 +494,7 @@ class Recorder:
     def _notes(self) -> list[str]:
         """What a reader of the summary should know about how the run was measured."""
         notes = []
-        past = self.clock.n_steps - (self._max_steps or 0)
+        past = self.clock.n_steps - self.clock.auto_prefix - (self._max_steps or 0)
         if self._max_steps is not None and past > 1:
             # StopTraining is raised once (cleanup may step again): a script that catches
             # every exception (`except:`, `except BaseException:`) goes on training

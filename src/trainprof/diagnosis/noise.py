@@ -16,6 +16,9 @@ samples. Hence:
   :mod:`trainprof.analysis.iterations`), the steps alternate by design and the CV is over
   iterations, sums of k consecutive steps.
 
+* ``rare_long_steps``: a few outlier steps, at no period, that pull the mean step 1.5x
+  above the median (the robust CV leaves them out, the throughput does not).
+
 * ``warmup_under_load``: a long warm-up (at least 5 steps and a fifth of the run,
   whose median step is 1.5x the steady one or more) during which other processes kept
   at least half a core more busy than in the steady steps. Warm-up is told from the
@@ -149,6 +152,70 @@ def step_time_stability(ctx: Context) -> Finding | None:
     )
 
 
+#: The mean step this much above the median makes the throughput (the mean's) and the
+#: step-time percentiles (the median's) disagree: the steps that do it are named.
+MEAN_OVER_MEDIAN = 1.5
+
+
+@rule("noise.long_steps")
+def long_steps(ctx: Context) -> Finding | None:
+    """A few long steps that no other rule explains, where they pull the mean step 1.5x
+    above the median: two 2 s steps among 27 ms ones made 10.4 steps/s of a 27.4 ms median,
+    and the robust CV (median/MAD) left them out by design, so nothing said so. Only the
+    stray outliers count: those that recur at a period, an epoch's first steps and full
+    collections are other rules' findings."""
+    if not ctx.has_steps():
+        return None
+    dur = ctx.durations
+    med, sigma = robust_scale(dur)
+    mean = float(dur.mean())
+    if med <= 0 or mean < MEAN_OVER_MEDIAN * med:
+        return None
+    stray = ctx.spike_groups.get("stray")  # not a period's, an epoch's, GC's or the input's
+    spikes = stray.indices if stray is not None else np.zeros(0, dtype=np.int64)
+    above = float(np.clip(dur - med, 0, None).sum())
+    if len(spikes) == 0 or float((dur[spikes] - med).sum()) < 0.5 * above:
+        return None
+    longest = spikes[np.argsort(dur[spikes])[::-1]][:5]
+    at = ctx.step_numbers(np.sort(longest))
+    took = ", ".join(_ms(float(d)) for d in dur[np.sort(longest)])
+    k = len(spikes)
+    more = f" (the {len(longest)} longest)" if k > len(longest) else ""
+    evidence: dict[str, Any] = {
+        "step_mean_s": mean, "step_median_s": med, "robust_cv": sigma / med,
+        "long_steps": k, "at_steps": at, "long_steps_s": [float(d) for d in dur[np.sort(longest)]],
+        "long_steps_time_share": float(dur[spikes].sum() / dur.sum()),
+    }
+    ext = ctx.external_cores
+    load = ""
+    if ext is not None:
+        evidence["external_load_cores"] = ext
+        if ext >= EXTERNAL_CORES:
+            load = (f" Other processes kept ~{ext:.1f} of the {ctx.cores} usable cores busy: "
+                    "a stall of the machine is likely.")
+    return _noise(
+        "rare_long_steps",
+        title=(f"{k} long step{'s' if k != 1 else ''} make the mean step {_ms(mean)} against a "
+               f"median of {_ms(med)}"),
+        severity="low",
+        evidence=evidence,
+        fix=Fix(
+            text=(
+                f"Steps {', '.join(map(str, at))}{more} took {took}, {dur[longest[0]] / med:.0f}x "
+                f"the median step, and recur at no period. The throughput is the mean's, the "
+                f"step-time percentiles the median's: they disagree by {mean / med:.1f}x, and "
+                f"these steps are {evidence['long_steps_time_share'] * 100:.0f}% of the steady "
+                "time. If they are part of training (a one-off evaluation or checkpoint, a "
+                "first batch), the throughput is right; if not, re-run and see whether they "
+                f"come back.{load}"
+            ),
+            snippet=f"trainprof run {ctx.script}  # again: do steps {at[0]}... stay slow?",
+        ),
+        verify=(f"re-run `trainprof run {ctx.script}` on an otherwise idle machine and "
+                "`trainprof compare` the two runs: their median steps should agree"),
+    )
+
+
 #: A warm-up this long (steps, and share of the run's steps) is worth a look at the load.
 LONG_WARMUP_STEPS, LONG_WARMUP_SHARE = 5, 0.2
 #: ... and this much slower than the steady steps (median over median).
@@ -174,16 +241,14 @@ def warmup_under_load(ctx: Context) -> Finding | None:
         return None  # compiling in the warm-up: its worker processes look like outside load
     cores = ctx.cores
     of_cores = f" of the {cores} usable cores" if cores else ""
-    return Finding(
-        category="measurement_noise",
-        cause="warmup_under_load",
+    return _noise(
+        "warmup_under_load",
         title=(f"The first {warm} steps ({warm / count:.0%} of the run), counted as warm-up, "
                f"ran while other processes kept ~{during:.1f} cores busy"),
         severity="low",
         evidence={"warmup_steps": warm, "steps": count, "warmup_median_s": w_med,
                   "step_median_s": s_med, "outside_cores_warmup": during,
                   "outside_cores_steady": after},
-        estimated_gain=0.0,
         fix=Fix(
             text=(
                 f"Warm-up is where step times settle, told from the step times alone. These "
@@ -199,6 +264,11 @@ def warmup_under_load(ctx: Context) -> Finding | None:
         verify=(f"re-run `trainprof run {ctx.script}` on an otherwise idle machine: the "
                 "warm-up should be a few steps"),
     )
+
+
+def _noise(cause: str, **parts: Any) -> Finding:
+    """A measurement-noise finding: it qualifies the numbers, so it claims no gain."""
+    return Finding(category="measurement_noise", cause=cause, estimated_gain=0.0, **parts)
 
 
 def _ms(seconds: float) -> str:

@@ -118,6 +118,28 @@ def _sizes(n: int, numel: Any) -> str:
     return f"{sizes}: several ops of the update each"
 
 
+_SLOW_STEPS = "a few slow steps inflate it"
+
+
+def _why_the_breakdown_differs(ctx: Context, share: float, page: float,
+                               part: float | None) -> str:
+    """Why the breakdown's optimizer share ``page`` is more than 1.5x this finding's
+    ``share`` (a typical step's: :meth:`Context.steady_share`), or "" where it is not: two
+    optimizer shares on one page, 15.7% and 8.5%, read as a mistake unless told apart."""
+    if page <= 1.5 * share:
+        return ""
+    detail = ctx.summary.get("breakdown_detail") or {}
+    weighted = float(detail.get("optimizer_step") or 0.0) * (part if part is not None else 1.0)
+    reasons = []
+    if weighted > 1.2 * share:
+        reasons.append(_SLOW_STEPS)
+    if float(detail.get("zero_grad") or 0.0) > 0.1 * page:
+        reasons.append("it holds zero_grad too")
+    if part is not None and part < 0.8:
+        reasons.append("it holds the other optimizers' steps too")
+    return "; ".join(reasons) or _SLOW_STEPS
+
+
 @rule("optimizer.implementation")
 def optimizer_implementation(ctx: Context) -> Finding | None:
     candidates = _candidates(ctx)
@@ -170,7 +192,13 @@ def optimizer_implementation(ctx: Context) -> Finding | None:
                                                     for e in candidates[1:]))
     how = {SINGLE: f"one parameter tensor at a time ({_sizes(n, main.get('numel'))})",
            FOREACH: f"over lists of tensors ({n} tensors), one op of the update at a time"}
-    title = (f"{name}.step() takes {share * 100:.1f}% of step time running its {impl} "
+    # the breakdown on the same page says "optimizer X%": where that is well above this
+    # share, say which each is, and why they differ
+    page = float(ctx.breakdown.get("optimizer") or 0.0)
+    why = _why_the_breakdown_differs(ctx, share, page, part)
+    typical = _SLOW_STEPS in why
+    title = (f"{name}.step() takes {share * 100:.1f}% of "
+             f"{'a typical step' if typical else 'step time'} running its {impl} "
              f"implementation; {target} is faster")
     text = (
         f"torch.optim's {name} updates the parameters {how.get(impl, impl)}. "
@@ -182,6 +210,11 @@ def optimizer_implementation(ctx: Context) -> Finding | None:
         + "torch never picks fused by default, and on CPU its default is the for-loop. "
         "The update is the same arithmetic; results can differ in the last bits."
     )
+    if why:
+        of = ("of a typical step: its median time over the median step's" if typical else
+              "of step time: its own step()'s")
+        text += (f" ({share * 100:.1f}% {of}; the breakdown's optimizer {page * 100:.1f}% is "
+                 f"of the steady time, and {why}.)")
     flag = "fused=True" if target == FUSED else "foreach=True"
     if (ctx.train_loader or {}).get("driven_by") == "transformers.Trainer" and name == "AdamW":
         snippet = ('args = TrainingArguments(..., optim="adamw_torch_fused")'

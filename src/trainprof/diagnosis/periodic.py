@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import math
 import shlex
+from typing import Any
+
+import numpy as np
 
 from trainprof.diagnosis.context import Context
 from trainprof.diagnosis.finding import Finding, Fix, band
@@ -73,6 +76,81 @@ def with_interval(command: str, period: int, interval: int) -> str:
     return shlex.join([*words[:i], replacement, *words[i + 1:]])
 
 
+#: Words in a region's name that say what it is (an evaluation, a checkpoint or a log).
+_EVAL_WORDS = ("eval", "val", "test", "metric", "score", "bench", "infer", "predict", "sample")
+_SAVE_WORDS = ("save", "ckpt", "checkpoint", "log", "dump", "write", "export", "upload")
+
+
+def _named_region(ctx: Context, indices: np.ndarray, total_excess_s: float,
+                  regions: dict[str, Any]) -> str | None:
+    """The named region the spikes are, when regions of their count hold most of their
+    excess: the script said what that work is (``prof.region("eval")``), which the phases
+    cannot (inside a region an evaluation's forward passes are region time, in "other",
+    where a checkpoint's time is too)."""
+    if not regions or total_excess_s <= 0:
+        return None
+    col = ctx.seconds("region_ns")
+    excess = float(np.clip(col[indices] - float(np.median(col)), 0, None).sum())
+    if excess < 0.5 * total_excess_s:
+        return None
+    return max(regions, key=lambda name: float(regions[name].get("total_s") or 0.0))
+
+
+def _region_kind(name: str) -> str:
+    """``evaluation``, ``checkpoint_or_logging`` or ``periodic_work``, by the region's name."""
+    lower = name.lower()
+    if any(w in lower for w in _SAVE_WORDS):
+        return "checkpoint_or_logging"
+    if any(w in lower for w in _EVAL_WORDS):
+        return "evaluation"
+    return "periodic_work"
+
+
+#: An evaluation on a fixed subset of batches, with autograd off (the fixes' snippets).
+_EVAL_LOOP = (
+    "    model.eval()\n"
+    "    with torch.inference_mode():\n"
+    "        for i, (x, y) in enumerate(val_loader):\n"
+    "            if i == EVAL_BATCHES:\n"
+    "                break\n"
+    "            ...\n"
+    "    model.train()"
+)
+
+
+def _region_fix(name: str, cause: str, period: int, interval: int, per_occ: float,
+                share: float) -> tuple[str, str]:
+    """The fix for a periodic named region that is an evaluation, or of unknown kind."""
+    cost = f"runs every {period} steps and costs {share * 100:.0f}% of the run"
+    if cause == "evaluation":
+        text = (
+            f"The region '{name}' {cost}; it is an evaluation (by its name). Evaluate less "
+            f"often (every {interval} steps keeps it near 2%), on a fixed subset of batches, "
+            "under torch.no_grad() or torch.inference_mode() with the model in eval mode, or "
+            "in the background: a separate process that evaluates the checkpoints training "
+            "saves."
+        )
+        body = _EVAL_LOOP
+        head = ("EVAL_BATCHES = 20  # a fixed subset is enough to track progress\n", "EVAL")
+    else:
+        text = (
+            f"The region '{name}' {cost}. Run it less often (every {interval} steps keeps it "
+            "near 2%), on less data, or off the training thread (a background thread or "
+            "process) if training need not wait for it."
+        )
+        body = "    ..."
+        head = ("", "REGION")
+    snippet = (
+        f"{head[1]}_INTERVAL = {interval}  # was {period}: {per_occ:.2f} s each, "
+        f"{share * 100:.0f}% of the run\n"
+        f"{head[0]}\n"
+        f"if step % {head[1]}_INTERVAL == 0:\n"
+        f"    with prof.region({name!r}):\n"
+        + "\n".join("    " + line for line in body.splitlines())
+    )
+    return text, snippet
+
+
 @rule("periodic.every_n_steps")
 def every_n_steps(ctx: Context) -> Finding | None:
     group = ctx.periodic
@@ -114,13 +192,19 @@ def every_n_steps(ctx: Context) -> Finding | None:
     }
     if regions:
         evidence["matching_regions"] = regions
+    region = _named_region(ctx, group.indices, group.total_excess_s, regions)
+    if region is not None:
+        evidence["region"] = region
+        cause, what = _region_kind(region), f"the region '{region}'"
     interval = suggest_interval(period, per_occ, step_s)
     steps_equiv = per_occ / step_s if step_s > 0 else float("nan")
     title = (
         f"Every {period} steps, {what} adds {per_occ:.2f} s (~{steps_equiv:.0f} steps' worth): "
         f"{share * 100:.0f}% of training time"
     )
-    if cause == "evaluation":
+    if region is not None and cause != "checkpoint_or_logging":
+        text, snippet = _region_fix(region, cause, period, interval, per_occ, share)
+    elif cause == "evaluation":
         text = (
             f"A step every {period} steps also runs the model forward on other data (evaluation): "
             f"it costs {share * 100:.0f}% of the run. Evaluate less often (every {interval} "
@@ -131,18 +215,13 @@ def every_n_steps(ctx: Context) -> Finding | None:
             f"EVAL_INTERVAL = {interval}  # was {period}: {per_occ:.2f} s each, "
             f"{share * 100:.0f}% of the run\n"
             "EVAL_BATCHES = 20  # a fixed subset is enough to track progress\n\n"
-            "if step % EVAL_INTERVAL == 0:\n"
-            "    model.eval()\n"
-            "    with torch.inference_mode():\n"
-            "        for i, (x, y) in enumerate(val_loader):\n"
-            "            if i == EVAL_BATCHES:\n"
-            "                break\n"
-            "            ...\n"
-            "    model.train()"
+            "if step % EVAL_INTERVAL == 0:\n" + _EVAL_LOOP
         )
     else:
+        where = f"The region '{region}' (a checkpoint or a log, by its name)" \
+            if region is not None else "Work outside the training phases"
         text = (
-            f"Work outside the training phases runs every {period} steps and costs "
+            f"{where} runs every {period} steps and costs "
             f"{share * 100:.0f}% of the run (checkpointing, logging, metrics, file I/O). "
             f"Do it less often (every {interval} steps keeps it near 2%); save checkpoints "
             "from a background thread after copying the state to CPU, or with "

@@ -712,11 +712,16 @@ def analyse_tune(
                     next((t.meta for t in by_arm[arm.index] if t.meta), {}))
         row["actual"] = {k: _actual(k, meta) for k in arm.settings}
         notes.extend(_knob_notes(arm, meta))
+        loaded = []
         for t in ts:  # a trial that shared its machine: its time is partly the machine's
             load = _outside_load(t)
             if load is not None and load >= OUTSIDE_LOAD_CORES:
+                loaded.append(load)
                 notes.append(f"{arm.name} trial {t.trial + 1}: other processes kept ~{load:.1f} "
                              "cores busy while it ran")
+        # for the verdicts (tune's headline, verify's line): how many, how loaded at most
+        row["outside_load"] = ({"trials": len(loaded), "max_cores": max(loaded)}
+                               if loaded else None)
         for t in by_arm[arm.index]:
             if not t.stopped and (t.status != "finished" or t.exit_code not in (0, None)):
                 notes.append(f"{arm.name} trial {t.trial + 1}: {t.status}, exit code "

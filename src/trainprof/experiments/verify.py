@@ -197,7 +197,10 @@ def judge(finding: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
                next_finding=best.get("top_finding"),
                # how near the machine's matmul peak the steps ran, without and with the fix
                flops_utilization=[base.get("flops_utilization"),
-                                  best.get("flops_utilization")])
+                                  best.get("flops_utilization")],
+               # the trials of the baseline and that arm that shared their machine
+               outside_load=[a["outside_load"] for a in (base, best)
+                             if isinstance(a.get("outside_load"), dict)] or None)
     if best.get("verdict") == "faster":
         least = out["saving_ci"][0]  # the interval must clear the bound, not the estimate
         beyond = (not unknown and not aside and bound > 0 and least is not None

@@ -62,6 +62,7 @@ from trainprof.report.terminal import (
     fmt_pct,
     fmt_time,
     op_time_text,
+    regions_in_other,
 )
 from trainprof.store import Run
 
@@ -303,19 +304,23 @@ def _header(s: dict[str, Any]) -> str:
     )
 
 
-def _breakdown_bar(breakdown: dict[str, float] | None) -> str:
+def _breakdown_bar(breakdown: dict[str, float] | None, regions: str = "") -> str:
+    """The phases' bar and legend; ``regions``: the named regions' part of "other"
+    (:func:`~trainprof.report.terminal.regions_in_other`), said beside it."""
     if not breakdown:
         return ""
     spans, legend = [], []
     for key, label, color in PHASES:
         share = float(breakdown.get(key) or 0.0)
+        part = f" ({regions})" if key == "other" and regions else ""
         if share > 0:
             spans.append(
                 f'<span style="width:{share * 100:.3f}%;background:{color}" '
-                f'title="{esc(label)} {share * 100:.1f}%"></span>'
+                f'title="{esc(label)} {share * 100:.1f}%{esc(part)}"></span>'
             )
         legend.append(
-            f'<span><i style="background:{color}"></i>{esc(label)} {share * 100:.1f}%</span>'
+            f'<span><i style="background:{color}"></i>{esc(label)} {share * 100:.1f}%'
+            f'{esc(part)}</span>'
         )
     return (
         '<div class="bar" id="tp-breakdown">' + "".join(spans) + "</div>"
@@ -449,7 +454,8 @@ def _verdict(s: dict[str, Any]) -> str:
         )
     body = head + f'<div class="tiles">{"".join(tiles)}</div>'
     if s.get("breakdown"):
-        body += "<h3>Where a steady-state step goes</h3>" + _breakdown_bar(s["breakdown"])
+        body += ("<h3>Where a steady-state step goes</h3>"
+                 + _breakdown_bar(s["breakdown"], regions_in_other(s)))
     # (a launch's command is one rank's: trainprof verify refuses it)
     run_dir = None if s.get("ranks") else s.get("run_dir")
     body += "".join(_finding(i, f, run_dir) for i, f in enumerate(findings, 1))

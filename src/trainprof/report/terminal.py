@@ -35,6 +35,18 @@ def fmt_time(seconds: float | None) -> str:
     return f"{seconds * 1e6:.0f} µs"
 
 
+def regions_in_other(summary: dict[str, Any]) -> str:
+    """The named regions' part of the breakdown's "other" (``"region eval 16.2%"``), or "".
+
+    The JSON ``breakdown`` keeps its six phases (regions inside "other"; the split is in
+    ``breakdown_detail``): a report shows the part, or an evaluation reads as "other"."""
+    share = float((summary.get("breakdown_detail") or {}).get("region") or 0.0)
+    if share < 0.0005:
+        return ""
+    names = list(summary.get("regions") or {})
+    return f"{f'region {names[0]}' if len(names) == 1 else 'regions'} {share * 100:.1f}%"
+
+
 def fmt_bytes(n: float | None) -> str:
     """Bytes in powers of 1024, labelled as such (IEC 80000-13: KiB, MiB, GiB), as
     ``nvidia-smi`` and ``torch.cuda.memory_summary`` print memory: "16.0 MB" for 2**24
@@ -504,6 +516,11 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
             thr.append(f"{summary['steps_per_s']:,.1f} steps/s")
         if summary.get("samples_per_s_all_ranks"):
             thr.append(f"all ranks {summary['samples_per_s_all_ranks']:,.0f} samples/s")
+        mean, median = steps.get("mean_s"), steps.get("median_s")
+        if thr and mean and median and mean > 1.5 * median:
+            # the throughput is the mean's, the Step time row the median's: say why they differ
+            thr.append(f"mean step {fmt_time(mean)}, median {fmt_time(median)}: a few long "
+                       "steps weigh")
         table.add_row("Throughput", " · ".join(thr) or "—")
         for label, text in (("Compute", compute_text(summary.get("compute"))),
                             ("Attention", attention_text(summary.get("attention"))),
@@ -519,6 +536,8 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
             if parts:
                 parts.append(" · ")
             parts.append(f"{label} {breakdown[key] * 100:.1f}%", style=style)
+        if regions_in_other(summary):
+            parts.append(f" ({regions_in_other(summary)})", style=_PHASE_STYLE["other"][1])
         table.add_row("", parts)
     device = summary.get("device")
     if device:
@@ -544,20 +563,26 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
             f"({gc_info['gen2_per_step']:.3f} full)" + _explicit_gc_txt(gc_info.get("explicit")),
         )
     for name, reg in (summary.get("regions") or {}).items():
-        table.add_row(f"Region {name}", f"{reg['count']}× · {fmt_time(reg['total_s'])} total")
+        # wall time: from its start to its end (the breakdown counts only its own time;
+        # a note says so where the two differ: analysis/summary.py)
+        share = reg.get("steady_share")
+        table.add_row(f"Region {name}", f"{reg['count']}× · {fmt_time(reg['total_s'])} wall time"
+                      + (f" · {share * 100:.1f}% of the steady steps' time" if share else ""))
     system = summary.get("system") or {}
     if system.get("n_samples"):
         cpu = (
             f"process {fmt_pct(system.get('proc_cpu_pct'))} · "
             f"workers {fmt_pct(system.get('workers_cpu_pct'))} "
             f"({system.get('n_workers_seen', 0)} seen) · "
-            f"system {fmt_pct(system.get('sys_cpu_pct'))}"
+            f"system {fmt_pct(system.get('sys_cpu_pct'))} of all cores"
         )
         if system.get("iowait_pct") is not None:
             cpu += f" · iowait {fmt_pct(system['iowait_pct'])}"
         cores = (summary.get("environment") or {}).get("usable_cores")
         if cores:
-            cpu += f"  ({cores} usable cores; 100% = one core)"
+            # the process and its workers in cores (psutil's per-process %), the system
+            # as the mean over its cores: the two scales are said apart
+            cpu += f"  ({cores} usable cores; process, workers: 100% = one core)"
         table.add_row("CPU", cpu)
         table.add_row("Memory", f"RSS peak {fmt_bytes(system.get('rss_peak_bytes'))}")
         for g in system.get("gpu") or []:

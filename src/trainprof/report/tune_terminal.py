@@ -1,10 +1,11 @@
 """The terminal view of ``trainprof tune`` (rich). It renders a tune result; it computes nothing.
 
 The answer comes first, on one line: the best arm and its speed-up over the baseline with the
-interval, or that no arm was significantly faster. Below it one row per arm: the setting asked
-for and the setting the runs recorded, trials used, mean time per step (or per sample: what is
-compared) and the median step, samples/s, the ratio to the baseline with its interval, and
-the verdict.
+interval, or that no arm was significantly faster (settled as faster, where an unsettled arm's
+interval clears ×1), and how many trials ran under outside load. Below it one row per arm: the
+setting asked for and the setting the runs recorded, trials used, mean time per step (or per
+sample: what is compared) and the median step, samples/s, the ratio to the baseline with its
+interval, and the verdict.
 """
 
 from __future__ import annotations
@@ -59,17 +60,53 @@ def headline(doc: dict[str, Any]) -> Text:
         line.append("No verdict", style="bold yellow")
         line.append(f": the baseline {base} has no usable trial")
         return line
-    line.append("No arm is significantly faster", style="bold yellow")
-    line.append(f" than the baseline {base}")
+    # an unsettled arm's interval may clear ×1: "significantly faster" would contradict it
+    cleared = [r for r in rows if r.get("verdict") == "unsettled"
+               and (r.get("ci") or [None, None])[1] is not None and r["ci"][1] < 1]
+    if cleared:
+        r = min(cleared, key=lambda r: r.get("ratio") or 1.0)
+        line.append("No arm is settled as faster", style="bold yellow")
+        line.append(f" than the baseline {base}: {r['name']} ran at {_ratio(r.get('ratio'))} "
+                    f"({conf}% CI {_ratio(r['ci'][0])}–{_ratio(r['ci'][1])}), but its trials "
+                    "disagree too much to size the change")
+    else:
+        line.append("No arm is significantly faster", style="bold yellow")
+        line.append(f" than the baseline {base}")
+    load = load_text(rows)
+    if load:
+        line.append(f"; {load}")
     return line
+
+
+def load_text(rows: list[dict[str, Any]]) -> str:
+    """Trials that ran while other processes kept cores busy (tune's ``outside_load``), in
+    a few words for a verdict: "" where none did."""
+    loaded = [r["outside_load"] for r in rows if isinstance(r.get("outside_load"), dict)]
+    if not loaded:
+        return ""
+    n = sum(int(x.get("trials") or 0) for x in loaded)
+    cores = max(float(x.get("max_cores") or 0.0) for x in loaded)
+    return (f"{n} trial{'s' if n != 1 else ''} ran while other processes kept up to "
+            f"~{cores:.1f} cores busy")
+
+
+def _longest_word(texts: Any) -> int:
+    """The longest run of the ``texts`` without a space (a knob's setting): what a column
+    must hold so that rich wraps between settings, not inside one."""
+    return max((len(word) for text in texts for word in str(text).split()), default=1)
 
 
 def _arms_table(doc: dict[str, Any]) -> Table:
     per_sample = doc.get("metric") == "time_per_sample"
     conf = round(float(doc.get("confidence") or 0.95) * 100)
     table = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold")
-    table.add_column("arm", style="bold cyan", overflow="fold")
-    table.add_column("recorded", overflow="fold")
+    rows = doc.get("arms") or []
+    # an arm breaks between its knobs, never inside one ("autocast=bf1" / "6"): each column
+    # is at least as wide as its longest setting
+    table.add_column("arm", style="bold cyan", overflow="fold",
+                     min_width=_longest_word(str(r.get("name")) + " (base)" for r in rows))
+    table.add_column("recorded", overflow="fold", min_width=_longest_word(
+        [*(str(v) for r in rows for v in (r.get("actual") or {}).values()), "recorded"]))
     table.add_column("trials", justify="right", no_wrap=True)
     table.add_column("steps", justify="right", no_wrap=True)
     table.add_column("time/sample" if per_sample else "time/step", justify="right",

@@ -13,6 +13,7 @@ from rich.text import Text
 
 from trainprof.report.console import make_console
 from trainprof.report.terminal import utilization_text
+from trainprof.report.tune_terminal import load_text
 
 _STYLE = {"confirmed": "bold green", "beyond the bound": "bold green",
           "not confirmed": "bold yellow", "refuted": "bold red", "no data": "bold yellow",
@@ -41,6 +42,8 @@ def verdict_line(result: dict[str, Any]) -> Text:
         line.append(f" - no arm has a usable measurement; {estimate}")
         return line
     lo, hi = result.get("ci") or (None, None)
+    # trials flagged under outside load, named in the verdict (tune's notes list each one)
+    load = load_text([{"outside_load": x} for x in result.get("outside_load") or []])
     per = "time per sample" if result.get("metric") == "time_per_sample" else "step time"
     measured = (f"{result['arm']} ran at ×{result['ratio']:.2f} of the baseline's {per} "
                 f"(95% CI {_ratio(lo)}–{_ratio(hi)})")
@@ -54,9 +57,11 @@ def verdict_line(result: dict[str, Any]) -> Text:
         "refuted": "keep the current setting",
         "not applicable": "the knob changed nothing in this script (see tune's notes)",
         "unsettled": "its trials disagree too much to tell the size (a trial ran far slower "
-                     "than the others: outside load?); rerun with more --trials on a quieter "
-                     "machine",
+                     f"than the others: {load or 'outside load?'}); rerun with more --trials "
+                     "on a quieter machine",
     }.get(verdict, "")
+    if load and verdict != "unsettled":
+        advice += f" ({load})" if advice else load
     rounds = result.get("round_ratios")
     if verdict == "unsettled" and rounds:
         measured += " - by round " + ", ".join(_ratio(r) for r in rounds)
