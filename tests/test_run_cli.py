@@ -903,11 +903,11 @@ t0 = time.monotonic()
 for step in range(10**9):
     try:  # a "robust" loop that skips bad batches: a bare except catches everything
         (w * torch.randn(4)).sum().backward(); opt.step(); opt.zero_grad()
+        if step == 5:  # (inside the try: the signal comes as the line is read, and is
+            print("READY", flush=True)  # raised as print returns)
         time.sleep(0.01)
     except:  # noqa: E722
         print("skipped a bad batch", flush=True)
-    if step == 5:
-        print("READY", flush=True)
     if time.monotonic() - t0 > 60:
         break
 print("the loop ended by itself")
