@@ -17,7 +17,7 @@ from trainprof.capture.window import (
 )
 from trainprof.commands import analyse
 from trainprof.errors import UsageError
-from trainprof.schema import FLAG_PROFILED, RECORD_WIDTH
+from trainprof.schema import FLAG_PROFILED, FORWARD, RECORD_WIDTH
 from trainprof.store import load_run
 
 
@@ -165,11 +165,17 @@ def test_a_failing_tool_is_dropped_not_the_run() -> None:
     assert ("start", 1) in good.calls and ("stop", 3) in good.calls
 
 
+def _step(clock: StepClock) -> None:
+    """A manual step with some timed work in it (an empty one is not closed)."""
+    clock.exit(clock.enter(FORWARD))
+    clock.manual_step()
+
+
 def test_clock_flags_profiled_steps_and_the_step_after() -> None:
     clock = StepClock()
     clock.add_window(WindowRunner(Schedule(skip_first=2, warmup=1, active=2), [LogTool()]))
     for _ in range(8):
-        clock.manual_step()
+        _step(clock)
     flags = list(clock.records[RECORD_WIDTH - 1 :: RECORD_WIDTH])
     # steps 2 (warm-up), 3-4 (active) and 5 (carries the stop) are flagged
     assert [i for i, f in enumerate(flags) if f & FLAG_PROFILED] == [2, 3, 4, 5]
@@ -181,7 +187,7 @@ def test_clock_max_steps_still_stops_with_windows() -> None:
     clock.add_window(WindowRunner(Schedule(skip_first=1, warmup=0, active=10), [tool]))
     with pytest.raises(StopTraining):
         for _ in range(10):
-            clock.manual_step()
+            _step(clock)
     assert clock.n_steps == 4
     assert tool.calls[0] == ("start", 1)
 
