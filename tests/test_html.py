@@ -758,3 +758,15 @@ def test_numbers_are_formatted_by_what_their_key_says() -> None:
                   "1.2 ms", "12,345", "<th>Kernel</th><td>1.2 ms", "yes", "&lt;script&gt;"):
         assert shown in page, shown
     assert "<script>" not in page
+
+
+def test_a_utilization_under_ten_percent_keeps_a_decimal_as_the_terminal_does() -> None:
+    """An input-bound step at 0.4% of the peak had read "0%" in the HTML's tile."""
+    from trainprof.report.html import _verdict
+
+    compute = {"flops_per_step": 58.6e6, "flops_per_s": 831e6, "utilization": 0.0038,
+               "peak_flops": {"cpu float32": 217e9}}
+    page = _verdict({"steps": {"count": 60, "median_s": 0.07}, "compute": compute,
+                     "findings": []})
+    assert '<div class="k">FLOPs utilization</div><div class="v">0.4%</div>' in page, page
+

@@ -63,6 +63,7 @@ from trainprof.report.terminal import (
     fmt_time,
     op_time_text,
     regions_in_other,
+    utilization_text,
 )
 from trainprof.store import Run
 
@@ -419,7 +420,8 @@ def _verdict(s: dict[str, Any]) -> str:
             value = compute.get("utilization")
             if value is None:
                 value = compute["datasheet_utilization"]
-            tiles.append(_tile("FLOPs utilization", f"{value * 100:.0f}%", compute_row))
+            # as the terminal writes it: 0.4%, not 0%
+            tiles.append(_tile("FLOPs utilization", utilization_text(value), compute_row))
         attention = s.get("attention") or {}
         if attention.get("share") is not None:
             tiles.append(_tile("attention op by op", f"{attention['share'] * 100:.0f}%",
