@@ -206,6 +206,21 @@ def test_num_workers_0_is_too_few_workers_with_a_fitted_snippet():
                            "train.py")
 
 
+def test_blocked_loading_on_a_busy_machine_says_the_wait_may_be_for_a_core():
+    """The training process does not read its run-queue wait: under outside load a wait for
+    a core reads as blocked, and "workers beyond the core count" was advised on it."""
+    steps = make_steps(60, data=5 * MS)
+
+    def fix_text(sys_cpu: float) -> str:
+        summary = make_summary(steps, dataloaders=[loader()], system={
+            "n_samples": 20, "proc_cpu_pct": 70.0, "workers_cpu_pct": 0.0,
+            "sys_cpu_pct": sys_cpu})
+        return only(diagnose(summary, steps), "input_pipeline")["fix"]["text"]
+
+    assert "Other processes kept ~1.3 cores busy meanwhile" in fix_text(100.0)
+    assert "Other processes kept" not in fix_text(40.0)  # 0.8 - 0.7: a tenth of a core
+
+
 def test_workers_can_save_no_more_than_the_loading_spread_over_them():
     """Amdahl over the loading: 20 ms batches beside a 1 ms model, one worker (2 cores,
     CPU-bound loading): the step falls from 21 ms to 20 at best, not by the 95% waited."""

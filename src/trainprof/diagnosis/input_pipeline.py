@@ -58,6 +58,7 @@ from typing import Any
 import numpy as np
 
 from trainprof.analysis.padding import holds_images
+from trainprof.analysis.system import OUTSIDE_LOAD_CORES
 from trainprof.diagnosis.context import Context
 from trainprof.diagnosis.context import stat as _ms
 from trainprof.diagnosis.finding import Finding, Fix, band, sweep
@@ -844,6 +845,18 @@ def _data_wait(ctx: Context) -> Finding | None:
                     f" {most}, so workers overlap it even beyond the core count; if it stays "
                     f"slow, {PACK_HINT}"
                 )
+                outside = ctx.external_cores
+                if outside is not None and outside >= OUTSIDE_LOAD_CORES:
+                    # the training process does not read its run-queue wait (a system call
+                    # a batch): under outside load, waiting for a core reads as blocked
+                    evidence["outside_load_cores"] = outside
+                    text += (
+                        f" Other processes kept ~{outside:.1f} cores busy meanwhile, and the "
+                        "training process's waits for a core count as blocked time: part of "
+                        "it may be the machine's load, which no number of workers removes; "
+                        "measure again on a quiet machine before adding workers beyond the "
+                        "cores."
+                    )
         elif decisive:
             title = (
                 f"Training waits for data {pct} of step time: {nw} DataLoader workers spend "
