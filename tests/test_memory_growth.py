@@ -28,6 +28,8 @@ def test_theil_sen_ignores_outliers():
     ("filled_then_flat", False),  # a cache that filled in the first half
     ("flat_noise", False),
     ("one_jump", False),  # an allocator block taken once
+    ("jump_mid_second_half", False),  # one rise between quarters 2 and 3, then flat: the
+    # last quarter's median a hair above the third's had passed "rising in each quarter"
     ("too_small", False),  # 10 MB over the run
 ])
 def test_growth_must_hold_to_the_end(shape, grows):
@@ -39,6 +41,7 @@ def test_growth_must_hold_to_the_end(shape, grows):
         "filled_then_flat": base + 20 * MB * np.minimum(t, 9),
         "flat_noise": base,
         "one_jump": base + 200 * MB * (t > 7),
+        "jump_mid_second_half": 500 * MB + 0.01 * MB * t + 110 * MB * (t > 10),
         "too_small": base + 0.5 * MB * t,
     }[shape]
     g = series_growth(t, y, steps_per_s=50.0, capacity=4096 * MB)

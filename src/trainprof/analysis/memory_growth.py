@@ -14,7 +14,9 @@ end.
 Method, per series (host RSS; each GPU's NVML used memory): the samples inside the
 steady-state window are cut into four quarters of equal time; the series *grows* when
 the quarters' medians rise from the second to the third and from the third to the
-fourth quarter (growth that stopped halfway is a cache that filled, not a leak) and
+fourth quarter, the last rise at least :data:`MIN_LAST_RISE` of the one before (growth
+that stopped halfway is a cache that filled, not a leak: one jump between the second and
+third quarters, then flat at 445.6 MB twice, had read as "more in each quarter") and
 the rise over the second half is at least :data:`MIN_GROWTH_BYTES` and
 :data:`MIN_GROWTH_REL` of the first quarter's median. A window shorter than
 :data:`MIN_WINDOW_S` is not judged: a heap grows for a process's first seconds.
@@ -35,6 +37,8 @@ import numpy as np
 #: the least growth over the second half of the steady window that counts
 MIN_GROWTH_BYTES = 32 * 2**20
 MIN_GROWTH_REL = 0.03
+#: the last quarter's rise, at least this part of the third's: growth still going on
+MIN_LAST_RISE = 0.25
 #: samples needed in the window (four quarters of at least two each)
 MIN_SAMPLES = 8
 #: the shortest steady window judged: a process's heap keeps growing for its first
@@ -76,6 +80,7 @@ def series_growth(t: np.ndarray, y: np.ndarray, steps_per_s: float | None,
     slope = theil_sen_slope(t[late] - t[0], y[late])
     rise = medians[3] - medians[1]
     grows = (medians[1] < medians[2] < medians[3] and slope > 0
+             and medians[3] - medians[2] >= MIN_LAST_RISE * (medians[2] - medians[1])
              and rise >= max(MIN_GROWTH_BYTES, MIN_GROWTH_REL * medians[0]))
     out: dict[str, Any] = {
         "grows": bool(grows),
