@@ -47,6 +47,7 @@ import sys
 import threading
 import time
 import types
+import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -212,9 +213,15 @@ def _run_file_as_main(path: Path) -> None:
 
     Not ``runpy.run_path``: that sets ``sys.argv[0]`` to the path it is
     given, while python keeps the path as typed in ``argv[0]`` and uses the
-    absolute path for ``__file__`` and in tracebacks. Like runpy, the script
-    gets a fresh ``__main__`` module in ``sys.modules`` (so its classes pickle
-    as ``__main__.X`` for spawned DataLoader workers), restored afterwards.
+    absolute path for ``__file__`` and in tracebacks: the path joined to the
+    working directory, symlinks and ``..`` kept (a symlinked ``exp1/train.py``
+    reads ``exp1/config.json`` beside it, not its target's). Like runpy, the
+    script gets a fresh ``__main__`` module in ``sys.modules`` (so its classes
+    pickle as ``__main__.X`` for spawned DataLoader workers), and it stays there
+    when the script ends, as under python: the script's ``atexit`` handlers run
+    after trainprof's summary, and one that saves a model of a class of the
+    script pickles it by ``__main__`` (a put-back ``__main__`` had left a
+    corrupt checkpoint).
     """
     filename = str(path)
     with io.open_code(filename) as f:
@@ -229,13 +236,8 @@ def _run_file_as_main(path: Path) -> None:
         __package__=None,
         __builtins__=builtins,
     )
-    saved_main = sys.modules.get("__main__")
     sys.modules["__main__"] = main
-    try:
-        exec(code, main.__dict__)
-    finally:
-        if saved_main is not None:
-            sys.modules["__main__"] = saved_main
+    exec(code, main.__dict__)
 
 
 def exit_code_of(code: object) -> tuple[int, str | None]:
@@ -372,7 +374,8 @@ def join_script_threads(poll_s: float = 0.1) -> None:
 
 def run_target(target: str, args: list[str], module: bool) -> Outcome:
     """Execute the script/module in this process and report how it ended."""
-    saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None
+    # sys.argv, sys.path[0] and __main__ stay the script's when it ends, as under python:
+    # its atexit handlers run after trainprof's summary (see _run_file_as_main)
     if module:
         sys.argv = [target, *args]  # runpy replaces argv[0] with the module's file
         sys.path[0:1] = [os.getcwd()]
@@ -386,10 +389,11 @@ def run_target(target: str, args: list[str], module: bool) -> Outcome:
             try:
                 if module:
                     runpy.run_module(target, run_name="__main__", alter_sys=True)
-                elif Path(target).is_file():
-                    _run_file_as_main(Path(target).resolve())
-                else:  # a directory or zip with __main__.py
-                    runpy.run_path(target, run_name="__main__")
+                elif Path(target).is_file() and not zipfile.is_zipfile(target):
+                    _run_file_as_main(Path(os.path.join(os.getcwd(), target)))
+                else:  # a directory or a zip (app.pyz) with __main__.py: absolute, as
+                    # python puts it first on sys.path (runpy inserts the path it is given)
+                    runpy.run_path(os.path.join(os.getcwd(), target), run_name="__main__")
             except SystemExit:
                 join_script_threads()
                 raise
@@ -407,8 +411,4 @@ def run_target(target: str, args: list[str], module: bool) -> Outcome:
     except BaseException as exc:
         print_exception(exc)  # the traceback says it all; no extra line
         return Outcome("crashed", 1)
-    finally:
-        sys.argv = saved_argv
-        if saved_path0 is not None:
-            sys.path[0:1] = [saved_path0]
     return Outcome("finished", 0)
