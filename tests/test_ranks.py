@@ -976,7 +976,7 @@ def test_ctrl_c_closes_every_rank_as_interrupted(tmp_path):
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 130, stderr[-3000:]
+    assert proc.returncode == -signal.SIGINT, stderr[-3000:]  # ended by the signal, as python
     doc = json.loads(stdout)
     assert doc["status"] == "interrupted"
     assert [r["status"] for r in doc["ranks"]] == ["interrupted", "interrupted"]

@@ -7,8 +7,11 @@ live run and a later report of it always agree.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import shlex
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -257,6 +260,9 @@ def run_command(
             recorder.stop(status, exit_code)
         terminated.extend(held)
 
+    # registered before the script's own: atexit runs last what came first (_end_by_sigint)
+    atexit.register(_end_by_sigint)
+
     def execute() -> Outcome:
         try:
             recorder.start()
@@ -348,7 +354,27 @@ def run_command(
         sys.stderr.flush()
         os._exit(outcome.exit_code)
     settle_daemon_threads()  # the interpreter finalizes next (see there)
+    if outcome.status == "interrupted" and outcome.exit_code == 130:
+        _ENDED_BY_CTRL_C[0] = True
     return outcome.exit_code
+
+
+#: Set when a run ended by Ctrl-C: the process then ends by SIGINT (_end_by_sigint).
+_ENDED_BY_CTRL_C = [False]
+
+
+def _end_by_sigint() -> None:
+    """End the process by SIGINT, after the script's atexit handlers, as python does for a
+    KeyboardInterrupt it did not catch: a shell's ``$?`` is 130 either way, but a shell
+    loop (``for lr in ...; do trainprof run train.py --lr $lr; done``) stops on Ctrl-C only
+    when its child died of the signal; an exit with 130 let it start the next run."""
+    if not _ENDED_BY_CTRL_C[0]:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
 
 
 def _merge_launch(launch_dir: Path, local_ranks: int, html: bool) -> dict[str, Any]:

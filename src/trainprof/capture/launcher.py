@@ -12,7 +12,7 @@ returned                       finished     0
 ``os._exit(n)``                finished     n
 ``--max-steps`` reached        finished     0
 raised                         crashed      1
-Ctrl-C                         interrupted  130
+Ctrl-C                         interrupted  130 (ends by SIGINT, as python)
 SIGTERM                        interrupted  143
 =============================  ===========  =========
 
