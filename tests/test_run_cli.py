@@ -553,6 +553,36 @@ for step in range(10**9):
     assert proc.returncode != 0
 
 
+GARBAGE_SETUP = """
+import gc, time, torch
+gc.set_threshold(10)  # a set-up that makes cyclic garbage: collections back to back
+print("READY", flush=True)
+t0 = time.monotonic()
+while time.monotonic() - t0 < 8:
+    for _ in range(1000):
+        a = []; a.append(a)
+w = torch.zeros(4, requires_grad=True)
+opt = torch.optim.SGD([w], lr=0.1)
+for step in range(100):
+    (w * torch.randn(4)).sum().backward(); opt.step(); opt.zero_grad()
+print("TRAINED", flush=True)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_garbage_collection_is_not_lost(tmp_path, sig):
+    """A signal whose handler ran as trainprof's gc callback began was an exception CPython
+    ignores there: Ctrl-C was lost (the script trained on to exit 0), SIGTERM held."""
+    proc, run_dir = _start(tmp_path, GARBAGE_SETUP)
+    time.sleep(1.0)
+    began = time.monotonic()
+    proc.send_signal(sig)
+    out, err = _finish(proc, timeout=60)
+    assert time.monotonic() - began < 4, err  # not the 8 s of set-up
+    assert "TRAINED" not in out and "Exception ignored" not in err, err
+    assert proc.returncode == (-signal.SIGINT if sig == signal.SIGINT else 143), err
+
+
 def test_sys_exit_code_is_passed_through(tp):
     res = tp("import sys\nsys.exit(3)\n")
     assert res.returncode == 3

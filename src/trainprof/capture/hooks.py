@@ -45,9 +45,11 @@ import functools
 import gc
 import multiprocessing.process
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Mapping
 from time import perf_counter_ns
@@ -60,7 +62,7 @@ from torch.utils.data import dataloader as _dl
 from torch.utils.data._utils.worker import _worker_loop  # a DataLoader worker's target
 
 from trainprof.capture.checkpointing import CheckpointCalls
-from trainprof.capture.clock import FAST, StepClock
+from trainprof.capture.clock import FAST, StepClock, Terminated
 from trainprof.capture.compile_events import CompileEvents
 from trainprof.capture.ddp_stats import DDPStats
 from trainprof.capture.device_timer import (
@@ -103,6 +105,12 @@ if FAST:  # the C wrappers (see trainprof.capture.clock); else the Python closur
 #: The installed instrumentations, for the one fork hook (see :func:`_uninstall_in_child`).
 _INSTALLED: weakref.WeakSet[Instrumentation] = weakref.WeakSet()
 _FORK_HOOK = False
+
+
+def _signal_again(sig: int) -> None:
+    """Flag ``sig`` for the main thread a moment from now (see the unraisable hook)."""
+    time.sleep(0.001)
+    _thread.interrupt_main(sig)
 
 
 def _uninstall_in_child() -> None:
@@ -392,6 +400,8 @@ class Instrumentation:
         self._restore: list[tuple[Any, str, Any]] = []
         self._handles: list[Any] = []
         self._gc_cb: Callable[[str, dict[str, Any]], None] | None = None
+        #: (our sys.unraisablehook, the one it replaced), while installed
+        self._unraisable: tuple[Any, Any] | None = None
         self.installed = False
         self.forward_roots: list[str] = []
         self._compiled_at_install = 0
@@ -968,6 +978,27 @@ class Instrumentation:
 
         self._gc_cb = on_gc
         gc.callbacks.append(on_gc)
+        # ... and a signal whose handler ran as the callback began (its first instruction
+        # checks for pending signals, before any try of its own) reaches CPython's
+        # "Exception ignored" report: delivered again from there. A script whose set-up made
+        # garbage for seconds lost its Ctrl-C (it trained to the end, exit 0) and had its
+        # SIGTERM held to the first step.
+        previous_hook = sys.unraisablehook
+
+        def unraisable(report: Any) -> None:
+            kind = getattr(report, "exc_type", None)
+            if (getattr(report, "object", None) is on_gc and isinstance(kind, type)
+                    and issubclass(kind, KeyboardInterrupt | Terminated)):
+                # flagged from another thread, once this hook has returned: flagged here,
+                # the handler would run at this hook's next instruction and be ignored again
+                # (_thread's: threading's start() waits for the thread, here, in the hook)
+                sig = signal.SIGTERM if issubclass(kind, Terminated) else signal.SIGINT
+                _thread.start_new_thread(_signal_again, (sig,))
+                return
+            previous_hook(report)
+
+        self._unraisable = (unraisable, previous_hook)
+        sys.unraisablehook = unraisable
 
         explicit = self.explicit_gc
 
@@ -1103,4 +1134,9 @@ class Instrumentation:
         if self._gc_cb is not None and self._gc_cb in gc.callbacks:
             gc.callbacks.remove(self._gc_cb)
         self._gc_cb = None
+        if self._unraisable is not None:
+            ours, previous = self._unraisable
+            if sys.unraisablehook is ours:
+                sys.unraisablehook = previous
+            self._unraisable = None
         self.compiles.unregister()
