@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -469,3 +473,32 @@ def test_regions_share_is_shown_and_their_wall_time_explained(tmp_path):
     (note,) = prof.summary["notes"]
     assert note.startswith("the named regions ran ") and "(wall time, the Region rows)" in note
     assert "backward passes, optimizer steps" in note
+
+
+def test_a_profile_under_python_dash_m_records_the_module_command(tmp_path):
+    """`python -m mypkg.train` with trainprof.profile(): the record had the module's file as
+    a script, and verify's trials crashed on its relative imports."""
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "util.py").write_text("LR = 0.1\n")
+    (pkg / "train.py").write_text(
+        "import sys, torch, trainprof\n"
+        "from .util import LR\n"
+        "with trainprof.profile(sys.argv[1], report=False):\n"
+        "    w = torch.zeros(4, requires_grad=True)\n"
+        "    opt = torch.optim.SGD([w], lr=LR)\n"
+        "    for _ in range(3):\n"
+        "        (w * torch.randn(4)).sum().backward(); opt.step(); opt.zero_grad()\n")
+    res = subprocess.run([sys.executable, "-m", "mypkg.train", str(tmp_path / "r"), "--x"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                             [str(Path(trainprof.__file__).parents[1]),
+                              os.environ.get("PYTHONPATH", "")])})
+    assert res.returncode == 0, res.stderr
+    from trainprof.experiments.verify import original_command
+
+    meta = json.loads((tmp_path / "r" / "run.json").read_text())
+    assert meta["command"][1:] == ["-m", "mypkg.train", str(tmp_path / "r"), "--x"]
+    assert original_command(meta)[:3] == ("mypkg.train", [str(tmp_path / "r"), "--x"], True)
+

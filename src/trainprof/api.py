@@ -121,7 +121,7 @@ class Profile:
         self._recorder = Recorder(
             self.run_dir,
             name=self.name,
-            command=[sys.executable, *sys.argv],
+            command=_own_command(),
             script=script,
             max_steps=max_steps,
             sample_interval_s=sample_interval_s,
@@ -240,3 +240,17 @@ def profile(
         out, name, max_steps=max_steps, sample_interval_s=sample_interval_s, report=report,
         deep=deep, py=py, lines=lines, html=html,
     )
+
+
+def _own_command() -> list[str]:
+    """This process's command as the user typed it, for verify and tune to run again:
+    under ``python -m pkg.train`` ``sys.argv[0]`` is the module's file, which run as a
+    script loses its package (relative imports fail: every verify trial crashed), so the
+    module is named from ``__main__.__spec__``, as python records it."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    name = getattr(spec, "name", None)
+    if isinstance(name, str) and name and name != "__main__":
+        module = name.removesuffix(".__main__")  # python -m pkg runs pkg.__main__
+        return [sys.executable, "-m", module, *sys.argv[1:]]
+    return [sys.executable, *sys.argv]
+
