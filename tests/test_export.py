@@ -193,6 +193,20 @@ def test_step_range(run_dir: Path, tmp_path: Path) -> None:
     assert stats["deep_traces"] == []  # the deep window (steps 9-11) is outside
     stats = export_perfetto(run, path, max_steps=5)
     assert stats["steps"] == 5 and "left out" in stats["notes"][0]
+    assert "--steps FIRST:LAST" in stats["notes"][0]  # the option the note names exists:
+    res = trainprof("export", str(run_dir), "--perfetto", str(path), "--steps", "25:34",
+                    cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(path.read_text())
+    assert [e["args"]["step"] for e in doc["traceEvents"]
+            if e.get("cat") == "step"] == list(range(25, 35))
+    for bad in ("34:25", "x:3", "25", "-1:3"):
+        res = trainprof("export", str(run_dir), "--perfetto", str(path), "--steps", bad,
+                        cwd=tmp_path)
+        assert res.returncode == 2 and "expected FIRST:LAST" in res.stderr, (bad, res.stderr)
+    res = trainprof("export", str(run_dir), "--tensorboard", str(tmp_path / "tb"), "--steps",
+                    "1:2", cwd=tmp_path)
+    assert res.returncode == 2 and "give --perfetto PATH" in res.stderr
 
 
 def test_unwritable_path_is_a_usage_error(run_dir: Path, tmp_path: Path) -> None:

@@ -127,6 +127,20 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _step_range(text: str) -> tuple[int | None, int | None]:
+    """``FIRST:LAST`` (either side may be left out), steps counted from 0, inclusive."""
+    first, sep, last = text.partition(":")
+    try:
+        bounds = (int(first) if first.strip() else None, int(last) if last.strip() else None)
+    except ValueError:
+        bounds = None
+    if not sep or bounds is None or any(b is not None and b < 0 for b in bounds) or (
+            None not in bounds and bounds[0] > bounds[1]):
+        raise argparse.ArgumentTypeError(
+            f"expected FIRST:LAST step numbers (e.g. 5000:5999, 5000: or :999), got {text!r}")
+    return bounds
+
+
 def _sample_interval(text: str) -> float:
     """A sampling period no shorter than the CPU counters resolve (see MIN_INTERVAL_S)."""
     value = _positive_float(text)
@@ -283,6 +297,10 @@ def build_parser() -> _Parser:
     export.add_argument("--perfetto", type=Path, metavar="PATH",
                         help="write one Chrome-trace JSON (Perfetto, chrome://tracing): steps, "
                              "phases, system counters and any deep-window trace, aligned")
+    export.add_argument("--steps", type=_step_range, metavar="FIRST:LAST",
+                        help="with --perfetto: only these steps (e.g. 5000:5999, 5000: or "
+                             ":999); a timeline holds at most 100,000 steps, the first ones "
+                             "when none are chosen")
     export.add_argument("--tensorboard", type=Path, metavar="LOGDIR",
                         help="write TensorBoard event files into LOGDIR/<run name>/: per-step "
                              "and system scalars, the report and findings as text; a tune "
@@ -512,7 +530,7 @@ def _dispatch(argv: list[str]) -> int:
         from trainprof.commands import export_command
 
         return export_command(ns.run_dir, perfetto=ns.perfetto, tensorboard=ns.tensorboard,
-                              wandb=ns.wandb)
+                              wandb=ns.wandb, steps=ns.steps)
     if ns.command == "pack":
         from trainprof.commands import pack_command
 

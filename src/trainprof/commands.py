@@ -512,6 +512,7 @@ def export_command(
     perfetto: Path | None = None,
     tensorboard: Path | None = None,
     wandb: str | None = None,
+    steps: tuple[int | None, int | None] | None = None,
 ) -> int:
     """``trainprof export``: the run for other tools (Perfetto's timeline, TensorBoard, W&B)."""
     if perfetto is not None:
@@ -521,13 +522,16 @@ def export_command(
     if perfetto is None and tensorboard is None and wandb is None:
         raise UsageError("say what to export: --perfetto PATH, --tensorboard LOGDIR and/or "
                          "--wandb PROJECT")
+    if steps is not None and perfetto is None:
+        raise UsageError("--steps chooses the steps of the --perfetto timeline: give "
+                         "--perfetto PATH")
     run_dir = Path(run_dir)
     if perfetto is not None:
         if (run_dir / TUNE_JSON).is_file() and not (run_dir / RUN_JSON).is_file():
             raise UsageError(f"{run_dir} is a trainprof tune folder: export one of its trials "
                              "with --perfetto (or the whole sweep with --tensorboard or "
                              "--wandb)")
-        _export_perfetto(run_dir, perfetto)
+        _export_perfetto(run_dir, perfetto, steps)
     if tensorboard is not None or wandb is not None:
         if wandb is not None:
             from trainprof.report import wandb_export
@@ -541,11 +545,13 @@ def export_command(
     return 0
 
 
-def _export_perfetto(run_dir: Path, perfetto: Path) -> None:
+def _export_perfetto(run_dir: Path, perfetto: Path,
+                     steps: tuple[int | None, int | None] | None = None) -> None:
     from trainprof.report.perfetto import export_perfetto
 
     main, ranks = load_ranks(run_dir)  # a run of several ranks: every rank on one timeline
-    stats = export_perfetto(main, perfetto, ranks=ranks)
+    first, last = steps or (None, None)
+    stats = export_perfetto(main, perfetto, ranks=ranks, first_step=first, last_step=last)
     print(f"trainprof: wrote {perfetto} ({stats.get('events', 0)} events); "
           "open it in https://ui.perfetto.dev or chrome://tracing", file=sys.stderr)
     for trace in stats.get("deep_traces", []):

@@ -452,7 +452,8 @@ def _select_steps(
     if len(steps) > max_steps:
         notes.append(
             f"{len(steps) - max_steps} steps after step {int(steps['step'][max_steps - 1])} "
-            f"left out (at most {max_steps} steps per export; choose a step range)"
+            f"left out (at most {max_steps} steps per export; choose others with "
+            "`trainprof export RUN --perfetto PATH --steps FIRST:LAST`)"
         )
         steps = steps[:max_steps]
     if len(steps) == len(run.steps):
