@@ -543,12 +543,16 @@ for step in range(10**9):
             "echo NEXT; done")
     proc = subprocess.Popen(["bash", "-c", loop], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-    line = ""
-    while "START" not in line:
-        line = proc.stdout.readline()
-    time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole process group
-    out, err = proc.communicate(timeout=60)
+    try:
+        line = ""
+        while "START" not in line:
+            line = proc.stdout.readline()
+        time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole process group
+        out, err = proc.communicate(timeout=30)
+    finally:  # a loop that went on must not outlive the test
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
     assert "NEXT" not in out and out.count("START") == 0, out  # (the first was read above)
     assert proc.returncode != 0
 
@@ -581,6 +585,25 @@ def test_a_signal_during_garbage_collection_is_not_lost(tmp_path, sig):
     assert time.monotonic() - began < 4, err  # not the 8 s of set-up
     assert "TRAINED" not in out and "Exception ignored" not in err, err
     assert proc.returncode == (-signal.SIGINT if sig == signal.SIGINT else 143), err
+
+
+def test_a_script_that_execs_itself_closes_its_record_first(tp):
+    """os.execv replaces the process: the record had stayed "running", read as a crash."""
+    res = tp("""
+    import os, sys, torch
+    w = torch.zeros(4, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1)
+    for _ in range(12):
+        (w * torch.randn(4)).sum().backward(); opt.step(); opt.zero_grad()
+    if len(sys.argv) < 2:
+        os.execv(sys.executable, [sys.executable, __file__, "again"])
+    print("AGAIN", sys.argv[1:], flush=True)
+    """, "--no-html")
+    assert res.returncode == 0, res.stderr
+    assert "AGAIN ['again']" in res.stdout and "Steps        12" in res.stdout
+    assert "the script replaced itself with" in res.stderr
+    meta = json.loads((res.run_dir / "run.json").read_text())
+    assert (meta["status"], meta["exit_code"]) == ("finished", 0)
 
 
 def test_sys_exit_code_is_passed_through(tp):

@@ -236,6 +236,17 @@ def run_command(
         sys.stdout.flush()
         sys.stderr.flush()
 
+    def finish_at_exec(path: str) -> None:
+        """The script replaces itself (``os.execv``): close the record and report first;
+        what the new program does is not measured."""
+        with deferred_sigint():
+            recorder.stop("finished", 0)
+        conclude(Outcome("finished", 0, f"trainprof: the script replaced itself with {path} "
+                                        "(os.exec*): the record ends here; what runs next is "
+                                        "not measured"))
+        sys.stdout.flush()
+        sys.stderr.flush()
+
     terminated: list[int] = []  # SIGTERMs held while trainprof wrapped up
     real_os_exit = os._exit  # (the script's os._exit is patched while it runs)
 
@@ -270,7 +281,7 @@ def run_command(
             close("interrupted", 130)
             return Outcome("interrupted", 130, "trainprof: interrupted before the script started")
         try:
-            with finish_before_os_exit(finish_at_os_exit):
+            with finish_before_os_exit(finish_at_os_exit, finish_at_exec):
                 outcome = run_target(target, args, module)
         except BaseException:
             close("crashed", 1)

@@ -53,6 +53,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from trainprof.capture.clock import StopTraining, Terminated
 from trainprof.errors import UsageError
@@ -269,16 +270,21 @@ def _start_gc_afresh() -> None:
 
 
 @contextmanager
-def finish_before_os_exit(finish: Callable[[int], None]) -> Iterator[None]:
-    """While the script runs, ``os._exit(n)`` in this process runs ``finish(n)`` first.
+def finish_before_os_exit(finish: Callable[[int], None],
+                          finish_exec: Callable[[str], None] | None = None) -> Iterator[None]:
+    """While the script runs, ``os._exit(n)`` in this process runs ``finish(n)`` first, and
+    ``os.execv``/``os.execve`` (every ``os.exec*`` goes through them) ``finish_exec(path)``.
 
     ``finish`` closes the record and prints the summary; then the process exits
     exactly as the script asked. Only once, and only in this process: a forked
     child (a DataLoader worker, a forked ``Process``) ends through ``os._exit`` too,
     and must not touch its parent's record. Whatever ``finish`` raises is dropped:
-    nothing keeps the script from exiting.
+    nothing keeps the script from exiting. An exec replaces the process: its record
+    had stayed "running" for ever, read as a crash. It is closed before an exec of a file
+    that can run (``execvp`` tries each folder of ``PATH`` through ``execv``: the ones
+    that hold no such program are let fail as they would).
     """
-    real_exit = os._exit
+    real_exit, real_execv, real_execve = os._exit, os.execv, os.execve
     pid = os.getpid()
     done = False
 
@@ -290,12 +296,33 @@ def finish_before_os_exit(finish: Callable[[int], None]) -> Iterator[None]:
                 finish(code)
         real_exit(code)
 
-    os._exit = _exit
+    def _before_exec(path: Any) -> None:
+        nonlocal done
+        if (finish_exec is not None and os.getpid() == pid and not done
+                and isinstance(path, str | bytes | os.PathLike)
+                and os.access(path, os.X_OK) and not os.path.isdir(path)):
+            done = True
+            with suppress(BaseException):
+                finish_exec(os.fsdecode(path))
+
+    def execv(path: Any, argv: Any) -> None:
+        _before_exec(path)
+        real_execv(path, argv)
+
+    def execve(path: Any, argv: Any, env: Any) -> None:
+        _before_exec(path)
+        real_execve(path, argv, env)
+
+    os._exit, os.execv, os.execve = _exit, execv, execve
     try:
         yield
     finally:
         if os._exit is _exit:
             os._exit = real_exit
+        if os.execv is execv:
+            os.execv = real_execv
+        if os.execve is execve:
+            os.execve = real_execve
 
 
 def _thread_state(native_id: int) -> str | None:
