@@ -721,12 +721,8 @@ def compare_runs(a: Run, b: Run) -> dict[str, Any]:
                          "part of the difference may be the machine's, not the runs'")
     env, env_notes = environment_diff(a, b, phase_weights, cpu_compute)
     notes += env_notes
-    likely = likely_cause(env, phases, explains, load_change, cpu_compute)
-    if (likely and likely.get("kind") == "setting" and significant
-            and all(isinstance(x, int | float) and x >= OUTSIDE_LOAD_CORES for x in loads)):
-        # both runs shared a busy machine: a setting named as the cause may be the load's
-        # doing (an explorer's ×10.7 "caused by" a command change that sped its code up)
-        likely["both_loaded"] = {"a_cores": loads[0], "b_cores": loads[1]}
+    likely = (likely_cause(env, phases, explains, load_change, cpu_compute, loads)
+              if significant else None)
     return {
         "verdict": verdict,
         "significant": significant,
@@ -764,8 +760,8 @@ DIRECT_SHARE = 0.5
 
 
 def likely_cause(env: list[dict[str, Any]], phases: dict[str, Any], explains: str | None,
-                 load_change: dict[str, Any] | None, cpu_compute: bool
-                 ) -> dict[str, Any] | None:
+                 load_change: dict[str, Any] | None, cpu_compute: bool,
+                 loads: list[Any] | None = None) -> dict[str, Any] | None:
     """The headline's most likely cause: the top-ranked changed fact, or other processes'
     load on the slower run's machine.
 
@@ -774,6 +770,9 @@ def likely_cause(env: list[dict[str, Any]], phases: dict[str, Any], explains: st
     data wait down 92% is the setting's doing, whatever the machine's load did besides
     (an explorer's compare had named the load, above the table that ranked the setting
     first). Then the load is named as well. None when the change has no explaining phase.
+    Where both runs shared a busy machine (``loads``: other processes' cores, A and B), a
+    setting named comes with that caveat (``both_loaded``): an explorer's ×10.7 had been
+    "caused by" a command change that sped its code up.
     """
     top = env[0] if env else None
     if explains is None:
@@ -786,9 +785,12 @@ def likely_cause(env: list[dict[str, Any]], phases: dict[str, Any], explains: st
         return {"kind": "load", **load_change}
     if top is None:
         return None
-    return {"kind": "setting", "key": top["key"],
-            "a": top.get("change_a", top.get("a")), "b": top.get("change_b", top.get("b")),
-            "also_load": load_change}
+    cause = {"kind": "setting", "key": top["key"],
+             "a": top.get("change_a", top.get("a")), "b": top.get("change_b", top.get("b")),
+             "also_load": load_change}
+    if loads and all(isinstance(x, int | float) and x >= OUTSIDE_LOAD_CORES for x in loads):
+        cause["both_loaded"] = {"a_cores": loads[0], "b_cores": loads[1]}
+    return cause
 
 
 def exceeds_slowdown(result: dict[str, Any], pct: float) -> bool:

@@ -203,6 +203,7 @@ def summarize_run(run: Run) -> dict[str, Any]:
     stats = step_statistics(run.steps)
     stats["steps"]["per_iteration"] = steps_per_iteration(meta.get("optimizers"))
     done = complete_steps(run.steps)
+    done_s = float(done["dur_ns"].sum()) / 1e9  # every complete step's time, warm-up too
     t_start = t_end = None
     warm = stats["steps"]["warmup"]
     origin = meta.get("clock_origin_s")
@@ -210,7 +211,9 @@ def summarize_run(run: Run) -> dict[str, Any]:
         steady = done[warm:]
         t_start = origin + float(steady["t_start_ns"][0]) / 1e9
         t_end = origin + float(steady["t_start_ns"][-1] + steady["dur_ns"][-1]) / 1e9
-    workers = summarize_workers(run.path, meta.get("clock_origin_s"))
+    worker_files = load_worker_files(run.path)  # read once: loading stats and memory
+    first_batches = batch_tensors(meta.get("padding"))
+    workers = summarize_workers(run.path, meta.get("clock_origin_s"), worker_files)
     samples = load_samples(run.samples_path)
     system = summarize_system(samples, t_start, t_end)
     if system.get("n_samples", 0) == 0 and samples:
@@ -225,7 +228,7 @@ def summarize_run(run: Run) -> dict[str, Any]:
             origin + float(head["t_start_ns"][-1] + head["dur_ns"][-1]) / 1e9)], usable_cores)
     explicit = meta.get("explicit_gc")
     if explicit and isinstance(stats.get("gc"), dict):
-        stats["gc"]["explicit"] = _explicit_gc(explicit, float(done["dur_ns"].sum()) / 1e9)
+        stats["gc"]["explicit"] = _explicit_gc(explicit, done_s)
     ops = load_ops(run.path)
     gpu = _first_gpu(meta)
     mean_step_s = 1.0 / stats["steps_per_s"] if stats.get("steps_per_s") else None
@@ -259,20 +262,19 @@ def summarize_run(run: Run) -> dict[str, Any]:
         "memory_growth": memory_growth(
             samples, t_start, t_end, stats.get("steps_per_s"),
             ((meta.get("fingerprint") or {}).get("cpu") or {}).get("memory_total_bytes"),
-            worker_starts(load_worker_files(run.path)[0])),
+            worker_starts(worker_files[0])),
         # inside the DataLoader workers: blocked vs CPU per sample, collate, start-up
         "workers": workers,
         # receiving the workers' batches in the training process (capture/handoff.py)
         "batch_handoff": summarize_handoff(meta.get("batch_handoff"), workers,
-                                           float(done["dur_ns"].sum()) / 1e9,
-                                           batch_tensors(meta.get("padding"))),
+                                           done_s, first_batches),
         # the first pass of activation-checkpointed regions: what the backward recomputes
         "activation_checkpointing": summarize_checkpointing(
-            meta.get("activation_checkpointing"), float(done["dur_ns"].sum()) / 1e9, len(done)),
+            meta.get("activation_checkpointing"), done_s, len(done)),
         # how much of the first batches' sequences is padding (capture/padding.py)
         "padding": summarize_padding(meta.get("padding")),
         # what the first batch of each loader holds: dtypes and shapes (capture/padding.py)
-        "batch_tensors": batch_tensors(meta.get("padding")),
+        "batch_tensors": first_batches,
         "device": device_statistics(
             run.device, int(done["step"][warm]) if len(done) > warm else 0
         ),

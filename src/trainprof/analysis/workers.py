@@ -401,14 +401,18 @@ def _origin_ns(run_dir: Path, clock_origin_s: float | None) -> int | None:
     return round(clock_origin_s * 1e9)
 
 
-def summarize_workers(run_dir: Path, clock_origin_s: float | None = None) -> dict[str, Any] | None:
+def summarize_workers(run_dir: Path, clock_origin_s: float | None = None,
+                      files: tuple[list[dict[str, Any]], dict[int, dict[str, Any]]] | None = None,
+                      ) -> dict[str, Any] | None:
     """Per DataLoader: blocked vs CPU time per sample, collate, busy share, start-up, functions.
 
     ``None`` when no process left a readable file (no DataLoader, or a run recorded
     before worker capture existed). ``clock_origin_s`` (run.json's) places the
-    start-ups on the run's timeline; read from run.json when not given.
+    start-ups on the run's timeline; read from run.json when not given. ``files``: what
+    :func:`load_worker_files` read already (the summary reads them once for this and the
+    workers' memory).
     """
-    procs, stacks = load_worker_files(Path(run_dir))
+    procs, stacks = files if files is not None else load_worker_files(Path(run_dir))
     if not procs:
         return None
     origin = _origin_ns(Path(run_dir), clock_origin_s)

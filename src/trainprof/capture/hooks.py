@@ -963,26 +963,21 @@ class Instrumentation:
             # GC before the first step (imports, dataset set-up) must not start the clock.
             if get_ident() != clock.owner or not clock.started:
                 return
-            try:
-                if phase == "start":
-                    clock.gc_prev = enter(GC)
-                elif clock.current == GC:
-                    exit_(clock.gc_prev)
-                    acc[GC_N] += 1
-                    if info.get("generation") == 2:
-                        acc[GC_GEN2_N] += 1
-            except KeyboardInterrupt:
-                # CPython ignores exceptions raised in gc callbacks: a Ctrl-C whose
-                # handler ran here would be lost. Deliver it again, outside the callback.
-                _thread.interrupt_main()
+            if phase == "start":
+                clock.gc_prev = enter(GC)
+            elif clock.current == GC:
+                exit_(clock.gc_prev)
+                acc[GC_N] += 1
+                if info.get("generation") == 2:
+                    acc[GC_GEN2_N] += 1
 
         self._gc_cb = on_gc
         gc.callbacks.append(on_gc)
-        # ... and a signal whose handler ran as the callback began (its first instruction
-        # checks for pending signals, before any try of its own) reaches CPython's
-        # "Exception ignored" report: delivered again from there. A script whose set-up made
-        # garbage for seconds lost its Ctrl-C (it trained to the end, exit 0) and had its
-        # SIGTERM held to the first step.
+        # CPython ignores exceptions raised in gc callbacks, and a signal handler may run
+        # anywhere in one (from its first instruction, before any try of its own): a Ctrl-C
+        # or SIGTERM raised there reaches the "Exception ignored" report, and is delivered
+        # again from it. A script whose set-up made garbage for seconds lost its Ctrl-C (it
+        # trained to the end, exit 0) and had its SIGTERM held to the first step.
         previous_hook = sys.unraisablehook
 
         def unraisable(report: Any) -> None:

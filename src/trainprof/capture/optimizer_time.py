@@ -12,9 +12,11 @@ So from the second optimizer a script steps on, each described optimizer gets a 
 its own step hooks (``Optimizer.register_step_pre_hook`` / ``register_step_post_hook``,
 torch's per-instance hooks) that add the step's time to a ``[ns, steps]`` list the record
 keeps. A script with one optimizer pays nothing; one with several pays two Python calls
-and two clock reads per optimizer step (about a microsecond). Steps of the training
-thread only, as the clock's; where a step of an optimizer runs inside another of its own
-(a subclass calling ``super().step()``, both hooked) the inner one is what is counted.
+and two clock reads per optimizer step: 0.53 µs (SGD over one tensor, 10.34 µs a step
+plain, 10.86 hooked, medians of 7 interleaved rounds of 20,000 steps, this VM).
+Steps of the training thread only, as the clock's; where a step of an optimizer runs
+inside another of its own (a subclass calling ``super().step()``, both hooked) the inner
+one is what is counted.
 """
 
 from __future__ import annotations
