@@ -1,6 +1,6 @@
 """The on-disk format of a pack: what ``trainprof pack`` writes and ``PackedDataset`` reads.
 
-Why this format (measured in ``shared/notes/data-loading.md`` §2 and §4, 20,000 small
+Why this format (measured in ``docs/notes/data-loading.md`` §2 and §4, 20,000 small
 PNGs on this project's machines): a concatenated-bytes blob with an ``int64`` offsets
 array, read through ``mmap``, had the smallest container overhead of every store tried
 (2 µs a sample against 4 for LMDB, 25 for indexed tar, ~100 for WebDataset or h5py
