@@ -133,3 +133,67 @@ def test_no_native_bf16_small_products_mostly_in_autocast_or_cuda_get_nothing():
     summary["environment"].update(cuda="12.4", gpu="NVIDIA H100", gpu_count=1)
     summary["system"]["gpu"] = [{"index": 0, "util_pct": 90.0}]
     assert not _findings(summary, steps)
+
+
+AUTOCAST_MLP = MLP.replace(
+    "    out = model(torch.randn(32, 64))",
+    "    with torch.autocast(\"cpu\", dtype=torch.bfloat16):\n"
+    "        out = model(torch.randn(32, 64))")
+
+
+def test_the_scripts_own_cpu_autocast_is_counted_and_small_products_get_the_converse(tp):
+    """A script that runs its model under CPU bfloat16 autocast: the op count sees its 3
+    products a step under autocast, with their FLOPs, none large; the rule says autocast
+    loses here, and its verify line compares the model's calls with autocast off."""
+    res = tp(AUTOCAST_MLP, "--json")
+    assert res.returncode == 0, res.stderr
+    assert _line(res, "DTYPES") == "DTYPES ['torch.bfloat16'] PARAMS torch.float32"
+    doc = res.json()
+    ops = doc["ops"]
+    assert ops["matmul_per_step"] == 3 and ops["cpu_fp32_matmul_per_step"] == 0
+    assert ops["cpu_autocast_matmul_per_step"] == 3
+    assert ops["cpu_autocast_matmul_flops_per_step"] == 2 * 32 * (64 * 256 + 256 * 256 + 256 * 4)
+    assert ops["cpu_autocast_big_matmul_flops_per_step"] == 0
+    assert ops["cpu_autocast_dtype"] == "bfloat16"
+    (f,) = [f for f in doc["findings"] if f["cause"] == "autocast_loses_on_cpu"]
+    model = f["evidence"]["model_share"]
+    assert f["estimated_gain"] == pytest.approx(model * (1 - 1 / 1.81), abs=1e-3)
+    assert "--knob autocast=bf16,off" in f["verify"]
+    assert "enabled=use_autocast" in f["fix"]["snippet"]
+
+
+def _autocast_summary(flag: str | None, dtype: str = "bfloat16", under: float = 3.0,
+                      flops: float = 13e6, big: float = 0.0):
+    summary, steps = _summary(flag, fp32=0.0)
+    summary["ops"].update(cpu_autocast_matmul_per_step=under, cpu_autocast_dtype=dtype,
+                          cpu_autocast_matmul_flops_per_step=flops,
+                          cpu_autocast_big_matmul_flops_per_step=big)
+    return summary, steps
+
+
+def _converse(summary, steps):
+    return [f for f in diagnose(summary, steps) if f["cause"] == "autocast_loses_on_cpu"]
+
+
+def test_cpu_autocast_loses_on_small_products_or_without_native_bf16_only():
+    (small,) = _converse(*_autocast_summary("avx512_bf16"))
+    model = small["evidence"]["model_share"]
+    assert small["estimated_gain"] == pytest.approx(model * (1 - 1 / 1.81), abs=1e-4)
+    assert "small matrix products" in small["title"]
+    # large products on a native CPU: autocast is right there (the other rule's case)
+    assert not _converse(*_autocast_summary("amx_bf16", flops=4e9, big=3e9))
+    # the same large products with no bfloat16 instructions: emulated, all of them lose
+    (emulated,) = _converse(*_autocast_summary(None, flops=4e9, big=3e9))
+    assert emulated["estimated_gain"] == pytest.approx(model * (1 - 1 / 1.81), abs=1e-4)
+    assert "without native bfloat16" in emulated["title"]
+    # a few products under autocast, most outside it; sizes unknown; on CUDA: nothing
+    assert not _converse(*_autocast_summary("avx512_bf16", under=1.0))
+    assert not _converse(*_autocast_summary("avx512_bf16", flops=0.0))
+    summary, steps = _autocast_summary("avx512_bf16")
+    summary["environment"].update(cuda="12.4", gpu="NVIDIA H100", gpu_count=1)
+    summary["system"]["gpu"] = [{"index": 0, "util_pct": 90.0}]
+    assert not _converse(summary, steps)
+    # records before the field: no dtype, no finding
+    summary, steps = _autocast_summary("avx512_bf16")
+    del summary["ops"]["cpu_autocast_dtype"]
+    assert not _converse(summary, steps)

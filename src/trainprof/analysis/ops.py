@@ -106,6 +106,12 @@ def load_ops(run_dir: Path) -> dict[str, Any] | None:
         "cpu_fp32_matmul_per_step": doc.get("cpu_fp32_matmul_per_step"),
         "cpu_fp32_matmul_flops_per_step": doc.get("cpu_fp32_matmul_flops_per_step"),
         "cpu_fp32_big_matmul_flops_per_step": doc.get("cpu_fp32_big_matmul_flops_per_step"),
+        # ... and CPU products under CPU autocast: small ones lose to its casts (precision.py)
+        "cpu_autocast_matmul_per_step": doc.get("cpu_autocast_matmul_per_step"),
+        "cpu_autocast_matmul_flops_per_step": doc.get("cpu_autocast_matmul_flops_per_step"),
+        "cpu_autocast_big_matmul_flops_per_step": doc.get(
+            "cpu_autocast_big_matmul_flops_per_step"),
+        "cpu_autocast_dtype": doc.get("cpu_autocast_dtype"),
         "cuda_fp32_conv2d_per_step": doc.get("cuda_fp32_conv2d_per_step"),
         # products' and convolutions' FLOPs, all and float64 (diagnosis/float64.py)
         "matmul_conv_flops_per_step": doc.get("matmul_conv_flops_per_step"),

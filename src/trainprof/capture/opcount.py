@@ -295,12 +295,32 @@ class OpCountTool:
         #: FLOPs of those CPU float32 products (where the shapes tell them), and of those of
         #: at least BIG_MATMUL_FLOPS each: only large products gain from bfloat16 on a CPU
         self.cpu_fp32_flops = [0.0, 0.0]
+        #: CPU matrix products called under CPU autocast, their FLOPs and those of the
+        #: products of at least BIG_MATMUL_FLOPS, and autocast's dtype then: small ones
+        #: lose to the casts (diagnosis/precision.py)
+        self.cpu_autocast = [0, 0.0, 0.0]
+        self.cpu_autocast_dtype: str | None = None
         #: sequences packed for an RNN (pack_padded_sequence): padding it does not compute on
         self.packed_sequences = 0
         #: the script's TF32 settings when the window opened (after its set-up)
         self.tf32_settings: dict[str, Any] = {}
         #: FLOPs forward and backward, by the device and dtype that computed them
         self.flop_count = FlopCount()
+
+    def count_cpu_autocast(self, flops: float | None) -> None:
+        """A CPU matrix product under CPU autocast (the dispatcher casts it after this mode
+        sees it: its arguments are still float32 here)."""
+        import torch
+
+        self.cpu_autocast[0] += 1
+        if flops is not None:
+            self.cpu_autocast[1] += flops
+            if flops >= BIG_MATMUL_FLOPS:
+                self.cpu_autocast[2] += flops
+        if self.cpu_autocast_dtype is None:
+            with contextlib.suppress(AttributeError, TypeError):  # torch < 2.4
+                self.cpu_autocast_dtype = str(torch.get_autocast_dtype("cpu")).replace(
+                    "torch.", "")
 
     def _make_mode(self) -> Any:
         from torch.overrides import TorchFunctionMode
@@ -361,6 +381,9 @@ class OpCountTool:
                             tool.cpu_fp32_flops[0] += flops
                             if flops >= BIG_MATMUL_FLOPS:
                                 tool.cpu_fp32_flops[1] += flops
+                    elif (isinstance(arg, torch.Tensor) and arg.device.type == "cpu"
+                          and arg.is_floating_point() and _autocast_on("cpu")):
+                        tool.count_cpu_autocast(flops)
                 elif called in _BACKWARDS:
                     tool.backward += 1
                 elif called in _PACKING:
@@ -510,6 +533,11 @@ class OpCountTool:
             "cpu_fp32_matmul_per_step": self.matmuls[2] / self.steps,
             "cpu_fp32_matmul_flops_per_step": self.cpu_fp32_flops[0] / self.steps,
             "cpu_fp32_big_matmul_flops_per_step": self.cpu_fp32_flops[1] / self.steps,
+            # ... and those under CPU autocast (in its dtype: bfloat16 unless told)
+            "cpu_autocast_matmul_per_step": self.cpu_autocast[0] / self.steps,
+            "cpu_autocast_matmul_flops_per_step": self.cpu_autocast[1] / self.steps,
+            "cpu_autocast_big_matmul_flops_per_step": self.cpu_autocast[2] / self.steps,
+            "cpu_autocast_dtype": self.cpu_autocast_dtype,
             "cuda_fp32_conv2d_per_step": self.cuda_fp32_conv2d / self.steps,
             # forward FLOPs of the products and convolutions, all and float64 ones
             "matmul_conv_flops_per_step": self.flops[0] / self.steps,
