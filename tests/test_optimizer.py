@@ -237,6 +237,30 @@ def test_a_critic_stepped_twice_a_generator_step_makes_iterations_of_two_steps(t
                for n in doc["notes"])
 
 
+def test_compare_of_gan_runs_compares_iterations_of_their_own_steps(tmp_path):
+    """Run A steps its critic once a generator step, B twice: A's steps are whole iterations,
+    B's alternate between the critic's alone and the one with the generator. compare sets
+    iterations against each other (B's summed by two), and says so."""
+    write_script(tmp_path, "gan.py", GAN)
+    write_script(tmp_path, "gan1.py", GAN.replace("range(2)", "range(1)"))
+    a = trainprof("run", "--no-html", "--out", "a", "gan1.py", cwd=tmp_path)
+    b = trainprof("run", "--no-html", "--out", "b", "gan.py", cwd=tmp_path)
+    assert a.returncode == 0 and b.returncode == 0, a.stderr[-2000:] + b.stderr[-2000:]
+    res = trainprof("compare", "a", "b", "--json", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    doc = json.loads(res.stdout)
+    assert doc["metric"] == "iteration_time" and doc["unit"] == "s/iteration"
+    assert any(n.startswith("an iteration of the loop is 1 step in A and 2 in B")
+               for n in doc["notes"])
+    # B's iteration is two of its steps: about twice its median step (the two kinds' sum)
+    b_step = doc["b"]["steps"]["median_s"]
+    assert 1.4 * b_step < doc["median_b"] < 3.0 * b_step
+    # A has no second kind of step: its iterations are its steps
+    assert doc["median_a"] == pytest.approx(doc["a"]["steps"]["median_s"], rel=1e-9)
+    text = trainprof("compare", "a", "b", cwd=tmp_path).stdout
+    assert "time per iteration" in text and "mean per iteration" in text
+
+
 # -- the finding ------------------------------------------------------------------------------
 
 

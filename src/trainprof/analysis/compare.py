@@ -7,7 +7,10 @@ out why took a profiler and luck. :func:`compare_runs` puts the answer in one do
 :func:`trainprof.analysis.steps.detect_warmup`, the definition every trainprof report uses).
 The compared quantity is the step time, or the time per *sample* when the two runs put a
 different number of samples in a step (another batch size): a step of 64 samples is not
-"slower" than a step of 32 because it takes longer.
+"slower" than a step of 32 because it takes longer. A loop whose second optimizer steps once every
+k steps (a GAN's critic stepped k times a generator step,
+:mod:`trainprof.analysis.iterations`) is compared by iterations of k steps (summed), since its
+steps are of two kinds and their median is neither.
 
 **Ratio and confidence interval.** ``ratio`` is median(B) / median(A). Its 95% confidence
 interval is a percentile bootstrap (Efron & Tibshirani, *An Introduction to the Bootstrap*,
@@ -64,6 +67,7 @@ from typing import Any
 
 import numpy as np
 
+from trainprof.analysis.iterations import group_steps, steps_per_iteration
 from trainprof.analysis.steps import (
     BREAKDOWN_KEYS,
     PHASE_COLUMNS,
@@ -590,6 +594,12 @@ def _phase_totals(steady: np.ndarray, per_sample: bool) -> dict[str, float | Non
     }
 
 
+def per_unit(result: dict[str, Any]) -> str:
+    """What one compared value is of: "sample", "iteration" or "step" (the renderers' word)."""
+    return {"time_per_sample": "sample", "iteration_time": "iteration"}.get(
+        str(result.get("metric")), "step")
+
+
 def _uses_gpu(run: Run) -> bool:
     fp = run.meta.get("fingerprint") or {}
     return bool(fp.get("gpus")) or bool(len(run.device))
@@ -607,6 +617,21 @@ def compare_runs(a: Run, b: Run) -> dict[str, Any]:
     sa, warm_a, count_a = _steady(a)
     sb, warm_b, count_b = _steady(b)
     notes: list[str] = []
+    # a loop whose second optimizer steps once every k steps (a GAN's critic stepped k times
+    # a generator step) has steps of two kinds: its iterations of k steps are compared
+    ka = steps_per_iteration(a.meta.get("optimizers")) or 1
+    kb = steps_per_iteration(b.meta.get("optimizers")) or 1
+    by_iteration = ka > 1 or kb > 1
+    steps_a, steps_b = sa, sb  # each side's own step statistics stay its steps'
+    if by_iteration:
+        sa, sb = group_steps(sa, ka), group_steps(sb, kb)
+        notes.append(
+            ("an iteration of the loop is " + (f"{ka} steps in both runs" if ka == kb else
+                                               f"{ka} step{'s' * (ka > 1)} in A and {kb} in B")
+             + " (the script's other optimizer steps once an iteration): iterations are "
+             "compared, not steps")
+            + ("; the runs do different work per iteration, so a change is the algorithm's "
+               "as much as the speed's" if ka != kb else ""))
     spa, spb = _samples_per_step(sa), _samples_per_step(sb)
     per_sample = (
         spa is not None and spb is not None and abs(spb - spa) > BATCH_TOLERANCE * spa
@@ -620,7 +645,8 @@ def compare_runs(a: Run, b: Run) -> dict[str, Any]:
         va = sa["dur_ns"] / sa["samples"] / 1e9
         vb = sb["dur_ns"] / sb["samples"] / 1e9
     else:
-        metric, unit = "step_time", "s/step"
+        metric, unit = (("iteration_time", "s/iteration") if by_iteration
+                        else ("step_time", "s/step"))
         va = sa["dur_ns"].astype(np.float64) / 1e9
         vb = sb["dur_ns"].astype(np.float64) / 1e9
 
@@ -693,8 +719,8 @@ def compare_runs(a: Run, b: Run) -> dict[str, Any]:
         phase_weights = dict.fromkeys(BREAKDOWN_KEYS, 1 / len(BREAKDOWN_KEYS))
 
     cpu_compute = not (_uses_gpu(a) or _uses_gpu(b))
-    side_a = _run_side(a, sa, warm_a, count_a)
-    side_b = _run_side(b, sb, warm_b, count_b)
+    side_a = _run_side(a, steps_a, warm_a, count_a)
+    side_b = _run_side(b, steps_b, warm_b, count_b)
     thr = {
         "a_samples_per_s": side_a["samples_per_s"],
         "b_samples_per_s": side_b["samples_per_s"],

@@ -30,3 +30,28 @@ def steps_per_iteration(optimizers: Any) -> int | None:
     ratio = int(primary["steps"]) / max(others)
     k = round(ratio)
     return k if k >= 2 and abs(ratio - k) <= TOLERANCE * k else None
+
+
+def group_steps(records: Any, k: int | None) -> Any:
+    """Step records summed by ``k`` consecutive steps: one record an iteration.
+
+    Durations, phases and counters add up; ``step`` and ``t_start_ns`` are the first step's,
+    ``flags`` all of the steps' together. Any ``k`` consecutive steps of a periodic loop hold
+    one step of each kind (the generator's step among them), so no alignment is needed; the
+    last steps that make no whole iteration are left out. ``k`` of 1 or None: unchanged.
+    """
+    import numpy as np
+
+    if not k or k < 2 or len(records) < k:
+        return records if not k or k < 2 else records[:0]
+    whole = records[: len(records) // k * k]
+    out = np.zeros(len(whole) // k, dtype=records.dtype)
+    for name in records.dtype.names:
+        column = whole[name].reshape(-1, k)
+        if name in ("step", "t_start_ns"):
+            out[name] = column[:, 0]
+        elif name == "flags":
+            out[name] = np.bitwise_or.reduce(column, axis=1)
+        else:
+            out[name] = column.sum(axis=1)
+    return out

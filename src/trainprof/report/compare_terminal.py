@@ -14,6 +14,7 @@ from typing import IO, Any
 from rich.table import Table
 from rich.text import Text
 
+from trainprof.analysis.compare import per_unit
 from trainprof.report.console import keep_numbers_whole, make_console
 from trainprof.report.terminal import fmt_bytes, fmt_flops, fmt_pct, fmt_time
 
@@ -46,7 +47,7 @@ def _signed_time(seconds: float | None) -> str:
 def verdict_line(result: dict[str, Any]) -> Text:
     """The one-line answer: verdict, size, interval, and the phase that explains it."""
     verdict = result.get("verdict")
-    per = "sample" if result.get("metric") == "time_per_sample" else "step"
+    per = per_unit(result)
     ratio, ci = result.get("ratio"), result.get("ci")
     conf = round(float(result.get("confidence") or 0.95) * 100)
     line = Text()
@@ -186,7 +187,7 @@ def _attention(seconds: float | None) -> str:
 
 
 def _phases_table(result: dict[str, Any]) -> Table:
-    per = "sample" if result.get("metric") == "time_per_sample" else "step"
+    per = per_unit(result)
     table = Table(box=None, padding=(0, 2), show_edge=False,
                   title=f"Phases (mean per {per}, steady steps)", title_justify="left",
                   title_style="bold")

@@ -50,6 +50,7 @@ from typing import Any
 
 import orjson
 
+from trainprof.analysis.compare import per_unit
 from trainprof.analysis.series import MAX_POINTS, sample_series, step_series, telemetry_series
 from trainprof.errors import UsageError
 from trainprof.report.html_assets import CSS, JS
@@ -1093,7 +1094,7 @@ def _compare_phases(result: dict[str, Any]) -> str:
             f'<td class="num">{"—" if _number(share) is None else f"{share * 100:.0f}%"}</td>'
             "</tr>"
         )
-    per = "sample" if result.get("metric") == "time_per_sample" else "step"
+    per = per_unit(result)
     table = (
         f'<p class="note">Mean time per {esc(per)} of each phase over the steady steps.</p>'
         '<table id="tp-phases"><thead><tr><th>phase</th><th>A</th><th>B</th><th>Δ</th>'
