@@ -489,3 +489,14 @@ def test_the_padding_text_names_attention_only_where_the_model_has_it():
     summary["ops"] = {"eager_attention": [{"shape": [8, 4, 128, 128]}]}
     (f,) = _padding_findings(summary, steps)
     assert "the attention, quadratic, saves more" in f["fix"]["text"]
+
+
+def test_the_padding_row_says_how_many_of_the_batches_read_held_padding():
+    from trainprof.report.terminal import _padding_line
+
+    entry = {"tensor": "batch[0]", "pad_share": 0.5, "length_min": 64, "length_max": 64,
+             "mean_real": 32, "mean_longest": 64, "batches": 12, "batches_read": 40}
+    assert _padding_line(entry).endswith("· 12 of 40 batches read held padded sequences")
+    assert _padding_line({**entry, "batches_read": 12}).endswith("· 12 batches read")
+    # records before the field: the padded batches, as before
+    assert _padding_line({**entry, "batches_read": None}).endswith("· 12 batches read")

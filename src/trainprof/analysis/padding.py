@@ -35,7 +35,9 @@ def summarize_padding(rec: dict[str, Any] | None) -> list[dict[str, Any]] | None
             "tensor": ld.get("tensor"),
             "side": ld.get("side"),
             "pad_value": ld.get("pad_value"),
+            # batches with a padded-sequence tensor, of the batches read
             "batches": int(ld.get("padded_batches") or 0),
+            "batches_read": int(ld.get("batches") or 0),
             "length_min": ld.get("length_min"),
             "length_max": ld.get("length_max"),
             "fixed_length": ld.get("length_min") == ld.get("length_max"),

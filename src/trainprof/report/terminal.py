@@ -289,6 +289,15 @@ def _ms_txt(stats: dict[str, Any] | None) -> str:
         fmt_time(med / 1e3))
 
 
+def _batches_read(entry: dict[str, Any]) -> str:
+    """"40 batches read", or "12 of 40 batches read held padded sequences" when only some
+    did (the others held none: their shares count nothing)."""
+    padded, read = int(entry.get("batches") or 0), int(entry.get("batches_read") or 0)
+    if read > padded:
+        return f"{padded} of {read} batches read held padded sequences"
+    return f"{padded} batch{'es' * (padded != 1)} read"
+
+
 def _padding_line(entry: dict[str, Any], packed: bool = False) -> str:
     """One loader's padded sequences (trainprof.analysis.padding) in one line; ``packed``:
     the op count saw the model pack its sequences (``pack_padded_sequence``), so its RNN
@@ -299,8 +308,7 @@ def _padding_line(entry: dict[str, Any], packed: bool = False) -> str:
     return (f"{entry.get('tensor')}: {float(entry.get('pad_share') or 0) * 100:.0f}% of "
             f"{length} positions a row are padding · "
             f"{float(entry.get('mean_real') or 0):.0f} real tokens a row, the longest of a "
-            f"batch {float(entry.get('mean_longest') or 0):.0f} · {entry.get('batches')} "
-            "batches read"
+            f"batch {float(entry.get('mean_longest') or 0):.0f} · {_batches_read(entry)}"
             + (" · the model packs its sequences (pack_padded_sequence): the padding costs "
                "no compute" if packed else ""))
 
