@@ -91,6 +91,13 @@ _MATMULS = frozenset({
 })
 
 
+#: Embedding lookups (``F.embedding``, ``F.embedding_bag``: what nn.Embedding(Bag) call), for
+#: the tables whose dense gradients make every step write and update all of their rows
+#: (diagnosis/embedding.py).
+_EMBEDDINGS = frozenset({"embedding", "embedding_bag"})
+#: Tables kept in ops.json, the largest first.
+TOP_EMBEDDINGS = 8
+
 #: backward() as scripts call it
 _BACKWARDS = frozenset({"Tensor.backward", "backward"})
 #: The op every ``pack_padded_sequence`` / ``pack_sequence`` runs: an RNN given a
@@ -300,12 +307,42 @@ class OpCountTool:
         #: lose to the casts (diagnosis/precision.py)
         self.cpu_autocast = [0, 0.0, 0.0]
         self.cpu_autocast_dtype: str | None = None
+        #: per trainable embedding table (by id of its weight): its lookups in the window
+        #: (count_embedding)
+        self.embeddings: dict[int, dict[str, Any]] = {}
         #: sequences packed for an RNN (pack_padded_sequence): padding it does not compute on
         self.packed_sequences = 0
         #: the script's TF32 settings when the window opened (after its set-up)
         self.tf32_settings: dict[str, Any] = {}
         #: FLOPs forward and backward, by the device and dtype that computed them
         self.flop_count = FlopCount()
+
+    def count_embedding(self, called: str, args: tuple[Any, ...],
+                        kwargs: dict[str, Any] | None) -> None:
+        """A lookup in a trainable table: its size, whether its gradient is sparse, and the
+        indices and distinct rows of the lookup (rows a sparse gradient would hold)."""
+        import torch
+
+        if len(args) < 2:
+            return
+        indices, weight = args[0], args[1]
+        if called == "embedding_bag" and weight.dtype == torch.long:  # the legacy order
+            indices, weight = weight, indices
+        if (not isinstance(weight, torch.Tensor) or not isinstance(indices, torch.Tensor)
+                or weight.dim() != 2 or not weight.requires_grad):
+            return
+        entry = self.embeddings.get(id(weight))
+        if entry is None:
+            entry = self.embeddings[id(weight)] = {
+                "function": called, "rows": int(weight.shape[0]), "dim": int(weight.shape[1]),
+                "dtype": str(weight.dtype).replace("torch.", ""),
+                "device": weight.device.type, "sparse": False, "calls": 0, "indices": 0,
+                "distinct_rows": 0}
+        entry["calls"] += 1
+        entry["sparse"] = entry["sparse"] or bool((kwargs or {}).get("sparse"))
+        entry["indices"] += int(indices.numel())
+        with contextlib.suppress(RuntimeError):
+            entry["distinct_rows"] += int(torch.unique(indices).numel())
 
     def count_cpu_autocast(self, flops: float | None) -> None:
         """A CPU matrix product under CPU autocast (the dispatcher casts it after this mode
@@ -384,6 +421,8 @@ class OpCountTool:
                     elif (isinstance(arg, torch.Tensor) and arg.device.type == "cpu"
                           and arg.is_floating_point() and _autocast_on("cpu")):
                         tool.count_cpu_autocast(flops)
+                elif called in _EMBEDDINGS:
+                    tool.count_embedding(called, args, kwargs)
                 elif called in _BACKWARDS:
                     tool.backward += 1
                 elif called in _PACKING:
@@ -538,6 +577,17 @@ class OpCountTool:
             "cpu_autocast_matmul_flops_per_step": self.cpu_autocast[1] / self.steps,
             "cpu_autocast_big_matmul_flops_per_step": self.cpu_autocast[2] / self.steps,
             "cpu_autocast_dtype": self.cpu_autocast_dtype,
+            # trainable embedding tables looked up, the largest first: their rows, whether
+            # their gradient is sparse, and the indices and distinct rows a step looks up
+            # (distinct per lookup, summed: at least the rows a step touches)
+            "embeddings": [
+                {**{k: v for k, v in e.items()
+                    if k not in ("calls", "indices", "distinct_rows")},
+                 "lookups_per_step": e["calls"] / self.steps,
+                 "indices_per_step": e["indices"] / self.steps,
+                 "distinct_rows_per_step": e["distinct_rows"] / self.steps}
+                for e in sorted(self.embeddings.values(),
+                                key=lambda e: -e["rows"] * e["dim"])[:TOP_EMBEDDINGS]],
             "cuda_fp32_conv2d_per_step": self.cuda_fp32_conv2d / self.steps,
             # forward FLOPs of the products and convolutions, all and float64 ones
             "matmul_conv_flops_per_step": self.flops[0] / self.steps,

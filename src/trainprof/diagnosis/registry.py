@@ -37,6 +37,7 @@ FAMILIES: tuple[str, ...] = (
     "periodic",
     "gc",
     "optimizer",
+    "embedding",
     "recompile",
     "zero_grad",
     "debug_modes",
