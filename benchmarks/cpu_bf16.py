@@ -1,6 +1,6 @@
 """A training step under CPU bfloat16 autocast against float32, by the size of its products.
 
-The threshold the CPU bfloat16 finding uses (``trainprof.capture.opcount.BIG_MATMUL_FLOPS``):
+The threshold the CPU bfloat16 finding uses (``trainprof.schema.BIG_MATMUL_FLOPS``):
 only matrix products large enough gain from bfloat16 on a CPU; smaller ones lose to the
 casts autocast adds around them. Each case is an MLP of three Linear layers (width W,
 batch B: a forward product of 2 B W^2 FLOPs), a forward, backward and SGD step per

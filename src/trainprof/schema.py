@@ -56,3 +56,20 @@ RECORD_WIDTH = len(STEP_FIELDS)
 # The implementations an optimizer's step can run, as run.json's ``optimizers`` records
 # them (trainprof.capture.optimizer_impl) and the diagnosis reads them.
 IMPL_FOR_LOOP, IMPL_FOREACH, IMPL_FUSED = "for-loop", "foreach", "fused"
+
+
+# What the op count (trainprof.capture.opcount) records and the diagnosis reads.
+#: A matrix product of at least this many FLOPs (forward) is large enough for bfloat16 to
+#: beat float32 on a CPU with AVX-512 BF16. ``benchmarks/cpu_bf16.py`` on this project's
+#: VM (3 Linear layers, a training step under autocast against float32, arms side by
+#: side, 12 rounds): 0.3 MFLOP products x1.81, 4.2 MFLOP x1.28 (the casts cost more than
+#: the math saves), 34 MFLOP x0.77-x0.92, 134 MFLOP x0.93, 537 MFLOP x0.57, 1,074 MFLOP
+#: x0.81; and examples/eval_every.py, a tiny GPT whose largest products are 34 MFLOP,
+#: amid layer norms and softmaxes that autocast casts back and forth, ran 1.56x *slower*
+#: (``trainprof tune --knob autocast=off,bf16``, 3 trials each, 95% CI x1.17-x2.06):
+#: products of that size count for nothing.
+BIG_MATMUL_FLOPS = 128e6
+
+#: Tensors of a batch described in run.json's ``batch_tensors`` (its first ones, depth-first;
+#: trainprof.capture.padding): a batch with this many may have more.
+MAX_DESCRIBED = 8

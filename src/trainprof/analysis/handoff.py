@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainprof.analysis.workers import hist_quantile
+from trainprof.schema import MAX_DESCRIBED
 
 
 def summarize_handoff(rec: dict[str, Any] | None, workers: dict[str, Any] | None,
@@ -58,8 +59,6 @@ def _tensors_in_a_batch(workers: dict[str, Any] | None,
                         batch_tensors: list[dict[str, Any]] | None) -> int | None:
     """The tensors of a batch of the workers' loaders, counted in their first batch; None
     unless every such loader's was described, whole, with the same count."""
-    from trainprof.capture.padding import MAX_DESCRIBED
-
     indices = {ld.get("loader_index") for ld in (workers or {}).get("loaders") or []
                if ld.get("mode") == "workers" and ld.get("batches")}
     described = {e.get("loader_index"): e.get("tensors") for e in batch_tensors or []

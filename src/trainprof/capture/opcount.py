@@ -51,6 +51,7 @@ from typing import Any
 from trainprof.capture import window_warnings
 from trainprof.capture.flop_count import FlopCount
 from trainprof.capture.window import Schedule
+from trainprof.schema import BIG_MATMUL_FLOPS
 from trainprof.store import OPS_JSON
 
 #: The default sampling window: two steps, after the usual warm-up.
@@ -106,16 +107,6 @@ _PACKING = frozenset({"_VariableFunctionsClass._pack_padded_sequence",
                       "_pack_padded_sequence"})
 
 
-#: A matrix product of at least this many FLOPs (forward) is large enough for bfloat16 to
-#: beat float32 on a CPU with AVX-512 BF16. ``benchmarks/cpu_bf16.py`` on this project's
-#: VM (3 Linear layers, a training step under autocast against float32, arms side by
-#: side, 12 rounds): 0.3 MFLOP products x1.81, 4.2 MFLOP x1.28 (the casts cost more than
-#: the math saves), 34 MFLOP x0.77-x0.92, 134 MFLOP x0.93, 537 MFLOP x0.57, 1,074 MFLOP
-#: x0.81; and examples/eval_every.py, a tiny GPT whose largest products are 34 MFLOP,
-#: amid layer norms and softmaxes that autocast casts back and forth, ran 1.56x *slower*
-#: (``trainprof tune --knob autocast=off,bf16``, 3 trials each, 95% CI x1.17-x2.06):
-#: products of that size count for nothing.
-BIG_MATMUL_FLOPS = 128e6
 
 
 def _matmul_flops(called: str, args: tuple[Any, ...]) -> float | None:

@@ -47,6 +47,8 @@ from dataclasses import dataclass
 from time import perf_counter_ns
 from typing import Any
 
+from trainprof.schema import MAX_DESCRIBED
+
 #: Fewer positions than this per row: not a padded sequence worth reading.
 MIN_LENGTH = 16
 #: Tensors with more elements are not read (their reading would cost milliseconds).
@@ -200,8 +202,6 @@ def find_padding(batch: Any) -> Padding | None:
     return None
 
 
-#: Tensors of a batch described (its first ones, depth-first).
-MAX_DESCRIBED = 8
 
 
 def describe_tensors(batch: Any) -> list[dict[str, Any]]:

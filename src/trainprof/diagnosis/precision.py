@@ -16,7 +16,7 @@ Python in float32 on the CPU outside CPU autocast, with their FLOPs. Small produ
 the casts cost more than the math saves (``benchmarks/cpu_bf16.py`` on this project's
 VM: 0.3-4 MFLOP products x1.28-x1.81 in bfloat16; a tiny GPT of 34 MFLOP products ran
 1.56x slower); only products of 128 MFLOP or more count:
-:data:`trainprof.capture.opcount.BIG_MATMUL_FLOPS`). The gain bound is the model's share
+:data:`trainprof.schema.BIG_MATMUL_FLOPS`). The gain bound is the model's share
 of the step (forward and backward) times ``1 - 1/16`` with AMX, ``1 - 1/2`` with
 AVX-512 BF16, times the large products' share of the FLOPs; without a large product
 nothing is said. Element-wise ops and the Python between them gain less, which the
@@ -40,10 +40,10 @@ emulated); the verify line measures the script's own ratio.
 
 from __future__ import annotations
 
-from trainprof.capture.opcount import BIG_MATMUL_FLOPS
 from trainprof.diagnosis.context import Context, number
 from trainprof.diagnosis.finding import Finding, Fix, band
 from trainprof.diagnosis.registry import rule
+from trainprof.schema import BIG_MATMUL_FLOPS
 
 HIGH, MEDIUM, LOW = 0.20, 0.05, 0.02
 #: Peak bfloat16 throughput over float32's, by the CPU's best bfloat16 instructions.
