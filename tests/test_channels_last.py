@@ -202,3 +202,50 @@ def test_model_knobs_stack_and_come_off_in_order():
     assert process["autocast"]["calls"] == process["channels_last"]["calls"] == 1
     assert process["float32"] == {"value": True, "modules": 1, "calls": 1, "inputs": 1,
                                   "skipped": {}}
+
+
+@pytest.mark.parametrize("conv", [
+    nn.ConvTranspose2d(8, 4, 4, stride=2, padding=1),  # a generator's upsampling
+    nn.ConvTranspose2d(8, 8, 3, stride=2, padding=1, output_padding=1, groups=4),
+    nn.ConvTranspose2d(3, 5, (3, 1), dilation=2),
+])
+def test_transposed_convolution_flops_are_torchs_own(conv):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from trainprof.capture.opcount import _conv_transpose2d_flops
+
+    x = torch.randn(2, conv.in_channels, 7, 9)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        conv(x)
+    assert _conv_transpose2d_flops((x, conv.weight, conv.bias, conv.stride), None) == (
+        counter.get_total_flops())
+    assert _conv_transpose2d_flops((torch.randn(8, 7, 9), conv.weight), None) is None
+
+
+GENERATOR = """
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(
+    nn.ConvTranspose2d(32, 32, 4, 2, 1), nn.ReLU(),
+    nn.ConvTranspose2d(32, 16, 4, 2, 1), nn.ReLU(), nn.Conv2d(16, 3, 3, padding=1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+z = torch.randn(8, 32, 8, 8)
+for step in range(24):
+    loss = model(z).square().mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+"""
+
+
+def test_a_generators_transposed_convolutions_count_for_channels_last(tp):
+    res = tp(GENERATOR, "--json", "--no-html")
+    assert res.returncode == 0, res.stderr
+    doc = res.json()
+    ops = doc["ops"]
+    assert (ops["conv2d_per_step"], ops["conv2d_channels_last_per_step"]) == (3, 0)
+    # 2 N H_in W_in x weight, twice, then the 3x3 convolution on 32x32
+    flops = 2 * 8 * (8 * 8 * 32 * 32 * 16 + 16 * 16 * 32 * 16 * 16 + 32 * 32 * 16 * 3 * 9)
+    assert ops["cpu_conv2d_flops_per_step"] == ops["cpu_nchw_conv2d_flops_per_step"] == flops
+    (f,) = [f for f in doc["findings"] if f["cause"] == "channels_last"]
+    assert f["evidence"]["nchw_conv_flop_share"] == pytest.approx(1.0)

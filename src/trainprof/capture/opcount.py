@@ -157,6 +157,21 @@ def _conv2d_flops(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> float
         return None
 
 
+def _conv_transpose2d_flops(args: tuple[Any, ...],
+                            kwargs: dict[str, Any] | None) -> float | None:
+    """2 N H_in W_in x (the weight's elements) of a ``torch.conv_transpose2d`` call: every
+    input position multiplies the whole kernel into the output (the weight is C_in x
+    C_out/groups x kH x kW); None when not told."""
+    given = dict(zip(("input", "weight"), args, strict=False)) | (kwargs or {})
+    try:
+        x, w = given["input"], given["weight"]
+        if x.dim() != 4:
+            return None
+        return 2.0 * int(x.shape[0]) * int(x.shape[2]) * int(x.shape[3]) * w.numel()
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError):
+        return None
+
+
 def _autocast_on(device_type: str) -> bool:
     """Autocast is on for ``device_type`` here (its matmuls run in 16 bits, not TF32)."""
     import torch
@@ -360,6 +375,7 @@ class OpCountTool:
         import torch
 
         conv2d, channels_last = torch.conv2d, torch.channels_last
+        conv_transpose2d = torch.conv_transpose2d
         float32 = torch.float32
         tool._float64 = torch.float64
 
@@ -382,13 +398,16 @@ class OpCountTool:
                     return func(*args, **(kwargs or {}))
                 tool.total += 1
                 called = _func_name(func)
-                if func is conv2d:  # F.conv2d is torch.conv2d: NCHW or NHWC (channels_last)?
+                if func is conv2d or func is conv_transpose2d:
+                    # F.conv2d is torch.conv2d (and F.conv_transpose2d torch's): NCHW or NHWC
+                    # (channels_last)? oneDNN and cuDNN reorder NCHW around both
                     tool.conv2d[0] += 1
                     nhwc = any(
                         isinstance(t, torch.Tensor) and t.dim() == 4 and not t.is_contiguous()
                         and t.is_contiguous(memory_format=channels_last) for t in args[:2])
                     tool.conv2d[1] += nhwc
-                    flops = _conv2d_flops(args, kwargs)
+                    flops = (_conv2d_flops(args, kwargs) if func is conv2d
+                             else _conv_transpose2d_flops(args, kwargs))
                     tool.count_flops(args[0] if args else None, flops, True)
                     if args and _is_cuda_fp32(args[0]):
                         tool.cuda_fp32_conv2d += 1

@@ -7,12 +7,14 @@ layout carries through the network ("Accelerating PyTorch Vision Models with Cha
 Last on CPU", PyTorch blog, 2022: channels_last is the format oneDNN is optimised for).
 The fix is two lines: the model converted once, each batch as it arrives.
 
-Evidence: the op count's window (:mod:`trainprof.capture.opcount`) counts the
-``conv2d`` calls, those with an NHWC input or weight, and their forward FLOPs from the
-shapes, beside the float32 matrix products'; the fingerprint says oneDNN is on. The gain
-bound is the model's share of the step (forward and backward) x :data:`SAVING` x the
-NCHW convolutions' share of the model's FLOPs (convolutions and matrix products): a model
-whose convolutions are a stem before a Transformer gains little.
+Evidence: the op count's window (:mod:`trainprof.capture.opcount`) counts the ``conv2d``
+and ``conv_transpose2d`` calls (a decoder's or a GAN generator's upsampling: a generator of
+two 4x4 transposed convolutions, 64 channels on 16x16 images, ran a training step x0.75 in
+channels_last here, 3 rounds side by side), those with an NHWC input or weight, and their
+forward FLOPs from the shapes, beside the float32 matrix products'; the fingerprint says
+oneDNN is on. The gain bound is the model's share of the step (forward and backward) x
+:data:`SAVING` x the NCHW convolutions' share of the model's FLOPs (convolutions and matrix
+products): a model whose convolutions are a stem before a Transformer gains little.
 
 :data:`SAVING` is the largest saving ``benchmarks/cpu_channels_last.py`` measured on a
 whole training step (this project's 2-core AVX-512 VM, torch 2.13, 12 shuffled rounds, two
