@@ -28,7 +28,7 @@ from trainprof.analysis.steps import complete_steps
 from trainprof.analysis.summary import summarize_run
 from trainprof.capture.tools import build_windows, parse_tools
 from trainprof.errors import UsageError
-from trainprof.held_signals import deferred_sigint, finish_despite_sigterm
+from trainprof.held_signals import deferred_sigint, die_of, finish_despite_sigterm
 from trainprof.output_paths import check_output
 from trainprof.report.json_report import render_json
 from trainprof.report.terminal import render_summary
@@ -248,20 +248,17 @@ def run_command(
         sys.stderr.flush()
 
     terminated: list[int] = []  # SIGTERMs held while trainprof wrapped up
-    real_os_exit = os._exit  # (the script's os._exit is patched while it runs)
 
     def terminate_now() -> None:
         """SIGTERM's exception was swallowed and the script stepped again (a bare
         ``except:`` around its step): end it here, at the step boundary, as the signal
-        would have - the record closed as interrupted, the summary, exit 143."""
+        would have - the record closed as interrupted, the summary, death by SIGTERM."""
         outcome = Outcome("interrupted", 143, "trainprof: terminated by SIGTERM (the script "
                           "caught the exception it raised and trained on)", terminated=True)
         with suppress(BaseException):  # end as the signal would, whatever happens
             close(outcome.status, outcome.exit_code)
             conclude(outcome)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        real_os_exit(outcome.exit_code)
+        die_of(signal.SIGTERM)
 
     recorder.clock.on_terminated = terminate_now
 
@@ -358,12 +355,11 @@ def run_command(
         print("trainprof: SIGTERM arrived after the script ended: the record and the summary "
               "were finished first", file=sys.stderr)
     if outcome.terminated:
-        # as SIGTERM ends a plain python: no thread waited for (a training thread still
-        # running would keep the process alive, or abort it mid-op at finalization), no
-        # atexit handler; the record is closed and the DataLoader workers are stopped
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(outcome.exit_code)
+        # as SIGTERM ends a plain python, by the signal: no thread waited for (a training
+        # thread still running would keep the process alive, or abort it mid-op at
+        # finalization), no atexit handler; the record is closed and the DataLoader workers
+        # are stopped
+        die_of(signal.SIGTERM)
     settle_daemon_threads()  # the interpreter finalizes next (see there)
     if outcome.status == "interrupted" and outcome.exit_code == 130:
         _ENDED_BY_CTRL_C[0] = True

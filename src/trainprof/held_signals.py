@@ -19,6 +19,7 @@ while the script runs.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import signal
@@ -30,6 +31,27 @@ from contextlib import contextmanager
 #: How long the wrap-up may go on after a held signal; under torchrun's 30 s grace period
 #: between its SIGTERM and its SIGKILL.
 GIVE_UP_AFTER_S = 20.0
+#: os._exit itself (the launcher patches the script's while it runs: finish_before_os_exit)
+_OS_EXIT = os._exit
+
+
+def die_of(signum: int) -> None:
+    """End the process by ``signum``, now, as the signal's default action would have.
+
+    A ``python`` that SIGTERM stops dies of the signal: its parent sees it killed
+    (``subprocess``'s returncode -15, a shell's ``$?`` 143, SLURM and torchrun "signal 15"),
+    not an exit with a code. No thread is waited for and no ``atexit`` handler runs (the
+    default action ends every thread at once). Should the signal not end the process (a
+    blocked signal), exit with ``128 + signum``.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed stream must not stop the exit
+            stream.flush()
+    with contextlib.suppress(OSError, ValueError):  # not the main thread: the exit below
+        signal.signal(signum, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+        os.kill(os.getpid(), signum)
+    _OS_EXIT(128 + signum)
 
 
 @contextmanager
@@ -55,8 +77,7 @@ def _start_give_up(timers: list[threading.Timer], signum: int, what: str, stacks
                                       if stacks else ""), file=sys.stderr, flush=True)
         if stacks:
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        sys.stderr.flush()
-        os._exit(128 + signum)
+        die_of(signum)
 
     timer = threading.Timer(GIVE_UP_AFTER_S, give_up)
     timer.daemon = True

@@ -13,7 +13,7 @@ returned                       finished     0
 ``--max-steps`` reached        finished     0
 raised                         crashed      1
 Ctrl-C                         interrupted  130 (ends by SIGINT, as python)
-SIGTERM                        interrupted  143
+SIGTERM                        interrupted  143 (ends by SIGTERM, as python)
 =============================  ===========  =========
 
 SIGTERM kills a plain ``python`` at once. Here it is raised in the script as
@@ -21,8 +21,8 @@ SIGTERM kills a plain ``python`` at once. Here it is raised in the script as
 as the script unwinds: its ``finally`` blocks run), raised again at each later step should
 the script swallow it; processes the script started and trainprof records (``mp.spawn``'s
 ranks) are sent SIGTERM in turn; and once the record and the summary are written the process
-ends with ``os._exit(143)``: like ``python``, it waits for no thread and runs no ``atexit``
-handler.
+dies of SIGTERM (:func:`trainprof.held_signals.die_of`): like ``python``, it waits for no
+thread and runs no ``atexit`` handler, and its parent sees a death by the signal.
 
 ``os._exit(n)`` ends the process at once, without ``finally`` blocks or
 ``atexit`` (scripts call it to skip a hanging shutdown: worker processes, NCCL):
