@@ -114,6 +114,7 @@ def test_zipped_loaders_of_different_lengths_have_the_shortest_epoch():
     assert f["evidence"]["epoch_spikes"]["batches_per_epoch"] == 10
     assert f["evidence"]["loaders_iterated_together"] == [0, 1, 2]
     assert f["evidence"]["per_worker_cpu"] == 0.1  # 60% of a core over the 6 workers
+    assert "The 3 loaders iterated together (#0, #1, #2) each restart theirs" in f["fix"]["text"]
     assert not [g for g in out if g["category"] == "periodic_overhead"]
     c = next(f for f in out if f["category"] == "cpu_contention")
     assert c["evidence"]["num_workers"] == 6 and c["evidence"]["thread_demand"] == 8

@@ -818,6 +818,12 @@ def _data_wait(ctx: Context) -> Finding | None:
             "end of every epoch and starts new ones (re-importing, re-building the dataset) "
             "before the first batch of the next. Keep them alive across epochs."
         )
+        restarting = [d for d in alongside
+                      if int(d.get("num_workers") or 0) > 0 and not d.get("persistent_workers")]
+        if len(restarting) > 1:  # zipped: every epoch start waits on all their start-ups
+            text += (f" The {len(restarting)} loaders iterated together (" + ", ".join(
+                f"#{d.get('index')}" for d in restarting) + ") each restart theirs: "
+                "set it on every one.")
         rest = share - startup_share
         if rest >= MEDIUM:
             # the start-ups are the larger part, not all of it: say what stays
