@@ -268,13 +268,37 @@ def _dead_ref() -> None:
 
 
 #: Configuration keys the run adds to a loader's own settings (not settings themselves).
-_RUN_KEYS = frozenset({"index", "iterated_in_thread"})
+_RUN_KEYS = frozenset({"index", "iterated_in_thread", "iterated_with"})
 
 
 def _same_settings(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Whether two described loaders have the same settings (a loader made anew)."""
     return ({k: v for k, v in a.items() if k not in _RUN_KEYS}
             == {k: v for k, v in b.items() if k not in _RUN_KEYS})
+
+
+def _iterator_done(it: Any) -> bool:
+    """Whether a DataLoader iterator has yielded its last batch of the epoch (or shut down).
+
+    Read from torch's own iterator state (torch/utils/data/dataloader.py), nothing added
+    to the hot path: a map-style iterator has yielded ``len(_index_sampler)`` batches
+    (``__len__`` of ``_BaseDataLoaderIter``); a multi-process one without persistent
+    workers calls ``_shutdown_workers()`` at its end (``_shutdown``); with persistent
+    workers and an iterable dataset every worker is marked ended (``_workers_status``);
+    a single-process iterable one's fetcher has ``ended``. A state that tells nothing
+    reads as not done.
+    """
+    if getattr(it, "_shutdown", False) is True:
+        return True
+    if getattr(it, "_dataset_kind", None) == _dl._DatasetKind.Map:
+        try:
+            return int(it._num_yielded) >= len(it._index_sampler)
+        except Exception:
+            return False
+    if getattr(getattr(it, "_dataset_fetcher", None), "ended", False) is True:
+        return True
+    status = getattr(it, "_workers_status", None)
+    return isinstance(status, list) and bool(status) and not any(status)
 
 
 class LoaderRegistry:
@@ -297,6 +321,13 @@ class LoaderRegistry:
         self.on_workers: Callable[[tuple[int, ...]], None] | None = None
         #: per loader index, the threads (ident: name) that started iterating it
         self._threads: dict[int, dict[int, str]] = {}
+        #: strong references trainprof itself holds to an iterator (WorkerCapture keeps
+        #: single-process iterators until their batch count is final); see _in_use
+        self.held_refs: Callable[[Any], int] = lambda it: 0
+        #: the step clock's step count (Instrumentation sets it): when an iterator was made
+        self.step_count: Callable[[], int] = lambda: 0
+        #: the step count at which each live iterator was made
+        self._iterator_step: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
     def index_of(self, loader: DataLoader) -> int:
         """The loader's index in the run (registered the first time it is seen).
@@ -304,8 +335,11 @@ class LoaderRegistry:
         Keyed by ``id(loader)`` and checked by a weak reference: a loader freed and a new
         one made at the same address (a loader per epoch, an evaluation loader made after
         the training one is gone) must not pass for the old one. A new loader with the
-        settings of an earlier one (the same loop building its DataLoader anew each
-        epoch) gets that one's index: one logical loader.
+        settings of an earlier one gets that one's index - one logical loader (the same
+        loop building its DataLoader anew each epoch) - unless the earlier one is being
+        iterated now (:meth:`_in_use`): loaders with the same settings zipped in one loop
+        (``zip(dl_a, dl_b, dl_c)``, a multi-task or labelled/unlabelled loop) each feed
+        every step with their own workers, epochs and batches, so each is its own loader.
         """
         key = id(loader)
         known = self._ids.get(key)
@@ -318,19 +352,59 @@ class LoaderRegistry:
         driver = _training_framework()
         if driver is not None:
             config["driven_by"] = driver
-        index = next((i for i, seen in enumerate(self.configs)
-                      if "error" not in config and _same_settings(seen, config)), None)
+        index = None
+        busy = self._indices_in_use()
+        if "error" not in config:
+            index = next((i for i, seen in enumerate(self.configs)
+                          if i not in busy and _same_settings(seen, config)), None)
+        # loaders whose iterators were made in this same step and are still being iterated:
+        # zip(a, b, c) makes them one after another, before its first batch
+        now = self.step_count()
+        alongside = sorted(i for i, made in busy.items() if made == now and i != index)
         if index is None:
             index = len(self.configs)
             config["index"] = index
+            if alongside:
+                config["iterated_with"] = alongside
             self.configs.append(config)
             self._on_new_loader(index, config)
+        elif alongside:
+            own = set(self.configs[index].get("iterated_with") or ())
+            self.configs[index]["iterated_with"] = sorted(own | set(alongside))
+        for other in alongside:  # both ways: the record at the end says it of each
+            if other < len(self.configs):
+                seen = set(self.configs[other].get("iterated_with") or ())
+                self.configs[other]["iterated_with"] = sorted(seen | {index})
         try:
             ref: Callable[[], Any] = weakref.ref(loader)
         except TypeError:  # a loader class with __slots__: described again each time
             ref = _dead_ref
         self._ids[key] = (ref, index)
         return index
+
+    def _indices_in_use(self) -> dict[int, int]:
+        """Indices of the loaders with an iterator the script is iterating now, each with
+        the step count at which the latest such iterator was made.
+
+        An iterator is in use while it is alive, not done (:func:`_iterator_done`) and
+        held by something besides trainprof (a ``for`` loop, a ``zip``, a variable). One
+        the script dropped early (a ``break`` after N steps) is freed at once, except a
+        single-process one that WorkerCapture holds until it has counted its batches
+        (:attr:`held_refs`): references beyond ours tell the two apart. Called once per
+        new loader object (a few times a run), never per batch.
+        """
+        busy: dict[int, int] = {}
+        live = list(self._iterators)
+        for it in live:
+            index = self.index_of_iterator(it)
+            if index is None or _iterator_done(it):
+                continue
+            # the references here: `live`, `it`, getrefcount's argument, and trainprof's
+            with contextlib.suppress(Exception):
+                if sys.getrefcount(it) - 3 - int(self.held_refs(it)) > 0:
+                    made = self._iterator_step.get(it, -1)
+                    busy[index] = max(busy.get(index, -1), made)
+        return busy
 
     def iterator_created(self, loader: DataLoader, it: Any) -> None:
         index = self.index_of(loader)
@@ -341,6 +415,7 @@ class LoaderRegistry:
         self._iterators.add(it)
         with contextlib.suppress(TypeError):
             self._iterator_index[it] = index
+            self._iterator_step[it] = self.step_count()
         self._refresh_pids()
 
     def index_of_iterator(self, it: Any) -> int | None:
@@ -530,6 +605,8 @@ class Instrumentation:
         if self.workers is not None:
             # what the workers (or, with num_workers=0, this process) spend on each sample
             self.workers.install(self._patch, loaders.index_of)
+            loaders.held_refs = self.workers.holds
+        loaders.step_count = lambda: clock.n_steps
 
         # -- forward (outermost module call only) --------------------------
         # For the first DISCOVERY_STEPS steps every module call goes through

@@ -479,6 +479,14 @@ class WorkerCapture:
                 st.yielded = yielded
                 st.version += 1
 
+    def holds(self, it: Any) -> int:
+        """How many strong references this capture holds to the iterator ``it`` (0 or 1):
+        the LoaderRegistry discounts them when it asks whether the script still holds it."""
+        for its in list(self._iters.values()):
+            if any(x is it for x in list(its)):
+                return 1
+        return 0
+
     def _disarm_all(self) -> None:
         """At the end: every iterator's own fetcher back; counts final."""
         self.rearm()

@@ -5,7 +5,8 @@ Sources (expert-rules.md): H11 — the PyTorch tuning guide and TF on CPU thread
 work, > 10% gain); data-loading.md §3 item 7 (at most one worker per core).
 
 The thread demand of a run is the main process's intra-op threads plus one per
-DataLoader worker: PyTorch sets ``torch.set_num_threads(1)`` in every worker
+DataLoader worker alive at once (of loaders zipped in one loop, all their workers:
+:attr:`Context.concurrent_workers`): PyTorch sets ``torch.set_num_threads(1)`` in every worker
 (``torch/utils/data/_utils/worker.py``, torch 2.13), so workers do not multiply the
 intra-op pool; ``threads x (1 + workers)`` would overstate it. A nominal excess is not
 enough to report: workers that sleep on I/O take no core. The rule therefore uses the
@@ -51,7 +52,7 @@ def oversubscribed_cores(ctx: Context) -> Finding | None:
     if not cores or not isinstance(threads, int) or threads <= 0:
         return None
     compute = ctx.compute_share
-    nw = max((int(d.get("num_workers") or 0) for d in ctx.loaders), default=0)
+    nw = ctx.concurrent_workers  # the workers out at once (loaders zipped: all theirs)
     sysinfo = ctx.system
     worker_cores = sysinfo.get("workers_cpu_pct")
     worker_cores = worker_cores / 100 if isinstance(worker_cores, int | float) else None
@@ -76,6 +77,9 @@ def oversubscribed_cores(ctx: Context) -> Finding | None:
         "thread_demand": pool + nw,
         "compute_share": compute,
     }
+    together = max((len(g) for g in ctx.loader_groups), default=0)
+    if together > 1:
+        evidence["loaders_iterated_together"] = together
     if worker_cores is not None:
         evidence["worker_cores_used"] = worker_cores
     for key in ("proc_cpu_pct", "sys_cpu_pct", "ctx_switches_ps"):
@@ -222,7 +226,7 @@ def spinning_threads(ctx: Context) -> Finding | None:
     if ctx.on_cuda:
         return None
     threads = ctx.environment.get("torch_num_threads")
-    nw = max((int(d.get("num_workers") or 0) for d in ctx.loaders), default=0)
+    nw = ctx.concurrent_workers  # the workers out at once (loaders zipped: all theirs)
     if not isinstance(threads, int) or threads < 2 or nw == 0:
         return None
     env = ctx.environment.get("thread_env") or {}

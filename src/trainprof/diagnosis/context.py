@@ -295,6 +295,62 @@ class Context:
                 return candidates[max(range(len(costs)), key=lambda i: (costs[i], -i))]
         return candidates[0]
 
+    @cached_property
+    def loader_groups(self) -> list[list[dict[str, Any]]]:
+        """The loaders iterated together, each group in index order: ``iterated_with``.
+
+        The capture notes, of each loader, the others whose iterators were made in the
+        same step and still being iterated (``zip(a, b, c)``; capture/hooks.py
+        ``LoaderRegistry``): they feed the same steps, their workers run at the same time.
+        The relation is closed here (a crashed run's record may name it one way only).
+        A step's data wait is the time its ``next()`` calls on all of them took together:
+        the record does not split it by loader. A record without ``iterated_with`` (one
+        loader, or one written before it) has every loader in a group of its own.
+        """
+        by_index = {d.get("index"): d for d in self.loaders if isinstance(d.get("index"), int)}
+        parent = {i: i for i in by_index}
+
+        def root(i: int) -> int:
+            while parent[i] != i:
+                parent[i] = parent[parent[i]]
+                i = parent[i]
+            return i
+
+        for i, d in by_index.items():
+            for j in d.get("iterated_with") or []:
+                if j in parent:
+                    parent[root(j)] = root(i)
+        groups: dict[int, list[dict[str, Any]]] = {}
+        for i in sorted(by_index):
+            groups.setdefault(root(i), []).append(by_index[i])
+        return list(groups.values())
+
+    def loaders_alongside(self, loader: dict[str, Any] | None) -> list[dict[str, Any]]:
+        """``loader`` and the loaders iterated together with it (its group); [] if none."""
+        if not loader:
+            return []
+        index = loader.get("index")
+        return next((g for g in self.loader_groups if any(d.get("index") == index for d in g)),
+                    [loader])
+
+    @cached_property
+    def concurrent_workers(self) -> int:
+        """The most DataLoader worker processes alive at once: of the groups of loaders
+        iterated together, the largest sum of their ``num_workers`` (loaders iterated one
+        after another never have their workers out together)."""
+        return max((sum(int(d.get("num_workers") or 0) for d in g) for g in self.loader_groups),
+                   default=0)
+
+    def epoch_batches(self, loader: dict[str, Any] | None) -> int | None:
+        """Steps in one epoch of ``loader``'s loop: its own length, or, with loaders zipped
+        together, the shortest of theirs (``zip`` stops at the first loader that ends, and
+        every loader starts its next epoch there). None when any length is unknown."""
+        group = self.loaders_alongside(loader)
+        lengths = [self.batches_per_epoch(d) for d in group]
+        if not lengths or any(n is None for n in lengths):
+            return self.batches_per_epoch(loader)
+        return min(n for n in lengths if n is not None)
+
     def _loading_seconds(self, loader: dict[str, Any]) -> float | None:
         """The time ``loader``'s samples and collates took, as measured where they were
         loaded (the training process, or spread over its workers); None if unmeasured."""
@@ -453,7 +509,7 @@ class Context:
         idx = outliers(dw, max(SPIKE_REL * self.median_step_s, SPIKE_ABS_S))
         if len(idx) == 0:
             return None
-        bpe = self.batches_per_epoch(self.train_loader)
+        bpe = self.epoch_batches(self.train_loader)
         n = len(dw)
         fit = self._fit_period(idx, expected=bpe)
         if fit is None:

@@ -647,7 +647,7 @@ def _data_wait(ctx: Context) -> Finding | None:
         startup_share = epoch.excess_s["data_wait"] / ctx.total_s
         evidence["epoch_spikes"] = {
             "period_steps": epoch.fit.period,
-            "batches_per_epoch": ctx.batches_per_epoch(loader),
+            "batches_per_epoch": ctx.epoch_batches(loader),
             "occurrences": len(epoch.indices),
             "at_steps": ctx.step_numbers(epoch.indices)[:10],
             "excess_per_epoch_s": epoch.excess_s["data_wait"] / len(epoch.indices),
@@ -662,8 +662,14 @@ def _data_wait(ctx: Context) -> Finding | None:
         startup_share = max(startup_share, avoidable_s / ctx.total_s)
 
     per_worker = blocked_min = None
+    # the sampler's workers_cpu_pct is every worker's: of loaders zipped in one loop, all
+    # of theirs (the step's data wait, too, is its waits on all of them together)
+    alongside = ctx.loaders_alongside(loader)
+    if len(alongside) > 1:
+        evidence["loaders_iterated_together"] = [d.get("index") for d in alongside]
+    workers_out = sum(int(d.get("num_workers") or 0) for d in alongside) or nw
     if nw > 0 and isinstance(sysinfo.get("workers_cpu_pct"), int | float):
-        per_worker = sysinfo["workers_cpu_pct"] / 100 / nw
+        per_worker = sysinfo["workers_cpu_pct"] / 100 / workers_out
         evidence["per_worker_cpu"] = per_worker
     if nw == 0:
         blocked_min = _blocked_share_min(ctx, share)
@@ -812,6 +818,12 @@ def _data_wait(ctx: Context) -> Finding | None:
             "end of every epoch and starts new ones (re-importing, re-building the dataset) "
             "before the first batch of the next. Keep them alive across epochs."
         )
+        restarting = [d for d in alongside
+                      if int(d.get("num_workers") or 0) > 0 and not d.get("persistent_workers")]
+        if len(restarting) > 1:  # zipped: every epoch start waits on all their start-ups
+            text += (f" The {len(restarting)} loaders iterated together (" + ", ".join(
+                f"#{d.get('index')}" for d in restarting) + ") each restart theirs: "
+                "set it on every one.")
         rest = share - startup_share
         if rest >= MEDIUM:
             # the start-ups are the larger part, not all of it: say what stays

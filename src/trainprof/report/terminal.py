@@ -259,7 +259,11 @@ def _dataloader_line(dl: dict[str, Any]) -> str:
             f"prefetch_factor={dl.get('prefetch_factor')}",
             f"persistent_workers={dl.get('persistent_workers')}",
         ]
-    return ", ".join(parts)
+    line = ", ".join(parts)
+    together = [i for i in dl.get("iterated_with") or [] if isinstance(i, int)]
+    if together:  # zipped in one loop: each step waits on all of them (capture/hooks.py)
+        line += " · iterated together with " + ", ".join(f"#{i}" for i in together)
+    return line
 
 
 def _batch_size_txt(dl: dict[str, Any]) -> str:
@@ -599,8 +603,10 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
                 f"util {fmt_pct(g.get('util_pct'))} · memory peak "
                 f"{fmt_bytes(g.get('mem_used_bytes'))} of {fmt_bytes(g.get('mem_total_bytes'))}",
             )
-    for dl in summary.get("dataloaders") or []:
-        table.add_row("DataLoader", _dataloader_line(dl))
+    loaders = [dl for dl in summary.get("dataloaders") or [] if isinstance(dl, dict)]
+    for dl in loaders:
+        label = f"DataLoader #{dl.get('index')}" if len(loaders) > 1 else "DataLoader"
+        table.add_row(label, _dataloader_line(dl))
     for label, line in _worker_rows(summary.get("workers"), summary.get("dataloaders"),
                                     summary.get("batch_handoff")):
         table.add_row(label, line)
