@@ -139,7 +139,7 @@ def test_every_family_is_registered():
         "device", "distributed", "host_launch", "optimizer", "debug_modes", "memory_growth",
         "eval_autograd", "host_to_device", "zero_grad", "tf32", "cpu_threads", "padding",
         "checkpointing", "precision", "channels_last_cpu", "float64", "small_batch",
-        "attention", "fusion", "recompile"}
+        "attention", "fusion", "recompile", "embedding"}
 
 
 def test_a_failing_rule_is_skipped_and_ranking_is_by_gain():
