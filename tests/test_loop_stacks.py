@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 import pytest
-from conftest import trainprof
+from conftest import trainprof, write_script
 
 from trainprof.analysis.loop_stacks import summarize_loop_stacks
 from trainprof.capture.clock import FAST
@@ -661,3 +661,29 @@ def test_stacks_kept_stop_at_the_frame_budget_and_the_rest_are_counted(tmp_path,
     assert len(samples) == len(kept) and all(s[3] == 2 for s in samples)
     dropped = next(r["dropped"] for r in rows if "dropped" in r)
     assert dropped == 2 * (6 - len(kept))  # their ticks, counted
+
+
+def test_a_run_of_one_long_step_says_what_it_is_and_why_no_stacks(tmp_path):
+    """One step of ~2 s, all "other": no steady state (the old title: 'Only 1 steady-state
+    steps') and no stack sample (the timer arms when the first step ends): both said."""
+    write_script(tmp_path, "train.py", """
+        import time, torch
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loss = model(torch.randn(2, 4)).sum()   # the step has begun
+        t = time.perf_counter()
+        while time.perf_counter() - t < 2.0:   # the script's own work, inside the one step
+            pass
+        loss.backward(); opt.step()
+    """)
+    res = trainprof("run", "--json", "train.py", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    doc = res.json()
+    assert doc["steps"]["count"] == 1
+    few = [f for f in doc["findings"] if f.get("cause") == "too_few_steps"]
+    assert len(few) == 1, doc["findings"]
+    assert few[0]["title"].startswith("1 step in all: no steady state, so the step time (2.")
+    assert 1.9 < few[0]["evidence"]["step_time_s"] < 3.0
+    assert "steps" not in few[0]["title"].split(":")[0]
+    notes = [m for m in doc["missing"] if m.startswith("loop stacks: none taken")]
+    assert notes and "this run had 1 step," in notes[0], doc["missing"]

@@ -361,3 +361,61 @@ def test_spawned_workers_start_up_is_not_growth_and_a_cache_is(tmp_path, args, c
     assert ev["private_growth_per_worker_bytes"] > 128 * MB, ev  # of the 256 MiB cached
     assert ev["per_worker_at_peak_bytes"] * ev["workers_at_peak"] == pytest.approx(
         ev["workers_growth_peak_bytes"], abs=2)
+
+
+SHARED_ARRAY = """
+import time, numpy as np, torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+class Big(Dataset):        # a 200 MB array, read (never written) by every fork worker
+    def __init__(self):
+        self.data = np.ones((200, 2**20 // 8), dtype=np.float64) * 1.5
+    def __len__(self):
+        return 100_000
+    def __getitem__(self, i):
+        time.sleep(0.002)
+        return torch.from_numpy(self.data[i % 200, :8].copy()), i % 2
+
+loader = DataLoader(Big(), batch_size=4, num_workers=4,
+                    multiprocessing_context="fork", persistent_workers=True)
+model = nn.Linear(8, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+t0 = time.monotonic()
+for x, y in loader:
+    loss = nn.functional.cross_entropy(model(x.float()), y)
+    opt.zero_grad(); loss.backward(); opt.step()
+    if time.monotonic() - t0 > 2.5:
+        break
+"""
+
+
+def test_workers_memory_in_the_chart_and_timeline_is_their_own(tmp_path):
+    """Fork workers map the training process's 200 MB array: their RSS, summed, counted it
+    once per worker (~1 GB of 'workers' measured); the chart and the Perfetto counter
+    show the memory the workers hold alone: a few to tens of MB."""
+    import re
+
+    write_script(tmp_path, "train.py", SHARED_ARRAY)
+    res = trainprof("run", "train.py", cwd=tmp_path, timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert trainprof("report", str(res.run_dir), "--html", "report.html",
+                     cwd=tmp_path).returncode == 0
+    html = (tmp_path / "report.html").read_text()
+    data = json.loads(re.search(r'id="tp-data">(.*?)</script>', html, re.S).group(1))
+    series = data["samples"]["series"]
+    rss = [v for v in series["workers_rss_bytes"]["y"] if v]
+    assert max(rss) > 4 * 150 * MB  # what was charted before: the array once per worker
+    private = [v for v in series["workers_private_bytes"]["y"] if v is not None]
+    assert len(private) >= 5
+    assert 1 * MB < max(private) < 4 * 60 * MB, [round(v / MB) for v in private]
+    assert "workers_private_bytes" in re.search(r'key: "memory".*?\]\}', html, re.S).group(0)
+
+    out = tmp_path / "timeline.json"
+    assert trainprof("export", str(res.run_dir), "--perfetto", str(out),
+                     cwd=tmp_path).returncode == 0
+    counters = [e["args"]["MiB"] for e in json.loads(out.read_text())["traceEvents"]
+                if e.get("ph") == "C" and e.get("name") == "workers private memory"]
+    assert counters and 1 < max(counters) < 4 * 60, counters
+    assert not any(e.get("name", "").startswith("workers RSS")
+                   for e in json.loads(out.read_text())["traceEvents"])

@@ -9,6 +9,7 @@ Layout (schema version :data:`SCHEMA_VERSION`; a **contract**, see DESIGN.md)::
     events.jsonl    things that happen once or rarely: DataLoaders seen, regions, notes
     stacks.jsonl    the training thread's stack 4-20 times a second (trainprof.capture.loop_stacks)
     findings.json   the diagnosis at the end of the run
+    faulthandler.log  only after a fatal signal: every thread's Python stack (capture.fault_log)
 
 Why this shape: a 1,000,000-step run must stay small and load in seconds, so
 steps are binary (144 bytes each, read with one ``numpy.frombuffer``), while rare,
@@ -33,6 +34,7 @@ import numpy as np
 import orjson
 
 from trainprof.errors import UsageError
+from trainprof.fault_dump import read_fault_dump
 from trainprof.schema import DEVICE_FIELDS, STEP_FIELDS
 
 SCHEMA_VERSION = 1
@@ -52,6 +54,8 @@ SAMPLES_JSONL = "samples.jsonl"
 EVENTS_JSONL = "events.jsonl"
 STACKS_JSONL = "stacks.jsonl"
 FINDINGS_JSON = "findings.json"
+#: faulthandler's dump of a process killed by a fatal signal (trainprof.capture.fault_log).
+FAULT_LOG = "faulthandler.log"
 #: A ``trainprof tune`` folder's result, beside its trials' run folders.
 TUNE_JSON = "tune.json"
 #: ``trainprof verify``'s judgement, beside tune.json in its tune folder.
@@ -65,7 +69,8 @@ PYTHON_DIR = "python"
 #: Every file of a record, in a run folder or a tune folder: what no output may overwrite
 #: (trainprof.output_paths).
 RECORD_FILES = frozenset({RUN_JSON, STEPS_BIN, DEVICE_BIN, SAMPLES_JSONL, EVENTS_JSONL,
-                          STACKS_JSONL, FINDINGS_JSON, OPS_JSON, TUNE_JSON, VERIFY_JSON})
+                          STACKS_JSONL, FINDINGS_JSON, OPS_JSON, TUNE_JSON, VERIFY_JSON,
+                          FAULT_LOG})
 #: A record's folders of tool output, every file in them part of the record.
 RECORD_DIRS = frozenset({DEEP_DIR, PYTHON_DIR})
 
@@ -298,8 +303,10 @@ def load_run(run_dir: Path) -> Run:
     """Read a Run folder in any status.
 
     A record still marked ``running`` whose process is gone (same host) was
-    killed without a chance to close it (``kill -9``, OOM killer): it is
-    reported as ``crashed``, with ``recorded_status`` keeping what the file says.
+    killed without a chance to close it (``kill -9``, OOM killer, a segfault): it is
+    reported as ``crashed``, with ``recorded_status`` keeping what the file says. If
+    faulthandler's dump is there (a fatal signal: trainprof.fault_dump), ``crash`` holds
+    the signal and the crashing thread's frames, and the note names the signal.
     """
     run_dir = Path(run_dir)
     meta_path = run_dir / RUN_JSON
@@ -325,10 +332,14 @@ def load_run(run_dir: Path) -> Run:
     ):
         meta["recorded_status"] = "running"
         meta["status"] = "crashed"
+        crash = read_fault_dump(run_dir / FAULT_LOG)
+        if crash is not None:
+            meta["crash"] = crash
+            how = f"died of {crash['signal']} ({crash['message']}) without closing the record"
+        else:
+            how = "ended without closing the record (killed?)"
         meta.setdefault("notes", []).append(
-            "the process ended without closing the record (killed?); "
-            "steps up to its last second are kept"
-        )
+            f"the process {how}; steps up to its last second are kept")
     steps = _load_steps(run_dir / STEPS_BIN, meta)
     recorded = meta.get("steps_recorded")
     if isinstance(recorded, int) and len(steps) < recorded:

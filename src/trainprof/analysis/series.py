@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from trainprof.analysis.memory_growth import workers_private_bytes
 from trainprof.analysis.steps import (
     BREAKDOWN_KEYS,
     PHASE_COLUMNS,
@@ -197,6 +198,8 @@ SAMPLE_UNITS: dict[str, str] = {
     "workers_rss_bytes": "B",
     "ctx_switches_ps": "/s",
 }
+#: The workers' memory as the memory chart shows it (memory_growth.workers_private_bytes).
+WORKERS_PRIVATE = "workers_private_bytes"
 
 
 def _sample_row(s: dict[str, Any]) -> tuple[float, ...]:
@@ -262,6 +265,8 @@ def sample_series(
     table = np.array([_sample_row(s) for s in samples], dtype=np.float64)
     for j, (name, unit) in enumerate(SAMPLE_UNITS.items()):
         columns[name] = (unit, table[:, j])
+    columns[WORKERS_PRIVATE] = ("B", np.array([math.nan if v is None else float(v)
+                                               for v in workers_private_bytes(samples)]))
     gpus: dict[int, dict[str, np.ndarray]] = {}
     for row, s in enumerate(samples):
         for dev in s.get("gpu") or []:

@@ -16,6 +16,7 @@ from trainprof.analysis.attention import model_scale, summarize_attention
 from trainprof.analysis.checkpointing import summarize_checkpointing
 from trainprof.analysis.compiles import summarize_compiles
 from trainprof.analysis.compute_efficiency import compute_efficiency
+from trainprof.analysis.crash import summarize_crash
 from trainprof.analysis.ddp import summarize_ddp
 from trainprof.analysis.deep import analyse_deep_windows
 from trainprof.analysis.device import device_statistics
@@ -318,6 +319,9 @@ def summarize_run(run: Run) -> dict[str, Any]:
     }
     if "recorded_status" in meta:
         summary["recorded_status"] = meta["recorded_status"]
+    crash = summarize_crash(meta.get("crash"))
+    if crash is not None:  # a death by a fatal signal: which, and where (analysis/crash.py)
+        summary["crash"] = crash
     return summary
 
 

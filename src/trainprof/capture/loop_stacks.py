@@ -391,6 +391,16 @@ class LoopStackSampler:
             if adopted and not any(m.startswith("loop stacks:") for m in self.missing):
                 self.missing.append(f"loop stacks: not sampled (the loop trained in thread "
                                     f"{adopted!r}; the signal reaches the main thread only)")
+            elif self._armed and not any(
+                    m.startswith("loop stacks:") for m in self.missing):
+                # started, but no tick landed in a step: every step was over before the
+                # timer was armed (a run of one long step: its "other" left unnamed)
+                n = int(getattr(self.clock, "n_steps", 0))
+                self.missing.append(
+                    "loop stacks: none taken (sampling starts when the first step ends, "
+                    "since a tick during the script's set-up can break its blocking calls; "
+                    f"this run had {n} step{'' if n == 1 else 's'}, the last over before a "
+                    "tick: run more steps to see where a step's time goes)")
         self.flush()
         if self._file is None:
             return

@@ -27,7 +27,8 @@ from trainprof.capture.clock import StepClock
 from trainprof.capture.debug_modes import DebugModes
 from trainprof.capture.device_timer import DeviceTimer
 from trainprof.capture.eager_attention import measure_sdpa
-from trainprof.capture.fingerprint import collect_fingerprint
+from trainprof.capture.fault_log import FaultLog
+from trainprof.capture.fingerprint import collect_fingerprint, launch_environment
 from trainprof.capture.hooks import Instrumentation, LoaderRegistry
 from trainprof.capture.knobs import install_knobs
 from trainprof.capture.loop_stacks import LoopStackSampler
@@ -165,6 +166,9 @@ class Recorder:
                 "max_steps": max_steps,
                 "sample_interval_s": sample_interval_s,
                 "fingerprint": None,
+                # the setting the command started in, before the script could change it
+                # (a Hydra chdir, os.environ edits): trainprof verify's trials run in it
+                "launch": {"cwd": os.getcwd(), "env": launch_environment()},
                 "dataloaders": [],
                 "missing": [],
             },
@@ -202,6 +206,8 @@ class Recorder:
         self.loaders.on_workers = self.sampler.set_worker_pids
         # where the training thread is, 4 to 20 times a second: what "other" is made of
         self.loop_stacks = LoopStackSampler(self.clock, run_dir / STACKS_JSONL)
+        # the Python stacks of a death by a fatal signal (segfault, abort), into the folder
+        self.fault_log = FaultLog(run_dir)
         self._flusher: threading.Thread | None = None
         self._flusher_stop = threading.Event()
         self._started = False
@@ -219,6 +225,10 @@ class Recorder:
         if self.knobs is not None:
             self.writer.update_meta(knobs=self.knobs.record())
         _active = self
+        self.fault_log.start()
+        if self.fault_log.missing:  # now: a crash is when it matters, and nothing else is written
+            self.writer.update_meta(missing=[*self.writer.meta["missing"],
+                                             *self.fault_log.missing])
         if self.instrumentation is not None:
             self.instrumentation.install()
         for runner in self.windows:
@@ -286,8 +296,10 @@ class Recorder:
             self.sampler.stop()
         self.flush()
         self.loop_stacks.close()
+        self.fault_log.stop()
         missing = list(dict.fromkeys(self.writer.meta["missing"] + list(self.sampler.missing)
-                                     + self.worker_capture.missing + self.loop_stacks.missing))
+                                     + self.worker_capture.missing + self.loop_stacks.missing
+                                     + self.fault_log.missing))
         self.writer.meta["training_thread"] = self._training_thread_settings()
         self.writer.meta["debug_modes"] = self.debug_modes.record()
         cuda_memory = self._cuda_memory()  # once, at the end; None unless CUDA was used

@@ -47,8 +47,16 @@ from trainprof.diagnosis.finding import Finding, Fix
 from trainprof.diagnosis.registry import rule
 
 MIN_STEADY = 10
+#: Runs of at most this many steps have no steady state at all (the first step is in them).
+FIRST_STEPS_ONLY = 2
 CV_LOW, CV_MEDIUM = 0.10, 0.25
 EXTERNAL_CORES = OUTSIDE_LOAD_CORES
+
+
+def _seconds(value: Any) -> str:
+    if not isinstance(value, int | float):
+        return "unknown"
+    return f"{value:.2f} s" if value >= 1 else f"{value * 1e3:.3g} ms"
 
 
 @rule("noise.step_time_stability")
@@ -63,17 +71,32 @@ def step_time_stability(ctx: Context) -> Finding | None:
         "`trainprof tune` repeats trials and reports confidence intervals"
     )
     if steady < MIN_STEADY:
+        evidence: dict[str, Any] = {"steps": count, "warmup_steps": info.get("warmup"),
+                                    "steady_steps": steady, "minimum": MIN_STEADY}
+        few = count <= FIRST_STEPS_ONLY
+        if few:
+            # a run of one or two steps has no steady state: its step is the first, and a
+            # first step carries every one-time cost; say so, with the time it took
+            evidence["step_time_s"] = info.get("median_s")
+            what = "1 step" if count == 1 else f"{count} steps"
+            title = (f"{what} in all: no steady state, so the step time "
+                     f"({_seconds(info.get('median_s'))}) includes one-time start-up costs")
+        else:
+            title = (f"Only {steady} steady-state step{'' if steady == 1 else 's'}: "
+                     "too few to judge step time")
         return Finding(
             category="measurement_noise",
             cause="too_few_steps",
-            title=f"Only {steady} steady-state steps: too few to judge step time",
+            title=title,
             severity="medium",
-            evidence={"steps": count, "warmup_steps": info.get("warmup"),
-                      "steady_steps": steady, "minimum": MIN_STEADY},
+            evidence=evidence,
             estimated_gain=0.0,
             fix=Fix(
                 text=(
-                    f"Run at least {MIN_STEADY} steps after warm-up (more for noisy steps) "
+                    ("A first step pays for lazy initialisation, the allocator's growth, "
+                     "compilation and the DataLoader's start: its time and its breakdown "
+                     "are not the loop's. " if few else "")
+                    + f"Run at least {MIN_STEADY} steps after warm-up (more for noisy steps) "
                     "before trusting shares, percentiles or a before/after comparison."
                 ),
                 snippet=(

@@ -626,9 +626,15 @@ function renderAligned() {
       series: [mk("iowait_pct", "iowait", "#d62728")]},
     {key: "disk", title: "Disk read rate", unit: "B/s",
       series: [mk("disk_read_bps", "disk read", "#8c564b")]},
-    {key: "memory", title: "Memory (resident set size)", unit: "B",
-      series: [mk("rss_bytes", "training process", "#1f77b4"),
-        mk("workers_rss_bytes", "DataLoader workers", "#ff7f0e")]}
+    // the workers' private memory: their RSS counts the pages a fork worker shares with
+    // the training process once per worker (analysis/memory_growth.workers_private_bytes)
+    {key: "memory", title: "Memory: training process RSS, workers' private memory",
+      unit: "B",
+      series: [mk("rss_bytes", "training process (RSS)", "#1f77b4"),
+        mk("workers_private_bytes", "DataLoader workers (private memory, summed)",
+          "#ff7f0e") ||
+        mk("workers_rss_bytes", "DataLoader workers (RSS, shared pages counted in each)",
+          "#ff7f0e")]}
   ];
   var gpuUtil = [], gpuMem = [];
   Object.keys(SE).forEach(function (name, n) {

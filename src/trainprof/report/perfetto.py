@@ -65,6 +65,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from trainprof.analysis.memory_growth import workers_private_bytes
 from trainprof.analysis.steps import complete_steps, detect_warmup
 from trainprof.analysis.system import load_samples
 from trainprof.errors import UsageError
@@ -233,7 +234,10 @@ def _add_samples(
     # no worker ever seen (num_workers=0): no workers group full of zeros
     any_workers = any(isinstance(s.get("workers"), dict) and s["workers"] for s in samples)
     workers_named = False
-    for s in samples:
+    # the workers' memory of their own (analysis/memory_growth.workers_private_bytes)
+    workers_private = workers_private_bytes(samples)
+    any_private = any(v is not None for v in workers_private)
+    for row, s in enumerate(samples):
         ts = round((s["t"] - origin_s) * 1e6, 3)
         b.counter(pid, "process CPU", "%", ts, s.get("proc_cpu_pct"))
         rss = s.get("rss_bytes")
@@ -255,9 +259,13 @@ def _add_samples(
             alive = set(workers)
             total = sum(v for v in workers.values() if isinstance(v, int | float))
             b.counter(PID_WORKERS, "workers total CPU", "%", ts, total)
+            private = workers_private[row]
             wrss = s.get("workers_rss_bytes")
-            if isinstance(wrss, int | float):
-                b.counter(PID_WORKERS, "workers RSS", "MiB", ts, wrss / MIB)
+            if private is not None:  # not RSS: that counts a fork's shared pages per worker
+                b.counter(PID_WORKERS, "workers private memory", "MiB", ts, private / MIB)
+            elif not any_private and isinstance(wrss, int | float):
+                b.counter(PID_WORKERS, "workers RSS (shared pages counted in each)", "MiB",
+                          ts, wrss / MIB)
 
         cores = s.get("sys_cpu_pct")
         core_values = [c for c in cores if isinstance(c, int | float)] if isinstance(

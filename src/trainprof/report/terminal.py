@@ -190,6 +190,22 @@ def _status_line(s: dict[str, Any]) -> Text:
     return line
 
 
+def crash_text(crash: dict[str, Any] | None) -> str:
+    """``SIGSEGV (Segmentation fault) in its Python stack:`` and the frames, one a line,
+    the crash site last, as a Python traceback lists them."""
+    if not crash:
+        return ""
+    head = f"{crash['signal']} ({crash['message']})" if crash.get("message") else crash["signal"]
+    frames = crash.get("frames") or []
+    if not frames:
+        return f"{head}, with no Python frame of the script on the crashing thread"
+    lines = [f"{head}; the crashing thread's Python stack, most recent call last:"]
+    if crash.get("more"):
+        lines.append(f"  ... {crash['more']} outer frames")
+    lines += [f"  {file}:{line} in {func}" for file, line, func in frames]
+    return "\n".join(lines)
+
+
 def _optimizer_rows(optimizers: list[dict[str, Any]]) -> list[str]:
     """One line per kind of optimizer: a script that builds one per epoch gets one line,
     with the count."""
@@ -493,6 +509,9 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
     console = make_console(out)
     console.print(_status_line(summary))
     table = _Rows()
+    crash = crash_text(summary.get("crash"))
+    if crash:
+        table.add_row("Crash", crash)
     steps = summary["steps"]
     if steps["count"] == 0:
         table.add_row(
