@@ -10,7 +10,12 @@ blocked time once run-queue waits are set apart).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -1162,3 +1167,89 @@ def test_the_split_snippet_gives_each_worker_its_own_files_and_each_sample_once(
         by_file.setdefault(file, set()).add(worker)
     assert all(len(by_file[f]) == 1 for f in range(5)), by_file
     assert by_file[7] == {0, 1}  # a single file: both read it, each keeps its share
+
+
+def _alive(pid: int) -> bool:
+    """A process that runs (a zombie waiting for its re-parented reaper has ended)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _gone_within(pids: list[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return [p for p in pids if _alive(p)]
+
+
+KILLED_SELF = """
+import signal
+
+class Slow(Sleepy):
+    def __len__(self):
+        return 100_000
+
+loader = DataLoader(Slow(), batch_size=4, num_workers=2, persistent_workers=True)
+model = nn.Linear(8, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step, (x, y) in enumerate(loader):
+    loss = nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad(); loss.backward(); opt.step()
+    if step == 10:
+        print("workers", *[w.pid for w in loader._iterator._workers], flush=True)
+        time.sleep(0.5)  # a long step: the workers' prefetch is done, they wait for indices
+        os.kill(os.getpid(), signal.SIGKILL)   # a hard death mid-epoch (OOM killer, ...)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_workers_end_with_a_training_process_killed_hard(tmp_path):
+    """Without a parent-death signal the workers stayed 4.5-5 s (torch's watchdog looks
+    every 5 s); with it they end as the training process does."""
+    write_script(tmp_path, "train.py", COMMON + KILLED_SELF)
+    out = tmp_path / "out.txt"
+    with open(out, "wb") as fh:  # a file, not a pipe: its reader would wait for the workers
+        proc = subprocess.run([sys.executable, "-m", "trainprof", "run", "--out", "run",
+                               "train.py"], cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT,
+                              timeout=120)
+    text = out.read_text()
+    pids = [int(p) for p in text.split("workers ")[1].split()[:2]]
+    try:
+        assert proc.returncode == -signal.SIGKILL, (proc.returncode, text[-2000:])
+        assert _gone_within(pids, 1.0) == []
+    finally:
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+THREAD_STARTED = """
+import threading
+
+loader = DataLoader(Sleepy(), batch_size=4, num_workers=2, persistent_workers=True)
+box = []
+t = threading.Thread(target=lambda: box.append(iter(loader)))
+t.start(); t.join()                     # the workers' forking thread has ended
+time.sleep(0.5)                         # a parent-death signal would fire here
+model = nn.Linear(8, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+n = 0
+for epoch in range(2):
+    for x, y in (box.pop() if box else loader):
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(); loss.backward(); opt.step()
+        n += 1
+print("steps", n)
+"""
+
+
+def test_workers_started_from_a_thread_outlive_that_thread(tmp_path):
+    """PR_SET_PDEATHSIG fires when the forking *thread* exits: workers a thread of the
+    script started must not be killed when that thread ends while training goes on."""
+    write_script(tmp_path, "train.py", COMMON + THREAD_STARTED)
+    res = trainprof("run", "train.py", cwd=tmp_path, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "steps 48" in res.stdout

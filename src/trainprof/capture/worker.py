@@ -80,6 +80,7 @@ from trainprof.capture.fetch_timing import (
     make_map_fetch,
     set_worker_stream,
 )
+from trainprof.capture.parent_death import die_with_parent, forking_thread_outlives_workers
 
 _perf = time.perf_counter_ns
 
@@ -287,7 +288,7 @@ class WorkerInit:
 
     def __init__(self, user_fn: Callable[[int], Any] | None, out_dir: str, loader_index: int,
                  generation: int, num_workers: int, persistent: bool, start_method: str | None,
-                 sampling: bool, requested_ns: int) -> None:
+                 sampling: bool, requested_ns: int, parent_pid: int | None = None) -> None:
         self.user_fn = user_fn
         self.out_dir = out_dir
         self.loader_index = loader_index
@@ -297,10 +298,16 @@ class WorkerInit:
         self.start_method = start_method
         self.sampling = sampling
         self.requested_ns = requested_ns
+        #: the pid the worker's parent must have; None: no parent-death signal (see
+        #: trainprof.capture.parent_death; 0: the forkserver, read in the worker)
+        self.parent_pid = parent_pid
 
     def __call__(self, worker_id: int) -> None:
         started = _perf()
         stream = None
+        if self.parent_pid is not None:
+            with contextlib.suppress(Exception):
+                die_with_parent(self.parent_pid or os.getppid())
         try:
             stream = self._start(worker_id, started)
         except Exception:
@@ -418,9 +425,13 @@ class WorkerCapture:
             self._generations[index] = gen
             ctx = loader.multiprocessing_context
             method = ctx.get_start_method() if ctx is not None else tmp.get_start_method()
+            if method == "forkserver":
+                parent: int | None = 0  # the server, single-threaded: its pid read there
+            else:  # the workers' parent is this thread (see capture.parent_death)
+                parent = os.getpid() if forking_thread_outlives_workers() else None
             return WorkerInit(
                 loader.worker_init_fn, str(self.out_dir), index, gen, int(loader.num_workers),
-                bool(loader.persistent_workers), method, self.sampling, _perf(),
+                bool(loader.persistent_workers), method, self.sampling, _perf(), parent,
             )
         except Exception as exc:
             self._note(f"worker capture: {type(exc).__name__}: {exc}")
