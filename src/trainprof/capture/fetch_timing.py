@@ -129,7 +129,7 @@ class Stream:
 
     __slots__ = ("acc", "h_blocked", "h_cpu", "h_collate", "info", "in_fetch", "off",
                  "per_sample", "skip", "time_every", "_fd", "_ident", "version", "rearm",
-                 "yielded", "digesting", "digests")
+                 "yielded", "yielded_samples", "digesting", "digests")
 
     def __init__(self, info: dict[str, Any]) -> None:
         self.acc = [0] * len(ACC_NAMES)
@@ -147,6 +147,8 @@ class Stream:
         self.version = 0  # bumped per batch: the writer skips unchanged streams
         self.rearm = False  # training process: timed by an armed instance (WorkerCapture.rearm)
         self.yielded = 0  # ... and its batches counted from the iterators (set by the writer)
+        #: ... and their samples, where the iterators' samplers tell them (None: scaled)
+        self.yielded_samples: int | None = None
         # the first two batches are fingerprinted (note_content); a flag, not len(digests):
         # one attribute read per batch on the fetch path
         self.digesting = True
@@ -241,9 +243,12 @@ class Stream:
         if self.rearm:  # only the timed batches were seen: batches from the iterators
             batches = max(self.yielded, acc[TIMED_BATCHES])
             timed = acc[TIMED_BATCHES]
-            acc[SAMPLES] = round(acc[SAMPLES] * batches / timed) if timed else 0
+            if self.yielded_samples is not None and self.yielded >= timed:
+                acc[SAMPLES] = self.yielded_samples  # counted by the samplers: exact
+            else:
+                acc[SAMPLES] = round(acc[SAMPLES] * batches / timed) if timed else 0
+                scaled = timed < batches
             acc[BATCHES] = batches
-            scaled = timed < batches
         return {
             **self.info,
             **dict(zip(ACC_NAMES, acc, strict=True)),

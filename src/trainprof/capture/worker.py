@@ -278,6 +278,27 @@ def _noop(*args: Any) -> None:
     return None
 
 
+def samples_yielded(it: Any, batches: int) -> int | None:
+    """The samples in the first ``batches`` batches a single-process iterator yielded, where
+    its sampler tells them exactly: one a batch without automatic batching; torch's own
+    ``BatchSampler`` gives ``batch_size`` a batch, the last one of an epoch what is left of
+    ``len(sampler)`` (none left out unless ``drop_last``). None otherwise (a custom batch
+    sampler, a sampler without a length): the count is then scaled from the timed batches.
+    """
+    from torch.utils.data import BatchSampler
+
+    try:
+        if not it._auto_collation:
+            return batches
+        sampler = it._index_sampler
+        if type(sampler) is not BatchSampler:
+            return None
+        full = batches * int(sampler.batch_size)
+        return full if sampler.drop_last else min(full, len(sampler.sampler))
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
 class WorkerInit:
     """The ``worker_init_fn`` a DataLoader's workers get while trainprof records.
 
@@ -360,6 +381,8 @@ class WorkerCapture:
         self._main: dict[int, Stream] = {}
         self._iters: dict[int, list[Any]] = {}  # live single-process iterators per loader
         self._folded: dict[int, int] = {}  # batches of the iterators let go
+        #: ... and their samples, where each iterator's are known (None: not all are)
+        self._folded_samples: dict[int, int | None] = {}
         self._timed: dict[type, Callable[[Any, Any], Any]] = {}
         self._written: dict[int, int] = {}
         self._last_write = 0
@@ -475,19 +498,29 @@ class WorkerCapture:
         for index, its in list(self._iters.items()):
             st = self._main[index]
             live = 0
+            live_samples: int | None = 0
             keep = []
             for it in its:
                 n = int(getattr(it, "_num_yielded", 0))
+                samples = samples_yielded(it, n)
                 if sys.getrefcount(it) <= 3:  # abandoned by the script
                     self._folded[index] = self._folded.get(index, 0) + n
+                    folded = self._folded_samples.get(index, 0)
+                    self._folded_samples[index] = (None if folded is None or samples is None
+                                                   else folded + samples)
                     continue
                 live += n
+                live_samples = (None if live_samples is None or samples is None
+                                else live_samples + samples)
                 keep.append(it)
                 self._arm(it, st)
             its[:] = keep
             yielded = self._folded.get(index, 0) + live
-            if yielded != st.yielded:
+            folded = self._folded_samples.get(index, 0)
+            total = None if folded is None or live_samples is None else folded + live_samples
+            if yielded != st.yielded or total != st.yielded_samples:
                 st.yielded = yielded
+                st.yielded_samples = total
                 st.version += 1
 
     def holds(self, it: Any) -> int:
