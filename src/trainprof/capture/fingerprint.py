@@ -123,6 +123,29 @@ TRACKED_ENV_VARS: tuple[str, ...] = (
 )
 
 
+#: Variables that decide what a command imports and how its interpreter runs: the
+#: search path (a relative ``PYTHONPATH`` is read from the folder the command ran in), the
+#: shared libraries found (which cuDNN, NCCL, BLAS), and the interpreter's own modes (asserts
+#: on or off, the debug allocator, dev mode's extra checks). With :data:`TRACKED_ENV_VARS`
+#: they are the launch setting ``trainprof verify`` reproduces for its trials.
+LAUNCH_ENV_VARS: tuple[str, ...] = (
+    "PYTHONPATH",
+    "PYTHONHOME",
+    "PYTHONOPTIMIZE",
+    "PYTHONMALLOC",
+    "PYTHONDEVMODE",
+    "LD_LIBRARY_PATH",
+)
+
+
+def launch_environment() -> dict[str, str | None]:
+    """Every variable of :data:`TRACKED_ENV_VARS` and :data:`LAUNCH_ENV_VARS`, its value or
+    ``None`` where unset: read as the command starts (before the script can set any), so
+    that a rerun (``trainprof verify``'s trials) can set and unset each as it was. Unset
+    ones are named too: "not set" is a setting (OpenMP then takes every core)."""
+    return {name: os.environ.get(name) for name in (*TRACKED_ENV_VARS, *LAUNCH_ENV_VARS)}
+
+
 class _Notes:
     """Collects messages from failed probes; ``run`` is the single guard used everywhere."""
 

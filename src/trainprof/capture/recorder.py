@@ -27,7 +27,7 @@ from trainprof.capture.clock import StepClock
 from trainprof.capture.debug_modes import DebugModes
 from trainprof.capture.device_timer import DeviceTimer
 from trainprof.capture.eager_attention import measure_sdpa
-from trainprof.capture.fingerprint import collect_fingerprint
+from trainprof.capture.fingerprint import collect_fingerprint, launch_environment
 from trainprof.capture.hooks import Instrumentation, LoaderRegistry
 from trainprof.capture.knobs import install_knobs
 from trainprof.capture.loop_stacks import LoopStackSampler
@@ -165,6 +165,9 @@ class Recorder:
                 "max_steps": max_steps,
                 "sample_interval_s": sample_interval_s,
                 "fingerprint": None,
+                # the setting the command started in, before the script could change it
+                # (a Hydra chdir, os.environ edits): trainprof verify's trials run in it
+                "launch": {"cwd": os.getcwd(), "env": launch_environment()},
                 "dataloaders": [],
                 "missing": [],
             },

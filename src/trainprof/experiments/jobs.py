@@ -116,7 +116,8 @@ def check_runner(params: dict[str, Any], name: str) -> None:
 def run_round(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The job: run one round's trials in order on this node (what tune runs locally).
 
-    ``specs``: per trial its ``arm``, ``trial``, ``run_dir``, ``command`` and ``overrides``.
+    ``specs``: per trial its ``arm``, ``trial``, ``run_dir``, ``command``, ``overrides``
+    and ``env_changes`` (variables set or unset over the job's environment: verify's).
     Returns per trial its exit code, wall time, this host and the job's id; the
     measurements themselves are in the Run folders, read by the submitting process.
     """
@@ -133,7 +134,8 @@ def run_round(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     done = []
     for spec in specs:
         trial = Trial(spec["arm"], spec["trial"], Path(spec["run_dir"]))
-        run_trial(trial, list(spec["command"]), dict(spec["overrides"]))
+        run_trial(trial, list(spec["command"]), dict(spec["overrides"]),
+                  dict(spec.get("env_changes") or {}))
         done.append({"arm": spec["arm"], "trial": spec["trial"], "exit_code": trial.exit_code,
                      "wall_s": trial.wall_s, "host": host, "job_id": job_id})
     return done

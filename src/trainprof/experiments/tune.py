@@ -78,6 +78,7 @@ import numpy as np
 import orjson
 
 from trainprof.errors import UsageError
+from trainprof.experiments.trial_setting import TrialSetting
 from trainprof.store import TUNE_JSON
 
 #: Seed of the shuffled order of arms within each round.
@@ -272,11 +273,12 @@ class Trial:
 
 
 def child_command(
-    target: str, args: list[str], *, module: bool, steps: int, run_dir: Path, name: str
+    target: str, args: list[str], *, module: bool, steps: int, run_dir: Path, name: str,
+    python: str | None = None,
 ) -> list[str]:
-    """The ``trainprof run`` of one trial."""
+    """The ``trainprof run`` of one trial, by ``python`` (default: this interpreter)."""
     return [
-        sys.executable, "-m", "trainprof", "run",
+        python or sys.executable, "-m", "trainprof", "run",
         "--max-steps", str(steps), "--no-html", "--json",
         "--out", str(run_dir), "--name", name,
         *(["-m", target] if module else [target]), *args,
@@ -315,17 +317,22 @@ def stop_child(proc: subprocess.Popen[bytes], steps_file: Path) -> None:
         proc.wait()
 
 
-def run_trial(trial: Trial, command: list[str], overrides: dict[str, Any]) -> Trial:
+def run_trial(trial: Trial, command: list[str], overrides: dict[str, Any],
+              env_changes: dict[str, str | None] | None = None) -> Trial:
     """Run one trial and read back its Run folder (steady steps, run.json, findings).
 
-    The child's JSON summary is not read from its stdout: ``trainprof run`` also stores it
-    in the Run folder, and a pipe nobody reads while the child is being stopped could block it.
+    ``env_changes``: variables set (a value) or unset (None) over this process's environment
+    (verify's: the run's own setting, :mod:`trainprof.experiments.trial_setting`); the
+    knobs' variables come after them. The child's JSON summary is not read from its stdout:
+    ``trainprof run`` also stores it in the Run folder, and a pipe nobody reads while the
+    child is being stopped could block it.
     """
     from trainprof.capture.knobs import ENV_VAR, encode, knob_environment
     from trainprof.store import STEPS_BIN
 
     trial.run_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, ENV_VAR: encode(overrides) if any(
+    base = TrialSetting(env=dict(env_changes or {})).environ()
+    env = {**base, ENV_VAR: encode(overrides) if any(
         v is not None for v in overrides.values()) else "", **knob_environment(overrides)}
     t0 = time.perf_counter()
     with open(trial.log, "wb") as log:
@@ -901,8 +908,10 @@ class _Session:
 
     def __init__(self, target: str, args: list[str], module: bool, steps: int, trials: int,
                  tune_dir: Path, arms: list[Arm], baseline: Arm, header: dict[str, Any],
-                 log: IO[str]) -> None:
+                 log: IO[str], setting: TrialSetting | None = None) -> None:
         self.target, self.args, self.module = target, args, module
+        #: the interpreter and environment changes of the trials (None: this process's)
+        self.setting = setting
         self.steps, self.trials, self.tune_dir = steps, trials, tune_dir
         self.arms, self.baseline, self.header, self.log = arms, baseline, header, log
         self.name = target.rsplit(".", 1)[-1] if module else Path(target).stem
@@ -935,13 +944,15 @@ class _Session:
         self.done.append(trial)
         return trial, child_command(self.target, self.args, module=self.module,
                                     steps=self.steps, run_dir=trial.run_dir,
-                                    name=f"{self.name} {arm.name} #{t + 1}")
+                                    name=f"{self.name} {arm.name} #{t + 1}",
+                                    python=self.setting.python if self.setting else None)
 
     def trial(self, n: int, total: int, arm: Arm, t: int) -> None:
         self.say(f"[{n}/{total}] {arm.name}, trial {t + 1}/{self.trials} … ", end="")
         trial, command = self._plan(arm, t)  # stopped until the child has ended on its own
         try:
-            run_trial(trial, command, arm.overrides)
+            run_trial(trial, command, arm.overrides,
+                      self.setting.env if self.setting else None)
         except BaseException:
             read_trial(trial)
             raise
@@ -982,7 +993,8 @@ class _Session:
             rounds.setdefault(t, []).append(trial)
             specs.setdefault(t, []).append({
                 "arm": arm.index, "trial": t, "run_dir": str(trial.run_dir),
-                "overrides": arm.overrides, "command": command})
+                "overrides": arm.overrides, "command": command,
+                "env_changes": self.setting.env if self.setting else {}})
         pending: dict[int, Any] = {}
         with _sigterm_stops():
             try:
@@ -1076,6 +1088,7 @@ def tune_command(
     baseline: str | None,
     progress: IO[str] | None = None,
     slurm: str | None = None,
+    setting: TrialSetting | None = None,
 ) -> int:
     """``trainprof tune``: run every arm ``trials`` times, compare them (module docstring).
 
@@ -1083,6 +1096,9 @@ def tune_command(
     ``baseline``: ``NAME=VALUE[,NAME=VALUE]`` or None for the first arm; ``progress``: where
     the progress lines go (stderr); ``slurm``: ``--slurm``'s ``KEY=VALUE,...`` (each round a
     job through submitit, :mod:`trainprof.experiments.jobs`), None to run the trials here.
+    ``setting``: the interpreter and environment the trials run in, the target already
+    looked up there (verify's: the run's own, :mod:`trainprof.experiments.trial_setting`);
+    None: this process's, the target looked up here.
     Prints the result (a table, or one JSON document with
     ``json_out``), keeps it in ``OUT/tune.json``, and returns 0; 130 when stopped by
     Ctrl-C/SIGTERM (what was measured is still reported); 1 when the baseline has no usable
@@ -1096,7 +1112,8 @@ def tune_command(
     parsed = parse_knobs(knobs)
     arms = build_arms(parsed)
     base = find_baseline(baseline, parsed, arms)
-    check_target(target, module)
+    if setting is None:  # looked up here: the trials run in this process's setting
+        check_target(target, module)
     job_params = None
     name = target.rsplit(".", 1)[-1] if module else Path(target).stem
     if slurm is not None:
@@ -1141,7 +1158,7 @@ def tune_command(
     if runner is not None:
         header["executor"] = {"parameters": runner.parameters, "jobs": []}
     session = _Session(target, args, module, steps, trials, tune_dir, arms, base, header,
-                       progress if progress is not None else sys.stderr)
+                       progress if progress is not None else sys.stderr, setting)
     session.say(f"trainprof tune: {len(arms)} arms × {_plural(trials, 'trial')} of "
                 f"{_plural(steps, 'step')}, in shuffled rounds"
                 + (f", each a job ({runner.cluster}, submitit)" if runner else "")

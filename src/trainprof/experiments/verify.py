@@ -3,8 +3,10 @@
 Every finding ends with a way to prove it, usually a ``trainprof tune --knob ...`` line: the
 knob applies the fix to the unmodified script (more workers, channels_last, float32, ...).
 ``verify`` takes that line from a recorded run's finding, runs the run's own command (its
-script or module, its arguments, from the folder it ran in) under ``trainprof tune`` with
-those knobs, and then sets what was measured against what the finding estimated:
+script or module, its arguments, from the folder it ran in, with the interpreter and the
+environment variables it ran with: :mod:`trainprof.experiments.trial_setting`) under
+``trainprof tune`` with those knobs, and then sets what was measured against what the
+finding estimated:
 
 * ``confirmed``: the fix arm is significantly faster, and its saving is within the
   finding's bound (an upper bound: "could save up to X%");
@@ -32,6 +34,7 @@ import contextlib
 import io
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -160,7 +163,8 @@ def trial_knobs(meta: dict[str, Any], specs: list[str]) -> list[str]:
 
 
 def original_command(meta: dict[str, Any]) -> tuple[str, list[str], bool, Path | None]:
-    """The run's target, its arguments, whether it is a module, and the folder it ran in."""
+    """The run's target, its arguments, whether it is a module, and the folder it started
+    in."""
     command = meta.get("command")
     if not isinstance(command, list) or len(command) < 2:
         raise UsageError("the run's record has no command line to run again")
@@ -169,7 +173,10 @@ def original_command(meta: dict[str, Any]) -> tuple[str, list[str], bool, Path |
     if module and len(rest) < 2:
         raise UsageError("the run's record has no module to run again")
     target, args = (rest[1], rest[2:]) if module else (rest[0], rest[1:])
-    cwd = (meta.get("fingerprint") or {}).get("cwd")
+    # where the command started (a script may chdir before its first step, where the
+    # fingerprint reads it): older records have the fingerprint's only
+    cwd = ((meta.get("launch") or {}).get("cwd")
+           or (meta.get("fingerprint") or {}).get("cwd"))
     return target, args, module, Path(cwd) if cwd else None
 
 
@@ -225,6 +232,7 @@ def verify_command(run_dir: Path, *, finding: int | None, steps: int | None, tri
     Returns tune's exit code (0; 130 when stopped; 1 when the baseline had no usable trial).
     """
     from trainprof.commands import analyse_folder
+    from trainprof.experiments.trial_setting import run_setting
     from trainprof.experiments.tune import tune_command
     from trainprof.store import RANKS_DIR, RUN_JSON, VERIFY_JSON, default_run_dir, load_run
 
@@ -261,10 +269,15 @@ def verify_command(run_dir: Path, *, finding: int | None, steps: int | None, tri
             except OSError as exc:
                 raise UsageError(f"cannot enter the folder the run ran in, {cwd}: "
                                  f"{exc.strerror}") from None
+        setting = run_setting(run.meta, target, module, cwd)
+        head["setting"] = setting.to_json()
+        line = setting.line()
+        if line:
+            print(f"  {line}", file=sys.stderr if json_out else sys.stdout, flush=True)
         with contextlib.redirect_stdout(captured) if json_out else contextlib.nullcontext():
             code = tune_command(target, args, module=module, knobs=specs,
                                 steps=steps or verify_steps or 60, trials=trials,
-                                json_out=False, out=tune_dir, baseline=None)
+                                json_out=False, out=tune_dir, baseline=None, setting=setting)
     except UsageError:
         if out is None:  # refused before any trial (the script is gone): no empty folder left
             with contextlib.suppress(OSError):
