@@ -358,13 +358,30 @@ def test_a_gone_interpreter_is_named_and_another_torch_refused(tmp_path, monkeyp
     assert setting.not_corrected == [f"the run's interpreter {gone} is gone: trials use "
                                      f"{sys.executable}"]
     assert setting.line() == "not as the run did: " + setting.not_corrected[0]
-    with pytest.raises(UsageError, match=f"this one has torch {here} where the run had torch "
-                                         "1.13.1: trials here would measure another torch"):
+    import re
+
+    with pytest.raises(UsageError, match=re.escape(f"this one has torch {here} where the run "
+                                                   "had torch 1.13.1: trials here would "
+                                                   "measure another torch")):
         run_setting(_setting_meta(gone, "1.13.1"), "train.py", False, tmp_path)
     # the run's own interpreter, torch upgraded since: used, and said
     setting = run_setting(_setting_meta(sys.executable, "1.13.1"), "train.py", False, tmp_path)
     assert setting.python == sys.executable
     assert setting.not_corrected == [f"torch {here} in {sys.executable} (the run had 1.13.1)"]
+    # another interpreter that runs trainprof (a wrapper, as a venv's python is to us): used
+    other = tmp_path / "other-python"
+    other.write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    other.chmod(0o755)
+    setting = run_setting(_setting_meta(str(other), here), "train.py", False, tmp_path)
+    assert setting.python == str(other) and setting.not_corrected == []
+    assert setting.corrected == [f"interpreter {other} (here {sys.executable})"]
+    # one that cannot import trainprof: this one instead, said
+    other.write_text("#!/bin/sh\necho 'ModuleNotFoundError: no trainprof' >&2; exit 1\n")
+    setting = run_setting(_setting_meta(str(other), here), "train.py", False, tmp_path)
+    assert setting.python == sys.executable
+    assert setting.not_corrected == [f"the run's interpreter {other} cannot run trainprof "
+                                     "(ModuleNotFoundError: no trainprof): trials use "
+                                     f"{sys.executable}"]
     # a variable set here that the run had unset is unset for the trials
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     meta = {**_setting_meta(sys.executable, here),

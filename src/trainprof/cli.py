@@ -278,7 +278,15 @@ def build_parser() -> _Parser:
                "  trainprof verify RUN_DIR --finding 2 --trials 5\n\n" + textwrap.fill(
                    "The verdict: " + ", ".join(f"{v} ({why})" for v, why in VERDICTS.items())
                    + ". The trials and verify.json go to --out (default: "
-                   "./trainprof-runs/<time>-verify-<name>/).", width=79),
+                   "./trainprof-runs/<time>-verify-<name>/).", width=79) + "\n\n"
+               + textwrap.fill(
+                   "The trials run as the run did, wherever verify is started: with its "
+                   "interpreter while that exists and runs trainprof (else with this one, "
+                   "refused with an error if its torch version is not the run's), in the "
+                   "folder it started in, with its thread, device, allocator and launch "
+                   "variables (OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES, PYTHONPATH, ...) set or "
+                   "unset as they were; one line names every difference from here.",
+                   width=79),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     verify.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run folder")
