@@ -48,6 +48,10 @@ RUN_EPILOG = """\
 The script runs exactly as `python SCRIPT ARGS` would (same sys.argv, __main__,
 working directory); everything after SCRIPT (or after -m MODULE) goes to it.
 Steps are found automatically (optimizer steps, else backward() calls).
+A leading `python`/`python3` word is taken as the interpreter and dropped
+(`trainprof run python train.py` runs train.py with trainprof's own Python); a
+console script's name on PATH runs its file as the script. Shell scripts and
+other programs are refused: run trainprof on the python command they run.
 
 examples:
   trainprof run train.py --lr 0.1
@@ -470,12 +474,17 @@ def _dispatch(argv: list[str]) -> int:
         target = ns.module if ns.module is not None else ns.script
         if target is None:
             raise UsageError("missing SCRIPT (or -m MODULE) to run (see 'trainprof run --help')")
+        from trainprof.capture.targets import resolve_command
+
+        # `python train.py`, `python -m pkg`, a console script's name: the script itself
+        target, script_args, module = resolve_command(target, script_args,
+                                                      ns.module is not None)
         from trainprof.commands import run_command
 
         return run_command(
             target,
             script_args,
-            module=ns.module is not None,
+            module=module,
             out=ns.out,
             name=ns.name,
             max_steps=ns.max_steps,
@@ -493,6 +502,11 @@ def _dispatch(argv: list[str]) -> int:
         target = ns.module if ns.module is not None else ns.script
         if target is None:
             raise UsageError("missing SCRIPT (or -m MODULE) to tune (see 'trainprof tune --help')")
+        from trainprof.capture.targets import resolve_command
+
+        # `python train.py`, `python -m pkg`, a console script's name: the script itself
+        target, script_args, module = resolve_command(target, script_args,
+                                                      ns.module is not None)
         if not ns.knob:
             raise UsageError("give at least one --knob NAME=V1,V2 (see 'trainprof tune --help')")
         from trainprof.experiments.tune import tune_command
@@ -500,7 +514,7 @@ def _dispatch(argv: list[str]) -> int:
         return tune_command(
             target,
             script_args,
-            module=ns.module is not None,
+            module=module,
             knobs=ns.knob,
             steps=ns.steps,
             trials=ns.trials,
