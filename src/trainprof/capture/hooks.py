@@ -924,7 +924,7 @@ class Instrumentation:
         # TORCHELASTIC_RUN_ID set) runs under `trainprof run` into ranks/<RANK>
         # (ChildRuns.launched_rank).
         reruns = self.script_reruns
-        started = self.subprocesses
+        popen_commands = self.subprocesses  # (`started` is the processes' list, above)
 
         def make_popen(orig: Callable[..., None]) -> Callable[..., None]:
             def __init__(popen: Any, args: Any, *rest: Any, **kwargs: Any) -> None:  # noqa: N807
@@ -945,8 +945,9 @@ class Instrumentation:
                             reruns.append(local)
                         else:
                             args = command
-                    elif len(started) < MAX_SUBPROCESSES and not _started_by_trainprof():
-                        started.append(_command_words(args))
+                    elif (len(popen_commands) < MAX_SUBPROCESSES
+                          and not _started_by_trainprof()):
+                        popen_commands.append(_command_words(args))
                 orig(popen, args, *rest, **kwargs)
 
             return __init__
