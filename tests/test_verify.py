@@ -296,3 +296,101 @@ def test_the_verdict_names_the_trials_that_ran_under_outside_load():
         "up to ~1.4 cores busy); rerun" in line
     del doc["arms"][0]["outside_load"], doc["arms"][1]["outside_load"]
     assert "outside load?" in str(verdict_line(judge(_finding("x", "", gain=0.30), doc)))
+
+
+def test_verify_trials_run_in_the_runs_own_setting(tmp_path):
+    """A run of ``-m pkg.train`` with a relative PYTHONPATH and OMP_NUM_THREADS=1, verified
+    from another folder where OMP_NUM_THREADS=2 and PYTHONPATH lacks the package: its trials
+    find the module and train on 1 thread, as the run did (they had run in the caller's
+    setting: 2 threads, and the module check failed in verify's own process)."""
+    import os
+
+    job = tmp_path / "job"
+    (job / "code" / "pkg").mkdir(parents=True)
+    (job / "code" / "pkg" / "__init__.py").write_text("")
+    write_script(job / "code" / "pkg", "train.py", DOUBLE.replace("range(60)", "range(30)"))
+    ours = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
+    pythonpath = os.pathsep.join(["code", *ours])  # relative: read from the job's folder
+    run = trainprof("run", "--json", "--no-html", "-m", "pkg.train", cwd=job,
+                    env={"OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath})
+    assert run.returncode == 0, run.stderr
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    res = trainprof("verify", "--json", "--trials", "1", "--steps", "12", "--out",
+                    str(tmp_path / "v"), str(run.run_dir), cwd=elsewhere, timeout=240,
+                    env={"OMP_NUM_THREADS": "2"})
+    assert res.returncode == 0, res.stderr
+    doc = res.json()
+    corrected = doc["setting"]["corrected"]
+    assert "OMP_NUM_THREADS=1 (here 2)" in corrected
+    assert f"PYTHONPATH={pythonpath} (here {os.environ.get('PYTHONPATH', 'unset')})" in corrected
+    assert doc["setting"]["not_corrected"] == []
+    # one line names them, on stderr with --json
+    assert "trials run as the run did: " in res.stderr and "OMP_NUM_THREADS=1 (here 2)" in \
+        res.stderr
+    trials = [json.loads(p.read_text()) for p in sorted((tmp_path / "v").glob("*/run.json"))]
+    assert len(trials) == 2 and all(t["status"] == "finished" for t in trials)
+    assert [t["fingerprint"]["threads"]["torch_num_threads"] for t in trials] == [1, 1]
+    assert all(t["launch"]["env"]["PYTHONPATH"] == pythonpath for t in trials)
+    assert all(t["launch"]["cwd"] == str(job) for t in trials)
+    # the run's own record: every variable named, unset ones as null
+    meta = json.loads((run.run_dir / "run.json").read_text())
+    assert meta["launch"]["env"]["OMP_NUM_THREADS"] == "1"
+    assert "MKL_NUM_THREADS" in meta["launch"]["env"]
+
+
+def _setting_meta(python: str, torch_version: str | None) -> dict:
+    return {"command": [python, "train.py"], "launch": {"cwd": "/x", "env": {}},
+            "fingerprint": {"torch": {"version": torch_version}}}
+
+
+def test_a_gone_interpreter_is_named_and_another_torch_refused(tmp_path, monkeypatch):
+    import sys
+    from importlib import metadata
+
+    from trainprof.experiments.trial_setting import run_setting
+
+    (tmp_path / "train.py").write_text("")
+    gone = str(tmp_path / "old-venv" / "bin" / "python")
+    here = metadata.version("torch")
+    setting = run_setting(_setting_meta(gone, here), "train.py", False, tmp_path)
+    assert setting.python == sys.executable
+    assert setting.not_corrected == [f"the run's interpreter {gone} is gone: trials use "
+                                     f"{sys.executable}"]
+    assert setting.line() == "not as the run did: " + setting.not_corrected[0]
+    import re
+
+    with pytest.raises(UsageError, match=re.escape(f"this one has torch {here} where the run "
+                                                   "had torch 1.13.1: trials here would "
+                                                   "measure another torch")):
+        run_setting(_setting_meta(gone, "1.13.1"), "train.py", False, tmp_path)
+    # the run's own interpreter, torch upgraded since: used, and said
+    setting = run_setting(_setting_meta(sys.executable, "1.13.1"), "train.py", False, tmp_path)
+    assert setting.python == sys.executable
+    assert setting.not_corrected == [f"torch {here} in {sys.executable} (the run had 1.13.1)"]
+    # another interpreter that runs trainprof (a wrapper, as a venv's python is to us): used
+    other = tmp_path / "other-python"
+    other.write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    other.chmod(0o755)
+    setting = run_setting(_setting_meta(str(other), here), "train.py", False, tmp_path)
+    assert setting.python == str(other) and setting.not_corrected == []
+    assert setting.corrected == [f"interpreter {other} (here {sys.executable})"]
+    # one that cannot import trainprof: this one instead, said
+    other.write_text("#!/bin/sh\necho 'ModuleNotFoundError: no trainprof' >&2; exit 1\n")
+    setting = run_setting(_setting_meta(str(other), here), "train.py", False, tmp_path)
+    assert setting.python == sys.executable
+    assert setting.not_corrected == [f"the run's interpreter {other} cannot run trainprof "
+                                     "(ModuleNotFoundError: no trainprof): trials use "
+                                     f"{sys.executable}"]
+    # a variable set here that the run had unset is unset for the trials
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    meta = {**_setting_meta(sys.executable, here),
+            "launch": {"env": {"OMP_NUM_THREADS": None, "MKL_NUM_THREADS": "2"}}}
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    setting = run_setting(meta, "train.py", False, tmp_path)
+    assert setting.env == {"MKL_NUM_THREADS": "2", "OMP_NUM_THREADS": None}
+    assert setting.corrected == ["MKL_NUM_THREADS=2 (here unset)", "OMP_NUM_THREADS unset "
+                                                                   "(here 3)"]
+    assert "OMP_NUM_THREADS" not in setting.environ()
+    with pytest.raises(UsageError, match="no such script: missing.py"):
+        run_setting(meta, "missing.py", False, tmp_path)

@@ -48,6 +48,10 @@ RUN_EPILOG = """\
 The script runs exactly as `python SCRIPT ARGS` would (same sys.argv, __main__,
 working directory); everything after SCRIPT (or after -m MODULE) goes to it.
 Steps are found automatically (optimizer steps, else backward() calls).
+A leading `python`/`python3` word is taken as the interpreter and dropped
+(`trainprof run python train.py` runs train.py with trainprof's own Python); a
+console script's name on PATH runs its file as the script. Shell scripts and
+other programs are refused: run trainprof on the python command they run.
 
 examples:
   trainprof run train.py --lr 0.1
@@ -278,7 +282,15 @@ def build_parser() -> _Parser:
                "  trainprof verify RUN_DIR --finding 2 --trials 5\n\n" + textwrap.fill(
                    "The verdict: " + ", ".join(f"{v} ({why})" for v, why in VERDICTS.items())
                    + ". The trials and verify.json go to --out (default: "
-                   "./trainprof-runs/<time>-verify-<name>/).", width=79),
+                   "./trainprof-runs/<time>-verify-<name>/).", width=79) + "\n\n"
+               + textwrap.fill(
+                   "The trials run as the run did, wherever verify is started: with its "
+                   "interpreter while that exists and runs trainprof (else with this one, "
+                   "refused with an error if its torch version is not the run's), in the "
+                   "folder it started in, with its thread, device, allocator and launch "
+                   "variables (OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES, PYTHONPATH, ...) set or "
+                   "unset as they were; one line names every difference from here.",
+                   width=79),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     verify.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run folder")
@@ -462,12 +474,17 @@ def _dispatch(argv: list[str]) -> int:
         target = ns.module if ns.module is not None else ns.script
         if target is None:
             raise UsageError("missing SCRIPT (or -m MODULE) to run (see 'trainprof run --help')")
+        from trainprof.capture.targets import resolve_command
+
+        # `python train.py`, `python -m pkg`, a console script's name: the script itself
+        target, script_args, module = resolve_command(target, script_args,
+                                                      ns.module is not None)
         from trainprof.commands import run_command
 
         return run_command(
             target,
             script_args,
-            module=ns.module is not None,
+            module=module,
             out=ns.out,
             name=ns.name,
             max_steps=ns.max_steps,
@@ -485,6 +502,11 @@ def _dispatch(argv: list[str]) -> int:
         target = ns.module if ns.module is not None else ns.script
         if target is None:
             raise UsageError("missing SCRIPT (or -m MODULE) to tune (see 'trainprof tune --help')")
+        from trainprof.capture.targets import resolve_command
+
+        # `python train.py`, `python -m pkg`, a console script's name: the script itself
+        target, script_args, module = resolve_command(target, script_args,
+                                                      ns.module is not None)
         if not ns.knob:
             raise UsageError("give at least one --knob NAME=V1,V2 (see 'trainprof tune --help')")
         from trainprof.experiments.tune import tune_command
@@ -492,7 +514,7 @@ def _dispatch(argv: list[str]) -> int:
         return tune_command(
             target,
             script_args,
-            module=ns.module is not None,
+            module=module,
             knobs=ns.knob,
             steps=ns.steps,
             trials=ns.trials,

@@ -35,6 +35,7 @@ from trainprof.report.terminal import render_summary
 from trainprof.store import (
     RANKS_DIR,
     RUN_JSON,
+    SAMPLES_JSONL,
     TUNE_JSON,
     VERIFY_JSON,
     Run,
@@ -334,9 +335,15 @@ def run_command(
             return
         sys.stderr.flush()
         if summary is not None and nothing_ran():
+            from trainprof.capture.child_training import child_training_hint
+
+            inst = recorder.instrumentation
+            child = child_training_hint([] if inst is None else inst.subprocesses,
+                                        run_dir / SAMPLES_JSONL)
             print(f"trainprof: nothing to measure: the script ended ({outcome.status}, exit "
                   f"{outcome.exit_code}) before any DataLoader batch, module call, backward or "
-                  f"optimizer step; record in {run_dir}", file=sys.stderr)
+                  f"optimizer step{'; ' + child if child else ''}; record in {run_dir}",
+                  file=sys.stderr)
         elif summary is not None:
             render_summary(summary)
 

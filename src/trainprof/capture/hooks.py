@@ -169,6 +169,34 @@ def _runs_python(args: Any) -> bool:
     return os.path.realpath(str(args[0])) == os.path.realpath(sys.executable)
 
 
+#: Subprocess commands kept for the "nothing to measure" message.
+MAX_SUBPROCESSES = 8
+
+
+def _command_words(args: Any) -> list[str]:
+    """A Popen command as words (a string command, ``shell=True``'s, is one word)."""
+    if isinstance(args, (str, bytes, os.PathLike)):
+        return [os.fsdecode(args)]
+    return [os.fsdecode(a) if isinstance(a, (bytes, os.PathLike)) else str(a) for a in args]
+
+
+_TRAINPROF_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _started_by_trainprof(max_depth: int = 12) -> bool:
+    """Whether the Popen being made is trainprof's own (its sampler process, git for the
+    fingerprint): the first caller outside ``subprocess`` and this module is in trainprof."""
+    frame = sys._getframe(2)
+    for _ in range(max_depth):
+        if frame is None:
+            return False
+        name = frame.f_code.co_filename
+        if name != subprocess.__file__ and name != __file__:
+            return name.startswith(_TRAINPROF_DIR + os.sep)
+        frame = frame.f_back
+    return False
+
+
 def _runs_this_script(args: Any) -> bool:
     """A command line that runs the script being recorded again, with this Python.
 
@@ -503,6 +531,9 @@ class Instrumentation:
         #: (PyTorch Lightning's DDP launcher) and could not be recorded (no child_runs,
         #: or beyond their limit): named in the notes
         self.script_reruns: list[str | None] = []
+        #: the first commands of the other subprocesses the script started (a wrapper that
+        #: trains in a child: "nothing to measure" names it), at most MAX_SUBPROCESSES
+        self.subprocesses: list[list[str]] = []
 
     def _patch(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
         # An inherited attribute (Tensor.item lives on TensorBase) is restored
@@ -970,6 +1001,7 @@ class Instrumentation:
         # TORCHELASTIC_RUN_ID set) runs under `trainprof run` into ranks/<RANK>
         # (ChildRuns.launched_rank).
         reruns = self.script_reruns
+        popen_commands = self.subprocesses  # (`started` is the processes' list, above)
 
         def make_popen(orig: Callable[..., None]) -> Callable[..., None]:
             def __init__(popen: Any, args: Any, *rest: Any, **kwargs: Any) -> None:  # noqa: N807
@@ -990,6 +1022,9 @@ class Instrumentation:
                             reruns.append(local)
                         else:
                             args = command
+                    elif (len(popen_commands) < MAX_SUBPROCESSES
+                          and not _started_by_trainprof()):
+                        popen_commands.append(_command_words(args))
                 orig(popen, args, *rest, **kwargs)
 
             return __init__

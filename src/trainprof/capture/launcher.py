@@ -110,6 +110,10 @@ def check_target(target: str, module: bool) -> str:
         raise UsageError(f"no such script: {target}")
     if path.is_dir() and not (path / "__main__.py").exists():
         raise UsageError(f"{target} is a directory with no __main__.py")
+    if path.is_file() and not zipfile.is_zipfile(target):
+        from trainprof.capture.targets import refuse_non_python
+
+        refuse_non_python(target)  # a shell script or a program: what to run instead
     return target
 
 

@@ -184,14 +184,14 @@ def run_setting(meta: dict[str, Any], target: str, module: bool,
         if found.get("trainprof") is None:
             raise UsageError(f"{sys.executable} cannot run trainprof with the run's "
                              f"environment: {found.get('error')}")
-        if theirs and setting.python != theirs and torch_then and \
-                found.get("torch") != torch_then:
+    if torch_then and found.get("torch") != torch_then:
+        if theirs and os.path.abspath(setting.python) != os.path.abspath(theirs):
             raise UsageError(
                 f"the run's interpreter {theirs} cannot run the trials, and this one has "
                 f"torch {found.get('torch')} where the run had torch {torch_then}: trials here "
                 f"would measure another torch (run verify with a Python that has torch "
                 f"{torch_then}, e.g. `/path/to/python -m trainprof verify ...`)")
-    elif torch_then and found.get("torch") != torch_then:
+        # the run's own interpreter, its torch changed since: still the run's setting
         setting.not_corrected.append(f"torch {found.get('torch')} in {setting.python} (the "
                                      f"run had {torch_then})")
     if found.get("trainprof") != __version__:
