@@ -405,9 +405,10 @@ def test_cheap_batches_are_timed_one_in_eight_and_scaled_to_all(tmp_path):
 
 
 def test_samples_counted_on_a_few_timed_batches_are_shown_as_an_estimate(tmp_path):
-    """num_workers=0 and cheap samples: the training process times a few batches a second
-    and scales the samples it saw to all batches - an estimate, shown with "~" (a run of
-    exactly 6,000 samples read "6,016 samples")."""
+    """num_workers=0, cheap samples and the script's own batch sampler: the training process
+    times a few batches a second and scales the samples it saw to all batches - an estimate,
+    shown with "~" (a run of exactly 6,000 samples read "6,016 samples"). (torch's own
+    BatchSampler tells them exactly: the next test.)"""
     doc = run_script(tmp_path, """
 class Cheap(Sleepy):
     def __len__(self):
@@ -415,7 +416,8 @@ class Cheap(Sleepy):
     def __getitem__(self, i):
         return torch.zeros(8), i % 2
 
-train(DataLoader(Cheap(), batch_size=8), step_s=0.001)
+batches = [list(range(i, i + 8)) for i in range(0, 12_000, 8)]
+train(DataLoader(Cheap(), batch_sampler=batches), step_s=0.001)
 """)
     w = loader_entry(doc)
     assert w["mode"] == "main" and w["batches"] == 1500
@@ -429,6 +431,35 @@ train(DataLoader(Cheap(), batch_size=8), step_s=0.001)
     assert any(f"~{w['samples']:,} samples" in text for _, text in rows), rows
 
 
+def test_samples_of_untimed_batches_are_counted_by_torchs_batch_sampler(tmp_path):
+    """The same cheap samples with torch's BatchSampler: its batch size and the sampler's
+    length count every batch's samples, the epoch's short last batch too, and an epoch left
+    by a break: 2 epochs of 1,003 samples in batches of 8 (125 full, then 3), and 41 batches
+    of a third (the 41st loaded, then the break)."""
+    doc = run_script(tmp_path, """
+class Cheap(Sleepy):
+    def __len__(self):
+        return 1003
+    def __getitem__(self, i):
+        return torch.zeros(8), i % 2
+
+loader = DataLoader(Cheap(), batch_size=8, shuffle=True)
+model = nn.Linear(8, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for epoch in range(3):
+    for step, (x, y) in enumerate(loader):
+        if epoch == 2 and step == 40:
+            break
+        loss = model(x).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+""")
+    w = loader_entry(doc)
+    assert (w["batches"], w["samples"]) == (2 * 126 + 41, 2 * 1003 + 41 * 8)
+    assert not w["samples_estimated"]
+
+
 def test_num_workers_0_is_measured_in_the_training_process(tmp_path):
     doc = run_script(tmp_path, """
 train(DataLoader(Sleepy(), batch_size=8))
@@ -436,8 +467,8 @@ train(DataLoader(Sleepy(), batch_size=8))
     w = loader_entry(doc)
     assert (w["mode"], w["num_workers"], w["samples"], w["batches"]) == ("main", 0, 96, 12)
     # every batch timed but the 3 loaded under the op count's window (steps 8-10: the
-    # tool's cost is in them), so the samples are scaled from the 9 others'
-    assert w["samples_timed"] == 72 and w["samples_estimated"]
+    # tool's cost is in them); their samples are counted by torch's BatchSampler
+    assert w["samples_timed"] == 72 and not w["samples_estimated"]
     assert doc["steps"]["profiled"] == 3
     assert w["processes"] == 1 and w["startup"] is None and w["busy_share"] is None
     assert w["cpu_wait_share"] is None  # no schedstat reads on the training thread
