@@ -57,7 +57,7 @@ def test_json_for_script_cannot_break_out_and_round_trips() -> None:
 
 
 def _write_run(run_dir: Path, n: int, n_samples: int, spike: int | None = None,
-               profiled: tuple[int, int] | None = None) -> Run:
+               profiled: tuple[int, int] | None = None, workers_rss: int = 5 * 10**8) -> Run:
     """A finished Run folder of ``n`` synthetic steps (~10 ms) and ``n_samples`` samples.
 
     Steps have 3 ms data wait (+50 ms on every 1000th, +500 ms on ``spike``), 3 ms forward,
@@ -98,7 +98,7 @@ def _write_run(run_dir: Path, n: int, n_samples: int, spike: int | None = None,
     for i, t in enumerate(np.linspace(100.0, 100.0 + end, n_samples).tolist()):
         lines.append(orjson.dumps({
             "t": t, "proc_cpu_pct": 90.0, "rss_bytes": 10**9 + i, "workers": {"7": 50.0},
-            "workers_rss_bytes": 5 * 10**8, "sys_cpu_pct": [80.0, 70.0, 60.0, None],
+            "workers_rss_bytes": workers_rss, "sys_cpu_pct": [80.0, 70.0, 60.0, None],
             "iowait_pct": None if i == 3 else 2.0,
             "disk_read_bps": 9e9 if i == n_samples // 2 else 1e7,
             "gpu": [{"index": 0, "util_pct": 40.0, "mem_used_bytes": 4e9,
@@ -654,6 +654,25 @@ def test_long_run_shows_spikes_and_envelopes(browser: Browser, tmp_path: Path) -
         charts = page.js("Array.from(document.querySelectorAll('.chart'))"
                          ".map(c => c.getAttribute('data-chart'))")
         assert {"gpu_util", "gpu_mem"} <= set(charts)
+    finally:
+        page.close()
+
+
+@needs_chromium
+@pytest.mark.parametrize("workers_rss", [0, 5 * 10**8])
+def test_the_memory_chart_shows_workers_only_where_they_ran(browser: Browser, tmp_path: Path,
+                                                           workers_rss: int) -> None:
+    """Samples with no private reading of the workers: their RSS stands in, labelled as
+    counting shared pages - unless no worker ran (RSS 0 throughout): no series, no legend."""
+    run = _write_run(tmp_path / "run", n=50, n_samples=40, workers_rss=workers_rss)
+    page = browser.open(render_html(analyse(run), run, tmp_path / "report.html"))
+    try:
+        _assert_clean(page)
+        legend = page.js("document.querySelector('[data-chart=memory]').textContent")
+        paths = page.js("document.querySelectorAll('[data-chart=memory] path.series').length")
+        assert ("DataLoader workers (RSS, shared pages counted in each)" in legend) == bool(
+            workers_rss)
+        assert paths == (2 if workers_rss else 1)
     finally:
         page.close()
 

@@ -616,6 +616,10 @@ function renderAligned() {
     return {name: name, label: label, color: color, unit: s.unit, y: s.y, lo: s.lo, hi: s.hi,
       xs: xsSample};
   };
+  // the RSS fallback only where workers ran (a run without any has zeros: no legend entry)
+  var someWorkers = function (series) {
+    return series && series.y.some(function (v) { return v > 0; }) ? series : null;
+  };
   var charts = [
     {key: "cpu", title: "CPU busy, in cores" + (SM.n_cores ? " (" + SM.n_cores +
       " usable)" : ""), unit: "cores", ref: SM.n_cores, refLabel: "usable cores",
@@ -632,9 +636,9 @@ function renderAligned() {
       unit: "B",
       series: [mk("rss_bytes", "training process (RSS)", "#1f77b4"),
         mk("workers_private_bytes", "DataLoader workers (private memory, summed)",
-          "#ff7f0e") ||
+          "#ff7f0e") || someWorkers(
         mk("workers_rss_bytes", "DataLoader workers (RSS, shared pages counted in each)",
-          "#ff7f0e")]}
+          "#ff7f0e"))]}
   ];
   var gpuUtil = [], gpuMem = [];
   Object.keys(SE).forEach(function (name, n) {
