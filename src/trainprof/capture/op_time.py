@@ -21,6 +21,9 @@ code ``other``) and to its kind:
 * ``attention``: ops on the score matrices of attention computed op by op
   (:mod:`trainprof.capture.eager_attention`);
 * ``view``: ops that move no data (views, ``detach``, allocations);
+* ``lookup``: embedding lookups and their backward (a gather, and a scatter-add into the
+  table's gradient: a large table's dense gradient is written whole), which torch.compile
+  does not make cheaper;
 * ``fusable``: the rest — pointwise ops, reductions, normalizations, softmax, copies —
   what torch.compile fuses.
 
@@ -144,13 +147,24 @@ _FUSED_ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attentio
                     "cudnn_attention")
 
 
+#: Embedding lookups and their backward passes (aten's names).
+_LOOKUPS = frozenset({
+    "embedding", "embedding_backward", "embedding_dense_backward", "embedding_sparse_backward",
+    "embedding_renorm_", "_embedding_bag", "_embedding_bag_forward_only",
+    "_embedding_bag_backward", "_embedding_bag_dense_backward",
+    "_embedding_bag_sparse_backward", "_embedding_bag_per_sample_weights_backward",
+})
+
+
 def kind_of(func: Any, packet: Any, registry: dict[Any, Any]) -> str:
-    """``fused_attention``, ``product``, ``view`` or ``fusable`` (see the module's docs;
-    ``attention`` is the caller's, from the op's shapes)."""
+    """``fused_attention``, ``product``, ``view``, ``lookup`` or ``fusable`` (see the
+    module's docs; ``attention`` is the caller's, from the op's shapes)."""
     if any(part in packet.__name__ for part in _FUSED_ATTENTION):
         return "fused_attention"
     if packet in registry:
         return "product"
     if getattr(func, "is_view", False) or packet.__name__ in _NO_DATA:
         return "view"
+    if packet.__name__ in _LOOKUPS:
+        return "lookup"
     return "fusable"

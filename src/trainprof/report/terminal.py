@@ -139,8 +139,8 @@ def op_time_text(timed: dict[str, Any] | None) -> str | None:
     if not timed:
         return None
     labels = (("product", "products"), ("fused_attention", "fused attention"),
-              ("attention", "attention"), ("fusable", "pointwise/reductions/norms"),
-              ("view", "views"))
+              ("attention", "attention"), ("lookup", "embedding lookups"),
+              ("fusable", "pointwise/reductions/norms"), ("view", "views"))
     seconds, shares = timed.get("s_per_step") or {}, timed.get("share_of_model") or {}
     parts = [f"{label} {fmt_time(seconds[k])} ({shares.get(k, 0) * 100:.0f}%)"
              for k, label in labels if seconds.get(k)]
