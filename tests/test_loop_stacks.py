@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -802,3 +806,58 @@ def test_a_long_warm_up_step_is_kept_out_of_the_steady_lines_and_shown_apart(tmp
     assert rows[0]["line"] in (8, 13) and rows[0]["share"] >= 0.8, stacks
     steady_s = doc["steps"]["mean_s"] * doc["steps"]["steady_count"]
     assert stacks["counted"] <= 100 * steady_s * 1.5 + 5, (stacks["counted"], steady_s)
+
+
+@needs_c
+def test_a_long_step_in_one_c_call_names_the_line_that_made_the_call(tmp_path):
+    """A step of ~2.2 s spent in one long matrix product (sized here to take about 2 s,
+    more calls of it on a faster machine): its ticks arrive during the C call and are
+    counted; the sample, taken when the call returns, is on the Python line that made
+    the call (a function call: ``a @ b``, an operator, is sampled on the next line that
+    calls something, where the interpreter next looks at its signals)."""
+    write_script(tmp_path, "train.py", """
+        import time, torch
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def project(a, b):
+            return torch.mm(a, b)   # the step's time
+        x = torch.randn(1000, 1000); t = time.perf_counter(); torch.mm(x, x)
+        n = min(6000, int(1000 * (2.0 / (time.perf_counter() - t)) ** (1 / 3)))
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        loss = model(torch.randn(2, 4)).sum()
+        t = time.perf_counter()
+        while time.perf_counter() - t < 2.2:
+            c = project(a, b)
+        loss.backward(); opt.step()
+    """)
+    res = trainprof("run", "--json", "train.py", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    first = res.json()["loop_stacks"]["first_steps"]
+    assert first["steps"] == 1 and first["samples"] >= 12, first
+    top = first["lines"][0]
+    assert (Path(top["file"]).name, top["line"], top["function"]) == ("train.py", 7, "project")
+    assert top["source"] == "return torch.mm(a, b)" and top["share"] >= 0.8, first
+    assert top["called_from"]["line"] == 14
+
+
+def test_no_early_tick_under_a_launcher_before_the_process_group_is_made(tmp_path):
+    """``WORLD_SIZE`` above 1 and no process group yet: the first step may still be the
+    set-up (a dummy forward before ``init_process_group``), so it is not sampled early;
+    once the group is made, or in a single process, it is."""
+    code = textwrap.dedent("""
+        import os, torch.distributed as dist
+        from trainprof.capture.loop_stacks import _group_pending
+        print(_group_pending())
+        os.environ["WORLD_SIZE"] = "2"
+        print(_group_pending())
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0,
+                                world_size=1)
+        print(_group_pending())
+        dist.destroy_process_group()
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "True", "False"]

@@ -437,12 +437,16 @@ class LoopStackSampler:
                     m.startswith("loop stacks:") for m in self.missing):
                 # started, but no tick landed in a step: every step was over before one
                 n = int(getattr(self.clock, "n_steps", 0))
+                when = (f"a first step is sampled from {LONG_STEP_S:g} s into it on, the "
+                        "later ones from their start" if self._early else
+                        # a process group still to be made, or a build of _fastclock.c
+                        # without the delay: from the first step's end only
+                        "sampling started when the first step ended")
                 self.missing.append(
                     f"loop stacks: none taken (this run had {n} step{'' if n == 1 else 's'}, "
-                    f"over before a tick: a first step is sampled from {LONG_STEP_S:g} s "
-                    "into it on, the later ones from their start, since a tick during the "
-                    "script's set-up can break its blocking calls; run more steps to see "
-                    "where a step's time goes)")
+                    f"over before a tick: {when}, since a tick during the script's set-up "
+                    "can break its blocking calls; run more steps to see where a step's "
+                    "time goes)")
         self.flush()
         if self._file is None:
             return
