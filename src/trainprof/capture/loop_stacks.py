@@ -19,7 +19,9 @@ where that lets the GIL go - with a loop of 2 ms of pure-Python work and a 2 ms
 better (65% / 35%) but woke late while torch's threads kept both cores busy, which
 moved ticks out of the model's phases. A signal is handled at the next bytecode
 boundary: at once in pure-Python code, by interrupting a ``sleep`` (which Python then
-resumes, PEP 475), and after a C call returns, on the line that made it; ticks that
+resumes, PEP 475), and after a C call returns, on the line that made it - a function
+call's (``torch.mm(a, b)``): an operator's (``a @ b``) is noted at the next call or loop
+jump, where the interpreter next looks at its signals, maybe on a later line; ticks that
 arrive during one C call are counted, and the sample carries their number as its
 weight.
 
