@@ -41,6 +41,16 @@ Definitions:
   long C call, weighs that many), so shares are shares of time. ``share`` is a
   fraction of the "other" ticks; with ``n`` of them, its standard error is
   ``sqrt(share (1 - share) / n)`` (a binomial proportion).
+* A run of at most :data:`FIRST_STEPS_ONLY` complete steps has no steady state (its
+  steps are the first, with every one-time cost in them: the noise rule says so), and
+  none of its samples is counted above. Its samples, and those of the warm-up steps of
+  a longer run, go to ``first_steps``: where that time went, whatever the phase, by the
+  innermost line of the user's code on the stack (the line that was running, or that
+  made the call - a ``time.sleep``, a matmul - the thread was in), with the user's
+  line that called its function (``called_from``). A first step is sampled only from
+  ``LONG_STEP_S`` (1 s) into it on (:mod:`trainprof.capture.loop_stacks`), so
+  ``seconds`` (the ticks times ``tick_s``) says how much of the steps' time the
+  samples cover.
 """
 
 from __future__ import annotations
@@ -64,6 +74,9 @@ from trainprof.store import STACKS_JSONL
 LOOP_PRESENCE = 0.9
 #: Loop lines reported.
 TOP_LINES = 8
+#: Runs of at most this many complete steps have no steady state (the noise rule's
+#: too_few_steps finding says so): their samples are the first steps'.
+FIRST_STEPS_ONLY = 2
 
 Frame = tuple[str, int, str, bool]  # file, line, function, the user's own code
 
@@ -74,10 +87,13 @@ Sample = tuple[int, int, int, int, bool]  # step, phase, stack, weight (ticks), 
 Sources = dict[tuple[str, int], str]  # (file, line) -> the line's text, as recorded
 
 
-def _read(path: Path) -> tuple[dict[int, list[Frame]], list[Sample], int, Sources] | None:
+def _read(
+    path: Path,
+) -> tuple[dict[int, list[Frame]], list[Sample], int, Sources, float | None] | None:
     """(stacks by id, samples as (step, phase, stack, weight, in_sync), ticks not kept,
-    the recorded source of user lines), or None. Records written before the in-sync flag
-    have four elements (not in a sync); before the sources, none are recorded."""
+    the recorded source of user lines, the seconds a weight of 1 stands for), or None.
+    Records written before the in-sync flag have four elements (not in a sync); before
+    the sources, none are recorded; before ``tick_s``, the tick's time is unknown."""
     try:
         f = open(path, "rb")  # noqa: SIM115 - closed below
     except OSError:
@@ -86,6 +102,7 @@ def _read(path: Path) -> tuple[dict[int, list[Frame]], list[Sample], int, Source
     samples: list[Sample] = []
     sources: Sources = {}
     dropped = 0
+    tick_s: float | None = None
     with f:
         for raw in f:
             try:
@@ -106,14 +123,16 @@ def _read(path: Path) -> tuple[dict[int, list[Frame]], list[Sample], int, Source
                         sources[(fr[0], fr[1])] = str(text)
             elif "dropped" in doc:
                 dropped += int(doc["dropped"])
-    return stacks, samples, dropped, sources
+            elif isinstance(doc.get("tick_s"), int | float) and doc["tick_s"] > 0:
+                tick_s = float(doc["tick_s"])
+    return stacks, samples, dropped, sources, tick_s
 
 
 def _typical_steps(steps: np.ndarray, warmup: int) -> tuple[set[int], int]:
     """Step numbers of steady steps whose "other" time is not an outlier, and how many are."""
     done = complete_steps(steps)
     steady = done[min(warmup, len(done)):]
-    if len(steady) == 0:
+    if len(steady) == 0 or len(done) <= FIRST_STEPS_ONLY:
         return set(), 0
     step_med = float(np.median(steady["dur_ns"])) / 1e9
     out = outliers(steady["other_ns"].astype(np.float64) / 1e9,
@@ -176,7 +195,7 @@ def summarize_loop_stacks(
     read = _read(Path(run_dir) / STACKS_JSONL)
     if read is None:
         return None
-    stacks, samples, dropped, sources = read
+    stacks, samples, dropped, sources, tick_s = read
     typical, spike_steps = _typical_steps(steps, warmup)
     kept: Kept = [(phase, stacks[sid], w, in_sync) for step, phase, sid, w, in_sync in samples
                   if step in typical and sid in stacks]
@@ -199,6 +218,7 @@ def summarize_loop_stacks(
         # line, the host waiting for the GPU, and were read as the loop's own code)
         "other": {"samples": phases.get("other", 0) - in_syncs, "in_syncs": in_syncs,
                   "lines": []},
+        "first_steps": _first_steps(steps, warmup, stacks, samples, sources, tick_s),
     }
     if not kept:
         return out
@@ -270,6 +290,77 @@ def summarize_loop_stacks(
         out["loop"]["called_from"] = {"file": file, "line": line,
                                       "source": _code_line(file, line, sources)}
     return out
+
+
+def _first_steps(
+    steps: np.ndarray, warmup: int, stacks: dict[int, list[Frame]], samples: list[Sample],
+    sources: Sources, tick_s: float | None,
+) -> dict[str, Any] | None:
+    """Where the time of the steps before the steady ones went (all the steps of a run
+    without a steady state), by the innermost line of the user's code on each sample's
+    stack; None when they have no sample (see the module docstring)."""
+    done = complete_steps(steps)
+    steady_state = len(done) > FIRST_STEPS_ONLY and len(done) > warmup
+    first_steady = int(done["step"][warmup]) if steady_state else None
+    mine = [(phase, stacks[sid], w) for step, phase, sid, w, _sync in samples
+            if sid in stacks and (first_steady is None or step < first_steady)]
+    total = sum(w for _p, _f, w in mine)
+    if total <= 0:
+        return None
+    # every step, the partial last one too, where the run has no steady state
+    span = steps if first_steady is None else steps[steps["step"] < first_steady]
+    step_s = float(span["dur_ns"].sum()) / 1e9 if len(span) else None
+    lines: Counter[tuple[str, int] | None] = Counter()
+    funcs: dict[tuple[str, int] | None, str] = {}
+    by_phase: dict[tuple[str, int] | None, Counter[str]] = {}
+    outer: dict[tuple[str, int] | None, Counter[tuple[str, int]]] = {}
+    calls: dict[tuple[str, int] | None, Counter[str]] = {}
+    phases: Counter[str] = Counter()
+    for phase, frames, w in mine:
+        name = PHASE_NAMES[phase] if 0 <= phase < len(PHASE_NAMES) else "?"
+        phases[name] += w
+        users = [fr for fr in frames if fr[3]]
+        at = users[-1][:2] if users else None
+        lines[at] += w
+        if users:
+            funcs[at] = users[-1][2]
+            if len(users) > 1:  # the user's line that called the function it was in
+                outer.setdefault(at, Counter())[users[-2][:2]] += w
+        by_phase.setdefault(at, Counter())[name] += w
+        if frames and not frames[-1][3]:
+            calls.setdefault(at, Counter())[_call_name(frames[-1])] += w
+    rows = []
+    for at, count in lines.most_common(TOP_LINES):
+        row: dict[str, Any] = {
+            "file": at[0] if at else None,
+            "line": at[1] if at else None,
+            "function": funcs.get(at),
+            "source": _code_line(*at, sources) if at else None,
+            "samples": count,
+            "share": count / total,
+            "by_phase": dict(by_phase[at].most_common()),
+            "called_from": None,
+            "library_call": None,
+        }
+        if at in outer:
+            (file, line), _n = outer[at].most_common(1)[0]
+            row["called_from"] = {"file": file, "line": line,
+                                  "source": _code_line(file, line, sources)}
+        if at in calls:
+            name, n_call = calls[at].most_common(1)[0]
+            row["library_call"] = {"name": name, "samples": n_call, "share": n_call / total}
+        rows.append(row)
+    return {
+        "steps": len(span),
+        # False: the run has no steady state, these are all its steps
+        "steady_state": steady_state,
+        "step_s": step_s,
+        "samples": total,
+        # the time the samples stand for: a first step is sampled from 1 s into it on
+        "seconds": total * tick_s if tick_s is not None else None,
+        "by_phase": dict(phases.most_common()),
+        "lines": rows,
+    }
 
 
 def _in_optimizer_call(frames: list[Frame]) -> bool:

@@ -1151,33 +1151,40 @@ stack_timer_tick(int sig, siginfo_t *info, void *context)
     PyErr_SetInterruptEx(sig);
 }
 
+/* first tick after first_s (<= 0: after one interval), then every interval_s */
 static int
-stack_timer_arm(double interval_s)
+stack_timer_arm(double interval_s, double first_s)
 {
     long long ns = (long long)(interval_s * 1e9);
+    long long first = first_s > 0 ? (long long)(first_s * 1e9) : ns;
     struct itimerspec spec;
-    spec.it_interval.tv_sec = spec.it_value.tv_sec = (time_t)(ns / 1000000000LL);
-    spec.it_interval.tv_nsec = spec.it_value.tv_nsec = (long)(ns % 1000000000LL);
+    spec.it_interval.tv_sec = (time_t)(ns / 1000000000LL);
+    spec.it_interval.tv_nsec = (long)(ns % 1000000000LL);
+    spec.it_value.tv_sec = (time_t)(first / 1000000000LL);
+    spec.it_value.tv_nsec = (long)(first % 1000000000LL);
     return timer_settime(st_timer, 0, &spec, NULL);
 }
 
-/* set_stack_interval(interval_s, weight): tick at another interval from now on, each
-   tick counting `weight` units (its interval over the finest one). */
+/* set_stack_interval(interval_s, weight, first_s=0): tick at another interval from now
+   on, each tick counting `weight` units (its interval over the finest one); the first
+   tick after first_s when it is positive (a first step is sampled once it has lasted
+   that long: trainprof.capture.loop_stacks), else after one interval. */
 static PyObject *
 py_set_stack_interval(PyObject *mod, PyObject *args)
 {
-    double interval_s;
+    double interval_s, first_s = 0.0;
     long long weight;
-    if (!PyArg_ParseTuple(args, "dL", &interval_s, &weight))
+    if (!PyArg_ParseTuple(args, "dL|d", &interval_s, &weight, &first_s))
         return NULL;
-    if (!(interval_s > 0) || weight < 1) {
-        PyErr_SetString(PyExc_ValueError, "interval_s and weight must be positive");
+    if (!(interval_s > 0) || weight < 1 || !(first_s >= 0)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "interval_s and weight must be positive, first_s not negative");
         return NULL;
     }
     if (!st_running)
         Py_RETURN_NONE;
     __atomic_store_n(&st_weight, weight, __ATOMIC_RELAXED);
-    if (stack_timer_arm(interval_s) != 0)
+    if (stack_timer_arm(interval_s, first_s) != 0)
         return PyErr_SetFromErrno(PyExc_OSError);
     Py_RETURN_NONE;
 }
@@ -1229,7 +1236,7 @@ py_start_stack_timer(PyObject *mod, PyObject *args)
         errno = err;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
-    if (interval_s > 0 && stack_timer_arm(interval_s) != 0) {
+    if (interval_s > 0 && stack_timer_arm(interval_s, 0.0) != 0) {
         int err = errno;
         timer_delete(st_timer);
         sigaction(signum, &st_python, NULL);
@@ -1335,7 +1342,8 @@ static PyMethodDef module_methods[] = {
      "start_stack_timer(core, interval_s, signum, weight=1): signal the calling thread at "
      "the interval (see trainprof.capture.loop_stacks)."},
     {"set_stack_interval", py_set_stack_interval, METH_VARARGS,
-     "set_stack_interval(interval_s, weight): another interval, each tick weighing `weight`."},
+     "set_stack_interval(interval_s, weight, first_s=0): another interval, each tick weighing "
+     "`weight`; the first tick after first_s when positive."},
     {"stop_stack_timer", py_stop_stack_timer, METH_NOARGS,
      "Stop the stack timer and put Python's handling of the signal back."},
     {"stack_stash", py_stack_stash, METH_NOARGS,

@@ -299,6 +299,7 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
         #: the step count at which _watch runs next (max steps, window transitions)
         self.next_watch = NEVER if max_steps is None else min(max_steps, NEVER)
         self._at_first_step: list[Callable[[], None]] = []  # (see at_first_step)
+        self._at_begin: list[Callable[[], None]] = []  # (see at_begin)
         #: flags OR-ed into every step record (FLAG_PROFILED while a tool is on)
         self.extra_flags = 0
         self._cooldown = 0
@@ -315,6 +316,11 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
         self.started = True
         self.mark = now
         self.step_start = now
+        if self._at_begin:
+            calls, self._at_begin = self._at_begin, []
+            for call in calls:
+                with contextlib.suppress(Exception):
+                    call()
 
     def adopt_thread(self, ident: int) -> bool:
         """Measure thread ``ident`` from now on: the run's first optimizer step ran there.
@@ -541,6 +547,16 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
         concerns the loop, started when the script's set-up is over."""
         self._at_first_step.append(call)
         self.next_watch = min(self.next_watch, max(1, self.n_steps))
+
+    def at_begin(self, call: Callable[[], None]) -> None:
+        """Run ``call`` (in the training thread) once, when the first step begins (the run's
+        first timed event: a DataLoader batch, a forward, a backward), or at once if it has
+        begun."""
+        if self.started:
+            with contextlib.suppress(Exception):
+                call()
+            return
+        self._at_begin.append(call)
 
     def add_window(self, runner: Any) -> None:
         """Drive a :class:`~trainprof.capture.window.WindowRunner` from the step boundaries."""

@@ -19,7 +19,9 @@ where that lets the GIL go - with a loop of 2 ms of pure-Python work and a 2 ms
 better (65% / 35%) but woke late while torch's threads kept both cores busy, which
 moved ticks out of the model's phases. A signal is handled at the next bytecode
 boundary: at once in pure-Python code, by interrupting a ``sleep`` (which Python then
-resumes, PEP 475), and after a C call returns, on the line that made it; ticks that
+resumes, PEP 475), and after a C call returns, on the line that made it - a function
+call's (``torch.mm(a, b)``): an operator's (``a @ b``) is noted at the next call or loop
+jump, where the interpreter next looks at its signals, maybe on a later line; ticks that
 arrive during one C call are counted, and the sample carries their number as its
 weight.
 
@@ -29,7 +31,10 @@ every handler cannot be killed by a late tick, and Python programs do not use it
 only while nothing else handles it, installed with ``SA_RESTART`` so that interrupted
 system calls resume, and only when the training thread is the main thread (where
 Python runs signal handlers). Otherwise, and without the C fast path, nothing is
-sampled and the record says so.
+sampled and the record says so. Ticks start when the first step ends, or
+:data:`LONG_STEP_S` into it should it last longer (a run of one long step), never in
+the script's set-up: a signal interrupts a blocking call with a timeout whatever
+``SA_RESTART`` says (torch.distributed's TCPStore ``connect()`` failed with EINTR).
 
 What is kept per sample: the step number, the phase (:mod:`trainprof.schema`), the
 weight, whether the thread was inside a timed device sync (a CUDA tensor's ``.item()``,
@@ -57,6 +62,7 @@ import contextlib
 import linecache
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -77,8 +83,9 @@ FORMAT = 1
 #: steps (something to attribute), and otherwise. A sample costs the training thread
 #: 70-90 us on this project's 2-vCPU VM, most of it the signal's delivery (a handler
 #: that does nothing cost 34-59 us; ``benchmarks/stack_sampling.py``): 0.14-0.18% of its
-#: time at 20 a second, 0.03-0.04% at 4. The timer starts ticking when the first step ends, dense
-#: for :data:`DENSE_FIRST_S`, so that the first steps (and a run of a few seconds: 14
+#: time at 20 a second, 0.03-0.04% at 4. The timer starts ticking when the first step ends
+#: (or :data:`LONG_STEP_S` into a first step that lasts longer), dense for
+#: :data:`DENSE_FIRST_S`, so that the first steps (and a run of a few seconds: 14
 #: samples in all had left a 64% "other" unnamed) are sampled enough; then the
 #: Recorder's drain calls :meth:`adapt` once a second. Each tick weighs its interval in
 #: units of the dense one.
@@ -89,6 +96,9 @@ DENSE_OTHER = 0.05
 DENSE_FIRST_S = 1.0
 #: What a sparse tick weighs: its interval in dense intervals.
 SPARSE_WEIGHT = round(HZ / SPARSE_HZ)
+#: A first step that lasts this long is sampled from then on, before it ends (see
+#: :meth:`LoopStackSampler.arm_long_first_step`).
+LONG_STEP_S = 1.0
 
 
 #: The signal sent to the training thread (see the module docstring).
@@ -165,6 +175,8 @@ class LoopStackSampler:
         self._fixed = False
         self._dense = False
         self._armed = False  # ticking (from the first step's end: see arm)
+        self._early = False  # set to tick LONG_STEP_S into the first step (see
+        # arm_long_first_step)
         self._armed_at = 0.0
         self._interval = 0.0
 
@@ -187,6 +199,7 @@ class LoopStackSampler:
             _fastclock.start_stack_timer(self.clock, 0.0, SIGNAL, 1)
             self._interval = 1.0 / (fixed or HZ)
             self.clock.at_first_step(self.arm)
+            self.clock.at_begin(self.arm_long_first_step)
             self._dense = not self._fixed
         except Exception as exc:
             self._restore()
@@ -226,6 +239,34 @@ class LoopStackSampler:
                 _fastclock.set_stack_interval(self._interval, 1)
             except Exception as exc:
                 self.missing.append(f"loop stacks: not sampled ({type(exc).__name__}: {exc})")
+
+    def arm_long_first_step(self) -> None:
+        """Tick from :data:`LONG_STEP_S` into the first step on, should it last that long
+        (the clock calls this when the first step begins).
+
+        Ticking starts at the first step's *end* (:meth:`arm`), so that the script's
+        set-up never sees a signal; but then a run of one long step - a big batch on
+        the CPU, a first step that compiles for minutes, one that hangs in a collective -
+        had no sample at all, and its time nowhere but in "other" or "forward" (an
+        explorer's 170 s single-step run). Once steps have begun, the set-up is over: a
+        step's ticks are what every later step gets anyway. The delay keeps a run's
+        usual first step (well under a second) as untouched as before, and lazy work
+        that starts with it (DataLoader workers, a CUDA context) out of the ticks' way
+        unless it is what makes the step long. Under a launcher (``WORLD_SIZE`` above
+        1) whose process group is not made yet, the script's set-up goes on inside this
+        step (a dummy forward before ``init_process_group``): the store's ``connect()``
+        is what a tick broke, so nothing is armed early.
+        """
+        if not self._running or self._armed or self._early or _group_pending():
+            return
+        try:
+            _fastclock.set_stack_interval(self._interval, 1, LONG_STEP_S)
+        except TypeError:  # a build of _fastclock.c before first_s: sampled from the end
+            return
+        except Exception as exc:
+            self.missing.append(f"loop stacks: not sampled ({type(exc).__name__}: {exc})")
+            return
+        self._early = True
 
     def adapt(self, other_share: float | None) -> None:
         """Dense sampling while the last second's steps spent :data:`DENSE_OTHER` or more
@@ -374,6 +415,9 @@ class LoopStackSampler:
                 self._file.write(orjson.dumps({
                     "format": FORMAT, "pid": os.getpid(),
                     "library_paths": sorted(p.rstrip(os.sep) for p in self._prefixes or ()),
+                    # what a weight of 1 is, in seconds: the dense interval (or the one
+                    # TRAINPROF_STACK_HZ sets), so that ticks read as time
+                    "tick_s": self._interval,
                 }) + b"\n")
             lines = [orjson.dumps(s) for s in stacks]
             if samples:
@@ -391,16 +435,20 @@ class LoopStackSampler:
             if adopted and not any(m.startswith("loop stacks:") for m in self.missing):
                 self.missing.append(f"loop stacks: not sampled (the loop trained in thread "
                                     f"{adopted!r}; the signal reaches the main thread only)")
-            elif self._armed and not any(
+            elif (self._armed or self._early) and not any(
                     m.startswith("loop stacks:") for m in self.missing):
-                # started, but no tick landed in a step: every step was over before the
-                # timer was armed (a run of one long step: its "other" left unnamed)
+                # started, but no tick landed in a step: every step was over before one
                 n = int(getattr(self.clock, "n_steps", 0))
+                when = (f"a first step is sampled from {LONG_STEP_S:g} s into it on, the "
+                        "later ones from their start" if self._early else
+                        # a process group still to be made, or a build of _fastclock.c
+                        # without the delay: from the first step's end only
+                        "sampling started when the first step ended")
                 self.missing.append(
-                    "loop stacks: none taken (sampling starts when the first step ends, "
-                    "since a tick during the script's set-up can break its blocking calls; "
-                    f"this run had {n} step{'' if n == 1 else 's'}, the last over before a "
-                    "tick: run more steps to see where a step's time goes)")
+                    f"loop stacks: none taken (this run had {n} step{'' if n == 1 else 's'}, "
+                    f"over before a tick: {when}, since a tick during the script's set-up "
+                    "can break its blocking calls; run more steps to see where a step's "
+                    "time goes)")
         self.flush()
         if self._file is None:
             return
@@ -409,6 +457,21 @@ class LoopStackSampler:
                 self._file.write(orjson.dumps({"dropped": self._dropped}) + b"\n")
             self._file.close()
         self._file = None
+
+
+def _group_pending() -> bool:
+    """A launcher started this process as one of several ranks, and its process group is
+    not made yet (see :meth:`LoopStackSampler.arm_long_first_step`)."""
+    try:
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            return False
+    except ValueError:
+        return False
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return dist is None or not (dist.is_available() and dist.is_initialized())
+    except Exception:
+        return True
 
 
 def _name(code: CodeType) -> str:

@@ -37,6 +37,7 @@ training.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import numpy as np
@@ -57,6 +58,22 @@ def _seconds(value: Any) -> str:
     if not isinstance(value, int | float):
         return "unknown"
     return f"{value:.2f} s" if value >= 1 else f"{value * 1e3:.3g} ms"
+
+
+def _where_the_time_went(ctx: Context) -> str | None:
+    """The line of the script most of a run's samples were on, when it has no steady state
+    (the stacks' ``first_steps``: :mod:`trainprof.analysis.loop_stacks`)."""
+    first = (ctx.summary.get("loop_stacks") or {}).get("first_steps") or {}
+    rows = first.get("lines") or []
+    if first.get("steady_state") or not rows or rows[0].get("file") is None:
+        return None
+    top = rows[0]
+    where = f"{os.path.basename(top['file'])}:{top['line']}"
+    if top.get("source"):
+        where += f" `{top['source']}`"
+    if top.get("function") and top["function"] != "<module>":
+        where += f" (in {top['function']})"
+    return f"{top['share'] * 100:.0f}% of {first.get('samples')} samples on {where}"
 
 
 @rule("noise.step_time_stability")
@@ -81,6 +98,9 @@ def step_time_stability(ctx: Context) -> Finding | None:
             what = "1 step" if count == 1 else f"{count} steps"
             title = (f"{what} in all: no steady state, so the step time "
                      f"({_seconds(info.get('median_s'))}) includes one-time start-up costs")
+            went = _where_the_time_went(ctx)
+            if went is not None:
+                evidence["time_went_to"] = went
         else:
             title = (f"Only {steady} steady-state step{'' if steady == 1 else 's'}: "
                      "too few to judge step time")
@@ -96,6 +116,8 @@ def step_time_stability(ctx: Context) -> Finding | None:
                     ("A first step pays for lazy initialisation, the allocator's growth, "
                      "compilation and the DataLoader's start: its time and its breakdown "
                      "are not the loop's. " if few else "")
+                    + (f"Its stack samples say where its time went: {went}. "
+                       if few and went is not None else "")
                     + f"Run at least {MIN_STEADY} steps after warm-up (more for noisy steps) "
                     "before trusting shares, percentiles or a before/after comparison."
                 ),

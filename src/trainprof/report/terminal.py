@@ -675,6 +675,9 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
     other_line = _other_row(summary)
     if other_line:
         table.add_row("Other", other_line)
+    first = _first_steps_row(summary)
+    if first:
+        table.add_row(*first)
     for label, line in _deep_rows(summary.get("deep")):
         table.add_row(label, line)
     for label, line in _rank_rows(summary):
@@ -743,6 +746,48 @@ def _other_row(summary: dict[str, Any]) -> str | None:
             f" ({os.path.basename(called['file'])}:{called['line']} runs it)"
             if called.get("file") else "") + ": "
     return head + " · ".join(parts) + f"  (of {n} stack samples in 'other'{tail})"
+
+
+#: The warm-up of a run with a steady state gets its row once its samples stand for this
+#: long (a first step that compiled for minutes); a run without one, whatever they are.
+FIRST_STEPS_ROW_S = 5.0
+
+
+def _first_steps_row(summary: dict[str, Any]) -> tuple[str, str] | None:
+    """Where the time of a run without a steady state went (its steps are all first
+    steps: no "Other" row), or of a long warm-up: the top lines of the user's code the
+    samples were on, whatever the phase (:func:`trainprof.analysis.loop_stacks.
+    summarize_loop_stacks`' ``first_steps``)."""
+    first = (summary.get("loop_stacks") or {}).get("first_steps") or {}
+    rows = first.get("lines") or []
+    if not rows:
+        return None
+    steady = bool(first.get("steady_state"))
+    if steady and (first.get("seconds") or 0.0) < FIRST_STEPS_ROW_S:
+        return None
+    parts = []
+    for r in rows[:3]:
+        if r.get("share", 0.0) < 0.05 and parts:
+            continue
+        where = (f"{os.path.basename(r['file'])}:{r['line']} {r.get('source') or ''}"
+                 if r.get("file") else "outside the script's own code")
+        if r.get("function") and r["function"] != "<module>":
+            where += f" (in {r['function']})"
+        phases = r.get("by_phase") or {}
+        top = max(phases, key=phases.get) if phases else None
+        if top and top != "other":
+            where += f" [{top}]"
+        parts.append(f"{where} {r['share'] * 100:.0f}%")
+    n = int(first.get("samples") or 0)
+    steps = int(first.get("steps") or 0)
+    whose = ("the first step's" if steps == 1 else f"the {steps} warm-up steps'") if steady \
+        else ("its one step's" if steps == 1 else f"its {steps} steps'")
+    tail = f"{n} stack samples"
+    if first.get("seconds") is not None and first.get("step_s"):
+        tail += (f", {fmt_time(first['seconds'])} of {whose} {fmt_time(first['step_s'])}: "
+                 "a first step is sampled from 1 s into it on")
+    label = "Warm-up" if steady else "Where the time went"
+    return label, " · ".join(parts) + f"  ({tail})"
 
 
 def _deep_rows(deep: list[dict[str, Any]] | None) -> list[tuple[str, str]]:
