@@ -180,6 +180,34 @@ def test_cheap_samples_from_idle_workers_stay_a_worker_handoff_quoting_the_recei
     assert "Receiving the workers' batches took the training thread 42%" in f["fix"]["text"]
 
 
+def test_idle_workers_of_loaders_iterated_together_are_counted_together():
+    """zip(a, b): both loaders' workers run at once and the wait is on both; the title
+    counts them all (2 + 4) and their idleness weighted by each loader's workers, as the
+    contention rules count workers (it had said "the 2 DataLoader workers are idle 86%")."""
+    summary, steps = _handoff_summary(0.42, ["file_descriptor"], per_batch=2.0,
+                                      sample_cpu_ms=0.003, busy=0.14)
+    w = summary["workers"]["loaders"][0]
+    w["collate_ms"] = {"median": 0.3, "p90": 0.5, "mean": 0.4}
+    w["fetch_split"] = {"blocked": 0.0, "waiting_for_cpu": 0.0, "cpu": 0.3, "collate": 0.7}
+    summary["dataloaders"][0]["iterated_with"] = [1]
+    summary["dataloaders"].append(loader(index=1, num_workers=4, persistent_workers=True,
+                                         batch_size=16, sampler="torch.utils.data.sampler."
+                                         "SequentialSampler", iterated_with=[0]))
+    summary["workers"]["loaders"].append({**w, "loader_index": 1, "num_workers": 4,
+                                          "processes": 4,
+                                          "busy_share_active": {"median": 0.3, "min": 0.3,
+                                                                "max": 0.3}})
+    f = _input_finding(summary, steps)
+    assert f["cause"] == "worker_handoff"
+    busy = (2 * 0.14 + 4 * 0.3) / 6
+    assert (f"while the 6 DataLoader workers of the 2 loaders iterated together are idle "
+            f"{(1 - busy) * 100:.0f}% of the time") in f["title"]
+    assert f"busy only {busy * 100:.0f}%" in f["fix"]["text"]
+    assert "num_workers=0 (on each of the 2 loaders)" in f["fix"]["text"]
+    assert f["evidence"]["workers_iterated_together"] == 6
+    assert f["evidence"]["workers_busy_share_together"] == pytest.approx(busy, abs=1e-4)
+
+
 # -- PackedCollate ------------------------------------------------------------------
 
 Point = collections.namedtuple("Point", "x y")

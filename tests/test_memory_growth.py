@@ -419,3 +419,33 @@ def test_workers_memory_in_the_chart_and_timeline_is_their_own(tmp_path):
     assert counters and 1 < max(counters) < 4 * 60, counters
     assert not any(e.get("name", "").startswith("workers RSS")
                    for e in json.loads(out.read_text())["traceEvents"])
+
+
+    # the TensorBoard and W&B exports (one set of series, analysis/scalars.py) write the
+    # same private figure, per sample, at the MiB the chart has; the RSS sum no longer
+    from trainprof.analysis.scalars import scalar_series
+    from trainprof.store import load_run
+
+    run = load_run(res.run_dir)
+    series = scalar_series(run)
+    tags = {tag for p in series.samples for tag, _ in p.values}
+    assert "workers/private_mib" in tags and "workers/rss_mib" not in tags
+    exported = [v for p in series.samples for tag, v in p.values if tag == "workers/private_mib"]
+    assert exported == pytest.approx([v / MB for v in private])  # the chart's, sample by sample
+    assert 1 < max(exported) < 4 * 60, exported
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.plugin_event_accumulator import (
+        EventAccumulator,
+    )
+    from tensorboard.util import tensor_util
+
+    assert trainprof("export", str(res.run_dir), "--tensorboard", "tb",
+                     cwd=tmp_path).returncode == 0
+    (folder,) = [p.parent for p in (tmp_path / "tb").rglob("events.out.tfevents.*")]
+    acc = EventAccumulator(str(folder), size_guidance={"tensors": 0})
+    acc.Reload()
+    assert "workers/rss_mib" not in acc.Tags()["tensors"]
+    written = [float(tensor_util.make_ndarray(e.tensor_proto))
+               for e in acc.Tensors("workers/private_mib")]
+    assert written == pytest.approx(exported, rel=1e-6)
+    assert 1 < max(written) < 4 * 60, written

@@ -774,6 +774,32 @@ def test_ranks_that_oversubscribe_their_host_are_named():
     assert ranks_oversubscribe_cores(Context(summary, None)) is None
 
 
+def test_ranks_whose_loaders_are_iterated_together_count_all_their_workers():
+    """zip(a, b) in each rank: the workers measured at 1.5 cores a rank are both loaders'
+    (2 + 4), and the budget of 1 core a rank beside its thread scales all 6 of them: 4 a
+    rank, not 2 of the training loader's 3 (num_workers=1 had been suggested)."""
+    from trainprof.diagnosis.context import Context
+    from trainprof.diagnosis.distributed import ranks_oversubscribe_cores
+
+    summary = _host_summary([1] * 4, workers_pct=150.0)
+    summary["dataloaders"] = [
+        {"index": 0, "num_workers": 2, "dataset": "__main__.Images", "iterated_with": [1],
+         "sampler": "torch.utils.data.sampler.RandomSampler"},
+        {"index": 1, "num_workers": 4, "dataset": "__main__.Unlabeled", "iterated_with": [0],
+         "sampler": "torch.utils.data.sampler.RandomSampler"},
+        {"index": 2, "num_workers": 3, "dataset": "__main__.Eval"},  # iterated after: apart
+    ]
+    f = ranks_oversubscribe_cores(Context(summary, None))
+    assert f is not None
+    assert f.evidence["num_workers"] == 6 and f.evidence["suggested_num_workers"] == 4
+    assert f.evidence["loaders_iterated_together"] == [0, 1]
+    assert "4 workers a rank instead of 6 (of the 2 DataLoaders it iterates together" in f.fix.text
+    # the knob sets every loader's workers: 2 each, against the script's own 2 and 4
+    assert "# each of the 2 loaders iterated together: 2 workers (4 a rank in all, now 6: " \
+        "2, 4)\nloader = DataLoader(dataset, ..., num_workers=2)" in f.fix.snippet
+    assert "--knob num_workers=2,script " in f.verify
+
+
 def test_spawned_ranks_with_default_thread_pools_oversubscribe_the_host(tp):
     """Each spawned rank sizes its intra-op pool for the whole machine (spawn, unlike
     torchrun, leaves OMP_NUM_THREADS alone): two of them ask for twice the cores. On this

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -464,6 +465,59 @@ def test_crash_keeps_a_crashed_record_and_prints_python_traceback(tp):
     assert meta["summary"]["steps"]["count"] == 5
     rep = trainprof("report", str(res.run_dir), "--json", cwd=res.run_dir.parent)
     assert rep.returncode == 0 and rep.json()["status"] == "crashed"
+
+
+WARNS = """
+import re, warnings
+from warnings import warn  # bound before any patching of the module's attribute
+warnings.warn("module level", stacklevel=2)
+def deprecated():
+    warnings.warn("function level", stacklevel=2)
+def helper():
+    warn("helper past the script", stacklevel=3)
+deprecated()
+helper()
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    warnings.warn("recorded", stacklevel=2)
+print(f"recorded at {seen[0].filename}:{seen[0].lineno}")
+"""
+
+
+def _warning_locations(stderr: str) -> list[str]:
+    """``filename:lineno: Category: message`` of each warning printed, and the recorded one."""
+    return re.findall(r"^([^:\n]+:\d+: \w+Warning: .*|recorded at .+)$", stderr, re.MULTILINE)
+
+
+def test_a_warning_past_the_script_reads_sys_1_as_under_python(tmp_path):
+    """Under python the script's module frame is the bottom of the stack: a warning whose
+    stacklevel walks past it reads ``sys:1``; under trainprof it had read the launcher's
+    ``exec`` line (``.../capture/launcher.py:245``), the CLI's or runpy's."""
+    script = write_script(tmp_path, "train.py", WARNS)
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    write_script(pkg, "train.py", WARNS)
+    plain = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=60)
+    expected = _warning_locations(plain.stderr + plain.stdout)
+    assert expected == ["sys:1: UserWarning: module level",
+                        f"{script}:9: UserWarning: function level",
+                        "sys:1: UserWarning: helper past the script",
+                        "recorded at sys:1"]
+    res = trainprof("run", "train.py", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert _warning_locations(res.stderr + res.stdout) == expected
+    # -m: python runs the module from runpy's frames (`_run_module_as_main`, `_run_code`),
+    # trainprof from runpy.run_module's: the same `_run_code` line over the module's frame
+    plain = subprocess.run([sys.executable, "-m", "pkg.train"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+    expected = _warning_locations(plain.stderr)[:2]
+    assert expected == ["<frozen runpy>:88: UserWarning: module level",
+                        f"{pkg / 'train.py'}:9: UserWarning: function level"]
+    module = trainprof("run", "-m", "pkg.train", cwd=tmp_path)
+    assert module.returncode == 0, module.stderr
+    assert _warning_locations(module.stderr)[:2] == expected
 
 
 ATEXIT_SAVE = """

@@ -18,7 +18,12 @@ clock time (seconds since the epoch) and ``(tag, value)`` pairs, only finite val
   its step, the step in progress then (0 before the first), so that a step axis lines the
   samples up with the steps: ``process/cpu_pct``, ``process/rss_mib``,
   ``process/ctx_switches_per_s``, ``workers/cpu_pct`` (all DataLoader workers together),
-  ``workers/rss_mib``, ``system/cpu_pct`` (mean of the cores), ``system/iowait_pct``,
+  ``workers/private_mib`` (the memory the workers hold alone, summed: the figure the HTML
+  chart and the Perfetto timeline show,
+  :func:`trainprof.analysis.memory_growth.workers_private_bytes`; the workers' summed
+  RSS, once ``workers/rss_mib``, counted a fork worker's copy-on-write view of the
+  training process's heap once per worker: 1,765 MiB of "workers" for 46 MiB of their
+  own), ``system/cpu_pct`` (mean of the cores), ``system/iowait_pct``,
   ``system/disk_read_mb_per_s``, and per GPU ``gpu<i>/util_pct``, ``memory_used_mib``,
   ``power_w``, ``temperature_c``, ``sm_clock_mhz``.
 * **DDP** (:func:`ddp_points`), per DDP model, at the step of each iteration DDP's reducer
@@ -51,6 +56,7 @@ from typing import Any
 
 import numpy as np
 
+from trainprof.analysis.memory_growth import workers_private_bytes
 from trainprof.analysis.ops import load_ops
 from trainprof.analysis.steps import complete_steps
 from trainprof.analysis.system import load_samples
@@ -81,7 +87,9 @@ _DESCRIPTIONS = {
     "process/rss_mib": "Resident memory of the training process, MiB.",
     "process/ctx_switches_per_s": "Context switches of the training process per second.",
     "workers/cpu_pct": "CPU of all DataLoader worker processes together, % of one core.",
-    "workers/rss_mib": "Resident memory of all DataLoader workers together, MiB.",
+    "workers/private_mib": ("Memory the DataLoader workers hold alone (Private_Dirty), "
+                            "summed over the live workers, MiB: pages a fork worker still "
+                            "shares with the training process are not counted."),
     "system/cpu_pct": "Whole-machine CPU, mean over the cores, %.",
     "system/iowait_pct": "CPU time waiting for I/O, %.",
     "system/disk_read_mb_per_s": "Disk reads of the machine, MB/s.",
@@ -296,7 +304,9 @@ def step_points(run: Run, steps: np.ndarray, origin: float,
 # --------------------------------------------------------------------------- system samples
 
 
-def _sample_values(s: dict[str, Any]) -> list[tuple[str, float]]:
+def _sample_values(s: dict[str, Any], workers_private: int | None) -> list[tuple[str, float]]:
+    """A sample's values; ``workers_private``: its workers' private bytes, which come from
+    the readings of earlier samples too (:func:`workers_private_bytes`)."""
     def num(x: Any) -> float | None:
         return float(x) if isinstance(x, int | float) and not isinstance(x, bool) else None
 
@@ -311,8 +321,8 @@ def _sample_values(s: dict[str, Any]) -> list[tuple[str, float]]:
     workers = s.get("workers")
     if isinstance(workers, dict) and workers:
         out.append(("workers/cpu_pct", sum(v for v in workers.values() if num(v) is not None)))
-        out.append(("workers/rss_mib", None if num(s.get("workers_rss_bytes")) is None
-                    else s["workers_rss_bytes"] / MIB))
+        out.append(("workers/private_mib",
+                    None if workers_private is None else workers_private / MIB))
     cores = [c for c in s.get("sys_cpu_pct") or [] if num(c) is not None]
     if cores:
         out.append(("system/cpu_pct", sum(cores) / len(cores)))
@@ -342,7 +352,8 @@ def sample_points(run: Run, steps: np.ndarray, origin: float,
         numbers = np.where(at >= 0, steps["step"][np.maximum(at, 0)], 0)
     else:
         numbers = np.zeros(len(samples), dtype=np.int64)
-    rows = [_sample_values(s) for s in samples]
+    rows = [_sample_values(s, private)
+            for s, private in zip(samples, workers_private_bytes(samples), strict=True)]
     tags = sorted({tag for row in rows for tag, _ in row})
     table = {tag: np.full(len(rows), np.nan) for tag in tags}
     for i, row in enumerate(rows):

@@ -31,7 +31,9 @@ then exits as asked (coverage.py's ``patch = _exit`` does the same for its data)
 
 A crash's traceback is printed as Python prints it: frames of trainprof and
 ``runpy`` are removed, so the user sees only their code and the libraries
-it called.
+it called. A warning attributed beneath the script (a module-level
+``warnings.warn(msg, stacklevel=2)``) reads ``sys:1``, as under python
+(:mod:`trainprof.capture.warning_location`).
 """
 
 from __future__ import annotations
@@ -56,10 +58,8 @@ from types import TracebackType
 from typing import Any
 
 from trainprof.capture.clock import StopTraining, Terminated
+from trainprof.capture.warning_location import is_launch_code, warnings_located_as_under_python
 from trainprof.errors import UsageError
-
-_OWN_DIR = str(Path(__file__).resolve().parents[1])
-_RUNPY = runpy.__file__
 
 
 @dataclass
@@ -117,10 +117,6 @@ def check_target(target: str, module: bool) -> str:
     return target
 
 
-def _is_ours(filename: str) -> bool:
-    return filename.startswith(_OWN_DIR) or filename in (_RUNPY, "<frozen runpy>")
-
-
 def strip_own_frames(exc: BaseException | None, seen: set[int] | None = None) -> None:
     """Remove trainprof and runpy frames from a traceback (and its causes), in place."""
     seen = seen if seen is not None else set()
@@ -130,7 +126,7 @@ def strip_own_frames(exc: BaseException | None, seen: set[int] | None = None) ->
     frames: list[TracebackType] = []
     tb = exc.__traceback__
     while tb is not None:
-        if not _is_ours(tb.tb_frame.f_code.co_filename):
+        if not is_launch_code(tb.tb_frame.f_code.co_filename):
             frames.append(tb)
         tb = tb.tb_next
     for a, b in zip(frames, frames[1:], strict=False):
@@ -416,7 +412,9 @@ def run_target(target: str, args: list[str], module: bool) -> Outcome:
         sys.path[0:1] = [str(resolved if not resolved.is_file() else resolved.parent)]
     _start_gc_afresh()
     try:
-        with sigterm_as_exception(), _stop_threads_quietly():
+        # a warning walked past the script's own frames reads sys:1 (see warning_location)
+        with (sigterm_as_exception(), _stop_threads_quietly(),
+              warnings_located_as_under_python(sys._getframe())):
             try:
                 if module:
                     runpy.run_module(target, run_name="__main__", alter_sys=True)

@@ -234,30 +234,49 @@ def _workers_over_cores(ctx: Context, n: int, cores: int, threads: int, worker_c
     """The ranks' threads are at their share: the DataLoader workers take the cores over.
 
     Each rank's workers get the cores its threads leave, ``(cores - threads) / n``; the
-    suggested count scales the training loader's workers (rank 0's settings: every rank
-    runs the same loop) by that budget over what they were measured to use.
+    suggested count scales a rank's workers (rank 0's settings: every rank runs the same
+    loop) by that budget over what they were measured to use. A rank's workers are those
+    of all the loaders it iterates together (``zip(a, b)``; :attr:`Context.concurrent_workers`,
+    as the per-process rule counts them): the measured cores are all of theirs.
     """
-    nw = int((ctx.train_loader or {}).get("num_workers") or 0)
+    nw = ctx.concurrent_workers
     if nw <= 0 or worker_cores <= 0:
         return None
     budget = max(0.0, cores - threads) / n
     suggested = max(0, min(nw - 1, math.floor(nw * budget / (worker_cores / n))))
+    together = max(ctx.loader_groups, key=lambda g: sum(int(d.get("num_workers") or 0)
+                                                        for d in g))
+    of_loaders = (f" (of the {len(together)} DataLoaders it iterates together, in all)"
+                  if len(together) > 1 else "")
     text = (
         f"The {n} ranks run {current} op thread{'s' if current > 1 else ''} each already "
         f"({threads} on {cores} cores); their DataLoader workers use {worker_cores:.1f} cores "
         "more, so the workers and the ranks' math take turns on the cores. Each rank's "
         f"workers have {budget:.1f} cores beside its threads: {suggested} workers a rank "
-        f"instead of {nw} (as few as keep the data wait down; a worker costs more than it "
-        "saves where samples are cheap), or fewer ranks on this host."
+        f"instead of {nw}{of_loaders} (as few as keep the data wait down; a worker costs "
+        "more than it saves where samples are cheap), or fewer ranks on this host."
     )
-    snippet = (f"loader = DataLoader(dataset, ..., num_workers={suggested})  # was {nw}: "
-               f"{n} ranks' workers within {cores} cores")
+    extra: dict[str, Any] = {"num_workers": nw, "suggested_num_workers": suggested}
+    if len(together) > 1:
+        # the tune knob sets every loader's num_workers: an equal share each, against the
+        # script's own settings
+        each = suggested // len(together)
+        now = ", ".join(str(int(d.get("num_workers") or 0)) for d in together)
+        snippet = (f"# each of the {len(together)} loaders iterated together: {each} workers "
+                   f"({each * len(together)} a rank in all, now {nw}: {now})\n"
+                   f"loader = DataLoader(dataset, ..., num_workers={each})  # {n} ranks' "
+                   f"workers within {cores} cores")
+        knob = f"{each},script"
+        extra["loaders_iterated_together"] = [d.get("index") for d in together]
+    else:
+        snippet = (f"loader = DataLoader(dataset, ..., num_workers={suggested})  # was {nw}: "
+                   f"{n} ranks' workers within {cores} cores")
+        knob = f"{suggested},{nw}"
     return Finding(
         category="distributed", cause="ranks_oversubscribe_cores", title=title,
-        severity=severity, evidence={**evidence, "num_workers": nw,
-                                     "suggested_num_workers": suggested},
+        severity=severity, evidence={**evidence, **extra},
         estimated_gain=gain, fix=Fix(text=text, snippet=snippet),
-        verify=(f"trainprof tune --knob num_workers={suggested},{nw} {ctx.script} "
+        verify=(f"trainprof tune --knob num_workers={knob} {ctx.script} "
                 "(the knob applies in every rank)"),
     )
 

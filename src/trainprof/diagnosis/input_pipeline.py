@@ -471,17 +471,24 @@ def _cheap_samples_finding(ctx: Context, cause: str, loader: dict[str, Any] | No
         samples_s = us / 1e6 * (batch or 1)
         gain = share * max(0.0, 1.0 - samples_s / float(wait_s)) if wait_s else share
         wait_txt = f"{float(wait_s) * 1000:.2f} ms" if wait_s else "a share of each step"
-        title = (f"Training waits for data {pct} of step time while the {nw} DataLoader "
-                 f"workers are idle {(1 - (worker_busy or 0)) * 100:.0f}% of the time: "
+        workers, busy, loaders = _workers_out_and_busy(ctx, loader, nw, worker_busy)
+        of_loaders = (f" of the {loaders} loaders iterated together" if loaders > 1 else "")
+        if loaders > 1:
+            evidence["workers_iterated_together"] = workers
+            evidence["workers_busy_share_together"] = busy
+        title = (f"Training waits for data {pct} of step time while the {workers} DataLoader "
+                 f"workers{of_loaders} are idle {(1 - (busy or 0)) * 100:.0f}% of the time: "
                  "handing batches over costs more than loading them")
         text = (
             f"A sample costs the workers {us:.0f} µs (typically), a batch "
             f"{batch_s * 1000:.2f} ms with its collate; they are busy only "
-            f"{(worker_busy or 0) * 100:.0f}% "
+            f"{(busy or 0) * 100:.0f}% "
             f"of the time, and yet the loop waits {wait_txt} per step: the time goes to "
             "handing each batch over (written to shared memory by a worker, unpickled in the "
             "training process), not to loading it. Samples this cheap load faster in the "
-            f"training process: num_workers=0. {read_at_once}"
+            "training process: num_workers=0"
+            + (f" (on each of the {loaders} loaders)" if loaders > 1 else "")
+            + f". {read_at_once}"
         )
         if evidence.get("batch_handoff"):
             text += " " + handoff_sentence(evidence["batch_handoff"])
@@ -501,6 +508,28 @@ def _cheap_samples_finding(ctx: Context, cause: str, loader: dict[str, Any] | No
                      ("cpu_contention", "spinning_threads"))
                     if cause == "worker_handoff" else ()),
     )
+
+
+def _workers_out_and_busy(ctx: Context, loader: dict[str, Any] | None, nw: int,
+                          busy: float | None) -> tuple[int, float | None, int]:
+    """The workers the loop waits on, their busy share, and how many loaders they are of.
+
+    Loaders iterated together (``zip(a, b)``, :meth:`Context.loaders_alongside`) feed every
+    step, their workers run at once, and the step's wait is on all of them: their workers
+    count together, as the contention rules count them, and their busy share is each
+    loader's measured median (``busy_share_active``) weighted by its workers. A loader
+    whose workers were not measured is left out of both; ``loader``'s alone otherwise.
+    """
+    measured: list[tuple[int, float]] = []
+    for d in ctx.loaders_alongside(loader):
+        n = int(d.get("num_workers") or 0)
+        share = ((ctx.worker_stats(d) or {}).get("busy_share_active") or {}).get("median")
+        if n > 0 and isinstance(share, int | float):
+            measured.append((n, float(share)))
+    if len(measured) < 2:
+        return nw, busy, 1
+    workers = sum(n for n, _ in measured)
+    return workers, sum(n * b for n, b in measured) / workers, len(measured)
 
 
 def _split_verified(w: dict[str, Any] | None) -> bool:
