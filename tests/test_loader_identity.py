@@ -118,6 +118,11 @@ def test_zipped_loaders_of_different_lengths_have_the_shortest_epoch():
     assert not [g for g in out if g["category"] == "periodic_overhead"]
     c = next(f for f in out if f["category"] == "cpu_contention")
     assert c["evidence"]["num_workers"] == 6 and c["evidence"]["thread_demand"] == 8
+    assert c["cause"] == "workers_oversubscribe_cores"
+    # the knob sets every loader's num_workers: its values are each loader's share
+    knob = c["verify"].split("--knob num_workers=")[1].split()[0]
+    assert max(int(v) for v in knob.split(",")) <= 2, c["verify"]
+    assert "for each of the 3 loaders iterated together" in c["fix"]["snippet"]
     # an old record (no iterated_with): each loader alone, the demand its largest
     for d in loaders:
         del d["iterated_with"]

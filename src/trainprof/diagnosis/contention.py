@@ -45,6 +45,12 @@ def _csv(values: set[int]) -> str:
     return ",".join(str(v) for v in sorted(values))
 
 
+def _share(workers: int, loaders: int) -> int:
+    """Each loader's workers where ``loaders`` iterated together share ``workers`` (at least
+    one each where there are any: a loader cannot have half a worker)."""
+    return 0 if workers <= 0 else max(1, math.ceil(workers / max(1, loaders)))
+
+
 @rule("contention.oversubscribed_cores")
 def oversubscribed_cores(ctx: Context) -> Finding | None:
     cores = ctx.cores
@@ -163,11 +169,22 @@ def oversubscribed_cores(ctx: Context) -> Finding | None:
             lines.append(
                 f"loader = DataLoader(..., num_workers={new_workers}, persistent_workers=True)"
             )
+        if together > 1:
+            # the counts above are all the loaders' workers; each loader sets its own, and
+            # tune's num_workers knob sets every loader's: an equal share each
+            lines = [line.replace(f"num_workers={new_workers}",
+                                  f"num_workers={_share(new_workers, together)}")
+                     for line in lines]
+            lines.append(f"# for each of the {together} loaders iterated together "
+                         f"({_share(new_workers, together) * together} workers in all, "
+                         f"now {nw})")
         snippet = "\n".join(lines)
         knobs = []
         if not ctx.on_cuda:
             knobs.append(f"--knob torch_threads={_csv(set(sweep(1, pool)) | {new_threads})}")
-        knobs.append(f"--knob num_workers={_csv(set(sweep(1, nw)) | {0, new_workers})}")
+        each = max(1, together)
+        knobs.append("--knob num_workers=" + _csv(
+            {_share(v, each) for v in set(sweep(1, nw)) | {0, new_workers}}))
         verify = f"trainprof tune {' '.join(knobs)} {ctx.script}"
     else:
         cause = "threads_exceed_cores"
