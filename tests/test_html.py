@@ -789,3 +789,18 @@ def test_a_utilization_under_ten_percent_keeps_a_decimal_as_the_terminal_does() 
                      "findings": []})
     assert '<div class="k">FLOPs utilization</div><div class="v">0.4%</div>' in page, page
 
+
+
+def test_a_run_of_one_step_says_to_read_its_finding_not_that_nothing_was_found(
+        tmp_path: Path) -> None:
+    """One step, so no steady state: the only finding (too few steps) claims no speed-up, and
+    the page had said "No bottleneck found" above it, and "Where a steady-state step goes"."""
+    run = _write_run(tmp_path / "run", n=1, n_samples=5)
+    summary = analyse(run)
+    # (the synthetic steps wait on data too: only the finding this page is about is kept)
+    summary["findings"] = [f for f in summary["findings"] if f["cause"] == "too_few_steps"]
+    assert summary["findings"]
+    page = render_html(summary, run, tmp_path / "report.html").read_text()
+    assert '<p class="headline">Read this first: 1 step in all: no steady state' in page
+    assert "No bottleneck found" not in page
+    assert "<h3>Where its step goes</h3>" in page

@@ -393,6 +393,14 @@ def _verdict(s: dict[str, Any]) -> str:
             f"{len(findings)} finding{'s' if len(findings) != 1 else ''} below, highest "
             "estimated gain first.</p>"
         )
+    elif (serious := [f for f in findings if f.get("severity") in ("high", "medium")]):
+        # no speed-up to claim, but something to read first: too few steps to judge, data
+        # every worker duplicates (a finding without a gain is no "no bottleneck")
+        head = (
+            f'<p class="headline">Read this first: {esc(serious[0].get("title") or "")}</p>'
+            f'<p class="meta">No finding claims a speed-up; {len(findings)} '
+            f"finding{'s' if len(findings) != 1 else ''} below.</p>"
+        )
     else:
         head = (
             '<p class="headline ok">No bottleneck found: no rule fired above its reporting '
@@ -457,7 +465,11 @@ def _verdict(s: dict[str, Any]) -> str:
         )
     body = head + f'<div class="tiles">{"".join(tiles)}</div>'
     if s.get("breakdown"):
-        body += ("<h3>Where a steady-state step goes</h3>"
+        steady = int(steps.get("steady_count") or 0)
+        where = ("Where a steady-state step goes" if steady > 2
+                 else "Where its step goes" if int(steps.get("count") or 0) == 1
+                 else "Where its steps go (no steady state)")
+        body += (f"<h3>{where}</h3>"
                  + _breakdown_bar(s["breakdown"], regions_in_other(s)))
     # (a launch's command is one rank's: trainprof verify refuses it)
     run_dir = None if s.get("ranks") else s.get("run_dir")
