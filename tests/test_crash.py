@@ -58,6 +58,13 @@ def test_a_segfault_is_named_with_the_scripts_frames(tmp_path):
     text = trainprof("report", str(res.run_dir), cwd=tmp_path).stdout
     assert "SIGSEGV (Segmentation fault)" in text
     assert "train.py:6 in corrupt" in text and "train.py:18 in <module>" in text
+    # the HTML report opens with it too
+    html = trainprof("report", str(res.run_dir), "--html", str(tmp_path / "r.html"),
+                     cwd=tmp_path)
+    assert html.returncode == 0, html.stderr
+    page = (tmp_path / "r.html").read_text()
+    assert '<p class="headline">The process died of SIGSEGV (Segmentation fault)' in page
+    assert "train.py:6 in corrupt" in page
 
 
 def test_a_users_faulthandler_keeps_its_stderr_dump(tmp_path):

@@ -59,6 +59,7 @@ from trainprof.report.terminal import (
     attention_text,
     compiles_text,
     compute_text,
+    crash_text,
     fmt_bytes,
     fmt_pct,
     fmt_time,
@@ -463,6 +464,13 @@ def _verdict(s: dict[str, Any]) -> str:
                 f"{fmt_pct(system.get('iowait_pct'))}",
             )
         )
+    crash = crash_text(s.get("crash"))
+    if crash:  # a death by a fatal signal: where, before anything measured
+        head = ('<div class="crash" id="tp-crash"><p class="headline">The process died of '
+                f'{esc(crash.splitlines()[0])}</p>'
+                + (f'<pre class="mono">{esc(chr(10).join(crash.splitlines()[1:]))}</pre>'
+                   if len(crash.splitlines()) > 1 else "")
+                + "</div>" + head)
     body = head + f'<div class="tiles">{"".join(tiles)}</div>'
     if s.get("breakdown"):
         steady = int(steps.get("steady_count") or 0)
