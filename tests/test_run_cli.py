@@ -1068,6 +1068,10 @@ def test_ctrl_c_interrupts_with_summary_and_exit_130(tmp_path):
     # it ends by SIGINT, as python does (a shell's $? is 130; a shell loop stops on it)
     assert proc.returncode == -signal.SIGINT, err
     assert "interrupted" in out and "Step time" in out
+    # where Ctrl-C stopped the script, as python prints it: the script's frames only
+    tb = err[err.index("Traceback (most recent call last):"):]
+    assert "\nKeyboardInterrupt" in tb and 'train.py", line' in tb, err[-2000:]
+    assert "trainprof" not in tb.split("KeyboardInterrupt")[0], tb
     meta = json.loads((run_dir / "run.json").read_text())
     assert meta["status"] == "interrupted" and meta["exit_code"] == 130
     assert meta["summary"]["steps"]["count"] >= 4

@@ -432,7 +432,9 @@ def run_target(target: str, args: list[str], module: bool) -> Outcome:
         return Outcome("finished", code, message)
     except StopTraining as exc:
         return Outcome("finished", 0, f"trainprof: stopped the script: {exc}")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        # python prints where Ctrl-C stopped the script, then ends by SIGINT: so here
+        print_exception(exc)
         return Outcome("interrupted", 130, "trainprof: interrupted by Ctrl-C")
     except Terminated:
         return Outcome("interrupted", 128 + signal.SIGTERM, "trainprof: terminated by SIGTERM",
