@@ -408,8 +408,8 @@ def test_data_waits_every_num_workers_steps_are_the_input_pipeline_not_an_evalua
 def test_an_evaluation_loader_iterated_every_n_steps_is_periodic_work_not_the_input():
     """A validation pass every 7 steps (the loader's epoch is 10) whose loader starts its
     workers each time: most of the spike is data wait, but on another loader's batches,
-    which the steps' sample counts show (672 against 32 in /tmp/exp1-w/trainval.py). It had been left to the
-    input pipeline, with no periodic finding for two-thirds of the run."""
+    which the steps' sample counts show (672 against 32 in a real run). It had been left
+    to the input pipeline, with no periodic finding for two-thirds of the run."""
     data = np.full(70, 0.2 * MS)
     fwd = np.full(70, 3 * MS)
     data[5::7] = 80 * MS  # the evaluation loader's workers starting, and its batches
