@@ -260,3 +260,28 @@ def test_every_command_names_a_folder_that_holds_no_run_alike(
             "compare", folder, "a"]
         code, _, err = cli(capsys, *argv)
         assert (code, err) == (2, f"error: {message}\n"), argv
+
+
+@pytest.mark.parametrize("kind", ["tune", "verify"])
+def test_a_tune_or_verify_folder_is_named_with_its_trials_run_folders(
+    capsys: pytest.CaptureFixture[str], runs: Path, kind: str,
+) -> None:
+    """compare given a verify folder said only "not a run folder (no run.json)"."""
+    folder = runs / f"20261128-055608-{kind}-zipdl"
+    folder.mkdir()
+    (folder / "tune.json").write_text("{}")
+    if kind == "verify":
+        (folder / "verify.json").write_text("{}")
+    for trial in ("synthetic_data-false-1", "synthetic_data-true-1"):
+        (folder / trial).mkdir()
+        (folder / trial / "run.json").write_text("{}")
+    code, _, err = cli(capsys, "compare", str(folder.name), "a")
+    a, b = (f"{folder.name}/synthetic_data-{v}-1" for v in ("false", "true"))
+    assert (code, err) == (2, f"error: {folder.name} is a trainprof {kind} folder, not a run "
+                              f"folder: its trials' run folders are {a}, {b} "
+                              f"(e.g. trainprof compare {a} {b})\n")
+    (folder / "synthetic_data-true-1" / "run.json").unlink()
+    (folder / "synthetic_data-false-1" / "run.json").unlink()
+    code, _, err = cli(capsys, "compare", str(folder.name), str(folder.name))
+    assert (code, err) == (2, f"error: {folder.name} is a trainprof {kind} folder, not a run "
+                              "folder, and holds no trial's run folder\n")
