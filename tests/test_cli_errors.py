@@ -260,3 +260,52 @@ def test_every_command_names_a_folder_that_holds_no_run_alike(
             "compare", folder, "a"]
         code, _, err = cli(capsys, *argv)
         assert (code, err) == (2, f"error: {message}\n"), argv
+
+
+@pytest.mark.parametrize("kind", ["tune", "verify"])
+def test_a_tune_or_verify_folder_is_named_with_its_trials_run_folders(
+    capsys: pytest.CaptureFixture[str], runs: Path, kind: str,
+) -> None:
+    """compare given a verify folder said only "not a run folder (no run.json)"."""
+    folder = runs / f"20261128-055608-{kind}-zipdl"
+    folder.mkdir()
+    (folder / "tune.json").write_text("{}")
+    if kind == "verify":
+        (folder / "verify.json").write_text("{}")
+    for trial in ("synthetic_data-false-1", "synthetic_data-true-1"):
+        (folder / trial).mkdir()
+        (folder / trial / "run.json").write_text("{}")
+    code, _, err = cli(capsys, "compare", str(folder.name), "a")
+    a, b = (f"{folder.name}/synthetic_data-{v}-1" for v in ("false", "true"))
+    assert (code, err) == (2, f"error: {folder.name} is a trainprof {kind} folder, not a run "
+                              f"folder: its trials' run folders are {a}, {b} "
+                              f"(e.g. trainprof compare {a} {b})\n")
+    (folder / "synthetic_data-true-1" / "run.json").unlink()
+    (folder / "synthetic_data-false-1" / "run.json").unlink()
+    code, _, err = cli(capsys, "compare", str(folder.name), str(folder.name))
+    assert (code, err) == (2, f"error: {folder.name} is a trainprof {kind} folder, not a run "
+                              "folder, and holds no trial's run folder\n")
+
+
+@pytest.mark.parametrize(("words", "hint"), [
+    (["-W", "ignore", "x.py"], "for -W ignore, set PYTHONWARNINGS=ignore: "
+                               "`PYTHONWARNINGS=ignore trainprof run x.py`"),
+    (["-u", "x.py", "--a", "1"], "for -u, set PYTHONUNBUFFERED=1: "
+                                 "`PYTHONUNBUFFERED=1 trainprof run x.py --a 1`"),
+    (["-OO", "-Werror", "x.py"], "for -OO -Werror, set PYTHONOPTIMIZE=2 PYTHONWARNINGS=error: "
+                                 "`PYTHONOPTIMIZE=2 PYTHONWARNINGS=error trainprof run x.py`"),
+    (["-X", "dev", "x.py"], "for -X dev, set PYTHONDEVMODE=1: "
+                            "`PYTHONDEVMODE=1 trainprof run x.py`"),
+    (["-c", "pass"], None),  # no variable does what -c does
+])
+def test_the_interpreters_options_are_refused_with_their_environment_variables(
+    capsys: pytest.CaptureFixture[str], words: list[str], hint: str | None,
+) -> None:
+    """`trainprof run python -W ignore x.py` was refused without a hint (-u had one)."""
+    code, _, err = cli(capsys, "run", "python", *words)
+    assert code == 2 and err.startswith("error: trainprof run takes the script without")
+    assert err.count("\n") == 1
+    if hint is None:
+        assert err.endswith("SCRIPT ARGS...\n")
+    else:
+        assert err.endswith(f"SCRIPT ARGS...; {hint}\n")

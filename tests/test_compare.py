@@ -95,7 +95,8 @@ def test_slowed_data_phase_and_setting_are_named(runs: dict[str, Path]) -> None:
     assert (top["a"], top["b"], top["rank"], top["acts_on"]) == (3, 0, 1, "data_wait")
     command = next(it for it in result["environment_diff"] if it["key"] == "command")
     assert command["rank"] > 1
-    assert (command["change_a"], command["change_b"]) == ("3", "0")
+    # a positional argument: the command lines, not the bare "3" and "0"
+    assert (command["change_a"], command["change_b"]) == ("train.py 3", "train.py 0")
     keys = {it["key"] for it in result["environment_diff"]}
     assert not keys & {"torch.version", "packages.torch", "cpu.model"}  # same machine
     thr = result["throughput"]
@@ -143,6 +144,37 @@ def test_no_difference_shows_no_shares_of_the_change(runs: dict[str, Path], tmp_
     assert all(line.rstrip().endswith("—") for line in table.splitlines()[2:] if line.strip())
     page = render_compare_html(result, tmp_path / "c.html").read_text()
     assert "1025%" not in page and "-1734%" not in page
+
+
+def test_a_changed_command_reads_as_written() -> None:
+    """An explorer's compare named "command (none) → 512" and "command 5 → 2": the bare
+    positional values. An option keeps its name; a positional argument is shown with the
+    command line it sits in (or, in a long one, the word before it)."""
+    from trainprof.analysis.compare import _command_change
+
+    assert _command_change(["x.py", "--batch-size", "64"], ["x.py", "--batch-size", "512"]) \
+        == ("--batch-size 64", "--batch-size 512")
+    assert _command_change(["x.py"], ["x.py", "--batch-size", "512"]) \
+        == ("(none)", "--batch-size 512")
+    assert _command_change(["emb.py", "1000000", "sgd"], ["emb.py", "1000000", "sgd", "512"]) \
+        == ("emb.py 1000000 sgd", "emb.py 1000000 sgd 512")
+    assert _command_change(["small.py", "5"], ["small.py", "2"]) == ("small.py 5", "small.py 2")
+    long = ["train.py", "--data", "/data/" + "x" * 80, "sgd"]
+    assert _command_change(long, [*long, "512"]) == ("… sgd", "… sgd 512")
+
+
+def test_ratios_below_a_tenth_keep_two_significant_digits(runs: dict[str, Path],
+                                                         capsys: pytest.CaptureFixture) -> None:
+    """A ×0.0091 change read "×0.01, 95% CI ×0.01–×0.01" (an explorer's verify)."""
+    from trainprof.report.console import fmt_ratio
+
+    assert [fmt_ratio(x) for x in (0.0091, 0.00853, 0.099, 0.75, 12.34)] == [
+        "×0.0091", "×0.0085", "×0.099", "×0.75", "×12.3"]
+    result = compare_runs(load_run(runs["a"]), load_run(runs["b"]))
+    result["ratio"], result["ci"] = 0.0091, [0.0085, 0.0098]
+    render_compare(result)
+    out = capsys.readouterr().out
+    assert "×0.0091, 95% CI ×0.0085–×0.0098" in out
 
 
 def test_terminal_rendering(runs: dict[str, Path], capsys: pytest.CaptureFixture) -> None:

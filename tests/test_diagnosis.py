@@ -405,6 +405,37 @@ def test_data_waits_every_num_workers_steps_are_the_input_pipeline_not_an_evalua
     assert "data_wait_share_in_periodic_steps" not in top["evidence"]
 
 
+def test_an_evaluation_loader_iterated_every_n_steps_is_periodic_work_not_the_input():
+    """A validation pass every 7 steps (the loader's epoch is 10) whose loader starts its
+    workers each time: most of the spike is data wait, but on another loader's batches,
+    which the steps' sample counts show (672 against 32 in a real run). It had been left
+    to the input pipeline, with no periodic finding for two-thirds of the run."""
+    data = np.full(70, 0.2 * MS)
+    fwd = np.full(70, 3 * MS)
+    data[5::7] = 80 * MS  # the evaluation loader's workers starting, and its batches
+    fwd[5::7] = 13 * MS  # its forwards, under no_grad
+    steps = make_steps(70, data=data, forward=fwd)
+    steps["samples"] = 32
+    steps["samples"][5::7] = 32 + 640
+    summary = make_summary(steps, dataloaders=[loader(num_workers=1, persistent_workers=True)])
+    out = diagnose(summary, steps)
+    periodic = [f for f in out if f["category"] == "periodic_overhead"]
+    assert len(periodic) == 1, out
+    f = periodic[0]
+    assert f["cause"] == "evaluation"
+    assert f["evidence"]["period_steps"] == 7
+    steady = steps[summary["steps"]["warmup"]:]
+    spikes = steady[steady["data_wait_ns"] > 10 * MS]
+    excess = (spikes["dur_ns"] - np.median(steady["dur_ns"])).sum() / steady["dur_ns"].sum()
+    assert f["estimated_gain"] == pytest.approx(excess, rel=0.05)
+    # the data wait left to the input pipeline is the training loader's own: none here
+    assert not [g for g in out if g["category"] == "input_pipeline"], out
+    # the same spikes without the extra samples: workers delivering late, the input's
+    steps["samples"][5::7] = 32
+    out = diagnose(make_summary(steps, dataloaders=[loader(num_workers=1)]), steps)
+    assert not [g for g in out if g["category"] == "periodic_overhead"], out
+
+
 def test_steps_under_a_heavy_tool_leave_the_rules_and_the_period_intact():
     """The op-count sample (steps 8-9, and the step carrying its stop) is slow and flagged.
 

@@ -312,3 +312,72 @@ def test_the_loading_row_says_whose_time_its_shares_are_of():
     assert "waiting for a core 45% of the loading time" in row
     assert ("each worker loading 0% of its time (median; the rest waiting for the loop to "
             "ask for more)") in row
+
+
+TRAIN_AND_EVAL = """
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+class Pairs(Dataset):  # (x, y): 2 tensors a batch
+    def __init__(self, n):
+        self.n = n
+    def __len__(self):
+        return self.n
+    def __getitem__(self, i):
+        return torch.randn(4), torch.tensor(float(i % 2))
+
+class Fields(Dataset):  # 5 tensors a batch
+    def __len__(self):
+        return 32
+    def __getitem__(self, i):
+        return {"x": torch.randn(4), "y": i % 2, "box": torch.rand(4),
+                "mask": torch.rand(3) > 0.5, "w": torch.rand(())}
+
+if __name__ == "__main__":
+    w = torch.zeros(4, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1)
+    train = DataLoader(Pairs(160), batch_size=8, num_workers=1, persistent_workers=True)
+    val = DataLoader(Fields(), batch_size=8, num_workers=1)
+    step = 0
+    for x, y in train:
+        (w * x).sum().backward()
+        opt.step(); opt.zero_grad(); step += 1
+        if step % 10 == 0:  # an evaluation pass inside the loop: 4 batches
+            with torch.no_grad():
+                for b in val:
+                    (w * b["x"]).sum().item()
+"""
+
+
+def test_an_evaluation_loader_inside_the_loop_has_its_own_handoff(tp):
+    """The tensors of each loader's batches are counted against that loader."""
+    res = tp(TRAIN_AND_EVAL, "--json")
+    assert res.returncode == 0, res.stderr
+    rec = load_run(res.run_dir).meta["batch_handoff"]
+    by_loader = {e["loader_index"]: e for e in rec["loaders"]}
+    assert by_loader[0]["tensors"] == 20 * 2  # 20 training batches of (x, y)
+    assert by_loader[1]["tensors"] == 2 * 4 * 5  # 2 passes of 4 batches of 5 tensors
+    assert rec["tensors"] == 40 + 40
+    assert sum(c for _, c in by_loader[1]["hist"]) == 40
+    assert by_loader[1]["training_thread"]["tensors"] == 40
+    summary = {e["loader_index"]: e for e in res.json()["batch_handoff"]["loaders"]}
+    assert summary[0]["tensors_per_batch"] == 2
+    assert summary[1]["tensors_per_batch"] == 5
+    assert summary[1]["strategies"] == ["file_descriptor"]
+
+
+def test_the_finding_quotes_the_training_loaders_handoff_not_the_pooled_one():
+    """An evaluation loader's slow receive (9 ms a tensor) pooled with the training
+    loader's made 'waits ... receiving the workers' batches' the training loader's cause."""
+    summary, steps = _handoff_summary(0.42, ["file_descriptor"], per_batch=2.0)
+    pooled = summary["batch_handoff"]
+    own = {**pooled, "loader_index": 0, "mean_ms": 0.5, "training_thread_share": 0.07}
+    other = {**pooled, "loader_index": 1, "mean_ms": 9.1, "training_thread_share": 0.35}
+    pooled["loaders"] = [own, other]
+    f = _input_finding(summary, steps)
+    assert f["cause"] != "shared_memory_handoff"
+    assert f["evidence"]["batch_handoff"]["loader_index"] == 0
+    assert f["evidence"]["batch_handoff"]["mean_ms"] == 0.5
+    # the same numbers pooled into one loader's: the receive is its cause
+    pooled["loaders"] = [{**own, "mean_ms": 2.1, "training_thread_share": 0.42}]
+    assert _input_finding(summary, steps)["cause"] == "shared_memory_handoff"

@@ -299,6 +299,30 @@ def _read_meta(meta_path: Path) -> dict[str, Any]:
     return meta
 
 
+def _not_a_run_folder(run_dir: Path) -> str:
+    """Why ``run_dir`` (no run.json) is refused, naming what it is where it can tell: a
+    ``trainprof tune`` or ``verify`` folder holds one run folder per trial, which is what
+    compare and report read (an explorer's compare of a verify folder was told only
+    "not a run folder")."""
+    plain = f"{run_dir} is not a run folder (no {RUN_JSON})"
+    kind = next((name.split(".")[0] for name in ("verify.json", "tune.json")
+                 if (run_dir / name).is_file()), None)
+    try:
+        trials = sorted(p for p in run_dir.iterdir() if (p / RUN_JSON).is_file())
+    except OSError:
+        trials = []
+    if kind is None and not trials:
+        return plain
+    what = f"a trainprof {kind} folder" if kind else "a folder of run folders"
+    if not trials:
+        return f"{run_dir} is {what}, not a run folder, and holds no trial's run folder"
+    shown = ", ".join(str(p) for p in trials[:4]) + (", …" if len(trials) > 4 else "")
+    text = f"{run_dir} is {what}, not a run folder: its trials' run folders are {shown}"
+    if len(trials) >= 2:
+        text += f" (e.g. trainprof compare {trials[0]} {trials[-1]})"
+    return text
+
+
 def load_run(run_dir: Path) -> Run:
     """Read a Run folder in any status.
 
@@ -317,7 +341,7 @@ def load_run(run_dir: Path) -> Run:
     if not run_dir.is_dir():
         raise UsageError(f"no such run folder: {run_dir}")
     if not meta_path.exists():
-        raise UsageError(f"{run_dir} is not a run folder (no {RUN_JSON})")
+        raise UsageError(_not_a_run_folder(run_dir))
     meta = _read_meta(meta_path)
     if meta["schema_version"] > SCHEMA_VERSION:
         raise UsageError(

@@ -513,22 +513,47 @@ def _weights(category: str, key: str, cpu_compute: bool) -> dict[str, float]:
     return p
 
 
+#: Longest command line (script and arguments, as written) shown whole as the change.
+WHOLE_COMMAND = 80
+
+
 def _command_change(a: list[str], b: list[str]) -> tuple[str, str]:
     """The differing stretches of two command lines, each with the option it belongs to.
 
     ``--steps 40 --num-workers 2`` vs ``--steps 40`` gives ``('--num-workers 2', '(none)')``;
-    ``--lr 0.1`` vs ``--lr 0.2`` gives ``('--lr 0.1', '--lr 0.2')``.
+    ``--lr 0.1`` vs ``--lr 0.2`` gives ``('--lr 0.1', '--lr 0.2')``. A positional
+    argument has no option to name it, and the bare value said nothing ("command 5 → 2",
+    "command (none) → 512", an explorer's compare): then the whole command lines are given
+    where each is at most :data:`WHOLE_COMMAND` characters (``train.py 5`` → ``train.py
+    2``), else each stretch with the word before it (``… sgd`` → ``… sgd 512``).
     """
     before, after = [], []
+    positional = False
     matcher = difflib.SequenceMatcher(a=a, b=b, autojunk=False)
     for op, i1, i2, j1, j2 in matcher.get_opcodes():
         if op == "equal":
             continue
         # a changed value alone says little: name the option it belongs to
-        ctx = [a[i1 - 1]] if i1 > 0 and i2 > i1 and j2 > j1 and a[i1 - 1].startswith("-") else []
-        before.append(shlex.join(ctx + a[i1:i2]) if i2 > i1 else "(none)")
-        after.append(shlex.join(ctx + b[j1:j2]) if j2 > j1 else "(none)")
+        named = i1 > 0 and a[i1 - 1].startswith("-")
+        changed = a[i1:i2] + b[j1:j2]
+        if not named and not any(w.startswith("-") for w in changed):
+            positional = True
+        ctx = [a[i1 - 1]] if named and i2 > i1 and j2 > j1 else []
+        if not named and not any(w.startswith("-") for w in changed) and i1 > 0:
+            ctx = ["…", a[i1 - 1]]  # a positional argument: the word before places it
+        before.append(_join(ctx + a[i1:i2]) if i2 > i1 or ctx else "(none)")
+        after.append(_join(ctx + b[j1:j2]) if j2 > j1 or ctx else "(none)")
+    whole_a, whole_b = shlex.join(a), shlex.join(b)
+    if positional and max(len(whole_a), len(whole_b)) <= WHOLE_COMMAND:
+        return whole_a, whole_b
     return "; ".join(before), "; ".join(after)
+
+
+def _join(words: list[str]) -> str:
+    """``shlex.join`` that leaves the ellipsis marking omitted words unquoted."""
+    if words and words[0] == "…":
+        return "… " + shlex.join(words[1:])
+    return shlex.join(words)
 
 
 def _render_value(value: Any) -> Any:

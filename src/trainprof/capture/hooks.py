@@ -453,6 +453,18 @@ class LoaderRegistry:
         except TypeError:
             return None
 
+    def index_of_receiver(self, found: tuple[str, Any]) -> int | None:
+        """The loader index of the iterator receiving a batch, from what
+        :func:`trainprof.capture.handoff.calling_iterator` found: the iterator itself, or
+        (in the pin-memory thread) its ``_worker_result_queue``."""
+        kind, obj = found
+        if kind == "iterator":
+            return self.index_of_iterator(obj)
+        for it in list(self._iterators):
+            if getattr(it, "_worker_result_queue", None) is obj:
+                return self.index_of_iterator(it)
+        return None
+
     def note_threads(self, training_thread: int) -> None:
         """At the end: name, in each loader's configuration, a thread other than the
         training one that iterated it (``iterated_in_thread``).
@@ -514,7 +526,7 @@ class Instrumentation:
         #: the DistributedDataParallel models built, and what their reducers measured
         self.ddp_stats = DDPStats()
         #: the workers' batches received through shared memory (capture/handoff.py)
-        self.handoff = HandoffTimer(lambda: clock.owner)
+        self.handoff = HandoffTimer(lambda: clock.owner, loaders.index_of_receiver)
         #: the training thread's own gc.collect() calls (capture/explicit_gc.py)
         self.explicit_gc = ExplicitCollects()
         #: torch.compile's compilations, by step (capture/compile_events.py)

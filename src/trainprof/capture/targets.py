@@ -45,6 +45,53 @@ def is_python_word(word: str) -> bool:
         Path(word).is_file() and _is_text(Path(word)))
 
 
+#: ``-X`` options with an environment variable of their own (Python's command-line docs).
+_X_ENV = {"dev": ("PYTHONDEVMODE", "1"), "faulthandler": ("PYTHONFAULTHANDLER", "1"),
+          "utf8": ("PYTHONUTF8", "1"), "tracemalloc": ("PYTHONTRACEMALLOC", "1"),
+          "importtime": ("PYTHONPROFILEIMPORTTIME", "1")}
+#: Single-letter options with one (``-OO`` is PYTHONOPTIMIZE=2).
+_FLAG_ENV = {"-u": ("PYTHONUNBUFFERED", "1"), "-O": ("PYTHONOPTIMIZE", "1"),
+             "-OO": ("PYTHONOPTIMIZE", "2"), "-B": ("PYTHONDONTWRITEBYTECODE", "1"),
+             "-v": ("PYTHONVERBOSE", "1")}
+
+
+def _env_hint(args: list[str]) -> str:
+    """The environment variables that do what the interpreter's options before the script
+    do (Python's documentation, "Command line and environment"), as a hint: ``python -W
+    ignore x.py`` had been refused with none, where ``-u`` named PYTHONUNBUFFERED. Empty
+    when an option has no such variable."""
+    env: list[tuple[str, str]] = []
+    i = 0
+    while i < len(args) and args[i].startswith("-") and args[i] != "-m":
+        word = args[i]
+        if word in _FLAG_ENV:
+            env.append(_FLAG_ENV[word])
+        elif word in ("-W", "-X") or word.startswith(("-W", "-X")):
+            value = word[2:] or (args[i + 1] if i + 1 < len(args) else "")
+            i += 0 if word[2:] else 1
+            if word.startswith("-W") and value:
+                env.append(("PYTHONWARNINGS", value))
+            elif value.split("=")[0] in _X_ENV:
+                name, _, level = value.partition("=")
+                env.append((_X_ENV[name][0], level or _X_ENV[name][1]))
+            else:
+                return ""
+        else:
+            return ""
+        i += 1
+    if not env:
+        return ""
+    words = args[i:] or ["SCRIPT"]
+    # several -W options join with commas in PYTHONWARNINGS
+    merged: dict[str, str] = {}
+    for name, value in env:
+        merged[name] = (f"{merged[name]},{value}" if name == "PYTHONWARNINGS" and name in merged
+                        else value)
+    assignments = " ".join(f"{name}={shlex.quote(value)}" for name, value in merged.items())
+    return (f"; for {shlex.join(args[:i])}, set {assignments}: "
+            f"`{assignments} trainprof run {shlex.join(words)}`")
+
+
 def strip_interpreter(target: str, args: list[str]) -> tuple[str, list[str], bool]:
     """``python train.py ARGS`` → ``train.py``, ``ARGS``; ``python -m pkg ARGS`` → the
     module. Returns (target, args, module); anything else is returned as given."""
@@ -62,7 +109,7 @@ def strip_interpreter(target: str, args: list[str]) -> tuple[str, list[str], boo
             raise UsageError(f"{target} -m: missing MODULE")
         return args[1], args[2:], True
     if args[0].startswith("-"):
-        hint = ("; for -u, set PYTHONUNBUFFERED=1" if args[0] == "-u" else "")
+        hint = _env_hint(args)
         raise UsageError(f"trainprof run takes the script without the interpreter's options "
                          f"({target} {args[0]}): trainprof run [OPTIONS] SCRIPT ARGS...{hint}")
     return args[0], args[1:], False

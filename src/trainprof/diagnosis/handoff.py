@@ -45,8 +45,8 @@ def handoff_evidence(handoff: dict[str, Any] | None) -> dict[str, Any] | None:
     """The summary's ``batch_handoff`` as a finding's evidence (None: nothing received)."""
     if not handoff:
         return None
-    return {k: handoff.get(k) for k in ("strategies", "tensors_per_batch", "median_ms",
-                                        "mean_ms", "training_thread_share")}
+    return {k: handoff.get(k) for k in ("loader_index", "strategies", "tensors_per_batch",
+                                        "median_ms", "mean_ms", "training_thread_share")}
 
 
 def handoff_sentence(handoff: dict[str, Any]) -> str:

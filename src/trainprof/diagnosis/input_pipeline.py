@@ -57,6 +57,7 @@ from typing import Any
 
 import numpy as np
 
+from trainprof.analysis.handoff import handoff_of_loader
 from trainprof.analysis.padding import holds_images
 from trainprof.analysis.system import OUTSIDE_LOAD_CORES
 from trainprof.diagnosis.context import Context
@@ -663,7 +664,10 @@ def _data_wait(ctx: Context) -> Finding | None:
     if measured:
         evidence.update(measured)
     # receiving the workers' batches, timed in the training process (capture/handoff.py)
-    handoff = handoff_evidence(ctx.summary.get("batch_handoff")) if nw > 0 else None
+    # (the training loader's own: an evaluation loader's batches are received too)
+    handoff = handoff_evidence(handoff_of_loader(
+        ctx.summary.get("batch_handoff"), loader.get("index") if loader else None)
+    ) if nw > 0 else None
     handoff_share = 0.0
     if handoff:
         evidence["batch_handoff"] = handoff

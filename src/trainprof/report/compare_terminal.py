@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from trainprof.analysis.compare import per_unit
-from trainprof.report.console import keep_numbers_whole, make_console
+from trainprof.report.console import fmt_ratio, keep_numbers_whole, make_console
 from trainprof.report.terminal import fmt_bytes, fmt_flops, fmt_pct, fmt_time
 
 #: Environment-diff rows shown; the rest is in --json.
@@ -31,10 +31,6 @@ _PHASE_LABEL = {
 }
 
 
-def _ratio(x: float | None) -> str:
-    if x is None:
-        return "—"
-    return f"×{x:.2f}" if x < 10 else f"×{x:.3g}"
 
 
 def _signed_time(seconds: float | None) -> str:
@@ -66,10 +62,10 @@ def verdict_line(result: dict[str, Any]) -> Text:
         line.append(f": {change}")
     line.append(
         f" (median {fmt_time(result.get('median_a'))} → "
-        f"{fmt_time(result.get('median_b'))}, {_ratio(ratio)}"
+        f"{fmt_time(result.get('median_b'))}, {fmt_ratio(ratio)}"
     )
     if ci and ci[0] is not None:
-        line.append(f", {conf}% CI {_ratio(ci[0])}–{_ratio(ci[1])}")
+        line.append(f", {conf}% CI {fmt_ratio(ci[0])}–{fmt_ratio(ci[1])}")
     line.append(")")
     explains = result.get("explains")
     if verdict == "no_difference":
@@ -84,8 +80,9 @@ def verdict_line(result: dict[str, Any]) -> Text:
         line.append(f"; most likely cause: other processes' load on the machine (A ~"
                     f"{cause['a_cores']:.1f} cores, B ~{cause['b_cores']:.1f})")
     elif cause:
-        line.append(f"; most likely cause: {cause['key']} {_short(cause.get('a'))} → "
-                    f"{_short(cause.get('b'))}")
+        width = 80 if cause["key"] == "command" else 40  # the changed words, as written
+        line.append(f"; most likely cause: {cause['key']} {_short(cause.get('a'), width)} → "
+                    f"{_short(cause.get('b'), width)}")
         load = cause.get("also_load")
         if load:
             line.append(f" (other processes' load changed too: A ~{load['a_cores']:.1f} "
@@ -135,7 +132,7 @@ def _steps_table(result: dict[str, Any]) -> Table:
                        ("mean_s", "mean")):
         x, y = sa.get(key), sb.get(key)
         table.add_row(f"step {label}", fmt_time(x), fmt_time(y),
-                      _ratio(y / x) if x and y is not None else "—")
+                      fmt_ratio(y / x) if x and y is not None else "—")
     for key, label, fmt in (
         ("samples_per_s", "samples/s", "{:,.0f}"),
         ("steps_per_s", "steps/s", "{:,.2f}"),
@@ -145,7 +142,7 @@ def _steps_table(result: dict[str, Any]) -> Table:
             label,
             "—" if x is None else fmt.format(x),
             "—" if y is None else fmt.format(y),
-            _ratio(y / x) if x and y is not None else "—",
+            fmt_ratio(y / x) if x and y is not None else "—",
         )
     if a.get("samples_per_step") is not None or b.get("samples_per_step") is not None:
         table.add_row("samples/step", _short(a.get("samples_per_step")),
@@ -154,14 +151,14 @@ def _steps_table(result: dict[str, Any]) -> Table:
     if comp_a.get("flops_per_step") or comp_b.get("flops_per_step"):
         x, y = comp_a.get("flops_per_step"), comp_b.get("flops_per_step")
         table.add_row("FLOPs/step", fmt_flops(x), fmt_flops(y),
-                      _ratio(y / x) if x and y is not None else "—")
+                      fmt_ratio(y / x) if x and y is not None else "—")
         x, y = comp_a.get("utilization"), comp_b.get("utilization")
         table.add_row("FLOPs utilization", "—" if x is None else f"{x * 100:.0f}%",
                       "—" if y is None else f"{y * 100:.0f}%", "")
     x, y = a.get("attention_s_per_step"), b.get("attention_s_per_step")
     if x or y:
         table.add_row("attention op by op", _attention(x), _attention(y),
-                      _ratio(y / x) if x and y else "—")
+                      fmt_ratio(y / x) if x and y else "—")
     pad_a, pad_b = a.get("padding") or {}, b.get("padding") or {}
     for index in sorted(set(pad_a) | set(pad_b)):
         x, y = pad_a.get(index), pad_b.get(index)

@@ -8,6 +8,7 @@ the full width, which would otherwise end every line of a saved report.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import IO
 
@@ -47,6 +48,19 @@ class _TrimmedLines:
 
     def fileno(self) -> int:
         return self._out.fileno()
+
+
+def fmt_ratio(x: float | None) -> str:
+    """A ratio of step times as ``×0.75``: two decimals from ×0.1 to ×10, three
+    significant digits above; below ×0.1 two significant digits, which two decimals
+    rounded away (a ×0.0091 change and its 95% CI ×0.0085-×0.0098 read "×0.01, 95% CI
+    ×0.01-×0.01", an explorer's verify of synthetic data)."""
+    if x is None:
+        return "—"
+    if 0 < x < 0.1:
+        decimals = 1 - math.floor(math.log10(x))  # two significant digits
+        return f"×{x:.{decimals}f}"
+    return f"×{x:.2f}" if x < 10 else f"×{x:.3g}"
 
 
 def make_console(out: IO[str]) -> Console:

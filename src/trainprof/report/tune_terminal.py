@@ -16,7 +16,7 @@ from typing import IO, Any
 from rich.table import Table
 from rich.text import Text
 
-from trainprof.report.console import keep_numbers_whole, make_console
+from trainprof.report.console import fmt_ratio, keep_numbers_whole, make_console
 from trainprof.report.terminal import fmt_time, utilization_text
 
 _VERDICT = {
@@ -30,10 +30,6 @@ _VERDICT = {
 }
 
 
-def _ratio(x: float | None) -> str:
-    if x is None:
-        return "—"
-    return f"×{x:.2f}" if x < 10 else f"×{x:.3g}"
 
 
 def _rate(x: float | None) -> str:
@@ -52,7 +48,7 @@ def headline(doc: dict[str, Any]) -> Text:
         ci = best.get("ci") or [None, None]
         line.append(
             f" is {best['speedup']:.2f}× as fast as {base} (mean time per {per} "
-            f"{_ratio(best['ratio'])}, {conf}% CI {_ratio(ci[0])}–{_ratio(ci[1])})"
+            f"{fmt_ratio(best['ratio'])}, {conf}% CI {fmt_ratio(ci[0])}–{fmt_ratio(ci[1])})"
         )
         return line
     rows = doc.get("arms") or []
@@ -66,8 +62,8 @@ def headline(doc: dict[str, Any]) -> Text:
     if cleared:
         r = min(cleared, key=lambda r: r.get("ratio") or 1.0)
         line.append("No arm is settled as faster", style="bold yellow")
-        line.append(f" than the baseline {base}: {r['name']} ran at {_ratio(r.get('ratio'))} "
-                    f"({conf}% CI {_ratio(r['ci'][0])}–{_ratio(r['ci'][1])}), but its trials "
+        line.append(f" than the baseline {base}: {r['name']} ran at {fmt_ratio(r.get('ratio'))} "
+                    f"({conf}% CI {fmt_ratio(r['ci'][0])}–{fmt_ratio(r['ci'][1])}), but its trials "
                     "disagree too much to size the change")
     else:
         line.append("No arm is significantly faster", style="bold yellow")
@@ -138,8 +134,8 @@ def _arms_table(doc: dict[str, Any]) -> Table:
             fmt_time(mean),
             fmt_time(row.get("median_s")),
             _rate(row.get("samples_per_s")),
-            "—" if base else _ratio(ratio),
-            "—" if base or not ci else f"{_ratio(ci[0])}–{_ratio(ci[1])}",
+            "—" if base else fmt_ratio(ratio),
+            "—" if base or not ci else f"{fmt_ratio(ci[0])}–{fmt_ratio(ci[1])}",
             Text(label, style=style),
         ]
         if peak:

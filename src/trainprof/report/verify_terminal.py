@@ -11,7 +11,7 @@ from typing import IO, Any
 
 from rich.text import Text
 
-from trainprof.report.console import make_console
+from trainprof.report.console import fmt_ratio, make_console
 from trainprof.report.terminal import utilization_text
 from trainprof.report.tune_terminal import load_text
 
@@ -24,8 +24,6 @@ def _pct(x: float | None) -> str:
     return "—" if x is None else f"{x * 100:.0f}%"
 
 
-def _ratio(x: float | None) -> str:
-    return "—" if x is None else f"×{x:.2f}"
 
 
 def verdict_line(result: dict[str, Any]) -> Text:
@@ -45,8 +43,8 @@ def verdict_line(result: dict[str, Any]) -> Text:
     # trials flagged under outside load, named in the verdict (tune's notes list each one)
     load = load_text([{"outside_load": x} for x in result.get("outside_load") or []])
     per = "time per sample" if result.get("metric") == "time_per_sample" else "step time"
-    measured = (f"{result['arm']} ran at ×{result['ratio']:.2f} of the baseline's {per} "
-                f"(95% CI {_ratio(lo)}–{_ratio(hi)})")
+    measured = (f"{result['arm']} ran at {fmt_ratio(result['ratio'])} of the baseline's {per} "
+                f"(95% CI {fmt_ratio(lo)}–{fmt_ratio(hi)})")
     if verdict in ("confirmed", "beyond the bound"):
         measured += f", {_pct(result.get('saving'))} saved"
     advice = {
@@ -64,7 +62,7 @@ def verdict_line(result: dict[str, Any]) -> Text:
         advice += f" ({load})" if advice else load
     rounds = result.get("round_ratios")
     if verdict == "unsettled" and rounds:
-        measured += " - by round " + ", ".join(_ratio(r) for r in rounds)
+        measured += " - by round " + ", ".join(fmt_ratio(r) for r in rounds)
     line.append(f" - {measured}; {estimate}" + (f": {advice}" if advice else ""))
     return line
 
