@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import time
 
 import numpy as np
@@ -61,6 +62,16 @@ def test_a_steps_file_shorter_than_the_closed_record_is_noted(tmp_path):
     steps.unlink()
     assert load_run(tmp_path / "r").meta["notes"] == [
         "the run recorded 8 steps but steps.bin is missing (not copied with the folder?)"]
+    # the summary says none is readable, not that the script ran no step
+    from trainprof.analysis.summary import summarize_run
+    from trainprof.report.terminal import render_summary
+
+    summary = summarize_run(load_run(tmp_path / "r"))
+    assert summary["steps"]["count"] == 0 and summary["steps"]["recorded"] == 8
+    out = io.StringIO()
+    render_summary({**summary, "run_dir": str(tmp_path / "r")}, file=out)
+    text = " ".join(out.getvalue().split())
+    assert "none readable: the run recorded 8" in text and "is it a training script" not in text
 
 
 def test_schema_errors_are_usage_errors(tmp_path):

@@ -203,6 +203,10 @@ def summarize_run(run: Run) -> dict[str, Any]:
     meta = run.meta
     stats = step_statistics(run.steps)
     stats["steps"]["per_iteration"] = steps_per_iteration(meta.get("optimizers"))
+    recorded = meta.get("steps_recorded")
+    if isinstance(recorded, int) and recorded > len(run.steps):
+        # closed with more steps than steps.bin holds (cut short, or missing)
+        stats["steps"]["recorded"] = recorded
     done = complete_steps(run.steps)
     done_s = float(done["dur_ns"].sum()) / 1e9  # every complete step's time, warm-up too
     t_start = t_end = None

@@ -380,7 +380,11 @@ def _verdict(s: dict[str, Any]) -> str:
     findings = [f for f in s.get("findings") or [] if isinstance(f, dict)]
     steps = s.get("steps") or {}
     gainers = [f for f in findings if (f.get("estimated_gain") or 0) > 0]
-    if not steps.get("count"):
+    if not steps.get("count") and steps.get("recorded"):
+        head = (f'<p class="headline">No step is readable: the run recorded '
+                f"{int(steps['recorded']):,} steps, but its steps.bin holds no whole step "
+                "record (see the notes).</p>")
+    elif not steps.get("count"):
         head = (
             '<p class="headline">No training steps were seen: no optimizer step or backward() '
             "ran (use <code>prof.step()</code> to mark steps by hand).</p>"

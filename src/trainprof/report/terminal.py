@@ -513,7 +513,10 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
     if crash:
         table.add_row("Crash", crash)
     steps = summary["steps"]
-    if steps["count"] == 0:
+    if steps["count"] == 0 and steps.get("recorded"):
+        table.add_row("Steps", f"none readable: the run recorded {steps['recorded']:,} but "
+                               f"its steps.bin holds no whole step record (see the note)")
+    elif steps["count"] == 0:
         table.add_row(
             "Steps",
             "none seen: no optimizer step or backward() ran "
