@@ -940,6 +940,9 @@ def test_terminal_breaks_long_values_between_parts_never_inside_one(monkeypatch)
         assert " ".join(lines) == value  # whole parts, in order
         # each line fits, unless it is one part longer than a line (rich wraps that one)
         assert [ln for ln in lines if len(ln) > room and " · " in ln.rstrip(" ·")] == []
+    # a row of several lines (one per loader): each line broken between its parts
+    two = _fit(value + "\n" + value, 60).splitlines()
+    assert len(two) > 2 and all(ln.endswith(" ·") or ln.endswith("/batch") for ln in two)
     # rendered at 70 columns: no unit or separator left alone on a line
     steps = make_steps(60, data=5 * MS)
     summary = make_summary(steps, dataloaders=[loader()], run_dir="r", status="finished",

@@ -467,7 +467,9 @@ def _fit(value: str, room: int) -> str:
     first leaves rich only parts longer than a whole line to wrap. A broken line
     ends with the separator's dot, and is kept short enough to hold it.
     """
-    if room < 20 or cell_len(value) <= room or "\n" in value:
+    if "\n" in value:  # a row of several lines (one per DataLoader): each line its own
+        return "\n".join(_fit(line, room) for line in value.split("\n"))
+    if room < 20 or cell_len(value) <= room:
         return value
     tail = _PART_SEP.rstrip()  # " ·" at the end of a broken line
     lines: list[str] = []
