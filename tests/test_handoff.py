@@ -290,11 +290,11 @@ def test_tensors_a_batch_are_counted_in_a_batch_not_over_the_batches_made():
     summary = summarize_handoff(rec, workers, 1.0, None)
     assert summary["tensors_per_batch"] == pytest.approx(120 / 64)
     assert summary["tensors_per_batch_estimated"]
-    from trainprof.report.terminal import _worker_rows
+    from trainprof.report.terminal import worker_rows
 
-    (row,) = [r for label, r in _worker_rows(None, None, summary) if "tensors" in r]
+    (row,) = [r for label, r in worker_rows(None, None, summary) if "tensors" in r]
     assert "120 tensors (~1.9 a batch)" in row
-    (row,) = [r for label, r in _worker_rows(None, None, summarize_handoff(
+    (row,) = [r for label, r in worker_rows(None, None, summarize_handoff(
         rec, workers, 1.0, two)) if "tensors" in r]
     assert "120 tensors (2 a batch)" in row
 
@@ -304,11 +304,11 @@ def test_the_loading_row_says_whose_time_its_shares_are_of():
     is of the workers' loading time, the second of their time since their first batch."""
     from test_workers import entry
 
-    from trainprof.report.terminal import _worker_rows
+    from trainprof.report.terminal import worker_rows
 
     w = entry(0.1, 0.46, 0.44, 0.5, busy=0.004)
     w["start_method"] = "fork"
-    (row,) = [r for label, r in _worker_rows({"loaders": [w]}) if label == "Loading #0"]
+    (row,) = [r for label, r in worker_rows({"loaders": [w]}) if label == "Loading #0"]
     assert "waiting for a core 45% of the loading time" in row
     assert ("each worker loading 0% of its time (median; the rest waiting for the loop to "
             "ask for more)") in row

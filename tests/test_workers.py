@@ -424,10 +424,10 @@ train(DataLoader(Cheap(), batch_sampler=batches), step_s=0.001)
     if not w["samples_estimated"]:  # (a machine slow enough to time every batch)
         assert w["samples"] == 12_000
         return
-    from trainprof.report.terminal import _worker_rows
+    from trainprof.report.terminal import worker_rows
 
     assert w["samples"] == pytest.approx(12_000, rel=0.1)
-    rows = _worker_rows(doc["workers"], doc["dataloaders"])
+    rows = worker_rows(doc["workers"], doc["dataloaders"])
     assert any(f"~{w['samples']:,} samples" in text for _, text in rows), rows
 
 

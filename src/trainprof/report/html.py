@@ -66,6 +66,7 @@ from trainprof.report.terminal import (
     op_time_text,
     regions_in_other,
     utilization_text,
+    worker_rows,
 )
 from trainprof.store import Run
 
@@ -577,7 +578,15 @@ def _dataloader_section(s: dict[str, Any]) -> str:
         )
     workers = s.get("workers")
     if workers:
-        parts.append("<h3>Worker analysis</h3>" + render_generic(workers))
+        # the terminal's rows (what loading cost, per loader, in words), then every number
+        rows = "".join(f"<tr><th>{esc(label)}</th><td>{esc(line)}</td></tr>"
+                       for label, line in worker_rows(workers, s.get("dataloaders"),
+                                                       s.get("batch_handoff")))
+        parts.append("<h3>Worker analysis</h3>"
+                     + (f'<table class="kv" id="tp-workers"><tbody>{rows}</tbody></table>'
+                        if rows else "")
+                     + "<details><summary>Every number the workers recorded</summary>"
+                     + render_generic(workers) + "</details>")
     handoff = s.get("batch_handoff")
     if handoff:  # receiving the workers' batches in the training process (capture/handoff.py)
         parts.append("<h3>Hand-over of the workers' batches</h3>" + render_generic(

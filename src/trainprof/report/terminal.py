@@ -333,7 +333,7 @@ def _padding_line(entry: dict[str, Any], packed: bool = False) -> str:
                "no compute" if packed else ""))
 
 
-def _worker_rows(workers: dict[str, Any] | None,
+def worker_rows(workers: dict[str, Any] | None,
                  loaders: list[dict[str, Any]] | None = None,
                  handoff: dict[str, Any] | None = None) -> list[tuple[str, str]]:
     """What the DataLoader workers (or the training process, num_workers=0) spent time on,
@@ -631,7 +631,7 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
     for dl in loaders:
         label = f"DataLoader #{dl.get('index')}" if len(loaders) > 1 else "DataLoader"
         table.add_row(label, _dataloader_line(dl))
-    for label, line in _worker_rows(summary.get("workers"), summary.get("dataloaders"),
+    for label, line in worker_rows(summary.get("workers"), summary.get("dataloaders"),
                                     summary.get("batch_handoff")):
         table.add_row(label, line)
     ckpt = summary.get("activation_checkpointing") or {}
