@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ast
+import json
 
 import pytest
+from conftest import trainprof
 
 RECOMMENDER = """
 import torch
@@ -191,3 +193,15 @@ def test_an_optimizer_with_sparse_gradients_is_not_told_to_use_fused(tp):
     for f in doc["findings"]:
         assert "fused=True" not in (f["fix"] or {}).get("snippet", ""), f
 
+
+def test_compare_names_a_table_turned_sparse(tp, tmp_path):
+    runs = []
+    for sparse in (False, True):
+        out = tmp_path / f"run-{sparse}"
+        res = tp(RECOMMENDER.format(sparse=sparse), "--json", "--no-html", "--out", str(out))
+        assert res.returncode == 0, res.stderr[-2000:]
+        runs.append(out)
+    res = trainprof("compare", *map(str, runs), "--json", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    text = json.dumps(json.loads(res.stdout))
+    assert "model.embedding[200000x16]" in text and "sparse gradient" in text
