@@ -139,9 +139,9 @@ def test_a_table_no_optimizer_steps_gets_its_gradient_turned_off(tp):
     assert not [f for f in doc["findings"] if f["cause"] == "dense_embedding_gradient"]
     (f,) = [f for f in doc["findings"] if f["cause"] == "gradient_of_untrained_table"]
     assert "requires_grad_(False)" in f["fix"]["snippet"]
-    lookup = (doc["breakdown"]["backward"] if doc["op_time"]["disturbed"]  # others' load
-              else doc["op_time"]["share_of_step"]["lookup"])
-    assert f["estimated_gain"] == pytest.approx(lookup, abs=1e-3)  # the only table
+    # backward's share (the only table): the lookups' op time missed the dense
+    # gradient's allocation, and fell short of the measured gain
+    assert f["estimated_gain"] == pytest.approx(doc["breakdown"]["backward"], abs=1e-3)
     # its dense backward is most of this step (the head is 17 parameters)
     assert f["estimated_gain"] > 0.3, f["evidence"]
 
