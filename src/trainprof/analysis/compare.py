@@ -336,6 +336,18 @@ def _model_facts(run: Run) -> dict[str, str]:
             (ops.get("cpu_fp32_matmul_per_step") or 0.0)
             + (ops.get("cuda_fp32_matmul_per_step") or 0.0), ops.get("matmul_per_step")),
     }
+    # each trainable embedding table, by its shape (what pairs it across the runs): its
+    # gradient dense or sparse (nn.Embedding(sparse=True)), and whether an optimizer steps
+    # it (capture/opcount.py; diagnosis/embedding.py)
+    for e in ops.get("embeddings") or []:
+        if not isinstance(e, dict) or not e.get("rows") or not e.get("dim"):
+            continue
+        value = "sparse gradient" if e.get("sparse") else "dense gradient"
+        if e.get("dense_use"):
+            value += f" (its weight also in {e['dense_use']})"
+        if e.get("stepped") is False:
+            value += ", stepped by no optimizer"
+        facts[f"model.embedding[{int(e['rows'])}x{int(e['dim'])}]"] = value
     return {k: v for k, v in facts.items() if v is not None}
 
 

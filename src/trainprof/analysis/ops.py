@@ -114,6 +114,8 @@ def load_ops(run_dir: Path) -> dict[str, Any] | None:
         "cpu_autocast_dtype": doc.get("cpu_autocast_dtype"),
         # trainable embedding tables, their size and rows looked up (diagnosis/embedding.py)
         "embeddings": doc.get("embeddings"),
+        # gradient clipping called in the window (it fails on sparse gradients)
+        "clips_grads": doc.get("clips_grads"),
         "cuda_fp32_conv2d_per_step": doc.get("cuda_fp32_conv2d_per_step"),
         # products' and convolutions' FLOPs, all and float64 (diagnosis/float64.py)
         "matmul_conv_flops_per_step": doc.get("matmul_conv_flops_per_step"),

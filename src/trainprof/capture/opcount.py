@@ -96,6 +96,9 @@ _MATMULS = frozenset({
 #: the tables whose dense gradients make every step write and update all of their rows
 #: (diagnosis/embedding.py).
 _EMBEDDINGS = frozenset({"embedding", "embedding_bag"})
+#: The functions of torch.nn.utils that clip gradients, as the frame that calls the ops.
+_CLIPPING = frozenset({"clip_grad_norm_", "_get_total_norm", "_clip_grads_with_norm_",
+                       "clip_grads_with_norm_", "clip_grad_value_"})
 #: Tables kept in ops.json, the largest first.
 TOP_EMBEDDINGS = 8
 
@@ -316,6 +319,17 @@ class OpCountTool:
         #: per trainable embedding table (by id of its weight): its lookups in the window
         #: (count_embedding)
         self.embeddings: dict[int, dict[str, Any]] = {}
+        #: trainable leaf tensors (parameters) passed to a differentiable op other than a
+        #: lookup, by id: (a weak reference, the op's name). A table whose weight is one of
+        #: them (a tied output layer's ``linear``) gets a dense gradient whatever its
+        #: ``sparse`` flag (note_dense_use)
+        self.dense_uses: dict[int, tuple[Any, str]] = {}
+        #: gradient clipping was called in the window (clip_grad_norm_ fails on sparse
+        #: gradients: diagnosis/embedding.py)
+        self.clips_grads = False
+        #: the optimizers the run has stepped (the recorder sets it: a callable returning
+        #: them): each table is marked whether one of them steps its weight
+        self.optimizers: Any = None
         #: sequences packed for an RNN (pack_padded_sequence): padding it does not compute on
         self.packed_sequences = 0
         #: the script's TF32 settings when the window opened (after its set-up)
@@ -343,12 +357,44 @@ class OpCountTool:
                 "function": called, "rows": int(weight.shape[0]), "dim": int(weight.shape[1]),
                 "dtype": str(weight.dtype).replace("torch.", ""),
                 "device": weight.device.type, "sparse": False, "calls": 0, "indices": 0,
-                "distinct_rows": 0}
+                "distinct_rows": 0, "_ref": weakref.ref(weight)}
         entry["calls"] += 1
         entry["sparse"] = entry["sparse"] or bool((kwargs or {}).get("sparse"))
         entry["indices"] += int(indices.numel())
         with contextlib.suppress(RuntimeError):
             entry["distinct_rows"] += int(torch.unique(indices).numel())
+
+    def note_dense_use(self, called: str, args: tuple[Any, ...]) -> None:
+        """A differentiable op other than a lookup, on the arguments given: the trainable
+        leaf tensors among them (directly, or in a list such as ``torch.cat``'s) get a
+        dense gradient from it. Only the first op seen per tensor is kept."""
+        import torch
+
+        tensor = torch.Tensor
+        for a in args:
+            for t in (a if isinstance(a, list | tuple) else (a,)):
+                if (isinstance(t, tensor) and t.requires_grad and t.is_leaf
+                        and id(t) not in self.dense_uses):
+                    self.dense_uses[id(t)] = (weakref.ref(t), called)
+
+    def _mark_tables(self) -> None:
+        """At a window's end, while the tables live: whether each table's weight also went
+        through a differentiable op other than a lookup (its gradient is dense whatever
+        ``sparse`` says), and whether an optimizer steps it (compared by identity)."""
+        stepped: set[int] | None = None
+        if self.optimizers is not None:
+            with contextlib.suppress(Exception):  # never the script's failure
+                stepped = {id(p) for opt in self.optimizers() for g in opt.param_groups
+                           for p in g.get("params") or []}
+        for entry in self.embeddings.values():
+            weight = entry["_ref"]()
+            if weight is None:
+                continue
+            use = self.dense_uses.get(id(weight))
+            if use is not None and use[0]() is weight:
+                entry["dense_use"] = use[1]
+            if stepped is not None:
+                entry["stepped"] = id(weight) in stepped
 
     def count_cpu_autocast(self, flops: float | None) -> None:
         """A CPU matrix product under CPU autocast (the dispatcher casts it after this mode
@@ -439,6 +485,8 @@ class OpCountTool:
                     tool.packed_sequences += 1
                 f = getframe(1)
                 library = None
+                if f.f_code.co_name in _CLIPPING:
+                    tool.clips_grads = True
                 if f.f_code.co_name == "zero_grad" and is_torch(f.f_code.co_filename):
                     # torch's per-gradient loop, counted apart (nn.Module.zero_grad's too,
                     # whose file is no library's: its calls were sites of the script's line)
@@ -479,7 +527,10 @@ class OpCountTool:
                         if ref is None or ref() is not arg:
                             entry[2] += 1
                             seen[id(arg)] = weakref.ref(arg)
-                return func(*args, **(kwargs or {}))
+                out = func(*args, **(kwargs or {}))
+                if called not in _EMBEDDINGS and getattr(out, "grad_fn", None) is not None:
+                    tool.note_dense_use(called, args)
+                return out
 
         # a warning torch raises in ``func`` (``stacklevel=k`` from torch's Python, or a
         # C++ TORCH_WARN: the innermost Python frame) would be placed at the line above,
@@ -531,9 +582,12 @@ class OpCountTool:
         self._started_at = None
         for entry in self.sites.values():
             entry[3] = {}  # the weak references: only needed while counting
+        self._mark_tables()
+        self.dense_uses = {}
 
     def close(self) -> None:
         if self._started_at is not None:  # the run ended inside the window: partial steps
+            self._mark_tables()
             self.flop_count.stop()
             if self._mode is not None:
                 self._mode.__exit__(None, None, None)
@@ -590,9 +644,13 @@ class OpCountTool:
             # trainable embedding tables looked up, the largest first: their rows, whether
             # their gradient is sparse, and the indices and distinct rows a step looks up
             # (distinct per lookup, summed: at least the rows a step touches)
+            # ... ``dense_use``: a differentiable op other than a lookup that also took the
+            # table's weight (a tied output layer's linear), ``stepped``: whether an
+            # optimizer steps it (absent: not known); and whether gradients were clipped
+            "clips_grads": self.clips_grads,
             "embeddings": [
                 {**{k: v for k, v in e.items()
-                    if k not in ("calls", "indices", "distinct_rows")},
+                    if k not in ("calls", "indices", "distinct_rows", "_ref")},
                  "lookups_per_step": e["calls"] / self.steps,
                  "indices_per_step": e["indices"] / self.steps,
                  "distinct_rows_per_step": e["distinct_rows"] / self.steps}

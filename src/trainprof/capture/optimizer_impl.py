@@ -121,8 +121,20 @@ def describe_optimizer(optimizer: Any) -> dict[str, Any]:
         "flags": {k: groups[0].get(k) for k in ("foreach", "fused") if groups and k in groups[0]},
         "supports": [k for k in ("foreach", "fused") if own and k in defaults],
     }
+    # at its first step (a post-step hook) the gradients are there: sparse ones (an
+    # nn.Embedding(sparse=True)'s) make fused fail ("`_fused_sgd` does not support sparse
+    # gradients"); foreach takes them (SGD, Adagrad: checked on torch 2.13)
+    sparse = sum(1 for p in params if getattr(getattr(p, "grad", None), "is_sparse", False))
+    if sparse:
+        out["sparse_grad_tensors"] = sparse
+        out["sparse_grad_numel"] = int(sum(int(p.numel()) for p in params
+                                           if p.grad is not None and p.grad.is_sparse))
+    if groups and "weight_decay" in groups[0]:
+        out["weight_decay"] = groups[0].get("weight_decay")
     if own and "fused" in defaults:
         problem = _fused_problem(optimizer)
+        if problem is None and sparse:
+            problem = "fused does not support sparse gradients"
         if problem is not None:
             out["fused_unavailable"] = problem
     return out

@@ -185,6 +185,10 @@ class Recorder:
         self.debug_modes = DebugModes()
         self._debug_step = 0
         self.clock.on_new_optimizer = self._on_new_optimizer
+        for runner in self.windows:  # the op count marks the tables an optimizer steps
+            for tool in runner.tools:
+                if isinstance(tool, OpCountTool):
+                    tool.optimizers = self._live_optimizers
         # per-sample timings inside DataLoader workers; stacks too when worker_sampling is set
         self.worker_capture = WorkerCapture(
             run_dir / WORKERS_DIR, sampling=lambda: self.worker_sampling
@@ -450,6 +454,11 @@ class Recorder:
         # (the clock described only optimizers it holds a weak reference to)
         # the clock's own reference: the primary one is found by it, alive or not
         self._optimizer_refs.append(self.clock.optimizer_ref(optimizer))
+
+    def _live_optimizers(self) -> list[Any]:
+        """The described optimizers still alive (capture/opcount.py compares the tables'
+        weights with their parameters)."""
+        return [o for o in (r() for r in list(self._optimizer_refs)) if o is not None]
 
     def _record_optimizers(self) -> None:
         """run.json's ``optimizers``, with the one whose steps delimit steps marked
