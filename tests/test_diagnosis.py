@@ -1120,7 +1120,7 @@ def test_periodic_spikes_of_a_named_region_are_named_by_it(name, cause):
     f = diagnose(summary, steps)[0]
     assert (f["category"], f["cause"]) == ("periodic_overhead", cause)
     assert f["evidence"]["region"] == name
-    assert f"Every 10 steps, the region '{name}' adds 0.06 s" in f["title"]
+    assert f"Every 10 steps, the region '{name}' adds 60.0 ms" in f["title"]
     assert f"The region '{name}'" in f["fix"]["text"]
     assert f"with prof.region({name!r}):" in f["fix"]["snippet"] or cause != "evaluation"
     if cause == "evaluation":

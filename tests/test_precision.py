@@ -158,8 +158,59 @@ def test_the_scripts_own_cpu_autocast_is_counted_and_small_products_get_the_conv
     (f,) = [f for f in doc["findings"] if f["cause"] == "autocast_loses_on_cpu"]
     model = f["evidence"]["model_share"]
     assert f["estimated_gain"] == pytest.approx(model * (1 - 1 / 1.81), abs=1e-3)
-    assert "--knob autocast=bf16,off" in f["verify"]
+    assert "--knob autocast=script,off" in f["verify"]
+    assert "the script's own bfloat16 autocast" in f["verify"]
     assert "enabled=use_autocast" in f["fix"]["snippet"]
+
+
+F16_MLP = MLP.replace(
+    "    out = model(torch.randn(32, 64))",
+    "    with torch.autocast(\"cpu\", dtype=torch.float16):\n"
+    "        out = model(torch.randn(32, 64))")
+
+
+@pytest.mark.parametrize(("value", "dtype"), [("script", "float16"), ("off", "float32")])
+def test_the_autocast_knobs_script_value_keeps_the_scripts_own_float16(tp, value, dtype):
+    """verify's baseline for a float16 CPU script was the knob's bf16 (29% saved where the
+    script's own float16 lost ~77%): ``script`` installs nothing, so the script's own
+    float16 autocast runs as written, and ``off`` turns it off around the model's calls."""
+    res = tp(F16_MLP, "--json", env={ENV_VAR: json.dumps({"autocast": value})})
+    assert res.returncode == 0, res.stderr
+    assert _line(res, "DTYPES") == f"DTYPES ['torch.{dtype}'] PARAMS torch.float32"
+    meta = load_run(res.run_dir).meta
+    process = (meta.get("knobs") or {}).get("process") or {}
+    if value == "script":
+        assert "autocast" not in process  # no wrapper at all
+        assert tune_mod._actual("autocast", meta) == "script's"
+    else:
+        assert process["autocast"]["calls"] == 32
+
+
+def test_the_autocast_knob_in_process_script_leaves_float16_and_off_disables_it():
+    from torch import nn
+
+    layer = nn.Linear(4, 4)
+    for text, dtype in (("script", torch.float16), ("off", torch.float32)):
+        knobs = Knobs({"autocast": parse_value("autocast", text)}).install()
+        try:
+            with torch.autocast("cpu", dtype=torch.float16):
+                assert layer(torch.ones(2, 4)).dtype == dtype, text
+        finally:
+            record = knobs.uninstall()
+        assert ("autocast" in record["process"]) == (text == "off")
+
+
+def test_verify_measures_from_the_scripts_own_autocast():
+    """A run that left autocast to the script (``_actual``: "script's") has ``script`` as
+    its current value: verify puts it first, as the baseline, however the spec is written."""
+    from trainprof.experiments.verify import current_first
+
+    meta = {"knobs": {"process": {}}, "training_thread": {}}
+    assert current_first(["autocast=off,script"], meta) == ["autocast=script,off"]
+    assert current_first(["autocast=script,off"], meta) == ["autocast=script,off"]
+    (f,) = _converse(*_autocast_summary(None, dtype="float16", flops=4e9, big=3e9))
+    assert "--knob autocast=script,off" in f["verify"]
+    assert "the script's own float16 autocast" in f["verify"]
 
 
 def _autocast_summary(flag: str | None, dtype: str = "bfloat16", under: float = 3.0,

@@ -73,6 +73,23 @@ def outliers(x: np.ndarray, floor: float) -> np.ndarray:
     return np.flatnonzero(x > med + max(SPIKE_SIGMAS * sigma, floor))
 
 
+def outliers_by_kind(x: np.ndarray, floor: float, kinds: np.ndarray | None) -> np.ndarray:
+    """:func:`outliers` judged within each kind of step (``kinds``: a label per step).
+
+    A loop whose iteration is k steps of different kinds (a GAN's critic stepped k times
+    a generator step: :mod:`trainprof.analysis.iterations`) has one long step an
+    iteration by design; against the median of all steps every one of them is an
+    outlier, recurring at period k, and was reported as periodic work. Against the
+    median and spread of its own kind only work beyond the step's usual cost stands
+    out. ``kinds`` None: :func:`outliers` of all steps.
+    """
+    if kinds is None:
+        return outliers(x, floor)
+    found = [np.flatnonzero(kinds == kind)[outliers(x[kinds == kind], floor)]
+             for kind in np.unique(kinds)]
+    return np.sort(np.concatenate(found)) if found else np.zeros(0, dtype=np.int64)
+
+
 def complete_steps(steps: np.ndarray) -> np.ndarray:
     """The steps to analyse: complete ones, with a manual run's automatic prefix merged.
 

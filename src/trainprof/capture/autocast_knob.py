@@ -20,6 +20,15 @@ gradients and optimizer stay float32.
 ``off`` installs the same wrapper with autocast disabled: the Python it adds to every
 module call (a thread-local read, about a microsecond for the outermost call) is paid
 by both arms, so ``--knob autocast=off,bf16`` compares the precision alone.
+
+``script`` (:data:`trainprof.capture.knobs.SCRIPT_VALUE`, read before :func:`parse`)
+installs nothing: the script's own autocast, float16 included, runs as written. It is
+the baseline for a script that already uses autocast: ``--knob autocast=script,off``
+measures turning the script's own precision off, where a ``bf16`` baseline would measure
+from a precision the script never had (a float16 CPU script: 29% saved from bf16, ~77%
+from its own float16). ``off`` also disables the script's own autocast around the
+model's calls: ``torch.autocast(..., enabled=False)`` inside an enabled region turns it
+off there.
 """
 
 from __future__ import annotations

@@ -235,7 +235,8 @@ KNOBS: dict[str, KnobSpec] = {
                  "padding in every row cut, as trainprof.fixes.TrimPadding does)"),
         KnobSpec("autocast", "process", autocast_knob.parse,
                  "the model's calls under torch.autocast: bf16 (mixed precision, no loss "
-                 "scaling needed) or off (the same wrapper, full precision)"),
+                 "scaling needed), off (the same wrapper, full precision) or script (the "
+                 "script's own autocast, untouched)"),
         KnobSpec("channels_last", "process", _bool,
                  "the model and its 4-D inputs in NHWC memory format at its outermost calls "
                  "(false: NCHW, the same wrapper)"),

@@ -30,6 +30,7 @@ from trainprof.analysis.steps import (  # noqa: F401 - the spike definition, re-
     SPIKE_SIGMAS,
     complete_steps,
     outliers,
+    outliers_by_kind,
     robust_scale,
 )
 from trainprof.analysis.system import outside_cores
@@ -461,16 +462,58 @@ class Context:
         """Step numbers (as recorded) of positions in the steady-state steps."""
         return [int(s) for s in self.steady["step"][idx]]
 
-    def _phase_excess(self, idx: np.ndarray, baseline: np.ndarray) -> dict[str, np.ndarray]:
-        """Per phase, per step in ``idx``: time beyond the median of the ``baseline`` steps.
+    @cached_property
+    def per_iteration(self) -> int | None:
+        """Steps an iteration of the loop (a GAN's critic stepped k times a generator
+        step: :mod:`trainprof.analysis.iterations`), None where it is one step."""
+        k = self.step_info.get("per_iteration")
+        return int(k) if isinstance(k, int) and not isinstance(k, bool) and k >= 2 else None
 
-        Vectorised: one median per phase, whatever the number of spikes (1M-step runs).
+    @cached_property
+    def step_kinds(self) -> np.ndarray | None:
+        """Each steady step's place in its iteration (its step number modulo
+        :attr:`per_iteration`), where an iteration is several steps of different kinds;
+        None otherwise. Step numbers, not positions: steps left out under a heavy tool
+        do not shift the kinds of the steps after them."""
+        k = self.per_iteration
+        if k is None or not self.has_steps() or len(self.steady) < 5 * k:
+            return None  # too few steps of each kind to judge a step against its own kind
+        axis = self._step_axis
+        if np.any(np.diff(axis) <= 0):
+            axis = np.arange(len(self.steady))
+        return axis % k
+
+    @cached_property
+    def typical_step_s(self) -> float:
+        """A step's usual time: the median step, or where an iteration is k steps of
+        different kinds, the mean of each kind's median (an iteration's over k)."""
+        kinds = self.step_kinds
+        if kinds is None:
+            return self.median_step_s
+        d = self.durations
+        return float(np.mean([np.median(d[kinds == c]) for c in np.unique(kinds)]))
+
+    def _phase_excess(self, idx: np.ndarray, baseline: np.ndarray) -> dict[str, np.ndarray]:
+        """Per phase, per step in ``idx``: time beyond the median of the ``baseline`` steps
+        (of the step's own kind, where an iteration is steps of different kinds).
+
+        Vectorised: one median per phase (and kind), whatever the number of spikes
+        (1M-step runs).
         """
+        kinds = self.step_kinds
         out = {}
         for phase in PHASE_COLUMNS:
             col = self.phase_seconds(phase)
             med = float(np.median(col[baseline])) if len(baseline) else 0.0
-            out[phase] = np.clip(col[idx] - med, 0, None)
+            if kinds is None or len(idx) == 0:
+                out[phase] = np.clip(col[idx] - med, 0, None)
+                continue
+            expected = np.full(len(col), med)
+            for c in np.unique(kinds):
+                own = baseline[kinds[baseline] == c]
+                if len(own):
+                    expected[kinds == c] = float(np.median(col[own]))
+            out[phase] = np.clip(col[idx] - expected[idx], 0, None)
         return out
 
     def _excess(self, idx: np.ndarray, baseline: np.ndarray) -> dict[str, float]:
@@ -513,7 +556,8 @@ class Context:
         if not self.has_steps():
             return None
         dw = self.phase_seconds("data_wait")
-        idx = outliers(dw, max(SPIKE_REL * self.median_step_s, SPIKE_ABS_S))
+        idx = outliers_by_kind(dw, max(SPIKE_REL * self.median_step_s, SPIKE_ABS_S),
+                               self.step_kinds)
         if len(idx) == 0:
             return None
         bpe = self.epoch_batches(self.train_loader)
@@ -526,10 +570,14 @@ class Context:
 
     @cached_property
     def step_spikes(self) -> np.ndarray:
-        """Positions of steady steps whose duration is an outlier."""
+        """Positions of steady steps whose duration is an outlier (among steps of their
+        own kind, where an iteration is several steps: :attr:`step_kinds`; else a GAN's
+        generator step, one in k by design, is a spike recurring at period k)."""
         if not self.has_steps():
             return np.zeros(0, dtype=np.int64)
-        return outliers(self.durations, max(SPIKE_REL * self.median_step_s, SPIKE_ABS_S))
+        return outliers_by_kind(self.durations,
+                                max(SPIKE_REL * self.median_step_s, SPIKE_ABS_S),
+                                self.step_kinds)
 
     @cached_property
     def spike_groups(self) -> dict[str, SpikeGroup]:

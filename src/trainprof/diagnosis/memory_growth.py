@@ -56,6 +56,7 @@ def _growth_finding(ctx: Context, g: dict[str, Any], where: str, cause: str) -> 
         "first_quarter_bytes": g.get("first_bytes"),
         "last_bytes": g.get("last_bytes"),
         "quarter_medians_bytes": g.get("quarter_medians_bytes"),
+        "quarter_floors_bytes": g.get("quarter_floors_bytes"),
         "window_s": g.get("window_s"),
         "capacity_bytes": g.get("capacity_bytes"),
         "seconds_to_full": full,

@@ -12,7 +12,10 @@ robust sigma, 50% of the median)) and recur at a fixed period (see
 are mostly data wait belong to the input pipeline (worker start-up), outliers that
 are mostly GC to the GC rule: this rule reports only what is left. The cost is the
 *excess* of those steps over a median step (what removing the work would save), as a
-share of total steady time; the excess is split by phase, which tells evaluation
+share of total steady time. Where an iteration of the loop is k steps of different
+kinds (a GAN's critic stepped k times a generator step), a step is judged against steps
+of its own kind (:attr:`Context.step_kinds`): the generator's step, long every k steps
+by design, is the algorithm, not periodic work. The excess is split by phase, which tells evaluation
 (forward + data) from checkpointing or logging (time outside the training phases).
 """
 
@@ -31,6 +34,17 @@ from trainprof.diagnosis.registry import rule
 HIGH, MEDIUM, LOW = 0.20, 0.05, 0.02
 #: The overhead share a suggested interval aims at.
 TARGET_SHARE = 0.02
+
+
+def fmt_s(seconds: float) -> str:
+    """Seconds as the reports write them (:func:`trainprof.report.terminal.fmt_time`: s,
+    ms or µs): a 2 ms log every 5 steps printed as "0.00 s" said nothing. Diagnosis does
+    not import the report, hence this copy."""
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds * 1e6:.0f} µs"
 
 
 def suggest_interval(period: int, excess_per_occurrence_s: float, step_s: float) -> int:
@@ -141,7 +155,7 @@ def _region_fix(name: str, cause: str, period: int, interval: int, per_occ: floa
         body = "    ..."
         head = ("", "REGION")
     snippet = (
-        f"{head[1]}_INTERVAL = {interval}  # was {period}: {per_occ:.2f} s each, "
+        f"{head[1]}_INTERVAL = {interval}  # was {period}: {fmt_s(per_occ)} each, "
         f"{share * 100:.0f}% of the run\n"
         f"{head[0]}\n"
         f"if step % {head[1]}_INTERVAL == 0:\n"
@@ -163,7 +177,7 @@ def every_n_steps(ctx: Context) -> Finding | None:
     n = len(group.indices)
     period = group.fit.period
     per_occ = group.total_excess_s / n
-    step_s = ctx.median_step_s
+    step_s = ctx.typical_step_s  # a GAN's k steps of two kinds: their mean, not the median
     phases = {k: v / group.total_excess_s for k, v in group.excess_s.items() if v > 0}
     eval_like = phases.get("forward", 0) + phases.get("data_wait", 0)
     host_like = phases.get("other", 0)
@@ -196,10 +210,15 @@ def every_n_steps(ctx: Context) -> Finding | None:
     if region is not None:
         evidence["region"] = region
         cause, what = _region_kind(region), f"the region '{region}'"
+    k = ctx.per_iteration if ctx.step_kinds is not None else None
+    if k is not None:
+        evidence["steps_per_iteration"] = k
     interval = suggest_interval(period, per_occ, step_s)
     steps_equiv = per_occ / step_s if step_s > 0 else float("nan")
     title = (
-        f"Every {period} steps, {what} adds {per_occ:.2f} s (~{steps_equiv:.0f} steps' worth): "
+        f"Every {period} steps"
+        + (f" ({period / k:g} iterations of {k} steps)" if k is not None else "")
+        + f", {what} adds {fmt_s(per_occ)} (~{steps_equiv:.0f} steps' worth): "
         f"{share * 100:.0f}% of training time"
     )
     if region is not None and cause != "checkpoint_or_logging":
@@ -212,7 +231,7 @@ def every_n_steps(ctx: Context) -> Finding | None:
             "torch.inference_mode(), with a larger eval batch size."
         )
         snippet = (
-            f"EVAL_INTERVAL = {interval}  # was {period}: {per_occ:.2f} s each, "
+            f"EVAL_INTERVAL = {interval}  # was {period}: {fmt_s(per_occ)} each, "
             f"{share * 100:.0f}% of the run\n"
             "EVAL_BATCHES = 20  # a fixed subset is enough to track progress\n\n"
             "if step % EVAL_INTERVAL == 0:\n" + _EVAL_LOOP
@@ -228,7 +247,7 @@ def every_n_steps(ctx: Context) -> Finding | None:
             "torch.distributed.checkpoint.async_save."
         )
         snippet = (
-            f"SAVE_INTERVAL = {interval}  # was {period}: {per_occ:.2f} s each, "
+            f"SAVE_INTERVAL = {interval}  # was {period}: {fmt_s(per_occ)} each, "
             f"{share * 100:.0f}% of the run\n"
             "saver = None  # (before the loop)\n\n"
             "def to_cpu(obj):  # a copy that training cannot change while it is written\n"
@@ -254,7 +273,8 @@ def every_n_steps(ctx: Context) -> Finding | None:
          f"re-run with the interval raised to {interval} (`trainprof run {ctx.script}` "
          "after the change)")
         + " and `trainprof compare` the two runs: the mean step should fall towards the "
-        f"median ({step_s * 1e3:.1f} ms), and the run's time by up to {share * 100:.0f}%"
+        f"{'typical step' if k is not None else 'median'} ({step_s * 1e3:.1f} ms), "
+        f"and the run's time by up to {share * 100:.0f}%"
     )
     return Finding(
         category="periodic_overhead",

@@ -182,6 +182,10 @@ def cpu_autocast_small(ctx: Context) -> Finding | None:
     return Finding(
         category="compute", cause="autocast_loses_on_cpu", title=title, severity=severity,
         evidence=evidence, estimated_gain=gain, fix=Fix(text=text, snippet=snippet),
-        verify=(f"trainprof tune --knob autocast=bf16,off {ctx.script}  (off: the model's "
-                "calls with autocast disabled, the script unchanged)"),
+        # the baseline is the script's own autocast (its dtype, float16 or bfloat16), not
+        # the knob's bf16: from a float16 script a bf16 arm measured 29% saved where turning
+        # the script's own float16 off saved ~77%
+        verify=(f"trainprof tune --knob autocast=script,off {ctx.script}  (script: the "
+                f"script's own {dtype} autocast, untouched; off: the model's calls with "
+                "autocast disabled, the script unchanged)"),
     )

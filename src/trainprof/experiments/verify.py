@@ -116,7 +116,10 @@ def current_first(specs: list[str], meta: dict[str, Any]) -> list[str]:
     """Each knob's values with the run's own setting first, where the record tells it (the
     baseline is the first value; a sweep written in order - ``torch_threads=1,2`` - may
     start with a value the run did not have). Otherwise as written: the findings write the
-    current setting first (``channels_last=false,true``)."""
+    current setting first (``channels_last=false,true``). A run that left the knob to the
+    script (``_actual``: "script's") has the value :data:`SCRIPT_VALUE`: ``autocast=off,script``
+    measures from the script's own float16 autocast, not from the knob's bf16."""
+    from trainprof.capture.knobs import SCRIPT_VALUE
     from trainprof.experiments.tune import _actual
 
     out = []
@@ -124,6 +127,8 @@ def current_first(specs: list[str], meta: dict[str, Any]) -> list[str]:
         name, _, values = spec.partition("=")
         texts = values.split(",")
         current = _actual(name, meta).split(" ", 1)[0]  # "4", "true (...)" -> "true"
+        if current == "script's":  # the run left it to the script: the knob's "script"
+            current = SCRIPT_VALUE
         if current in texts[1:]:
             texts.remove(current)
             texts.insert(0, current)
