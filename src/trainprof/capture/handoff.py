@@ -37,7 +37,7 @@ Each storage is also counted against the loader whose batch it came in (``loader
 the record): an evaluation loader iterated inside the training loop (a validation pass
 every N steps) has its own workers, dataset and hand-over cost, and pooled with the
 training loader's it was misread as the training loader's (2.75 ms a tensor pooled
-against 0.57 ms for the training loader alone, /tmp/exp1-w/trainval.py). The loader is
+against 0.57 ms for the training loader alone, in an explorer's script). The loader is
 found from the frames calling the rebuild, a few levels up: the iterator's own
 ``_try_get_data`` (``self``), or the pin-memory thread's ``_pin_memory_loop``
 (``in_queue``, the iterator's ``_worker_result_queue``); a few µs a tensor against the

@@ -59,7 +59,7 @@ DATA_OWNED = 0.8
 #: samples fetched batches besides the training batch: another loader's (an evaluation
 #: pass), not the training loader delivering late. The step record's ``samples`` counts
 #: every batch any DataLoader iterator returned in it (capture/hooks.py); trainval.py
-#: (/tmp/exp1-w, a 640-sample validation pass every 40 steps of 32): 672 against 32.
+#: (an explorer's script, a 640-sample validation pass every 40 steps of 32): 672 against 32.
 EXTRA_BATCHES = 2.0
 
 #: Candidate periods tried by :func:`fit_period` (bounds its cost on long runs).
