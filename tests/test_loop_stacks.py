@@ -718,6 +718,41 @@ def test_a_run_of_one_long_step_says_what_it_is_and_where_its_time_went(tmp_path
 
 
 @needs_c
+def test_the_html_report_says_where_the_time_of_a_one_step_run_went(tmp_path):
+    """One step of ~1.5 s in a pure-Python function: the HTML report (which had only the
+    tiles and the phases' bar: nothing named a line) carries the terminal's "Where the
+    time went" row, word for word, escaped (the line's ``<`` and ``&``)."""
+    write_script(tmp_path, "train.py", """
+        import time, torch
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def crunch(seconds):
+            t, n = time.perf_counter(), 0
+            while time.perf_counter() - t < seconds and n >= 0: n += 1
+            return n
+
+        loss = model(torch.randn(2, 4)).sum()
+        crunch(1.5)
+        loss.backward(); opt.step()
+    """)
+    res = trainprof("run", "--json", "train.py", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    first = res.json()["loop_stacks"]["first_steps"]
+    assert first["steady_state"] is False and first["lines"][0]["line"] == 8, first
+    page = (res.run_dir / "report.html").read_text()
+    start = page.index('id="tp-first-steps"')
+    row = page[start:page.index("</p>", start)]
+    assert "<b>Where the time went:</b>" in row
+    assert ("train.py:8 while time.perf_counter() - t &lt; seconds and n &gt;= 0: n += 1 "
+            "(in crunch)") in row
+    assert "of its one step&#x27;s" in row  # escaped, quotes too
+    assert "a first step is sampled from 1 s into it on" in row
+    text = trainprof("report", str(res.run_dir), cwd=tmp_path).stdout
+    assert "Where the time went" in text
+
+
+@needs_c
 def test_a_long_step_that_sleeps_names_the_sleeping_line(tmp_path):
     """A step of ~2.2 s spent in ``time.sleep`` inside a function: the tick interrupts the
     sleep (which Python resumes: the step keeps its length), and the sample is on the
