@@ -718,6 +718,41 @@ def test_a_run_of_one_long_step_says_what_it_is_and_where_its_time_went(tmp_path
 
 
 @needs_c
+def test_the_html_report_says_where_the_time_of_a_one_step_run_went(tmp_path):
+    """One step of ~1.5 s in a pure-Python function: the HTML report (which had only the
+    tiles and the phases' bar: nothing named a line) carries the terminal's "Where the
+    time went" row, word for word, escaped (the line's ``<`` and ``&``)."""
+    write_script(tmp_path, "train.py", """
+        import time, torch
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def crunch(seconds):
+            t, n = time.perf_counter(), 0
+            while time.perf_counter() - t < seconds and n >= 0: n += 1
+            return n
+
+        loss = model(torch.randn(2, 4)).sum()
+        crunch(1.5)
+        loss.backward(); opt.step()
+    """)
+    res = trainprof("run", "--json", "train.py", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    first = res.json()["loop_stacks"]["first_steps"]
+    assert first["steady_state"] is False and first["lines"][0]["line"] == 8, first
+    page = (res.run_dir / "report.html").read_text()
+    start = page.index('id="tp-first-steps"')
+    row = page[start:page.index("</p>", start)]
+    assert "<b>Where the time went:</b>" in row
+    assert ("train.py:8 while time.perf_counter() - t &lt; seconds and n &gt;= 0: n += 1 "
+            "(in crunch)") in row
+    assert "of its one step&#x27;s" in row  # escaped, quotes too
+    assert "a first step is sampled from 1 s into it on" in row
+    text = trainprof("report", str(res.run_dir), cwd=tmp_path).stdout
+    assert "Where the time went" in text
+
+
+@needs_c
 def test_a_long_step_that_sleeps_names_the_sleeping_line(tmp_path):
     """A step of ~2.2 s spent in ``time.sleep`` inside a function: the tick interrupts the
     sleep (which Python resumes: the step keeps its length), and the sample is on the
@@ -861,3 +896,50 @@ def test_no_early_tick_under_a_launcher_before_the_process_group_is_made(tmp_pat
                          env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "True", "False"]
+
+
+@needs_c
+def test_a_gans_generator_steps_lines_are_counted_among_steps_of_their_kind(tmp_path):
+    """A GAN whose generator steps once every 3 critic steps (``steps.per_iteration`` 3),
+    with 15 ms of pure Python before the generator's step and 2 ms after each critic
+    step: the generator's steps, ~4x as long as the critic's, were outliers against all
+    steps, their samples left out, and the "other" lines named only the critic's
+    bookkeeping. Judged among the steps of their own place in the iteration, they are
+    typical: the generator's line leads "other", with ~15/(15+6) of it."""
+    write_script(tmp_path, "gan.py", """
+        import time, torch
+        from torch import nn
+        torch.set_num_threads(1)
+        K = 3
+        G = nn.Linear(16, 32); D = nn.Linear(32, 1)
+        og = torch.optim.SGD(G.parameters(), lr=1e-3)
+        od = torch.optim.SGD(D.parameters(), lr=1e-3)
+
+        def busy(s):
+            t = time.perf_counter()
+            while time.perf_counter() - t < s: pass
+
+        for it in range(40):
+            for _ in range(K):
+                ld = D(G(torch.randn(8, 16)).detach()).mean()
+                od.zero_grad(); ld.backward(); od.step()
+                busy(0.002)
+            busy(0.015)
+            lg = -D(G(torch.randn(8, 16))).mean()
+            og.zero_grad(); lg.backward(); og.step()
+    """)
+    res = trainprof("run", "--json", "--no-html", "gan.py", cwd=tmp_path, env=FAST_SAMPLING)
+    assert res.returncode == 0, res.stderr[-2000:]
+    doc = res.json()
+    assert doc["steps"]["per_iteration"] == 3
+    stacks = doc["loop_stacks"]
+    rows = {r["source"]: r for r in stacks["other"]["lines"] if r["file"]}
+    assert "busy(0.015)" in rows, stacks  # before: only busy(0.002)
+    gen, critic = rows["busy(0.015)"], rows.get("busy(0.002)")
+    assert gen["line"] == 19 and stacks["other"]["lines"][0]["line"] == 19, stacks
+    # ~0.6 s in the generator's line at 100 samples a second; ~70% of "other"
+    assert gen["samples"] >= 25 and 0.5 <= gen["share"] <= 0.9, gen
+    assert critic is not None and 0.1 <= critic["share"] <= 0.45, critic
+    # the generator's ~38 steady steps were all outliers; a step of either kind a few ms
+    # over its kind's (a machine's noise, tiny spread) still is
+    assert stacks["outlier_steps"] < 25, stacks["outlier_steps"]

@@ -14,7 +14,13 @@ Definitions:
   0.5 ms (:func:`trainprof.analysis.steps.outliers`, the diagnosis' spikes:
   Composer's median/MAD pruning). Work that happens every N steps (evaluation,
   checkpoints) belongs to the periodic-overhead finding, which measures it from the
-  step records; here it would only blur what every step does.
+  step records; here it would only blur what every step does. Where an iteration is
+  k >= 2 steps of different kinds (a GAN's critic stepped k times a generator step:
+  the summary's ``steps.per_iteration``, :mod:`trainprof.analysis.iterations`), a
+  step is judged among the steps of its own place in the iteration (step number mod
+  k), as the diagnosis judges spikes (:attr:`trainprof.diagnosis.context.RunContext.
+  step_kinds`): against all steps the generator's step, long once an iteration by
+  design, is an outlier, and the lines of its "other" time were never counted.
 * The *loop function* is the deepest function on the stack of at least
   :data:`LOOP_PRESENCE` of the counted samples in "other" and as many of those in
   the other phases: the function whose loop calls the model and the optimizer (a
@@ -66,7 +72,7 @@ import numpy as np
 import orjson
 
 from trainprof.analysis.ops import source_line
-from trainprof.analysis.steps import SPIKE_ABS_S, SPIKE_REL, complete_steps, outliers
+from trainprof.analysis.steps import SPIKE_ABS_S, SPIKE_REL, complete_steps, outliers_by_kind
 from trainprof.schema import OTHER, PHASE_NAMES
 from trainprof.store import STACKS_JSONL
 
@@ -128,15 +134,35 @@ def _read(
     return stacks, samples, dropped, sources, tick_s
 
 
-def _typical_steps(steps: np.ndarray, warmup: int) -> tuple[set[int], int]:
-    """Step numbers of steady steps whose "other" time is not an outlier, and how many are."""
+def _step_kinds(steady: np.ndarray, per_iteration: int | None) -> np.ndarray | None:
+    """Each steady step's place in its iteration (step number mod ``per_iteration``), or
+    None where an iteration is one step or there are too few steps of each kind (under
+    5 an iteration's step: :func:`~trainprof.analysis.steps.outliers` judges none). The
+    diagnosis' rule (``RunContext.step_kinds``), so that the steps these lines leave out
+    are the steps it calls spikes. Step numbers, not positions: steps left out under a
+    heavy tool do not shift the kinds of the steps after them."""
+    k = per_iteration
+    if not k or k < 2 or len(steady) < 5 * k:
+        return None
+    numbers = steady["step"].astype(np.int64)
+    if np.any(np.diff(numbers) <= 0):  # not numbered in order: positions
+        numbers = np.arange(len(steady))
+    return (numbers - numbers[0]) % k
+
+
+def _typical_steps(steps: np.ndarray, warmup: int,
+                   per_iteration: int | None = None) -> tuple[set[int], int]:
+    """Step numbers of steady steps whose "other" time is not an outlier (among the steps
+    of their kind, where an iteration is several: :func:`_step_kinds`), and how many
+    are."""
     done = complete_steps(steps)
     steady = done[min(warmup, len(done)):]
     if len(steady) == 0 or len(done) <= FIRST_STEPS_ONLY:
         return set(), 0
     step_med = float(np.median(steady["dur_ns"])) / 1e9
-    out = outliers(steady["other_ns"].astype(np.float64) / 1e9,
-                   max(SPIKE_REL * step_med, SPIKE_ABS_S))
+    out = outliers_by_kind(steady["other_ns"].astype(np.float64) / 1e9,
+                           max(SPIKE_REL * step_med, SPIKE_ABS_S),
+                           _step_kinds(steady, per_iteration))
     keep = np.ones(len(steady), dtype=bool)
     keep[out] = False
     return {int(s) for s in steady["step"][keep]}, len(out)
@@ -184,19 +210,22 @@ def _loop_function(kept: Kept) -> tuple[str, str, bool] | None:
 
 
 def summarize_loop_stacks(
-    run_dir: Path, steps: np.ndarray, warmup: int, other_share: float | None = None
+    run_dir: Path, steps: np.ndarray, warmup: int, other_share: float | None = None,
+    per_iteration: int | None = None,
 ) -> dict[str, Any] | None:
     """The ``loop_stacks`` section of a run summary, or None when the run has no samples.
 
     Counts are in timer ticks (a sample's weight), so a share is a share of time.
     ``other_share`` is the measured share of "other" in steady step time (the summary's
     ``breakdown_detail``): a line's ``step_share`` is its share of "other" times that.
+    ``per_iteration``: the summary's ``steps.per_iteration`` (steps of k kinds, each
+    judged among its own kind for outliers).
     """
     read = _read(Path(run_dir) / STACKS_JSONL)
     if read is None:
         return None
     stacks, samples, dropped, sources, tick_s = read
-    typical, spike_steps = _typical_steps(steps, warmup)
+    typical, spike_steps = _typical_steps(steps, warmup, per_iteration)
     kept: Kept = [(phase, stacks[sid], w, in_sync) for step, phase, sid, w, in_sync in samples
                   if step in typical and sid in stacks]
     phases: Counter[str] = Counter()

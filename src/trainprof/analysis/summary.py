@@ -310,7 +310,8 @@ def summarize_run(run: Run) -> dict[str, Any]:
             model_scale(op_time, stats.get("breakdown"), mean_step_s)),
         # which lines of the loop the "other" time goes to (sampled stacks)
         "loop_stacks": summarize_loop_stacks(
-            run.path, run.steps, warm, (stats.get("breakdown_detail") or {}).get("other")
+            run.path, run.steps, warm, (stats.get("breakdown_detail") or {}).get("other"),
+            (stats.get("steps") or {}).get("per_iteration"),
         ),
         "python_profile": summarize_python_profile(run.path),
         # torch.profiler windows (--deep): breakdown, GPU summary, top operators per window

@@ -60,6 +60,7 @@ from trainprof.report.terminal import (
     compiles_text,
     compute_text,
     crash_text,
+    first_steps_row,
     fmt_bytes,
     fmt_pct,
     fmt_time,
@@ -477,6 +478,13 @@ def _verdict(s: dict[str, Any]) -> str:
                    if len(crash.splitlines()) > 1 else "")
                 + "</div>" + head)
     body = head + f'<div class="tiles">{"".join(tiles)}</div>'
+    # Where a run without a steady state (or a long warm-up) spent its time: with no
+    # steady steps there is no "other" to break down, and this row is the only answer
+    # the stacks give; the terminal's row, word for word.
+    first = first_steps_row(s)
+    if first:
+        body += (f'<p class="first-steps" id="tp-first-steps"><b>{esc(first[0])}:</b> '
+                 f'<span class="mono">{esc(first[1])}</span></p>')
     if s.get("breakdown"):
         steady = int(steps.get("steady_count") or 0)
         where = ("Where a steady-state step goes" if steady > 2

@@ -680,7 +680,7 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
     other_line = _other_row(summary)
     if other_line:
         table.add_row("Other", other_line)
-    first = _first_steps_row(summary)
+    first = first_steps_row(summary)
     if first:
         table.add_row(*first)
     for label, line in _deep_rows(summary.get("deep")):
@@ -758,11 +758,12 @@ def _other_row(summary: dict[str, Any]) -> str | None:
 FIRST_STEPS_ROW_S = 5.0
 
 
-def _first_steps_row(summary: dict[str, Any]) -> tuple[str, str] | None:
+def first_steps_row(summary: dict[str, Any]) -> tuple[str, str] | None:
     """Where the time of a run without a steady state went (its steps are all first
     steps: no "Other" row), or of a long warm-up: the top lines of the user's code the
     samples were on, whatever the phase (:func:`trainprof.analysis.loop_stacks.
-    summarize_loop_stacks`' ``first_steps``)."""
+    summarize_loop_stacks`' ``first_steps``). Public: the HTML report shows the same row,
+    worded the same, so that the two reports never say different things."""
     first = (summary.get("loop_stacks") or {}).get("first_steps") or {}
     rows = first.get("lines") or []
     if not rows:
