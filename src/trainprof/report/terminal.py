@@ -547,7 +547,12 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
         )
         thr = []
         if summary.get("samples_per_s"):
-            thr.append(f"{summary['samples_per_s']:,.0f} samples/s")
+            rate = f"{summary['samples_per_s']:,.0f} samples/s"
+            if summary.get("samples_other_loaders"):
+                # an evaluation loader iterated inside the loop: its samples are not trained on
+                rate += (f" (training loader's; {summary['samples_other_loaders']:,} samples "
+                         "of other loaders left out)")
+            thr.append(rate)
         if summary.get("steps_per_s"):
             thr.append(f"{summary['steps_per_s']:,.1f} steps/s")
         if summary.get("samples_per_s_all_ranks"):
