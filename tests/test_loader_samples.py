@@ -66,3 +66,24 @@ def test_the_terminal_report_says_other_loaders_samples_were_left_out(train_eval
     evals = train_eval.json()["samples_other_loaders"] // 200
     row = next(line for line in res.stdout.splitlines() if "samples/s" in line)
     assert f"{200 * evals:,} samples of other loaders left out" in row
+
+
+def test_the_hand_over_row_is_per_loader(train_eval):
+    from trainprof.report.terminal import worker_rows
+
+    summary = train_eval.json()
+    handoff = summary["batch_handoff"]
+    rows = dict(worker_rows(summary.get("workers"), summary["dataloaders"], handoff))
+    # 60 training batches of (x, y) and 6 evaluation passes of 2 batches of (x, y)
+    assert rows["Hand-over #0"].startswith("120 tensors (2 a batch)")
+    assert rows["Hand-over #1"].startswith("24 tensors (2 a batch)")
+    assert "Hand-over" not in rows  # no pooled row beside them
+    for index in (0, 1):
+        own = next(e for e in handoff["loaders"] if e["loader_index"] == index)
+        assert f"training thread {own['training_thread_share'] * 100:.1f}%" in rows[
+            f"Hand-over #{index}"]
+    # a record made before the capture kept loaders apart: the pooled row, as before
+    pooled = dict(worker_rows(summary.get("workers"), summary["dataloaders"],
+                              {**handoff, "loaders": []}))
+    assert pooled["Hand-over"].startswith("144 tensors")
+    assert not any(k.startswith("Hand-over #") for k in pooled)
