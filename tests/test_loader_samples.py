@@ -66,6 +66,11 @@ def test_the_terminal_report_says_other_loaders_samples_were_left_out(train_eval
     evals = train_eval.json()["samples_other_loaders"] // 200
     row = next(line for line in res.stdout.splitlines() if "samples/s" in line)
     assert f"{200 * evals:,} samples of other loaders left out" in row
+    html = train_eval.run_dir.parent / "report.html"
+    res = trainprof("report", str(train_eval.run_dir), "--html", str(html),
+                    cwd=train_eval.run_dir.parent)
+    assert res.returncode == 0, res.stderr
+    assert f"{200 * evals:,} samples of other loaders left out" in html.read_text()
 
 
 def test_the_hand_over_row_is_per_loader(train_eval):

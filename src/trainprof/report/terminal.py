@@ -382,8 +382,10 @@ def worker_rows(workers: dict[str, Any] | None,
     if handoff and handoff.get("tensors"):
         # per loader where the record has it: an evaluation loader iterated inside the loop
         # has its own hand-over (2.75 ms a tensor pooled against 0.57 ms for the training
-        # loader alone, /tmp/exp1-w/trainval.py); older records: all loaders pooled
+        # loader alone, /tmp/exp1-w/trainval.py); one loader, or older records: pooled
         own = [e for e in handoff.get("loaders") or [] if e.get("tensors")]
+        if len(own) < 2:  # one loader's batches only: its row is the pooled one
+            own = []
         for entry in own or [handoff]:
             label = (f"Hand-over #{entry.get('loader_index')}" if own else "Hand-over")
             rows.append((label, _handoff_row(
