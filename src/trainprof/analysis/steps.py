@@ -33,6 +33,13 @@ import numpy as np
 
 from trainprof.schema import FLAG_BACKWARD, FLAG_MANUAL, FLAG_PARTIAL, FLAG_PROFILED, FLAG_SKIPPED
 
+#: A step that took in at least this many times a median step's samples fetched batches
+#: besides its training batch(es): another loader's (an evaluation pass iterated inside the
+#: loop), not the training loader's. The step record's ``samples`` counts every batch any
+#: DataLoader iterator returned in it (capture/hooks.py); an explorer's trainval.py (a
+#: 640-sample validation pass every 40 steps of 32): 672 against 32.
+EXTRA_BATCHES = 2.0
+
 BREAKDOWN_KEYS = ("data_wait", "forward", "backward", "optimizer", "gc", "other")
 
 #: The step-record columns (ns) each breakdown phase groups: zero_grad inside the
@@ -159,8 +166,44 @@ def delimiter_of(steps: np.ndarray) -> str | None:
     return "optimizer"
 
 
-def step_statistics(steps: np.ndarray) -> dict[str, Any]:
-    """The ``steps``, ``breakdown`` and ``samples_per_s`` parts of a run summary."""
+def training_samples(samples: np.ndarray, loaders: int) -> tuple[np.ndarray, int]:
+    """Each step's samples of the loader that feeds the training steps, and how many
+    samples of other loaders were left out.
+
+    The capture counts, per step, every batch any DataLoader iterator returned (one
+    counter: telling loaders apart per batch would cost a lookup per batch on the
+    always-on path). An evaluation loader iterated inside the loop every N steps so
+    adds its whole pass to one step: counted as training samples it inflated
+    samples/s (train 32 a step plus 100-sample eval batches every 10 steps read as
+    ~1.9x the training rate). With more than one loader in the run, a step holding
+    at least :data:`EXTRA_BATCHES` times the median step's samples is counted as the
+    median step's samples (what the training loader brings a step); the rest is
+    another loader's. With one loader nothing is left out: a script may well fetch
+    a varying number of its batches a step.
+    """
+    out = samples.astype(np.int64)
+    if loaders < 2 or len(out) == 0:
+        return out, 0
+    typical = float(np.median(out))
+    if typical <= 0:
+        return out, 0
+    extra = out >= EXTRA_BATCHES * typical
+    if not extra.any():
+        return out, 0
+    kept = int(round(typical))
+    left_out = int((out[extra] - kept).sum())
+    out = out.copy()
+    out[extra] = kept
+    return out, left_out
+
+
+def step_statistics(steps: np.ndarray, loaders: int = 1) -> dict[str, Any]:
+    """The ``steps``, ``breakdown`` and ``samples_per_s`` parts of a run summary.
+
+    ``loaders``: how many DataLoaders the run iterated; with more than one, samples/s
+    counts only the training loader's samples (:func:`training_samples`) and
+    ``samples_other_loaders`` says how many of the steady steps' samples were left out.
+    """
     done = complete_steps(steps)
     n = len(done)
     profiled = 0
@@ -188,6 +231,9 @@ def step_statistics(steps: np.ndarray) -> dict[str, Any]:
         "breakdown": None,
         "breakdown_detail": None,
         "samples_per_s": None,
+        # steady steps' samples of loaders other than the training one (an evaluation
+        # pass inside the loop), left out of samples_per_s; None when none were
+        "samples_other_loaders": None,
         "steps_per_s": None,
         "syncs": None,
         "gc": None,
@@ -234,8 +280,10 @@ def step_statistics(steps: np.ndarray) -> dict[str, Any]:
         "gc": detail["gc"],
         "other": detail["other"] + detail["region"],
     }
-    samples = int(steady["samples"].sum())
+    kept, left_out = training_samples(steady["samples"], loaders)
+    samples = int(kept.sum())
     out["samples_per_s"] = samples / total_s if samples else None
+    out["samples_other_loaders"] = left_out or None
     out["steps_per_s"] = len(steady) / total_s
     k = len(steady)
     out["syncs"] = {

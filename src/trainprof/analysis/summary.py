@@ -201,7 +201,9 @@ def _first_gpu(meta: dict[str, Any]) -> dict[str, Any]:
 def summarize_run(run: Run) -> dict[str, Any]:
     """The summary document of a Run, in whatever status it is."""
     meta = run.meta
-    stats = step_statistics(run.steps)
+    loaders = meta.get("dataloaders") or [
+        ev for ev in run.events if ev.get("kind") == "dataloader"]
+    stats = step_statistics(run.steps, len(loaders) if isinstance(loaders, list) else 1)
     stats["steps"]["per_iteration"] = steps_per_iteration(meta.get("optimizers"))
     recorded = meta.get("steps_recorded")
     if isinstance(recorded, int) and recorded > len(run.steps):

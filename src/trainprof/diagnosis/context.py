@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from trainprof.analysis.steps import (  # noqa: F401 - the spike definition, re-exported
+    EXTRA_BATCHES,
     PHASE_COLUMNS,
     SPIKE_ABS_S,
     SPIKE_REL,
@@ -54,13 +55,6 @@ class PeriodFit:
 
 #: Share of a period's excess in data wait above which it is the input pipeline's.
 DATA_OWNED = 0.8
-
-#: A periodic spike whose steps took in at least this many times a median step's
-#: samples fetched batches besides the training batch: another loader's (an evaluation
-#: pass), not the training loader delivering late. The step record's ``samples`` counts
-#: every batch any DataLoader iterator returned in it (capture/hooks.py); trainval.py
-#: (an explorer's script, a 640-sample validation pass every 40 steps of 32): 672 against 32.
-EXTRA_BATCHES = 2.0
 
 #: Candidate periods tried by :func:`fit_period` (bounds its cost on long runs).
 _MAX_CANDIDATES = 8

@@ -427,6 +427,10 @@ def _verdict(s: dict[str, Any]) -> str:
             thr.append(f"{s['samples_per_s']:,.0f} samples/s")
         if s.get("steps_per_s"):
             thr.append(f"{s['steps_per_s']:,.1f} steps/s")
+        if thr and s.get("samples_other_loaders"):
+            # an evaluation loader iterated inside the loop: not trained on (analysis/steps.py)
+            thr.append(f"training loader's; {s['samples_other_loaders']:,} samples of other "
+                       "loaders left out")
         if thr:
             tiles.append(_tile("throughput", thr[0], " · ".join(thr[1:])))
         compute_row = compute_text(s.get("compute"))
