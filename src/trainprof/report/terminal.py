@@ -382,7 +382,7 @@ def worker_rows(workers: dict[str, Any] | None,
     if handoff and handoff.get("tensors"):
         # per loader where the record has it: an evaluation loader iterated inside the loop
         # has its own hand-over (2.75 ms a tensor pooled against 0.57 ms for the training
-        # loader alone, /tmp/exp1-w/trainval.py); one loader, or older records: pooled
+        # loader alone, in an explorer's script); one loader, or older records: pooled
         own = [e for e in handoff.get("loaders") or [] if e.get("tensors")]
         if len(own) < 2:  # one loader's batches only: its row is the pooled one
             own = []
