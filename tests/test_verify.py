@@ -253,8 +253,10 @@ def test_verify_measures_the_first_findings_knob_from_anywhere(tmp_path):
     assert doc["arm"] == "float32=true" and doc["status"] == "finished"
     # what comes next with the fix: no float64 left (compare: the baseline's first finding)
     assert doc["next_finding"] is None or doc["next_finding"]["cause"] != "float64"
-    # float32 convolutions about three times as fast: a large, robust effect
-    assert doc["verdict"] in ("confirmed", "beyond the bound"), doc
+    # float32 convolutions about three times as fast: a large, robust effect - though two
+    # trials of 30 short steps on a shared machine can disagree by more than tune's
+    # UNSETTLED_SPREAD (one CI run: "unsettled"); the verdicts' own rules are tested apart
+    assert doc["verdict"] in ("confirmed", "beyond the bound", "unsettled"), doc
     assert doc["ratio"] < 0.7
     # each arm's steps against the matmul peak of the dtype it computed in
     assert all(isinstance(u, float) and u > 0 for u in doc["flops_utilization"])
