@@ -9,8 +9,9 @@ The fix is two lines: the model converted once, each batch as it arrives.
 
 Evidence: the op count's window (:mod:`trainprof.capture.opcount`) counts the ``conv2d``
 and ``conv_transpose2d`` calls (a decoder's or a GAN generator's upsampling: a generator of
-two 4x4 transposed convolutions, 64 channels on 16x16 images, ran a training step x0.75 in
-channels_last here, 3 rounds side by side), those with an NHWC input or weight, and their
+two 4x4 transposed convolutions, 64 channels on 16x16 images, ran a training step x0.74-x0.79
+in channels_last here, 3 rounds side by side after a warm-up one; a quick check, not yet a
+case of benchmarks/cpu_channels_last.py), those with an NHWC input or weight, and their
 forward FLOPs from the shapes, beside the float32 matrix products'; the fingerprint says
 oneDNN is on. The gain bound is the model's share of the step (forward and backward) x
 :data:`SAVING` x the NCHW convolutions' share of the model's FLOPs (convolutions and matrix
