@@ -301,11 +301,43 @@ def test_the_windows_seconds_are_scaled_to_the_steady_steps():
     """Two steps are few: the attention's share is its share of the model's op time in the
     window times forward and backward's steady time."""
     from trainprof.analysis.attention import model_scale
+    from trainprof.analysis.ops import summarize_op_time
 
     # 20 ms of model ops in the window; forward and backward 50% of a 30 ms steady step
-    scale = model_scale({"window_model_s_per_step": 0.02}, {"forward": 0.2, "backward": 0.3}, 0.03)
+    ops = {"op_time_per_step": {"model": {"attention": 0.01, "product": 0.01},
+                                "timed_by": "clock"}}
+    op_time = summarize_op_time(ops, 0.03, {"forward": 0.2, "backward": 0.3})
+    scale = model_scale(op_time)
     assert scale == pytest.approx(0.75)
     att = summarize_attention({"eager_attention": [_found()]}, None, 0.1, None, scale)
     assert att["shapes"][0]["window_s_per_step"] == 0.05
     assert att["s_per_step"] == pytest.approx(0.0375) and att["share"] == pytest.approx(0.375)
-    assert model_scale(None, {"forward": 0.5}, 0.03) == 1.0
+    assert model_scale(None) == 1.0
+    assert model_scale(summarize_op_time(ops, 0.03)) == 1.0  # no breakdown: the window's
+
+
+def test_ops_timed_by_cuda_events_scale_to_the_devices_phases_not_the_hosts():
+    """On a GPU the host's forward and backward only launch the kernels (an H200 run of
+    eager attention: 0.7 ms of host phases against 3.1 ms of device work a step): CUDA
+    event times are scaled to the device's forward and backward seconds, or left as the
+    window's where the run has no device phase times."""
+    from trainprof.analysis.attention import model_scale
+    from trainprof.analysis.ops import summarize_op_time
+
+    ops = {"op_time_per_step": {"model": {"attention": 0.003, "product": 0.001},
+                                "timed_by": "cuda events"}}
+    host = {"forward": 0.1, "backward": 0.1}  # 20% of a 5 ms step: 1 ms on the host
+    device = summarize_op_time(ops, 0.005, host, device={"model_s": 0.0042, "step_s": 0.004})
+    assert device["model_s_per_step"] == pytest.approx(0.0042)
+    assert device["s_per_step"]["attention"] == pytest.approx(0.00315)
+    assert model_scale(device) == pytest.approx(1.05)
+    assert device["step_s"] == 0.005  # the host's step, the longer
+    assert sum(device["share_of_step"].values()) == pytest.approx(0.84)
+    # a host that ran ahead of the device (2 ms steps against its 5 ms): shares of the
+    # device's step, never more than the whole of it
+    ahead = summarize_op_time(ops, 0.002, host, device={"model_s": 0.0042, "step_s": 0.005})
+    assert ahead["step_s"] == 0.005
+    assert sum(ahead["share_of_step"].values()) == pytest.approx(0.84)
+    window = summarize_op_time(ops, 0.005, host)
+    assert window["s_per_step"]["attention"] == pytest.approx(0.003)
+    assert model_scale(window) == 1.0

@@ -7,7 +7,8 @@ softmax ran on), the time and FLOPs of the ops on its scores a step; and the rec
 forward and backward at each shape on the run's machine at the end of the run.
 
 The ops' time is the window's scaled to the steady steps (:func:`model_scale`: forward and
-backward's steady seconds over the model's op seconds in the window's two steps), so an op
+backward's steady seconds, the device's where CUDA events timed the ops, over the model's
+op seconds in the window's two steps), so an op
 descheduled once there does not count its wait, and the Python between the ops is shared
 out in proportion. The saving of a shape is its ops' time a step times one less the ratio
 of the fused kernel's time to the plain ops' time, both timed in turns at that shape on the
@@ -86,13 +87,13 @@ def summarize_attention(ops: dict[str, Any] | None, measured: list[dict[str, Any
     }
 
 
-def model_scale(op_time: dict[str, Any] | None, breakdown: dict[str, float] | None,
-                step_s: float | None) -> float:
-    """Forward and backward's seconds a steady step over the model's op seconds a step in
-    the op count's window (``op_time``: :func:`trainprof.analysis.ops.summarize_op_time`);
-    1 where either is missing."""
+def model_scale(op_time: dict[str, Any] | None) -> float:
+    """The steady model seconds a step over the model's op seconds a step in the op count's
+    window, as :func:`trainprof.analysis.ops.summarize_op_time` scaled them (forward and
+    backward's steady seconds: the host's, or the device's for ops timed by CUDA events);
+    1 without a timed window."""
     window = float((op_time or {}).get("window_model_s_per_step") or 0.0)
-    phases = sum(float((breakdown or {}).get(p) or 0.0) for p in ("forward", "backward"))
-    if window <= 0 or phases <= 0 or not step_s:
+    total = float((op_time or {}).get("model_s_per_step") or 0.0)
+    if window <= 0 or total <= 0:
         return 1.0
-    return phases * step_s / window
+    return total / window

@@ -168,7 +168,8 @@ def source_line(filename: str, lineno: int) -> str | None:
 
 def summarize_op_time(ops: dict[str, Any] | None, step_s: float | None,
                       breakdown: dict[str, float] | None = None,
-                      outside_cores: float | None = None) -> dict[str, Any] | None:
+                      outside_cores: float | None = None,
+                      device: dict[str, float] | None = None) -> dict[str, Any] | None:
     """The model's ops' time a step by kind (capture/op_time.py), with each kind's share of
     the model's op time and of the step: the summary's ``op_time``, or None without a
     timed window (or a steady step time).
@@ -179,6 +180,13 @@ def summarize_op_time(ops: dict[str, Any] | None, step_s: float | None,
     descheduled once (workers starting at an epoch's end) would count its wait, and the
     timing itself adds to every op (the window's seconds stay in
     ``window_model_s_per_step``). Without a breakdown, the window's seconds.
+
+    Ops timed by CUDA events (``timed_by`` ``cuda events``) ran on the device: their split
+    is applied to the device's forward and backward seconds a step (``device``'s
+    ``model_s``, :func:`trainprof.analysis.device.device_seconds_per_step`), never the
+    host's, which only launched them, and their shares are of the longer of the host's
+    and the device's step (``step_s``: the step the shares are of); without device phase
+    times, the window's own seconds.
 
     ``outside_cores``: the cores other processes kept busy while the window ran
     (:func:`trainprof.analysis.system.outside_cores_during`). From
@@ -195,7 +203,11 @@ def summarize_op_time(ops: dict[str, Any] | None, step_s: float | None,
         return None
     share_of_model = {k: v / window_total for k, v in window.items()}
     phases = sum(float((breakdown or {}).get(p) or 0.0) for p in ("forward", "backward"))
-    total = phases * step_s if breakdown and phases > 0 else window_total
+    if timed.get("timed_by") == "cuda events":
+        total = device["model_s"] if device else window_total
+        step_s = max(step_s, device["step_s"]) if device else step_s
+    else:
+        total = phases * step_s if breakdown and phases > 0 else window_total
     scale = total / window_total
     return {
         "model_s_per_step": total,
@@ -203,6 +215,8 @@ def summarize_op_time(ops: dict[str, Any] | None, step_s: float | None,
         "share_of_model": share_of_model,
         "share_of_step": {k: v * total / step_s for k, v in share_of_model.items()},
         "window_model_s_per_step": window_total,
+        # the step the shares are of: the host's mean, or the device's where it is longer
+        "step_s": step_s,
         "fusable_ops": [{**o, "s_per_step": float(o["s_per_step"]) * scale}
                         for o in timed.get("fusable_ops") or []
                         if isinstance(o, dict) and isinstance(o.get("s_per_step"), int | float)],

@@ -19,7 +19,7 @@ from trainprof.analysis.compute_efficiency import compute_efficiency
 from trainprof.analysis.crash import summarize_crash
 from trainprof.analysis.ddp import summarize_ddp
 from trainprof.analysis.deep import analyse_deep_windows
-from trainprof.analysis.device import device_statistics
+from trainprof.analysis.device import device_seconds_per_step, device_statistics
 from trainprof.analysis.handoff import summarize_handoff
 from trainprof.analysis.iterations import steps_per_iteration
 from trainprof.analysis.loop_stacks import summarize_loop_stacks
@@ -239,10 +239,12 @@ def summarize_run(run: Run) -> dict[str, Any]:
     ops = load_ops(run.path)
     gpu = _first_gpu(meta)
     mean_step_s = 1.0 / stats["steps_per_s"] if stats.get("steps_per_s") else None
+    first_steady = int(done["step"][warm]) if len(done) > warm else 0
     op_time = summarize_op_time(
         ops, mean_step_s, stats.get("breakdown"),
         outside_cores_during(samples, _step_spans(run.steps, (ops or {}).get("window_steps"),
-                                                  origin), usable_cores))
+                                                  origin), usable_cores),
+        device_seconds_per_step(run.device, first_steady))
     summary: dict[str, Any] = {
         "run_dir": str(run.path),
         "name": meta.get("name"),
@@ -282,9 +284,7 @@ def summarize_run(run: Run) -> dict[str, Any]:
         "padding": summarize_padding(meta.get("padding")),
         # what the first batch of each loader holds: dtypes and shapes (capture/padding.py)
         "batch_tensors": first_batches,
-        "device": device_statistics(
-            run.device, int(done["step"][warm]) if len(done) > warm else 0
-        ),
+        "device": device_statistics(run.device, first_steady),
         "environment": _environment(meta.get("fingerprint"), meta.get("training_thread")),
         # CUDA caching-allocator counters at the end of a CUDA run (capture/recorder.py)
         "cuda_memory": meta.get("cuda_memory"),
@@ -308,8 +308,9 @@ def summarize_run(run: Run) -> dict[str, Any]:
         # attention computed op by op, and the fused kernel's saving measured at its shapes
         # (analysis/attention.py), in steady seconds
         "attention": summarize_attention(
-            ops, meta.get("attention_fix_measured"), mean_step_s, meta.get("peak_flops"),
-            model_scale(op_time, stats.get("breakdown"), mean_step_s)),
+            ops, meta.get("attention_fix_measured"),
+            (op_time or {}).get("step_s") or mean_step_s, meta.get("peak_flops"),
+            model_scale(op_time)),
         # which lines of the loop the "other" time goes to (sampled stacks)
         "loop_stacks": summarize_loop_stacks(
             run.path, run.steps, warm, (stats.get("breakdown_detail") or {}).get("other"),
