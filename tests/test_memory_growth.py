@@ -484,3 +484,33 @@ def test_memory_freed_within_each_step_is_no_growth():
     assert g["grows"] is False
     edges = np.linspace(t[0], t[-1], 5)
     assert floors == [int(y[(t >= edges[k]) & (t <= edges[k + 1])].min()) for k in range(4)]
+
+
+def test_a_gpus_growth_is_judged_on_the_processs_own_memory_where_nvml_lists_it():
+    """Six runs on one GPU: the device's used memory swings with the others' work, while
+    the process's own memory (NVML's per-process list) grows steadily: the leak is found
+    on the process's series, and a device that grows with another job's memory is not
+    this run's leak."""
+    from trainprof.analysis.memory_growth import memory_growth
+
+    t = np.arange(0.0, 12.0, 0.2)
+    swing = [6.0e9, 9.3e9, 7.7e9, 9.4e9]
+
+    def samples(own: np.ndarray | None, device: np.ndarray) -> list[dict]:
+        return [{"t": float(x), "rss_bytes": 5e8, "gpu": [{
+            "index": 0, "mem_used_bytes": float(d), "mem_total_bytes": 140e9,
+            "proc_mem_used_bytes": None if own is None else float(o)}]}
+            for x, d, o in zip(t, device, own if own is not None else device, strict=True)]
+
+    leaking = 1e9 + 4e6 * 5 * t  # 4 MB a step, 5 steps a second
+    shared = np.array([swing[min(3, int(x // 3))] for x in t])
+    g = memory_growth(samples(leaking, shared), 0.0, 12.0, 5.0, 64e9)["gpus"]["0"]
+    assert g["grows"] and g["series"] == "proc_mem_used_bytes"
+    assert g["bytes_per_step"] == pytest.approx(4e6, rel=0.05)
+    # the device grows with another job; the process holds its 1 GB
+    g = memory_growth(samples(np.full(t.size, 1e9), 1e9 + 5e7 * t), 0.0, 12.0, 5.0,
+                      64e9)["gpus"]["0"]
+    assert not g["grows"] and g["series"] == "proc_mem_used_bytes"
+    # a record without the process's series: the device's, as before
+    g = memory_growth(samples(None, 1e9 + 5e7 * t), 0.0, 12.0, 5.0, 64e9)["gpus"]["0"]
+    assert g["grows"] and g["series"] == "mem_used_bytes"

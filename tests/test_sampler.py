@@ -305,6 +305,10 @@ def _fake_pynvml(n_devices: int, init_error: Exception | None = None) -> types.M
     mod.nvmlDeviceGetPowerUsage = power  # type: ignore[attr-defined]
     mod.nvmlDeviceGetTemperature = lambda h, s: 60 + h  # type: ignore[attr-defined]
     mod.nvmlDeviceGetClockInfo = lambda h, c: 1980 if c == 1 else 2619  # type: ignore[attr-defined]
+    proc = namedtuple("proc", "pid usedGpuMemory")
+    # this process holds 512 MiB of device 1 beside another's 3 GiB; device 0 lists another
+    mod.nvmlDeviceGetComputeRunningProcesses = lambda h: (  # type: ignore[attr-defined]
+        [proc(1, 3 << 30), proc(os.getpid(), 512 << 20)] if h == 1 else [proc(1, 1 << 30)])
     return mod
 
 
@@ -324,12 +328,14 @@ def test_gpu_fields_from_nvml_and_unsupported_field_asked_once(
         "index": 1,
         "util_pct": 91,
         "mem_used_bytes": 2 << 30,
+        "proc_mem_used_bytes": 512 << 20,
         "mem_total_bytes": 80 << 30,
         "power_w": None,
         "temp_c": 61,
         "sm_clock_mhz": 1980,
         "mem_clock_mhz": 2619,
     }
+    assert samples[0]["gpu"][0]["proc_mem_used_bytes"] is None  # not this process's GPU
     assert fake.power_calls == 2  # once per device, then no longer asked
     assert [m for m in s.missing if "power" in m] == ["gpu power_w: unavailable (Not Supported)"]
     gpu = summarize_system(samples)["gpu"]

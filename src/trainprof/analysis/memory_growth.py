@@ -11,7 +11,14 @@ leak likelihood ≥ 0.95"; trainprof has no per-line allocation counts in its al
 capture, so it reads the trend of the samples instead, and requires it to hold to the
 end.
 
-Method, per series (host RSS; each GPU's NVML used memory): the samples inside the
+Which GPU series: the memory NVML lists for the training process on each GPU
+(``proc_mem_used_bytes``: its CUDA context and allocations), not the device's used
+memory, which counts every process on it: six test runs sharing one H200 made the
+device's used memory swing 6.0 → 9.3 → 7.7 → 9.4 GB while the leaking run's own grew
+steadily. The device's figure is the fallback where NVML lists the process on no GPU
+(records from before; a container whose PID namespace hides it from NVML).
+
+Method, per series (host RSS; each GPU's memory): the samples inside the
 steady-state window are cut into four quarters of equal time; the series *grows* when
 the quarters' medians rise from the second to the third and from the third to the
 fourth quarter, the last rise at least :data:`MIN_LAST_RISE` of the one before (growth
@@ -306,17 +313,23 @@ def memory_growth(samples: list[dict[str, Any]], t_start: float | None, t_end: f
     out["host"] = series_growth(t, rss, steps_per_s, host_memory)
     if out["host"] is not None:
         out["host"]["series"] = key
+    # the process's own memory on each GPU where NVML lists it; the whole device's where it
+    # lists the process on none (a record from before, or a container's PID namespace)
+    own = any(isinstance(dev, dict) and dev.get("proc_mem_used_bytes") is not None
+              for s in window for dev in s.get("gpu") or [])
+    series = "proc_mem_used_bytes" if own else "mem_used_bytes"
     per_gpu: dict[str, list[tuple[float, float, Any]]] = {}
     for s in window:
         for dev in s.get("gpu") or []:
-            if isinstance(dev, dict) and dev.get("mem_used_bytes") is not None:
+            if isinstance(dev, dict) and dev.get(series) is not None:
                 per_gpu.setdefault(str(dev.get("index")), []).append(
-                    (float(s["t"]), float(dev["mem_used_bytes"]), dev.get("mem_total_bytes")))
+                    (float(s["t"]), float(dev[series]), dev.get("mem_total_bytes")))
     for index, points in per_gpu.items():
         totals = [p[2] for p in points if p[2]]
         growth = series_growth(np.array([p[0] for p in points]),
                                np.array([p[1] for p in points]), steps_per_s,
                                max(totals) if totals else None)
         if growth is not None:
+            growth["series"] = series
             out["gpus"][index] = growth
     return out

@@ -68,11 +68,12 @@ class NvmlReader:
         self._nv = pynvml
         return len(self._handles)
 
-    def read(self) -> list[dict[str, Any]] | None:
-        """Return one dict per device, or None when NVML is not in use."""
+    def read(self, pid: int | None = None) -> list[dict[str, Any]] | None:
+        """Return one dict per device, or None when NVML is not in use; ``pid``: the
+        training process, whose own memory on each device is read too."""
         if self._nv is None:
             return None
-        return [self._read_device(i, h) for i, h in enumerate(self._handles)]
+        return [self._read_device(i, h, pid) for i, h in enumerate(self._handles)]
 
     def close(self) -> None:
         """Shut NVML down (idempotent)."""
@@ -85,7 +86,7 @@ class NvmlReader:
         with contextlib.suppress(Exception):  # nothing useful to do at shutdown
             nv.nvmlShutdown()
 
-    def _read_device(self, index: int, handle: Any) -> dict[str, Any]:
+    def _read_device(self, index: int, handle: Any, pid: int | None) -> dict[str, Any]:
         nv = self._nv
         util = self._field(index, "util_pct", lambda: nv.nvmlDeviceGetUtilizationRates(handle).gpu)
         mem = self._field(index, "memory", lambda: nv.nvmlDeviceGetMemoryInfo(handle))
@@ -99,10 +100,16 @@ class NvmlReader:
         mem_clock = self._field(
             index, "mem_clock_mhz", lambda: nv.nvmlDeviceGetClockInfo(handle, nv.NVML_CLOCK_MEM)
         )
+        own = None
+        if pid is not None:
+            procs = self._field(index, "proc_mem_used_bytes",
+                                lambda: nv.nvmlDeviceGetComputeRunningProcesses(handle))
+            own = _own_memory(procs, pid)
         return {
             "index": index,
             "util_pct": util,
             "mem_used_bytes": None if mem is None else mem.used,
+            "proc_mem_used_bytes": own,
             "mem_total_bytes": None if mem is None else mem.total,
             "power_w": None if power_mw is None else round(power_mw / 1000.0, 1),
             "temp_c": temp,
@@ -127,3 +134,19 @@ class NvmlReader:
                 self._unsupported.add((index, name))
             self._note(f"gpu:{name}", f"gpu {name}: unavailable ({exc})")
             return None
+
+
+def _own_memory(procs: Any, pid: int) -> int | None:
+    """The device memory NVML lists for ``pid`` (its CUDA context and every allocation),
+    or None where NVML lists no such process: it has none on that device, or NVML sees
+    the host's process ids (a container with a PID namespace of its own) and nothing
+    matches.
+
+    The device's used memory (``mem_used_bytes``) counts every process on it: on a
+    shared GPU another job's growth would read as this run's leak (tests/test_cuda.py,
+    six runs on one H200)."""
+    if not procs:
+        return None
+    used = [getattr(p, "usedGpuMemory", None) for p in procs if getattr(p, "pid", None) == pid]
+    used = [int(u) for u in used if isinstance(u, int)]
+    return sum(used) if used else None

@@ -531,7 +531,7 @@ class SystemSampler:
             self._note("disk io", "disk io: unavailable")
 
     def _sample_gpu(self, rec: dict[str, Any]) -> None:
-        gpus = self._nvml.read()
+        gpus = self._nvml.read(self.pid)
         if gpus is not None:
             rec["gpu"] = gpus
 
