@@ -33,6 +33,12 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 os.environ["TRAINPROF_CACHE_DIR"] = tempfile.mkdtemp(prefix="trainprof-test-cache-")
 atexit.register(shutil.rmtree, os.environ["TRAINPROF_CACHE_DIR"], True)
 
+# Reports off a terminal are 120 columns wide unless COLUMNS says otherwise
+# (report/console.py); the tests read them at that width, whatever the shell exports (a
+# GPU machine's had COLUMNS=80, and every wrapped row moved).
+for _name in ("COLUMNS", "LINES"):
+    os.environ.pop(_name, None)
+
 
 @dataclass
 class Result:

@@ -130,7 +130,10 @@ def test_packages_versions() -> None:
     assert packages["torch"] == importlib.metadata.version("torch")
     assert packages["torch"].split("+")[0] == torch.__version__.split("+")[0]
     assert packages["numpy"] == numpy.__version__
-    assert "trainprof" in packages
+    try:  # an installed trainprof is listed (not one run from a source tree's PYTHONPATH)
+        assert packages["trainprof"] == importlib.metadata.version("trainprof")
+    except importlib.metadata.PackageNotFoundError:
+        assert "trainprof" not in packages
     assert "not-a-real-package" not in packages
 
 
