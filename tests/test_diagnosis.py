@@ -386,6 +386,68 @@ def test_evaluation_every_n_steps():
     assert "EVAL_INTERVAL" in f["fix"]["snippet"]
 
 
+def _gpu_bound_logging_loop(eval_on_device: bool) -> tuple[np.ndarray, np.ndarray]:
+    """A GPU-bound loop whose host only launches kernels (1 ms a step) and reads
+    ``loss.item()`` every 10 steps: there it waits 80 ms for the 10 steps the device ran
+    at 9 ms each. With ``eval_on_device``, those steps also evaluate on the device
+    (60 ms more device work each)."""
+    from trainprof.store import DEVICE_DTYPE
+
+    other = np.full(100, 0.1 * MS)
+    other[5::10] = 80 * MS
+    steps = make_steps(100, forward=0.3 * MS, backward=0.4 * MS, optimizer=0.2 * MS,
+                       other=other)
+    steps["sync_n"][5::10] = 1
+    steps["host_reads"][5::10] = 1
+    steps["sync_ns"][5::10] = int(79.5 * MS * 1e9)
+    device = np.zeros(100, dtype=DEVICE_DTYPE)
+    device["step"] = steps["step"]
+    rng = np.random.default_rng(1)
+    device["dev_step_ns"] = (9 * MS * (1 + 0.02 * rng.uniform(-1, 1, 100)) * 1e9).astype(int)
+    if eval_on_device:
+        device["dev_step_ns"][5::10] += int(60 * MS * 1e9)
+    device["dev_forward_ns"] = device["dev_step_ns"] // 3
+    device["dev_backward_ns"] = device["dev_step_ns"] // 2
+    return steps, device
+
+
+def test_a_gpu_bound_loop_reading_its_loss_every_n_steps_has_no_periodic_work():
+    """The host waits at each ``.item()`` for the steps the device ran meanwhile, at the
+    device's usual pace: no work of that step's own, and logging less often would save
+    none of it (the device's work is the same). It had been "[high] Every 10 steps,
+    periodic work adds 80 ms". The same steps evaluating on the device (the device's
+    step long too) stay periodic work; without device times nothing can tell, as before."""
+    steps, device = _gpu_bound_logging_loop(eval_on_device=False)
+    summary = make_summary(steps, device={"steps": 100, "median_step_s": 9 * MS,
+                                          "breakdown": {"forward": 0.33, "backward": 0.5,
+                                                        "optimizer": 0.1, "gap": 0.07}})
+    out = diagnose(summary, steps, device=device)
+    assert not [f for f in out if f["category"] == "periodic_overhead"], out
+    ctx = Context(summary, steps, device)
+    wait = ctx.spike_groups["device_wait"]
+    assert ctx.step_numbers(wait.indices) == list(range(5, 100, 10))[-len(wait.indices):]
+    assert "periodic" not in ctx.spike_groups and "stray" not in ctx.spike_groups
+
+    steps, device = _gpu_bound_logging_loop(eval_on_device=True)
+    out = diagnose(make_summary(steps), steps, device=device)
+    assert [f["evidence"]["period_steps"] for f in out
+            if f["category"] == "periodic_overhead"] == [10], out
+    out = diagnose(make_summary(steps), steps)
+    assert [f["category"] for f in out].count("periodic_overhead") == 1, out
+
+
+def test_a_host_that_ran_ahead_of_the_gpu_is_said_so_with_the_devices_step_time():
+    from trainprof.analysis.summary import _host_ahead_notes
+
+    steps, device = _gpu_bound_logging_loop(eval_on_device=False)
+    stats = step_statistics(steps)
+    host = stats["steps"]["median_s"]
+    (note,) = _host_ahead_notes(stats, {"median_step_s": 9 * MS})
+    assert f"its median step took {host * 1e3:.3g} ms" in note and "device's 9 ms" in note
+    assert _host_ahead_notes(stats, {"median_step_s": 1.2 * host}) == []
+    assert _host_ahead_notes(stats, None) == []
+
+
 def test_data_waits_every_num_workers_steps_are_the_input_pipeline_not_an_evaluation():
     """Workers that cannot keep up deliver in turns: the loop waits every num_workers steps.
 

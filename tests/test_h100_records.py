@@ -40,6 +40,7 @@ def test_device_time_per_phase_holds_the_known_device_work(synced):
     assert shares["backward"] / shares["forward"] == pytest.approx(2.0, rel=0.2)
     # .item() every step: the host waits for the device, the two step times agree
     assert dev["median_step_s"] == pytest.approx(synced["steps"]["median_s"], rel=0.05)
+    assert not [n for n in synced["notes"] if "ran ahead of the GPU" in n]
     assert synced["syncs"]["per_step"] == 1.0
     env = synced["environment"]
     assert (env["gpu"], env["gpu_count"], env["cuda"]) == ("NVIDIA H100 80GB HBM3", 1, "13.0")

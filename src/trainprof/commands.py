@@ -49,7 +49,7 @@ def _diagnosed(summary: dict[str, Any], run: Run) -> dict[str, Any]:
     """``summary`` with its findings, from the summary and ``run``'s step records."""
     from trainprof.diagnosis import diagnose
 
-    findings = diagnose(summary, run.steps)
+    findings = diagnose(summary, run.steps, device=run.device)
     # what only a deep window's trace can show (tensor cores, launches, copies), ranked in
     deep_only = trace_findings(summary.get("deep"), findings)
     summary["findings"] = sorted(findings + deep_only, key=lambda f: -f["estimated_gain"])

@@ -322,7 +322,8 @@ def summarize_run(run: Run) -> dict[str, Any]:
         "missing": meta.get("missing", []),
         "notes": [*meta.get("notes", []), *_compile_notes(meta, stats),
                   *_uncounted_flops(ops), *_iteration_notes(stats),
-                  *_region_notes(run.events, run.steps)],
+                  *_region_notes(run.events, run.steps),
+                  *_host_ahead_notes(stats, device_statistics(run.device, first_steady))],
         "findings": [],  # filled by the diagnosis (trainprof.commands.analyse)
     }
     if "recorded_status" in meta:
@@ -331,6 +332,27 @@ def summarize_run(run: Run) -> dict[str, Any]:
     if crash is not None:  # a death by a fatal signal: which, and where (analysis/crash.py)
         summary["crash"] = crash
     return summary
+
+
+#: The device's median step over the host's from which the host is said to run ahead.
+HOST_AHEAD = 1.5
+
+
+def _host_ahead_notes(stats: dict[str, Any], device: dict[str, Any] | None) -> list[str]:
+    """A host whose median step is far shorter than the device's ran ahead of the GPU: its
+    steps only launched kernels, and it caught up in the steps that read a device tensor
+    (``loss.item()`` every N steps). Its median step time then says how fast kernels are
+    launched, not how fast the run trains: say so, with the device's."""
+    host = (stats.get("steps") or {}).get("median_s")
+    dev = (device or {}).get("median_step_s")
+    if not isinstance(host, int | float) or not isinstance(dev, int | float) or host <= 0:
+        return []
+    if dev < HOST_AHEAD * host:
+        return []
+    return [f"the host ran ahead of the GPU: its median step took {host * 1e3:.3g} ms "
+            f"(launching the step's kernels) against the device's {dev * 1e3:.3g} ms, and it "
+            "waited for the device where it read a device tensor: the device's median is "
+            "the step time that counts (samples/s is over the wall clock either way)"]
 
 
 def _iteration_notes(stats: dict[str, Any]) -> list[str]:

@@ -189,8 +189,13 @@ def stat(stats: Any, key: str = "mean") -> float:
 class Context:
     """The inputs of every rule; derived quantities are computed lazily and cached."""
 
-    def __init__(self, summary: dict[str, Any], steps: np.ndarray | None) -> None:
+    def __init__(self, summary: dict[str, Any], steps: np.ndarray | None,
+                 device: np.ndarray | None = None) -> None:
         self.summary = summary
+        #: the run's CUDA-event time per step (:data:`trainprof.store.DEVICE_DTYPE`), or None
+        self.device = device if (
+            device is not None and len(device) and device.dtype.names is not None
+            and "dev_step_ns" in device.dtype.names) else None
         if steps is None or len(steps) == 0 or steps.dtype.names is None:
             self.steps = np.zeros(0)
         elif "flags" in steps.dtype.names:
@@ -574,8 +579,57 @@ class Context:
                                 self.step_kinds)
 
     @cached_property
+    def device_step_s(self) -> np.ndarray | None:
+        """Per steady step, the device's seconds for it (CUDA events, from its first event
+        to the next step's: :mod:`trainprof.capture.device_timer`), NaN where none was
+        recorded; None for a run without device times."""
+        if self.device is None or not self.has_steps():
+            return None
+        order = np.argsort(self.device["step"], kind="stable")
+        recorded = self.device["step"][order]
+        steps = self.steady["step"]
+        pos = np.clip(np.searchsorted(recorded, steps), 0, len(recorded) - 1)
+        found = recorded[pos] == steps
+        if not found.any():
+            return None
+        out = np.full(len(steps), np.nan)
+        out[found] = self.device["dev_step_ns"][order][pos[found]].astype(np.float64) / 1e9
+        return out
+
+    def _host_caught_up(self, idx: np.ndarray, base: np.ndarray) -> np.ndarray:
+        """Which outlier steps at ``idx`` are the host waiting for the device's queued work,
+        not work of their own: most of their excess is time blocked in a device sync
+        (``sync_ns``: a ``loss.item()`` every 10 steps) while the device's time for the
+        step is not an outlier among the ``base`` steps'.
+
+        A host that only launches kernels runs ahead of the device until a read of a
+        device tensor makes it wait for everything queued: its logging step is long, the
+        others short, and the device works through them all alike. Logging less often
+        saves none of that (the device's work is the same); it is the periodic rule's
+        false "every 10 steps, periodic work adds ..." on a GPU-bound loop. An evaluation
+        on the GPU every N steps makes the device's step long too, and stays periodic."""
+        dev = self.device_step_s
+        none = np.zeros(len(idx), dtype=bool)
+        if dev is None or len(idx) == 0 or "sync_ns" not in (self.steady.dtype.names or ()):
+            return none
+        typical = dev[base] if len(base) else dev
+        typical = typical[np.isfinite(typical)]
+        if len(typical) == 0:
+            return none
+        median_dev = float(np.median(typical))
+        limit = median_dev + max(SPIKE_REL * median_dev, SPIKE_ABS_S)
+        excess = self.durations[idx] - self.median_step_s
+        blocked = self.steady["sync_ns"][idx].astype(np.float64) / 1e9
+        with np.errstate(invalid="ignore"):
+            return (blocked >= 0.5 * excess) & np.isfinite(dev[idx]) & (dev[idx] <= limit)
+
+    @cached_property
     def spike_groups(self) -> dict[str, SpikeGroup]:
-        """Outlier steps by owner: ``epoch``, ``input``, ``gc``, ``periodic``, ``stray``.
+        """Outlier steps by owner: ``epoch``, ``input``, ``gc``, ``device_wait``,
+        ``periodic``, ``stray``.
+
+        ``device_wait``: steps whose excess is the host waiting in a device sync for work
+        the device did at its usual pace (:meth:`_host_caught_up`): no step's own work.
 
         An outlier step belongs to ``gc`` when garbage collection is most of its excess
         time, to ``epoch`` when it is one of :attr:`epoch_spikes`; of the others, those
@@ -599,8 +653,9 @@ class Context:
         epoch = np.zeros(0, dtype=np.int64) if self.epoch_spikes is None else (
             self.epoch_spikes.indices
         )
-        is_epoch = ~is_gc & np.isin(idx, epoch)
-        rest = ~is_gc & ~is_epoch
+        is_wait = ~is_gc & self._host_caught_up(idx, base)
+        is_epoch = ~is_gc & ~is_wait & np.isin(idx, epoch)
+        rest = ~is_gc & ~is_wait & ~is_epoch
         fit = (self._fit_period(idx[rest]) if rest.sum() >= 3 else None) or (
             self._fit_by_phase(idx[rest], {k: v[rest] for k, v in per_phase.items()})
         ) or self._fit_by_magnitude(idx[rest], total[rest])
@@ -612,8 +667,8 @@ class Context:
                 float(per_phase["data_wait"][is_periodic].sum()) >= DATA_OWNED * periodic_total
             ):
                 is_input, is_periodic = is_periodic, np.zeros_like(rest)
-        masks = {"gc": is_gc, "epoch": is_epoch, "input": is_input, "periodic": is_periodic,
-                 "stray": rest & ~is_periodic & ~is_input}
+        masks = {"gc": is_gc, "device_wait": is_wait, "epoch": is_epoch, "input": is_input,
+                 "periodic": is_periodic, "stray": rest & ~is_periodic & ~is_input}
         out = {}
         for name, mask in masks.items():
             if not mask.any():

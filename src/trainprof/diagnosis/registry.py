@@ -143,16 +143,18 @@ def rank(findings: list[Finding]) -> list[Finding]:
 
 
 def diagnose(
-    summary: dict[str, Any], steps: np.ndarray | None = None, *, only: Iterable[str] | None = None
+    summary: dict[str, Any], steps: np.ndarray | None = None, *, only: Iterable[str] | None = None,
+    device: np.ndarray | None = None,
 ) -> list[dict[str, Any]]:
     """Run every rule (or those named in ``only``) on a run summary and its step records.
 
     ``steps`` is the run's per-step record array (:data:`trainprof.store.STEP_DTYPE`);
-    rules that need it report nothing without it (e.g. for a trace). Returns the
-    findings as JSON documents, highest estimated gain first.
+    rules that need it report nothing without it (e.g. for a trace). ``device``: its
+    CUDA-event time per step (:data:`trainprof.store.DEVICE_DTYPE`), where it has any.
+    Returns the findings as JSON documents, highest estimated gain first.
     """
     try:
-        ctx = Context(summary, steps)
+        ctx = Context(summary, steps, device)
     except Exception:  # a summary we cannot read at all: no findings, never a crash
         log.debug("diagnosis context failed", exc_info=True)
         return []
