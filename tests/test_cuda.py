@@ -543,3 +543,39 @@ def test_a_float64_model_on_the_gpu_is_found_and_the_model_knobs_run_on_cuda(tp)
     assert process["channels_last"]["modules"] >= 1
     assert process["compile"]["errors"] == {} and process["compile"]["modules"] == 1
     assert not [f for f in res.json()["findings"] if f["cause"] == "float64"]
+
+
+#: A GPU-bound loop whose host only launches (a few kernels a step, 1 ms of device sleep)
+#: and reads the loss every 10 steps: there it waits for the steps the device ran meanwhile.
+LOSS_EVERY_10 = """
+import torch
+from torch import nn
+
+model = nn.Linear(256, 256).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+x = torch.randn(64, 256, device="cuda")
+for step in range(400):
+    torch.cuda._sleep(2_000_000)  # ~1 ms on the device
+    loss = model(x).square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    if step % 10 == 0:
+        print(f"step {step} loss {loss.item():.4f}")
+torch.cuda.synchronize()
+"""
+
+
+def test_a_loss_read_every_10_steps_is_the_host_catching_up_not_periodic_work(tp):
+    """The host runs ahead of the device and waits at each `loss.item()` for the steps the
+    device ran at its usual pace: no periodic finding (logging less often would save
+    nothing), and the summary says the host ran ahead, with the device's median step.
+    (Written after the 2026-11-28 H200 lease; first run on the next GPU lease.)"""
+    res = tp(LOSS_EVERY_10, "--json", "--no-html", timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = res.json()
+    assert doc["device"]["median_step_s"] > 1.5 * doc["steps"]["median_s"], (
+        doc["device"], doc["steps"])
+    assert any("ran ahead of the GPU" in n for n in doc["notes"]), doc["notes"]
+    assert not [f for f in doc["findings"] if f["category"] == "periodic_overhead"], [
+        (f["cause"], f["title"]) for f in doc["findings"]]
