@@ -237,6 +237,16 @@ def test_the_slowest_stage_in_the_workers_names_the_cause():
     # a CPU run: the workers may take more from the model than they give, so verify
     # measures loading in the training process too
     assert "trainprof tune --knob num_workers=0,2 train.py" in f["verify"]
+    # CPU-bound workers with 0.7 of a core idle: making samples cheaper stays the fix, and
+    # one more worker has room (examples/png_folder.py: 0.9 idle, a second worker ×0.72;
+    # the finding had said "no core is free")
+    f, _, _ = diagnose_with(entry(0.1, 0.0, 0.9, 0.5), system={
+        "n_samples": 20, "proc_cpu_pct": 50.0, "workers_cpu_pct": 80.0, "sys_cpu_pct": 65.0})
+    assert f["cause"] == "cpu_transforms" and "no core is free" not in f["title"]
+    assert "0.7 of a core is idle" in f["title"] and "one more worker (num_workers=3)" in (
+        f["fix"]["text"])
+    assert "num_workers=3,  # was 2: 0.7 of a core is idle" in f["fix"]["snippet"]
+    assert "trainprof tune --knob num_workers=2,3 train.py" in f["verify"]
     # the whole machine busy (other processes): cpu_transforms too
     f, _, _ = diagnose_with(entry(0.1, 0.0, 0.9, 0.5), system={
         "n_samples": 20, "proc_cpu_pct": 40.0, "workers_cpu_pct": 60.0, "sys_cpu_pct": 100.0})
