@@ -123,11 +123,13 @@ THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPI
               "KMP_BLOCKTIME")
 
 
-def _environment(fp: dict[str, Any] | None, training: dict[str, Any] | None) -> dict[str, Any]:
+def _environment(fp: dict[str, Any] | None, training: dict[str, Any] | None,
+                 launch: dict[str, Any] | None = None) -> dict[str, Any]:
     """The few fingerprint facts worth a line in the summary (the rest stays in run.json).
 
     Thread counts come from the training thread when recorded (``training``):
-    OpenMP's intra-op count is per thread.
+    OpenMP's intra-op count is per thread. ``launch``: run.json's environment as the
+    command started, which tells the thread variables the script set itself.
     """
     if not fp:
         return {}
@@ -135,6 +137,7 @@ def _environment(fp: dict[str, Any] | None, training: dict[str, Any] | None) -> 
     cpu = fp.get("cpu") or {}
     threads = fp.get("threads") or {}
     gpus = fp.get("gpus") or []
+    launch_env = (launch or {}).get("env")
     return {
         "python": (fp.get("python") or {}).get("version"),
         "torch": torch_info.get("version"),
@@ -161,6 +164,11 @@ def _environment(fp: dict[str, Any] | None, training: dict[str, Any] | None) -> 
         # thread-count variables the environment set (a launcher's OMP_NUM_THREADS=1)
         "thread_env": {k: v for k, v in (threads.get("env") or {}).items()
                        if k in THREAD_ENV} or None,
+        # ...of which the script set itself (os.environ before its import of torch)
+        "thread_env_by_script": sorted(
+            k for k, v in (threads.get("env") or {}).items()
+            if k in THREAD_ENV and isinstance(launch_env, dict) and k in launch_env
+            and launch_env.get(k) != v) or None,
     }
 
 
@@ -285,7 +293,8 @@ def summarize_run(run: Run) -> dict[str, Any]:
         # what the first batch of each loader holds: dtypes and shapes (capture/padding.py)
         "batch_tensors": first_batches,
         "device": device_statistics(run.device, first_steady),
-        "environment": _environment(meta.get("fingerprint"), meta.get("training_thread")),
+        "environment": _environment(meta.get("fingerprint"), meta.get("training_thread"),
+                                    meta.get("launch")),
         # CUDA caching-allocator counters at the end of a CUDA run (capture/recorder.py)
         "cuda_memory": meta.get("cuda_memory"),
         # root module classes timed as forward (the model, the loss; DataParallel shows here)

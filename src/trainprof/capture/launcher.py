@@ -57,6 +57,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from trainprof.capture import import_time_env
 from trainprof.capture.clock import StopTraining, Terminated
 from trainprof.capture.warning_location import is_launch_code, warnings_located_as_under_python
 from trainprof.errors import UsageError
@@ -414,7 +415,7 @@ def run_target(target: str, args: list[str], module: bool) -> Outcome:
     try:
         # a warning walked past the script's own frames reads sys:1 (see warning_location)
         with (sigterm_as_exception(), _stop_threads_quietly(),
-              warnings_located_as_under_python(sys._getframe())):
+              warnings_located_as_under_python(sys._getframe()), import_time_env.honoured()):
             try:
                 if module:
                     runpy.run_module(target, run_name="__main__", alter_sys=True)

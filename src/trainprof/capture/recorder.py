@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from trainprof import __version__
-from trainprof.capture import eval_autograd, fetch_timing
+from trainprof.capture import eval_autograd, fetch_timing, import_time_env
 from trainprof.capture.clock import StepClock
 from trainprof.capture.debug_modes import DebugModes
 from trainprof.capture.device_timer import DeviceTimer
@@ -514,7 +514,7 @@ class Recorder:
 
     def _notes(self) -> list[str]:
         """What a reader of the summary should know about how the run was measured."""
-        notes = []
+        notes = import_time_env.notes()  # variables set too late for numpy (as run)
         past = self.clock.n_steps - self.clock.auto_prefix - (self._max_steps or 0)
         if self._max_steps is not None and past > 1:
             # StopTraining is raised once (cleanup may step again): a script that catches

@@ -108,7 +108,11 @@ def too_few_threads(ctx: Context) -> Finding | None:
         + "."
     )
     where = ", ".join(f"{k}={v}" for k, v in env.items())
-    if where:
+    by_script = ctx.environment.get("thread_env_by_script") or []
+    if where and by_script and set(env) <= set(by_script):
+        text += (f" The script sets {where} itself (os.environ, before it imports torch): "
+                 "torch sizes its pool from it.")
+    elif where:
         text += (f" The environment sets {where}: a launcher or job script exported it; "
                  "torch sizes its pool from it.")
     else:
