@@ -532,10 +532,12 @@ class _Ctx:
 
 def _merged(waits: tuple[float, float], medians: tuple[float, float] = (0.02, 0.02),
             per_step: tuple[np.ndarray, np.ndarray] | None = None,
-            durations_ms: tuple[list[float], list[float]] | None = None) -> dict:
+            durations_ms: tuple[list[float], list[float]] | None = None,
+            world_size: int | None = 2) -> dict:
     """Two ranks' merged summary: mean data waits ``waits`` (s), each step waiting the mean
     give or take 5% unless ``per_step`` gives each rank's waits (s); 50 steps of the median
-    each unless ``durations_ms`` gives each rank's."""
+    each unless ``durations_ms`` gives each rank's; ranks of a process group of
+    ``world_size`` (None: processes that never joined one)."""
     own = None
     ranks = []
     durations_ms = durations_ms or tuple([m * 1e3] * 50 for m in medians)
@@ -551,7 +553,9 @@ def _merged(waits: tuple[float, float], medians: tuple[float, float] = (0.02, 0.
                              "p10_s": median, "p90_s": median},
                    "breakdown": {"data_wait": wait / median}, "samples_per_s": 100.0,
                    "notes": [], "findings": []}
-        ranks.append((str(label), summary, {"pid": 1}))
+        dist = ({"distributed": {"rank": label, "world_size": world_size}}
+                if world_size else {})
+        ranks.append((str(label), summary, {"pid": 1, **dist}))
     return merge_ranks(Path("r"), own, ranks, steps)
 
 
@@ -596,6 +600,12 @@ def test_distributed_rules_fire_on_uneven_ranks_only():
     slow = straggler_rank(_Ctx(_merged((0.0, 0.0), medians=(0.02, 0.026))))
     assert slow is not None and slow.evidence["spread_ci_pct"][0] > 20
     assert slow is not None and slow.severity == "medium" and "Rank 1" in slow.title
+    assert slow.estimated_gain == pytest.approx(0.23, abs=0.01)  # 6 ms of the slowest 26
+    # the same two processes with no process group: neither waits for the other
+    alone = straggler_rank(_Ctx(_merged((0.0, 0.0), medians=(0.02, 0.026), world_size=None)))
+    assert alone is not None and alone.severity == "low" and alone.estimated_gain == 0
+    assert "Process 1" in alone.title and "neither waits for the other" in alone.title
+    assert "collective" not in alone.fix.text
 
 
 def test_a_launch_folder_with_ranks_only_merges(tmp_path, tp):

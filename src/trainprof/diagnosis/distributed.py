@@ -9,8 +9,9 @@ communication, step-time spread across the ranks' traces) are in
 
 * ``straggler_rank``: the ranks' mean step times differ by >= 10% of the slowest
   (30%: high). Ranks that synchronise every step (DDP) have equal means whatever
-  their speed, so this fires for ranks that do not keep in step (independent
-  processes, asynchronous updates, a rank that skips or repeats work).
+  their speed, so this fires for ranks that do not keep in step (asynchronous updates, a
+  rank that skips or repeats work). Processes that never joined a process group
+  (independent trainings side by side) wait for nobody: a low note with no gain.
 * ``uneven_input_pipeline``: one rank waits for its batches longer than another by
   >= 5% of the step (10%: medium, 30%: high). Under DDP the step times agree (the
   others wait in the gradient all-reduce, inside backward) but the time one rank
@@ -76,6 +77,10 @@ def straggler_rank(ctx: Context) -> Finding | None:
     if _by_chance(ci):
         return None  # a few slow steps of one rank: not its pace
     slow, fast = spread.get("slowest_rank"), spread.get("fastest_rank")
+    rows = ctx.summary.get("ranks") or []
+    if rows and not any(isinstance(r.get("world_size"), int) and r["world_size"] > 1
+                        for r in rows if isinstance(r, dict)):
+        return _independent_processes(pct, slow, fast, spread, ci)
     return Finding(
         category="distributed",
         cause="straggler_rank",
@@ -97,6 +102,37 @@ def straggler_rank(ctx: Context) -> Finding | None:
         ),
         verify=f"{VERIFY}: the spread of mean step times (now {pct * 100:.0f}%) should fall "
         "under 10%",
+    )
+
+
+def _independent_processes(pct: float, slow: Any, fast: Any, spread: dict[str, Any],
+                           ci: Any) -> Finding:
+    """Processes of one run that never joined a process group (``multiprocessing`` trials
+    side by side): none waits for another, so the slower one costs the others nothing; the
+    run lasts as long as the slowest. A low note with no gain: two independent trainings
+    had read "[high] Rank 1 takes 66% longer per step ... could save up to 66%", "at every
+    collective the others wait for it", with no collective in the script."""
+    return Finding(
+        category="distributed",
+        cause="straggler_rank",
+        title=(f"Process {slow} takes {pct * 100:.0f}% longer per step than process {fast}; "
+               "they do not communicate (no torch.distributed), so neither waits for the "
+               "other"),
+        severity="low",
+        evidence={"mean_step_s": spread.get("mean_step_s"), "spread": pct,
+                  "independent_processes": True,
+                  **({"spread_ci_pct": ci} if isinstance(ci, list) else {})},
+        estimated_gain=0.0,
+        fix=Fix(
+            text=(
+                f"The run lasts as long as its slowest process. Compare process {slow}'s "
+                f"record (`trainprof report RUN_DIR/ranks/{slow}`) with process {fast}'s: "
+                "more or heavier work, a slower input pipeline, or the cores they share "
+                "(each process's CPU threads sized to the whole machine oversubscribe it: "
+                "set OMP_NUM_THREADS to the cores per process)."
+            ),
+        ),
+        verify=f"{VERIFY}: the spread of mean step times (now {pct * 100:.0f}%) should fall",
     )
 
 
