@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from conftest import trainprof, write_script
 from test_compute_efficiency import _counted
 from torch import nn
 
@@ -206,3 +207,32 @@ def test_a_run_times_its_ops_by_phase_and_kind(tp, tmp_path):
     found = [f for f in doc["findings"] if f["cause"] == "unfused_ops"]
     shares = timed["share_of_model"]["fusable"], timed["share_of_step"]["fusable"]
     assert bool(found) == (shares[0] >= 0.4 and shares[1] >= 0.2 and not timed["disturbed"])
+
+
+def test_the_op_count_window_does_not_import_dynamo_for_a_script_that_never_does(tmp_path):
+    """torch's wrapper of a dispatch mode's hook imports torch._dynamo at its first call:
+    0.9 s in the window's step of a loop with no torch.optim and no torch.compile (an
+    explorer's manual-update loop stalled 921 ms at its step 64)."""
+    write_script(tmp_path, "train.py", """
+        import sys, time
+        import torch
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                    torch.nn.Linear(64, 1))
+        slowest = 0.0
+        for i in range(120):
+            t0 = time.perf_counter()
+            loss = model(torch.randn(16, 32)).square().mean()
+            loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.01 * p.grad
+                    p.grad = None
+            slowest = max(slowest, time.perf_counter() - t0)
+        print("dynamo", "torch._dynamo" in sys.modules, "slowest", slowest)
+        """)
+    res = trainprof("run", "--json", "--no-html", "train.py", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (line,) = [ln for ln in res.stderr.splitlines() if ln.startswith("dynamo")]
+    assert line.split()[1] == "False", line
+    doc = res.json()
+    assert doc["ops"]["flops_by_kind_per_step"]  # the window counted the products

@@ -49,6 +49,7 @@ and ``torch.backends.cudnn.allow_tf32``, read when the window opens).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from trainprof.capture import window_warnings
@@ -57,6 +58,37 @@ from trainprof.capture.op_time import OpClock, kind_of
 
 #: aten ops whose float32 CUDA version TF32 governs through the cuBLAS switch (products) ...
 _PRODUCTS = frozenset({"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"})
+
+
+def _skip_dynamo_import(mode_class: Any) -> None:
+    """Let ``mode_class``'s ``__torch_dispatch__`` run without importing torch._dynamo.
+
+    torch wraps a dispatch mode's ``__torch_dispatch__`` in ``torch._disable_dynamo``, whose
+    first call imports torch._dynamo to make the disabled function: 0.9 s, paid inside the
+    op count's window by a script that never imports it itself (no ``torch.optim``, whose
+    step imports it, and no ``torch.compile``): an explorer's manual-update loop stalled
+    921 ms at its step 64, a run of 150 steps 127 it/s against python's 721. The wrapper
+    looks for the disabled function on the wrapped one first (``__dynamo_disable``); ours
+    calls the hook as it is while torch._dynamo is not loaded (no code can be compiled
+    then, so there is nothing to keep Dynamo out of), and torch's disabled function from
+    the first call after it is."""
+    wrapper = mode_class.__dict__.get("__torch_dispatch__")
+    raw = getattr(wrapper, "__wrapped__", None)
+    if raw is None or sys.modules.get("torch._dynamo") is not None:
+        return
+
+    def disabled_once_loaded(*args: Any, **kwargs: Any) -> Any:
+        dynamo = sys.modules.get("torch._dynamo")
+        if dynamo is None:
+            return raw(*args, **kwargs)
+        try:
+            real = dynamo.disable(raw, recursive=True, wrapping=False)
+        except TypeError:  # a torch whose disable() takes no ``wrapping``
+            real = dynamo.disable(raw, recursive=True)
+        setattr(raw, "__dynamo_disable", real)
+        return real(*args, **kwargs)
+
+    setattr(raw, "__dynamo_disable", disabled_once_loaded)
 
 
 def _cpu_attention_formulas(aten: Any, fc: Any) -> dict[Any, Any]:
@@ -213,6 +245,7 @@ class FlopCount:
         # a warning raised in an op's Python (a Python kernel's ``stacklevel=k``) would count
         # this mode's frames, and the frames torch calls it through: placed as without them
         # (capture/window_warnings.py). Used alone when the model is torch.compile'd.
+        _skip_dynamo_import(_Flops)
         window_warnings.watch(_Flops.__torch_dispatch__, function_mode=False)
         self._mode = _Flops()
         self._mode.__enter__()
