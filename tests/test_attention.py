@@ -81,7 +81,9 @@ def test_the_fused_kernel_is_timed_at_the_found_shape():
     shape = {"batch": 4, "query_len": 128, "key_len": 128, "head_dim": 32,
              "dtype": "float32", "device": "cpu"}
     state = torch.random.get_rng_state()
-    out = measure_sdpa(torch, shape, budget_s=0.05)
+    # a budget that three pairs fit in on a busy machine too (0.05 s: one pair of 0.18 s
+    # under another process's load, on a GPU machine's 12 test processes)
+    out = measure_sdpa(torch, shape, budget_s=0.6)
     assert 0 < out["s_per_call"] < 1 and 0 < out["eager_s_per_call"] < 1
     assert out["ratio"] == out["s_per_call"] / out["eager_s_per_call"] and out["repeats"] >= 3
     assert torch.equal(torch.random.get_rng_state(), state)  # the script's stream untouched
@@ -327,17 +329,23 @@ def test_ops_timed_by_cuda_events_scale_to_the_devices_phases_not_the_hosts():
     ops = {"op_time_per_step": {"model": {"attention": 0.003, "product": 0.001},
                                 "timed_by": "cuda events"}}
     host = {"forward": 0.1, "backward": 0.1}  # 20% of a 5 ms step: 1 ms on the host
-    device = summarize_op_time(ops, 0.005, host, device={"model_s": 0.0042, "step_s": 0.004})
-    assert device["model_s_per_step"] == pytest.approx(0.0042)
-    assert device["s_per_step"]["attention"] == pytest.approx(0.00315)
-    assert model_scale(device) == pytest.approx(1.05)
+    device = summarize_op_time(ops, 0.005, host, device={"model_s": 0.0036, "step_s": 0.004})
+    assert device["model_s_per_step"] == pytest.approx(0.0036)
+    assert device["s_per_step"]["attention"] == pytest.approx(0.0027)  # 0.003 x 0.9
+    assert model_scale(device) == pytest.approx(0.9)
     assert device["step_s"] == 0.005  # the host's step, the longer
-    assert sum(device["share_of_step"].values()) == pytest.approx(0.84)
+    assert sum(device["share_of_step"].values()) == pytest.approx(0.72)
     # a host that ran ahead of the device (2 ms steps against its 5 ms): shares of the
     # device's step, never more than the whole of it
-    ahead = summarize_op_time(ops, 0.002, host, device={"model_s": 0.0042, "step_s": 0.005})
+    ahead = summarize_op_time(ops, 0.002, host, device={"model_s": 0.0036, "step_s": 0.005})
     assert ahead["step_s"] == 0.005
-    assert sum(ahead["share_of_step"].values()) == pytest.approx(0.84)
+    assert sum(ahead["share_of_step"].values()) == pytest.approx(0.72)
+    # device phases longer than the ops (gaps between kernels): the ops keep their seconds,
+    # the rest is time outside them
+    gaps = summarize_op_time(ops, 0.005, host, device={"model_s": 0.0042, "step_s": 0.005})
+    assert gaps["s_per_step"]["attention"] == pytest.approx(0.003)
+    assert gaps["outside_ops_s_per_step"] == pytest.approx(0.0002)
+    assert model_scale(gaps) == 1.0
     window = summarize_op_time(ops, 0.005, host)
     assert window["s_per_step"]["attention"] == pytest.approx(0.003)
     assert model_scale(window) == 1.0

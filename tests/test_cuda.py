@@ -462,7 +462,8 @@ def test_eager_attention_on_cuda_is_timed_by_events_and_its_fix_measured(tp):
     assert timed["model_s_per_step"] > 0.85 * model_share * dev["median_step_s"], (timed, dev)
     # shares of the device's step, the longer: they add up to forward and backward's share
     # of it (they had summed to 1.6 of the host's)
-    assert sum(timed["share_of_step"].values()) == pytest.approx(model_share, abs=0.02)
+    assert sum(timed["share_of_step"].values()) + timed["outside_ops_share_of_step"] == \
+        pytest.approx(model_share, abs=0.02)
     assert timed["s_per_step"]["product"] > 0  # the projection
 
 

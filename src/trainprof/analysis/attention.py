@@ -88,12 +88,8 @@ def summarize_attention(ops: dict[str, Any] | None, measured: list[dict[str, Any
 
 
 def model_scale(op_time: dict[str, Any] | None) -> float:
-    """The steady model seconds a step over the model's op seconds a step in the op count's
-    window, as :func:`trainprof.analysis.ops.summarize_op_time` scaled them (forward and
-    backward's steady seconds: the host's, or the device's for ops timed by CUDA events);
-    1 without a timed window."""
-    window = float((op_time or {}).get("window_model_s_per_step") or 0.0)
-    total = float((op_time or {}).get("model_s_per_step") or 0.0)
-    if window <= 0 or total <= 0:
-        return 1.0
-    return total / window
+    """What :func:`trainprof.analysis.ops.summarize_op_time` multiplied the window's op
+    seconds by (forward and backward's steady seconds over the window's, the device's where
+    CUDA events timed the ops; at most 1); 1 without a timed window."""
+    scale = (op_time or {}).get("scale")
+    return float(scale) if isinstance(scale, int | float) and scale > 0 else 1.0

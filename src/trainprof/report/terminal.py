@@ -144,6 +144,12 @@ def op_time_text(timed: dict[str, Any] | None) -> str | None:
     seconds, shares = timed.get("s_per_step") or {}, timed.get("share_of_model") or {}
     parts = [f"{label} {fmt_time(seconds[k])} ({shares.get(k, 0) * 100:.0f}%)"
              for k, label in labels if seconds.get(k)]
+    outside = timed.get("outside_ops_s_per_step")
+    total = timed.get("model_s_per_step")
+    if isinstance(outside, int | float) and isinstance(total, int | float) and total > 0 \
+            and outside >= 0.05 * total:
+        parts.append(f"outside torch's ops {fmt_time(outside)} ({outside / total * 100:.0f}% "
+                     "of forward+backward)")
     load = timed.get("outside_load_cores")
     return (f"forward+backward {fmt_time(timed['model_s_per_step'])} a step, by kind of op: "
             + " · ".join(parts)
