@@ -1288,7 +1288,8 @@ def test_a_script_that_trains_in_a_thread_of_its_own_is_measured_there(tp, pure_
     doc = res.json()
     assert doc["steps"]["count"] == 39
     assert doc["breakdown"]["forward"] > 0.5  # the sleep dominates each step
-    assert any("'trainer'" in n for n in doc["notes"]), doc["notes"]
+    assert any("'trainer'" in n and "one step more than the Steps line says" in n
+               for n in doc["notes"]), doc["notes"]
     # the stack samples' signal reaches the main thread only: the record says why there are none
     assert any(m.startswith("loop stacks: not sampled") for m in doc["missing"]), doc["missing"]
     assert doc["loop_stacks"] is None

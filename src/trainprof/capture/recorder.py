@@ -535,7 +535,9 @@ class Recorder:
                     f"{max(0, min(sched.skip_first, self.clock.n_steps - sched.warmup - 2))}")
         if self.clock.adopted_thread is not None:
             notes.append(f"steps measured in thread {self.clock.adopted_thread!r}, where the "
-                         "first optimizer step ran (not the thread that started trainprof)")
+                         "first optimizer step ran (not the thread that started trainprof); "
+                         "that first step, which moved the measurement there, is not counted "
+                         "(the script's loop ran one step more than the Steps line says)")
         inst = self.instrumentation
         started = [] if inst is None else [name for _, name in inst.started_processes]
         recorded = self.child_runs.recorded
