@@ -59,6 +59,18 @@ def test_explicit_steps_and_regions(tmp_path):
     assert (sum(steps[f] for f in phases) == steps["dur_ns"]).all()
 
 
+def test_region_names_are_kept_on_one_line_and_never_empty(tmp_path):
+    """``region("log\nline")`` split the summary's table; ``region("")`` printed a bare row."""
+    with trainprof.profile(tmp_path / "r", report=False) as prof:
+        for _ in range(3):
+            with prof.region("log\nline"):
+                pass
+            with prof.region(""):
+                pass
+            prof.step()
+    assert set(prof.summary["regions"]) == {"log line", "(unnamed region)"}
+
+
 def test_crash_inside_profile_is_recorded_and_reraised(tmp_path):
     with pytest.raises(ZeroDivisionError), trainprof.profile(tmp_path / "r", report=False) as prof:
         _loop(prof, 5)

@@ -721,7 +721,12 @@ class Recorder:
 
     @contextlib.contextmanager
     def region(self, name: str) -> Iterator[None]:
-        """Time a named stretch (evaluation, checkpointing) apart from the step phases."""
+        """Time a named stretch (evaluation, checkpointing) apart from the step phases.
+
+        The name is kept on one line (its whitespace runs made one space: a name with a
+        newline split the summary's table) and never empty (``region("")`` printed a bare
+        row and "the region ''")."""
+        name = " ".join(str(name).split()) or "(unnamed region)"
         clock = self.clock
         t0 = time.perf_counter_ns()
         step = clock.n_steps
@@ -732,7 +737,7 @@ class Recorder:
             clock.exit(prev)
             self.writer.event(
                 "region",
-                name=str(name),
+                name=name,
                 step=step,
                 t_start_ns=t0 - clock.origin_ns,
                 dur_ns=time.perf_counter_ns() - t0,
