@@ -542,6 +542,22 @@ atexit.register(lambda: (torch.save(model, "final.pt"), print("ATEXIT", sys.argv
 """
 
 
+def test_the_scripts_globals_and_file_are_pythons(tmp_path):
+    """``./train.py``'s ``__file__`` keeps its ``./`` as under python (a Path had dropped
+    it), and the script's globals are python's, ``__annotations__`` included."""
+    write_script(tmp_path, "g.py", """
+        print("GLOBALS", sorted(k for k in globals()))
+        print("FILE", __file__)
+        """)
+    plain = subprocess.run([sys.executable, "./g.py"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=120)
+    res = trainprof("run", "--no-html", "./g.py", cwd=tmp_path)
+    assert res.returncode == plain.returncode == 0, res.stderr
+    ours = [ln for ln in res.stdout.splitlines() if ln.startswith(("GLOBALS", "FILE"))]
+    assert ours == plain.stdout.splitlines(), (ours, plain.stdout)
+    assert plain.stdout.splitlines()[1].endswith("/./g.py")
+
+
 def test_the_script_keeps_its_file_path_and_its_main_for_its_atexit_handlers(tmp_path):
     """A symlinked exp1/train.py reads exp1/config.txt, as under python (the link had been
     resolved: the target's config read, outputs written beside it); an atexit handler that

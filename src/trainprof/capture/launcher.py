@@ -210,7 +210,7 @@ def _stop_threads_quietly() -> Iterator[None]:
             threading.excepthook = previous
 
 
-def _run_file_as_main(path: Path) -> None:
+def _run_file_as_main(path: str) -> None:
     """Execute a script file as ``python path`` does.
 
     Not ``runpy.run_path``: that sets ``sys.argv[0]`` to the path it is
@@ -223,9 +223,11 @@ def _run_file_as_main(path: Path) -> None:
     when the script ends, as under python: the script's ``atexit`` handlers run
     after trainprof's summary, and one that saves a model of a class of the
     script pickles it by ``__main__`` (a put-back ``__main__`` had left a
-    corrupt checkpoint).
+    corrupt checkpoint). ``path`` is a string: a ``Path`` drops the ``./`` of
+    ``./train.py``, which python's ``__file__`` keeps. The module's globals are
+    python's, ``__annotations__`` (an empty dict) included.
     """
-    filename = str(path)
+    filename = path
     with io.open_code(filename) as f:
         source = f.read()
     code = compile(source, filename, "exec", dont_inherit=True)
@@ -237,6 +239,7 @@ def _run_file_as_main(path: Path) -> None:
         __spec__=None,
         __package__=None,
         __builtins__=builtins,
+        __annotations__={},
     )
     sys.modules["__main__"] = main
     exec(code, main.__dict__)
@@ -420,7 +423,7 @@ def run_target(target: str, args: list[str], module: bool) -> Outcome:
                 if module:
                     runpy.run_module(target, run_name="__main__", alter_sys=True)
                 elif Path(target).is_file() and not zipfile.is_zipfile(target):
-                    _run_file_as_main(Path(os.path.join(os.getcwd(), target)))
+                    _run_file_as_main(os.path.join(os.getcwd(), target))
                 else:  # a directory or a zip (app.pyz) with __main__.py: absolute, as
                     # python puts it first on sys.path (runpy inserts the path it is given)
                     runpy.run_path(os.path.join(os.getcwd(), target), run_name="__main__")
