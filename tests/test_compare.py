@@ -511,3 +511,24 @@ def test_a_batch_sampler_of_the_same_size_is_not_a_batch_size_change(tmp_path: P
     assert before["dataloader[0].batch_size"] == after["dataloader[0].batch_size"]
     assert "dataloader[0].batch_sampler_batch_size" not in after
     assert before["dataloader[0].batch_sampler"] != after["dataloader[0].batch_sampler"]
+
+
+def test_flops_utilization_is_rounded_as_the_summary_rounds_it(tmp_path: Path) -> None:
+    """An input-bound run at 0.38% of the peak and its fix at 1.02% read "0%" and "1%" in
+    compare, "0.4%" and "1.0%" in each run's summary (one decimal below 10%)."""
+    from trainprof.report.html import render_compare_html
+
+    rng = np.random.default_rng(10)
+    base = 100 + rng.normal(0, 2, 60)
+    result = compare_runs(load_run(_write_run(tmp_path / "a", base)),
+                          load_run(_write_run(tmp_path / "b", base * 0.4)))
+    for side, used in (("a", 0.0038), ("b", 0.0102)):
+        result[side]["compute"] = {"flops_per_step": 58.6e6, "flops_per_s": None,
+                                   "utilization": used}
+    out = io.StringIO()
+    render_compare(result, file=out)
+    row = next(ln for ln in out.getvalue().splitlines() if "FLOPs utilization" in ln)
+    assert row.split()[-2:] == ["0.4%", "1.0%"]
+    page = render_compare_html(result, tmp_path / "c.html").read_text()
+    row = page[page.index("<th>compute.utilization</th>"):]
+    assert row[:row.index("</tr>")].endswith("<td>0.4%</td><td>1.0%</td>")

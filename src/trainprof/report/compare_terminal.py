@@ -16,7 +16,13 @@ from rich.text import Text
 
 from trainprof.analysis.compare import per_unit
 from trainprof.report.console import fmt_ratio, keep_numbers_whole, make_console
-from trainprof.report.terminal import fmt_bytes, fmt_flops, fmt_pct, fmt_time
+from trainprof.report.terminal import (
+    fmt_bytes,
+    fmt_flops,
+    fmt_pct,
+    fmt_time,
+    utilization_text,
+)
 
 #: Environment-diff rows shown; the rest is in --json.
 MAX_ENV_ROWS = 15
@@ -153,8 +159,9 @@ def _steps_table(result: dict[str, Any]) -> Table:
         table.add_row("FLOPs/step", fmt_flops(x), fmt_flops(y),
                       fmt_ratio(y / x) if x and y is not None else "—")
         x, y = comp_a.get("utilization"), comp_b.get("utilization")
-        table.add_row("FLOPs utilization", "—" if x is None else f"{x * 100:.0f}%",
-                      "—" if y is None else f"{y * 100:.0f}%", "")
+        # the summary's own rounding: one decimal below 10% (0.3%, not 0%)
+        table.add_row("FLOPs utilization", "—" if x is None else utilization_text(x),
+                      "—" if y is None else utilization_text(y), "")
     x, y = a.get("attention_s_per_step"), b.get("attention_s_per_step")
     if x or y:
         table.add_row("attention op by op", _attention(x), _attention(y),

@@ -1203,10 +1203,11 @@ def _side_by_side(a: Any, b: Any) -> str:
         last = key.rsplit(".", 1)[-1]
         if key.startswith("breakdown."):
             last += "_share"
-        rows.append(
-            f"<tr><th>{esc(key)}</th><td>{_cell(last, fa.get(key))}</td>"
-            f"<td>{_cell(last, fb.get(key))}</td></tr>"
-        )
+        cells = [_cell(last, side.get(key)) for side in (fa, fb)]
+        if key == "compute.utilization":  # a fraction of the peak, as the summary writes it
+            cells = [utilization_text(v) if _number(v) is not None else c
+                     for v, c in zip((fa.get(key), fb.get(key)), cells, strict=True)]
+        rows.append(f"<tr><th>{esc(key)}</th><td>{cells[0]}</td><td>{cells[1]}</td></tr>")
     return (
         '<div class="scroll"><table class="kv" id="tp-runs"><thead><tr><th></th><th>A</th>'
         f"<th>B</th></tr></thead><tbody>{''.join(rows)}</tbody></table></div>"
