@@ -237,29 +237,108 @@ def test_statistics_on_known_steps(tmp_path: Path) -> None:
     assert r["verdict"] == "no_difference" and r["ci"][0] <= 1 <= r["ci"][1]
 
 
-def test_a_median_and_a_mean_that_move_apart_name_no_phase(tmp_path: Path,
-                                                          capsys: pytest.CaptureFixture) -> None:
+def test_periodic_work_counts_in_the_verdict(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture) -> None:
     """A evaluates every 10th step (+1 s in 'other'); B every 130th, on a machine 25%
-    slower: the median is +25%, the mean -34%. The phases' mean deltas add up to the mean's
-    change; as shares of it they read "backward accounts for -606% of the change" in a real
-    pair of runs."""
+    slower: the run pays a third less a step, and that is the verdict. By the medians it
+    had read "B is slower than A: +24.7% time per step", and `--fail-if-slower 5` exited 1
+    on the speed-up (seen on examples/eval_every.py with a larger --eval-interval)."""
     rng = np.random.default_rng(5)
     base = 100 + rng.normal(0, 2, 260)
     eval_a = np.where(np.arange(260) % 10 == 9, 1000.0, 0.0)
     eval_b = np.where(np.arange(260) % 130 == 129, 1000.0, 0.0)
-    a = load_run(_write_run(tmp_path / "a", base + eval_a, data_ms=base, phase="forward"))
-    b = load_run(_write_run(tmp_path / "b", base * 1.25 + eval_b, data_ms=base * 1.25,
-                            phase="forward"))
+    _write_run(tmp_path / "a", base + eval_a, data_ms=base, phase="forward")
+    _write_run(tmp_path / "b", base * 1.25 + eval_b, data_ms=base * 1.25, phase="forward")
+    a, b = load_run(tmp_path / "a"), load_run(tmp_path / "b")
     r = compare_runs(a, b)
-    assert r["verdict"] == "slower" and r["ratio"] == pytest.approx(1.25, rel=0.02)
-    assert r["mean_delta"] is None and r["explains"] is None
-    assert all(v["share_of_change"] is None for v in r["phases"].values())
-    assert r["phases"]["forward"]["delta"] > 0 > r["phases"]["other"]["delta"]
+    warm_a, warm_b = r["a"]["steps"]["warmup"], r["b"]["steps"]["warmup"]
+    mean_a, mean_b = (base + eval_a)[warm_a:].mean(), (base * 1.25 + eval_b)[warm_b:].mean()
+    assert r["metric"] == "step_time" and r["statistic"] == "mean"
+    assert r["mean_a"] == pytest.approx(mean_a / 1e3) and r["mean_b"] == pytest.approx(
+        mean_b / 1e3)
+    # the mean steady step: 1 / steps/s, what tune and verify judge
+    assert r["ratio"] == pytest.approx(mean_b / mean_a, rel=1e-6)  # (whole nanoseconds)
+    thr = r["throughput"]
+    assert r["ratio"] == pytest.approx(thr["a_steps_per_s"] / thr["b_steps_per_s"], rel=1e-9)
+    assert r["ratio"] == pytest.approx(0.663, abs=0.005)
+    assert r["verdict"] == "faster" and r["ci"][0] < r["ratio"] < r["ci"][1] < 0.8
+    assert r["median_ratio"] == pytest.approx(1.25, rel=0.02)
+    # the phases add up to the change of the mean: the evaluations gone explain it
+    assert r["explains"] == "other"
+    assert sum(v["share_of_change"] for v in r["phases"].values()) == pytest.approx(1.0)
+    assert r["phases"]["forward"]["share_of_change"] < 0 < r["phases"]["forward"]["delta"]
     (note,) = [n for n in r["notes"] if "moved apart" in n]
-    assert "median step changed +24.7%" in note and "mean step -33.7%" in note
+    assert "median step changed +24.7% and the mean -33.7%" in note
+    assert not exceeds_slowdown(r, 5) and exceeds_slowdown(compare_runs(b, a), 5)
     render_compare(r)
     head = capsys.readouterr().out.splitlines()[0]
-    assert "accounts for" not in head
+    assert head == ("B is faster than A: -33.7% time per step (mean 199.9 ms → 132.6 ms, "
+                    "×0.66, 95% CI ×0.58–×0.75; median step ×1.25); other accounts for 137% "
+                    "of the change")
+    # the CI gate reads the same figure: a speed-up passes, its reverse fails
+    assert trainprof("compare", "a", "b", "--fail-if-slower", "5", cwd=tmp_path).returncode == 0
+    res = trainprof("compare", "b", "a", "--fail-if-slower", "5", cwd=tmp_path)
+    assert res.returncode == 1 and res.stdout.startswith("B is slower than A: +50.8% time per")
+
+
+def test_steps_of_more_work_are_compared_per_flop_or_per_sample(tmp_path: Path) -> None:
+    """Gradient accumulation over 4 micro-batches: B's step is 4 times A's FLOPs in 2.14 times
+    its time, 1.87 times as fast per FLOP. With no samples counted it had read "B is slower
+    than A: +114.3% time per step" (examples/ddp_allreduce.py --accumulate 4); with samples
+    counted the same runs are compared per sample."""
+    rng = np.random.default_rng(11)
+    base = 100 + rng.normal(0, 2, 200)
+    for name, scale, flops in (("a", 1.0, 2e9), ("b", 2.143, 8e9)):
+        for samples in (0, 32):
+            run = _write_run(tmp_path / f"{name}{samples}", base * scale,
+                             samples=samples * (4 if name == "b" else 1))
+            (run / "ops.json").write_text(json.dumps(
+                {"steps": 2, "flops_by_kind_per_step": {"cpu float32": flops}}))
+    r = compare_runs(load_run(tmp_path / "a0"), load_run(tmp_path / "b0"))
+    assert r["a"]["compute"]["flops_per_step"] == 2e9
+    assert (r["metric"], r["unit"]) == ("time_per_flop", "s/GFLOP")
+    assert r["ratio"] == pytest.approx(2.143 / 4, rel=1e-6)
+    assert r["verdict"] == "faster" and r["ci"][1] < 0.6
+    # seconds a GFLOP: A's mean step over its 2 GFLOP a step, and the phases add up to it
+    assert r["mean_a"] == pytest.approx(base[r["a"]["steps"]["warmup"]:].mean() / 1e3 / 2)
+    assert sum(v["a"] for v in r["phases"].values()) == pytest.approx(r["mean_a"])
+    assert any("×4.00 the FLOPs" in n and "per GFLOP" in n for n in r["notes"])
+    out = io.StringIO()
+    render_compare(r, file=out)
+    text = out.getvalue()
+    assert text.startswith("B is faster than A: -46.4% time per GFLOP (mean 50.")
+    row = next(ln for ln in text.splitlines() if ln.lstrip().startswith("time per GFLOP"))
+    assert row.split()[-5:] == ["50.0", "ms", "26.8", "ms", "×0.54"]
+    # samples counted: per sample, the same ratio as samples/s's
+    r = compare_runs(load_run(tmp_path / "a32"), load_run(tmp_path / "b32"))
+    assert r["metric"] == "time_per_sample"
+    assert r["ratio"] == pytest.approx(1 / r["throughput"]["samples_per_s_ratio"], rel=1e-9)
+    # the same work a step: the FLOPs change nothing
+    r = compare_runs(load_run(tmp_path / "a0"), load_run(tmp_path / "a32"))
+    assert r["metric"] == "step_time" and r["verdict"] == "no_difference"
+
+
+def test_time_per_sample_is_the_summarys_samples_per_second(tmp_path: Path) -> None:
+    """Samples a step that vary (a short last batch, an evaluation loader's pass in one step):
+    the time per sample is the steady steps' seconds over their training samples, what the
+    summary's samples/s counts, not the median of each step's own ratio."""
+    rng = np.random.default_rng(12)
+    base = 100 + rng.normal(0, 2, 120)
+    loaders = {"dataloaders": [{"index": 0, "batch_size": 32}, {"index": 1, "batch_size": 100}]}
+    a = _write_run(tmp_path / "a", base, samples=32, meta=loaders)
+    b = _write_run(tmp_path / "b", base * 1.5, samples=64, meta=loaders)
+    # B's every 10th step also iterates the evaluation loader's 500 samples, in 5x the time
+    rec = np.fromfile(b / "steps.bin", dtype=STEP_DTYPE)
+    rec["samples"][9::10] += 500
+    rec["dur_ns"][9::10] *= 5
+    rec["other_ns"] = rec["dur_ns"]
+    rec.tofile(b / "steps.bin")
+    r = compare_runs(load_run(a), load_run(b))
+    assert r["metric"] == "time_per_sample"
+    # the evaluation's samples are no training work: 64 a step, the time all of it
+    steady = rec[r["b"]["steps"]["warmup"]:]
+    assert r["mean_b"] == pytest.approx(steady["dur_ns"].sum() / 1e9 / (64 * len(steady)))
+    assert r["ratio"] == pytest.approx(1 / r["throughput"]["samples_per_s_ratio"], rel=1e-9)
 
 
 def test_a_run_that_shared_its_machine_is_noted(tmp_path: Path) -> None:

@@ -1073,7 +1073,8 @@ def html_page(summary: dict[str, Any], run: Run) -> str:
 # -- compare -----------------------------------------------------------------------------------
 
 _COMPARE_KEYS = ("verdict", "ratio", "ci", "phases", "environment_diff", "a", "b", "notes",
-                 "explains", "median_a", "median_b", "metric", "unit", "change_pct",
+                 "explains", "median_a", "median_b", "mean_a", "mean_b", "median_ratio",
+                 "statistic", "metric", "unit", "change_pct",
                  "confidence", "significant")
 
 
@@ -1098,7 +1099,7 @@ def _compare_headline(result: dict[str, Any]) -> str:
         parts.append(f'<p class="headline{cls}" id="tp-verdict">{esc(verdict)}</p>')
     ratio, ci = result.get("ratio"), result.get("ci")
     if isinstance(ratio, int | float) and not isinstance(ratio, bool):
-        text = f"median B / A = {ratio:.3f}×"
+        text = f"mean time per {per_unit(result)} B / A = {ratio:.3f}×"
         lo = hi = None
         if isinstance(ci, list | tuple) and len(ci) == 2:
             lo, hi = ci
