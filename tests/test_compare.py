@@ -611,3 +611,97 @@ def test_flops_utilization_is_rounded_as_the_summary_rounds_it(tmp_path: Path) -
     page = render_compare_html(result, tmp_path / "c.html").read_text()
     row = page[page.index("<th>compute.utilization</th>"):]
     assert row[:row.index("</tr>")].endswith("<td>0.4%</td><td>1.0%</td>")
+
+
+def _loader(**settings: object) -> dict:
+    """A DataLoader as the capture describes it (capture/hooks.describe_loader)."""
+    return {"index": 0, "dataset": "__main__.Batches", "len": None, "batch_size": None,
+            "num_workers": 0, "pin_memory": False, "prefetch_factor": None,
+            "persistent_workers": False, "drop_last": False, "timeout": 0,
+            "collate_fn": "torch.utils.data._utils.collate.default_convert",
+            "sampler": "torch.utils.data.dataloader._InfiniteConstantSampler",
+            "batch_sampler": None, "multiprocessing_context": None, "in_order": True,
+            "iterable_dataset": True, **settings}
+
+
+def test_what_changed_says_each_change_once_and_the_phase_only_where_known(
+        tmp_path: Path) -> None:
+    """examples/batches_in_loop.py --workers 2: its batches made in a DataLoader's workers,
+    where the plain run made them in the loop. The table listed 13 rows, one per attribute
+    of the new loader (``timeout``, ``in_order``, ...), each "acts on backward", and the
+    command line "acts on" whichever phase moved most."""
+    rng = np.random.default_rng(13)
+    base = 100 + rng.normal(0, 2, 120)
+    cmd = ["python", "batches_in_loop.py"]
+    fp = {"cpu": {"usable_cores": 2}}
+    # the loop's batch making is 'other' in A; B waits for the workers' batches instead
+    a = _write_run(tmp_path / "a", base, data_ms=base * 0.1, phase="forward",
+                   meta={"command": cmd, "fingerprint": fp})
+    b = _write_run(tmp_path / "b", base * 0.5, data_ms=base * 0.1,
+                   meta={"command": [*cmd, "--workers", "2"], "fingerprint": fp,
+                         "dataloaders": [_loader(num_workers=2, prefetch_factor=2)]})
+    r = compare_runs(load_run(a), load_run(b))
+    assert r["verdict"] == "faster" and r["explains"] == "other"
+    rows = {it["key"]: it for it in r["environment_diff"]}
+    assert set(rows) == {"dataloader[0]", "command"}
+    loader = rows["dataloader[0]"]
+    assert (loader["a"], loader["b"]) == (
+        "(none)", "dataset=__main__.Batches, batch_size=None, num_workers=2")
+    # a new loader and a command line can act on any phase: neither names one
+    assert loader["acts_on"] is None and rows["command"]["acts_on"] is None
+    out = io.StringIO()
+    render_compare(r, file=out)
+    table = out.getvalue()[out.getvalue().index("What changed"):]
+    assert len([ln for ln in table.splitlines()[2:] if ln.strip()]) == 2
+
+
+def test_a_loaders_changed_settings_are_one_row(tmp_path: Path) -> None:
+    """num_workers 0 -> 2 is one change: torch's prefetch_factor None -> 2 follows it. With
+    pin_memory changed too, the loader's row holds both, the setting that acts most first."""
+    rng = np.random.default_rng(14)
+    base = 100 + rng.normal(0, 2, 120)
+    a = _write_run(tmp_path / "a", base, data_ms=base * 0.8,
+                   meta={"dataloaders": [_loader()]})
+    b = _write_run(tmp_path / "b", base * 0.3, data_ms=base * 0.1,
+                   meta={"dataloaders": [_loader(num_workers=2, prefetch_factor=2)]})
+    c = _write_run(tmp_path / "c", base * 0.3, data_ms=base * 0.1,
+                   meta={"dataloaders": [_loader(num_workers=2, prefetch_factor=2,
+                                                 pin_memory=True, persistent_workers=True)]})
+    r = compare_runs(load_run(a), load_run(b))
+    (row,) = r["environment_diff"]
+    assert (row["key"], row["a"], row["b"], row["acts_on"]) == (
+        "dataloader[0].num_workers", 0, 2, "data_wait")
+    assert r["likely_cause"]["key"] == "dataloader[0].num_workers"
+    r = compare_runs(load_run(a), load_run(c))
+    (row,) = r["environment_diff"]
+    assert row["key"] == "dataloader[0]" and row["acts_on"] == "data_wait"
+    assert row["settings"] == {"num_workers": [0, 2], "pin_memory": [False, True],
+                               "persistent_workers": [False, True]}
+    assert (row["a"], row["b"]) == (
+        "num_workers=0, pin_memory=False, persistent_workers=False",
+        "num_workers=2, pin_memory=True, persistent_workers=True")
+    # the setting acts on the phase that carries the change: named before anything else
+    assert r["likely_cause"] == {"kind": "setting", "key": "dataloader[0]", "a": row["a"],
+                                 "b": row["b"], "also_load": None}
+
+
+def test_a_command_line_change_names_no_phase(tmp_path: Path) -> None:
+    """`--eval-interval 370` was marked "acts on data wait": the phase that happened to move
+    most. A command line can change anything and names no mechanism."""
+    rng = np.random.default_rng(15)
+    base = 100 + rng.normal(0, 2, 120)
+    a = _write_run(tmp_path / "a", base, data_ms=base * 0.5,
+                   meta={"command": ["python", "train.py", "--eval-interval", "10"]})
+    b = _write_run(tmp_path / "b", base * 0.7, data_ms=base * 0.2,
+                   meta={"command": ["python", "train.py", "--eval-interval", "370"]})
+    r = compare_runs(load_run(a), load_run(b))
+    assert r["explains"] == "data_wait"
+    (row,) = r["environment_diff"]
+    assert (row["change_a"], row["change_b"], row["acts_on"]) == (
+        "--eval-interval 10", "--eval-interval 370", None)
+    out = io.StringIO()
+    render_compare(r, file=out)
+    line = next(ln for ln in out.getvalue().splitlines() if "--eval-interval 370" in ln
+                and ln.lstrip().startswith("1"))
+    assert line.split()[-1] == "—"
+

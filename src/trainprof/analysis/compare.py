@@ -72,6 +72,15 @@ version on ``gc``/``other``; data-stack packages (Pillow, torchvision, ...) on `
 the command line and the code revision at 0.5 on every phase (they can change anything, but
 name no mechanism); trainprof's own version and sampling settings last. A batch-size change acts
 on every phase. Ties keep the category order above.
+
+A DataLoader's changes are one row: its one changed setting (``dataloader[0].num_workers``),
+or the loader (``dataloader[0]``) with each setting that differs, ``name=value``, where
+several did; a loader in one run only is one row too. What torch sets for a loader without
+workers (``prefetch_factor`` None) is no change of its own beside ``num_workers``.
+``acts_on`` names the phase a fact acts on only where its kind says so (``W`` at least
+:data:`ACTS_ON_WEIGHT` there and :data:`ACTS_ON_CONTRAST` times its least): a DataLoader
+setting on data wait, the model's facts on forward/backward; the command line, the code,
+a knob or a batch size name none, as they can act on any phase.
 """
 
 from __future__ import annotations
@@ -157,8 +166,25 @@ OPTIMIZER_FIELDS = ("class", "implementation", "param_tensors", "numel", "device
 DATALOADER_SKIP = {"index", "kind"}
 PRIMARY_DATALOADER = (
     ".num_workers", ".batch_size", ".dataset", ".collate_fn", ".pin_memory", ".sampler",
-    ".batch_sampler", ".len", "dataloader count",
+    ".batch_sampler", ".len",
 )
+#: Settings torch's DataLoader only uses with workers, and their default there: a loader of
+#: no workers has ``prefetch_factor`` None, so num_workers 2 -> 0 is not also a change of
+#: ``prefetch_factor`` 2 -> None (one change, not two rows).
+WORKER_DEFAULTS: dict[str, Any] = {
+    "prefetch_factor": 2, "persistent_workers": False, "multiprocessing_context": None,
+    "timeout": 0, "in_order": True,
+}
+#: What a loader present in one run only is shown by.
+LOADER_SHOWN = ("dataset", "batch_size", "num_workers")
+#: A changed fact names the phase it acts on ("acts on") when its weight there (``_weights``)
+#: is at least this ...
+ACTS_ON_WEIGHT = 0.45
+#: ... and this many times its weight on the phase it acts on least: a fact of a kind that
+#: can act on any phase (the command line, the code revision, a knob, a batch size) names
+#: none, where it had named whichever phase moved most ("--eval-interval 370 acts on data
+#: wait", a DataLoader's every setting "acts on backward").
+ACTS_ON_CONTRAST = 2.0
 
 
 # --------------------------------------------------------------------------- statistics
@@ -419,7 +445,6 @@ def _facts(run: Run) -> tuple[dict[str, tuple[str, Any]], bool]:
                 value = dl.get("batch_sampler_batch_size")
             if field not in DATALOADER_SKIP:
                 put(f"dataloader[{idx}].{field}", "dataloader", value)
-    put("dataloader count", "dataloader", len(_dataloaders(run)))
     # the optimizers, in the order they first stepped (what their step runs: for-loop,
     # foreach, fused; trainprof.capture.optimizer_impl)
     for i, opt in enumerate(o for o in meta.get("optimizers") or [] if isinstance(o, dict)):
@@ -509,7 +534,8 @@ def _weights(category: str, key: str, cpu_compute: bool) -> dict[str, float]:
         # the settings people change; the others mostly follow them (prefetch_factor is
         # None once num_workers is 0)
         p["data_wait"] = 1.0 if key.endswith(PRIMARY_DATALOADER) else 0.8
-        if key.endswith((".batch_size", "dataloader count")):
+        # a batch size, or a whole loader in one run only (key "dataloader[i]")
+        if key.endswith((".batch_size", "]")):
             setp(0.9, *BREAKDOWN_KEYS)  # more samples per step: every phase does more
             p["data_wait"] = 1.0
         elif key.endswith(".num_workers") and cpu_compute:
@@ -614,6 +640,76 @@ def _render_value(value: Any) -> Any:
     return value
 
 
+def _acts_on(weights: dict[str, float], phase_weights: dict[str, float]) -> str | None:
+    """The phase a changed fact acts on, as far as its kind says (``ACTS_ON_*``): of the
+    phases it acts on most, the one that moved most in the direction of the change; None
+    where its kind names no phase."""
+    top = max(weights.values())
+    if top < ACTS_ON_WEIGHT or top < ACTS_ON_CONTRAST * min(weights.values()):
+        return None
+    return max((ph for ph in BREAKDOWN_KEYS if weights[ph] == top),
+               key=lambda ph: phase_weights.get(ph, 0.0))
+
+
+def _weight_key(item: dict[str, Any]) -> str:
+    """The fact whose weights an item carries: a loader's row is its leading setting's."""
+    settings = item.get("settings")
+    return f"{item['key']}.{next(iter(settings))}" if settings else str(item["key"])
+
+
+def _loader_text(settings: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in settings.items())
+
+
+def _loader_items(changed: dict[str, list[dict[str, Any]]], fa: dict[str, Any],
+                  fb: dict[str, Any], phase_weights: dict[str, float],
+                  cpu_compute: bool) -> list[dict[str, Any]]:
+    """One row per DataLoader whose settings differ (``changed``: its prefix -> the items of
+    its settings that differ).
+
+    A setting alone keeps its own row (``dataloader[0].num_workers``); several are one row
+    of the loader, each as ``name=value``, the most telling first; a loader of one run only
+    is one row, shown by its dataset, batch size and workers. An explorer's ``--workers 2``
+    (a loader where the other run had none) had listed 13 rows, one per attribute."""
+    out = []
+    for prefix, fields in changed.items():
+        in_a = any(k.startswith(prefix + ".") for k in fa)
+        in_b = any(k.startswith(prefix + ".") for k in fb)
+        if not (in_a and in_b):
+            values = fa if in_a else fb
+            shown = {f: values[f"{prefix}.{f}"][1] for f in LOADER_SHOWN
+                     if f"{prefix}.{f}" in values}
+            weights = _weights("dataloader", prefix, cpu_compute)
+            text = _loader_text(shown) or "a DataLoader"
+            out.append({"key": prefix, "category": "dataloader",
+                        "a": text if in_a else "(none)", "b": text if in_b else "(none)",
+                        "score": round(sum(weights[ph] * phase_weights.get(ph, 0.0)
+                                           for ph in BREAKDOWN_KEYS), 4),
+                        "acts_on": _acts_on(weights, phase_weights)})
+            continue
+        workers = [(f.get(f"{prefix}.num_workers") or (None, None))[1] for f in (fa, fb)]
+        if all(isinstance(w, int) for w in workers) and (workers[0] == 0) != (workers[1] == 0):
+            # what torch sets for a loader of no workers is not a setting of its own
+            with_workers = 1 if workers[0] == 0 else 0
+            fields = [it for it in fields if it["field"] not in WORKER_DEFAULTS or (
+                (it["a"], it["b"])[with_workers] != WORKER_DEFAULTS[it["field"]])]
+        if len(fields) == 1:
+            out.append({k: v for k, v in fields[0].items() if k != "field"})
+            continue
+        if not fields:
+            continue
+        primary = {f.lstrip("."): i for i, f in enumerate(PRIMARY_DATALOADER)}
+        fields.sort(key=lambda it: (-it["score"], primary.get(it["field"], len(primary)),
+                                    it["field"]))
+        settings = {it["field"]: [it["a"], it["b"]] for it in fields}
+        out.append({"key": prefix, "category": "dataloader",
+                    "a": _loader_text({k: v[0] for k, v in settings.items()}),
+                    "b": _loader_text({k: v[1] for k, v in settings.items()}),
+                    "settings": settings, "score": fields[0]["score"],
+                    "acts_on": fields[0]["acts_on"]})
+    return out
+
+
 def environment_diff(
     a: Run, b: Run, phase_weights: dict[str, float], cpu_compute: bool
 ) -> tuple[list[dict[str, Any]], list[str]]:
@@ -628,6 +724,7 @@ def environment_diff(
     # how the model computed is known only where both runs had an op-count window
     keys = {k for k in keys if not k.startswith("model.") or (k in fa and k in fb)}
     items = []
+    loaders: dict[str, list[dict[str, Any]]] = {}
     for key in sorted(keys):
         cat_a, va = fa.get(key, (None, None))
         cat_b, vb = fb.get(key, (None, None))
@@ -636,20 +733,24 @@ def environment_diff(
         category = cat_a or cat_b or "platform"
         weights = _weights(category, key, cpu_compute)
         score = sum(weights[ph] * phase_weights.get(ph, 0.0) for ph in BREAKDOWN_KEYS)
-        top_phase = max(BREAKDOWN_KEYS, key=lambda ph: weights[ph] * phase_weights.get(ph, 0.0))
         item = {
             "key": key,
             "category": category,
             "a": _render_value(va),
             "b": _render_value(vb),
             "score": round(score, 4),
-            "acts_on": top_phase if weights[top_phase] > 0 else None,
+            "acts_on": _acts_on(weights, phase_weights),
         }
         if key == "command" and isinstance(va, list) and isinstance(vb, list):
             item["change_a"], item["change_b"] = _command_change(
                 [str(v) for v in va], [str(v) for v in vb]
             )
+        if category == "dataloader" and key.startswith("dataloader[") and "]." in key:
+            prefix, field = key.split("].", 1)
+            loaders.setdefault(prefix + "]", []).append({**item, "field": field})
+            continue
         items.append(item)
+    items += _loader_items(loaders, fa, fb, phase_weights, cpu_compute)
     order = {c: i for i, c in enumerate(CATEGORIES)}
     items.sort(key=lambda it: (-it["score"], order.get(it["category"], len(order)), it["key"]))
     for rank, it in enumerate(items, 1):
@@ -926,7 +1027,7 @@ def likely_cause(env: list[dict[str, Any]], phases: dict[str, Any], explains: st
     if explains is None:
         return {"kind": "load", **load_change} if load_change else None
     share = (phases.get(explains) or {}).get("share_of_change")
-    direct = bool(top) and _weights(top["category"], top["key"], cpu_compute).get(
+    direct = bool(top) and _weights(top["category"], _weight_key(top), cpu_compute).get(
         explains, 0.0) >= DIRECT_WEIGHT and isinstance(share, int | float) and (
         share >= DIRECT_SHARE)
     if load_change and not direct:
