@@ -705,3 +705,44 @@ def test_a_command_line_change_names_no_phase(tmp_path: Path) -> None:
                 and ln.lstrip().startswith("1"))
     assert line.split()[-1] == "—"
 
+
+def test_op_timings_of_the_same_ops_are_no_change(tmp_path: Path) -> None:
+    """The same model's attention, timed op by op in two steps of each run under load, read
+    "attention op by op 420 µs → 6.4 ms ×15.4" as if it had changed. The same ops under the
+    same settings: the times of each run, no ratio; other ops (a longer sequence) or a
+    setting of the model's math (a torch upgrade): the ratio."""
+    rng = np.random.default_rng(16)
+    base = 100 + rng.normal(0, 2, 80)
+    shape = {"batch": 8, "query_len": 128, "key_len": 128, "head_dim": 64,
+             "dtype": "float32", "device": "cpu", "flops_per_step": 1.6e8}
+
+    def run(name: str, seconds: float, meta: dict | None = None, **changed: object) -> Run:
+        path = _write_run(tmp_path / name, base, meta=meta)
+        (path / "ops.json").write_text(json.dumps({"steps": 2, "eager_attention": [
+            {**shape, **changed, "s_per_step": seconds}]}))
+        return load_run(path)
+
+    from trainprof.store import Run
+
+    a = run("a", 420e-6)
+    r = compare_runs(a, run("b", 6.4e-3, meta={"command": ["python", "t.py", "--workers", "2"]}))
+    assert r["a"]["attention_s_per_step"] == pytest.approx(420e-6)
+    assert r["attention"] == {"same_ops": True, "settings_changed": [], "ratio": None}
+    out = io.StringIO()
+    render_compare(r, file=out)
+    row = next(ln for ln in out.getvalue().splitlines() if "attention op by op" in ln)
+    assert row.split()[-6:] == ["420", "µs", "6.4", "ms", "same", "ops"]
+    # longer sequences: other ops, a change
+    r = compare_runs(a, run("c", 6.4e-3, query_len=512, key_len=512, flops_per_step=2.6e9))
+    assert r["attention"]["same_ops"] is False
+    assert r["attention"]["ratio"] == pytest.approx(6.4e-3 / 420e-6)
+    out = io.StringIO()
+    render_compare(r, file=out)
+    assert "×15.2" in next(ln for ln in out.getvalue().splitlines() if "attention op by" in ln)
+    # the same ops on another torch: a setting of the model's math changed
+    torch = {"fingerprint": {"torch": {"version": "2.13.0"}, "gpus": []}}
+    base_torch = run("d", 420e-6, meta=torch)
+    r = compare_runs(base_torch, run("e", 6.4e-3, meta={
+        "fingerprint": {"torch": {"version": "2.14.0"}, "gpus": []}}))
+    assert r["attention"]["settings_changed"] == ["torch.version"]
+    assert r["attention"]["ratio"] == pytest.approx(6.4e-3 / 420e-6)

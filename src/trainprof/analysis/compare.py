@@ -81,6 +81,11 @@ workers (``prefetch_factor`` None) is no change of its own beside ``num_workers`
 :data:`ACTS_ON_WEIGHT` there and :data:`ACTS_ON_CONTRAST` times its least): a DataLoader
 setting on data wait, the model's facts on forward/backward; the command line, the code,
 a knob or a batch size name none, as they can act on any phase.
+
+**Op timings.** The op-by-op attention time of each run (from its op count's window, two steps
+timed op by op) is compared as a change only where the attention ops differ or a setting
+of the model's math changed (:func:`_attention`): the same ops under the same settings
+compute the same way, and the window's split has no replicate to tell its noise.
 """
 
 from __future__ import annotations
@@ -114,6 +119,10 @@ CONFIDENCE = 0.95
 PRACTICAL_THRESHOLD = 0.02
 #: Fewer steady steps than this in either run: no verdict.
 MIN_STEADY_STEPS = 5
+
+#: What an attention shape of the op count's window is compared by (analysis/attention.py).
+ATTENTION_OP_KEYS = ("batch", "query_len", "key_len", "head_dim", "dtype", "device",
+                     "flops_per_step")
 
 #: Resample size cap (m-out-of-n bootstrap beyond it).
 MAX_RESAMPLE = 10_000
@@ -185,6 +194,9 @@ ACTS_ON_WEIGHT = 0.45
 #: none, where it had named whichever phase moved most ("--eval-interval 370 acts on data
 #: wait", a DataLoader's every setting "acts on backward").
 ACTS_ON_CONTRAST = 2.0
+#: A changed fact acts on the model's math from this weight on forward or backward: what
+#: makes a difference in the op-by-op attention time a change of the runs' (``_attention``).
+MATH_WEIGHT = 0.6
 
 
 # --------------------------------------------------------------------------- statistics
@@ -330,6 +342,12 @@ def _run_side(run: Run, steady: np.ndarray, warm: int, count: int) -> dict[str, 
         "attention_s_per_step": ((summary.get("attention") or {}).get("s_per_step")
                                  if summary.get("attention")
                                  else 0.0 if summary.get("ops") else None),
+        # ... and what it computed: each shape and its FLOPs a step (the same model, the
+        # same ops), None where the window did not run
+        "attention_ops": ([{k: sh.get(k) for k in ATTENTION_OP_KEYS}
+                           for sh in (summary.get("attention") or {}).get("shapes") or []
+                           if isinstance(sh, dict)]
+                          if summary.get("attention") or summary.get("ops") else None),
         "system": {
             k: system.get(k)
             for k in ("proc_cpu_pct", "workers_cpu_pct", "n_workers_seen", "sys_cpu_pct",
@@ -802,6 +820,37 @@ def _uses_gpu(run: Run) -> bool:
     return bool(fp.get("gpus")) or bool(len(run.device))
 
 
+def _attention(side_a: dict[str, Any], side_b: dict[str, Any], env: list[dict[str, Any]],
+               cpu_compute: bool) -> dict[str, Any] | None:
+    """Whether the runs' op-by-op attention times differ as a change of theirs: ``ratio``
+    B / A where the attention ops differ (shapes, FLOPs) or a setting that acts on the
+    model's math changed (weight :data:`MATH_WEIGHT`: the model's facts, a knob, torch or
+    CUDA, the GPU, threads and the CPU on a CPU, compute packages); None otherwise.
+
+    The time comes from the op count's window, two steps timed op by op, scaled to the
+    steady forward and backward (analysis/attention.py): its split between ops has no
+    replicate to tell its noise, and a window under other processes' load had read
+    "attention op by op 420 µs → 6.4 ms ×15.4" for the same model with only a DataLoader
+    setting changed. The same ops under the same settings compute the same way: their
+    difference is the window's, and the steady phases, with their interval, say what changed.
+    None where either run has no window."""
+    x, y = side_a.get("attention_s_per_step"), side_b.get("attention_s_per_step")
+    ops_a, ops_b = side_a.get("attention_ops"), side_b.get("attention_ops")
+    if x is None or y is None or ops_a is None or ops_b is None:
+        return None
+
+    def signature(ops: list[dict[str, Any]]) -> list[str]:
+        return sorted(repr(sorted(op.items())) for op in ops)
+
+    same_ops = signature(ops_a) == signature(ops_b)
+    math = [it["key"] for it in env if it["category"] != "dataloader" and max(
+        _weights(it["category"], _weight_key(it), cpu_compute)[ph]
+        for ph in ("forward", "backward")) >= MATH_WEIGHT]
+    changed = not same_ops or bool(math)
+    return {"same_ops": same_ops, "settings_changed": math,
+            "ratio": y / x if changed and x and y else None}
+
+
 def compare_runs(a: Run, b: Run) -> dict[str, Any]:
     """Compare run B against baseline A (see the module docstring for every definition).
 
@@ -965,6 +1014,7 @@ def compare_runs(a: Run, b: Run) -> dict[str, Any]:
     notes += env_notes
     likely = (likely_cause(env, phases, explains, load_change, cpu_compute, loads)
               if significant else None)
+    attention = _attention(side_a, side_b, env, cpu_compute)
     return {
         "verdict": verdict,
         "significant": significant,
@@ -995,6 +1045,8 @@ def compare_runs(a: Run, b: Run) -> dict[str, Any]:
         "throughput": thr,
         "compute_on": "cpu" if cpu_compute else "gpu",
         "environment_diff": env,
+        # the op-by-op attention times, and whether their difference is a change (_attention)
+        "attention": attention,
         "a": side_a,
         "b": side_b,
         "notes": notes,

@@ -180,8 +180,13 @@ def _steps_table(result: dict[str, Any]) -> Table:
                       "—" if y is None else utilization_text(y), "")
     x, y = a.get("attention_s_per_step"), b.get("attention_s_per_step")
     if x or y:
+        # a ratio only where the ops or a setting of the model's math changed: the same ops
+        # timed in two other steps differ by the window's noise (analysis/compare._attention)
+        att = result.get("attention") or {}
+        ratio = att.get("ratio")
         table.add_row("attention op by op", _attention(x), _attention(y),
-                      fmt_ratio(y / x) if x and y else "—")
+                      fmt_ratio(ratio) if ratio else "same ops" if att.get("same_ops") and (
+                          x and y) else "—")
     pad_a, pad_b = a.get("padding") or {}, b.get("padding") or {}
     for index in sorted(set(pad_a) | set(pad_b)):
         x, y = pad_a.get(index), pad_b.get(index)
