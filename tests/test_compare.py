@@ -646,7 +646,7 @@ def test_what_changed_says_each_change_once_and_the_phase_only_where_known(
     assert set(rows) == {"dataloader[0]", "command"}
     loader = rows["dataloader[0]"]
     assert (loader["a"], loader["b"]) == (
-        "(none)", "dataset=__main__.Batches, batch_size=None, num_workers=2")
+        "(none)", "num_workers=2, batch_size=None, dataset=__main__.Batches")
     # a new loader and a command line can act on any phase: neither names one
     assert loader["acts_on"] is None and rows["command"]["acts_on"] is None
     out = io.StringIO()

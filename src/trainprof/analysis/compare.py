@@ -185,7 +185,7 @@ WORKER_DEFAULTS: dict[str, Any] = {
     "timeout": 0, "in_order": True,
 }
 #: What a loader present in one run only is shown by.
-LOADER_SHOWN = ("dataset", "batch_size", "num_workers")
+LOADER_SHOWN = ("num_workers", "batch_size", "dataset")
 #: A changed fact names the phase it acts on ("acts on") when its weight there (``_weights``)
 #: is at least this ...
 ACTS_ON_WEIGHT = 0.45
@@ -687,7 +687,7 @@ def _loader_items(changed: dict[str, list[dict[str, Any]]], fa: dict[str, Any],
 
     A setting alone keeps its own row (``dataloader[0].num_workers``); several are one row
     of the loader, each as ``name=value``, the most telling first; a loader of one run only
-    is one row, shown by its dataset, batch size and workers. An explorer's ``--workers 2``
+    is one row, shown by its workers, batch size and dataset. An explorer's ``--workers 2``
     (a loader where the other run had none) had listed 13 rows, one per attribute."""
     out = []
     for prefix, fields in changed.items():
