@@ -21,8 +21,8 @@ count's two steps are no whole iteration).
 Why the mean and not the median: periodic work (an evaluation every N steps, a checkpoint,
 an epoch's restart of the workers) lives in a few long steps that the median ignores, and a
 step series that alternates (a step that finds its batch ready, one that waits for the next
-worker) has a median that lands on either mode by chance. An explorer's evaluation every 10
-steps made every 370 read "+11.2% time per step" by the medians, and failed
+worker) has a median that lands on either mode by chance. An explorer's evaluation interval
+raised (examples/eval_every.py) read "+11.2% time per step" by the medians, and failed
 ``--fail-if-slower 5``, on a run whose steps/s were ×1.34. The median (of each step's time
 per unit) is still given (``median_ratio``), and a note says when it moved the other way.
 
@@ -943,8 +943,8 @@ def compare_runs(a: Run, b: Run) -> dict[str, Any]:
     if (significant and median_ratio is not None and ratio is not None
             and (median_ratio - 1) * (ratio - 1) < 0
             and abs(median_ratio - 1) >= PRACTICAL_THRESHOLD):
-        # what the median alone had called the verdict (a --fail-if-slower on a 25%
-        # speed-up: an evaluation every 10 steps made every 370, on typical steps 11% slower)
+        # what the median alone had called the verdict (a --fail-if-slower failed on a 25%
+        # speed-up: an evaluation interval raised, typical steps 11% slower)
         per = unit.split("/", 1)[1]
         notes.append(
             f"the median {per} changed {(median_ratio - 1) * 100:+.1f}% and the mean "
