@@ -237,29 +237,108 @@ def test_statistics_on_known_steps(tmp_path: Path) -> None:
     assert r["verdict"] == "no_difference" and r["ci"][0] <= 1 <= r["ci"][1]
 
 
-def test_a_median_and_a_mean_that_move_apart_name_no_phase(tmp_path: Path,
-                                                          capsys: pytest.CaptureFixture) -> None:
+def test_periodic_work_counts_in_the_verdict(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture) -> None:
     """A evaluates every 10th step (+1 s in 'other'); B every 130th, on a machine 25%
-    slower: the median is +25%, the mean -34%. The phases' mean deltas add up to the mean's
-    change; as shares of it they read "backward accounts for -606% of the change" in a real
-    pair of runs."""
+    slower: the run pays a third less a step, and that is the verdict. By the medians it
+    had read "B is slower than A: +24.7% time per step", and `--fail-if-slower 5` exited 1
+    on the speed-up (seen on examples/eval_every.py with a larger --eval-interval)."""
     rng = np.random.default_rng(5)
     base = 100 + rng.normal(0, 2, 260)
     eval_a = np.where(np.arange(260) % 10 == 9, 1000.0, 0.0)
     eval_b = np.where(np.arange(260) % 130 == 129, 1000.0, 0.0)
-    a = load_run(_write_run(tmp_path / "a", base + eval_a, data_ms=base, phase="forward"))
-    b = load_run(_write_run(tmp_path / "b", base * 1.25 + eval_b, data_ms=base * 1.25,
-                            phase="forward"))
+    _write_run(tmp_path / "a", base + eval_a, data_ms=base, phase="forward")
+    _write_run(tmp_path / "b", base * 1.25 + eval_b, data_ms=base * 1.25, phase="forward")
+    a, b = load_run(tmp_path / "a"), load_run(tmp_path / "b")
     r = compare_runs(a, b)
-    assert r["verdict"] == "slower" and r["ratio"] == pytest.approx(1.25, rel=0.02)
-    assert r["mean_delta"] is None and r["explains"] is None
-    assert all(v["share_of_change"] is None for v in r["phases"].values())
-    assert r["phases"]["forward"]["delta"] > 0 > r["phases"]["other"]["delta"]
+    warm_a, warm_b = r["a"]["steps"]["warmup"], r["b"]["steps"]["warmup"]
+    mean_a, mean_b = (base + eval_a)[warm_a:].mean(), (base * 1.25 + eval_b)[warm_b:].mean()
+    assert r["metric"] == "step_time" and r["statistic"] == "mean"
+    assert r["mean_a"] == pytest.approx(mean_a / 1e3) and r["mean_b"] == pytest.approx(
+        mean_b / 1e3)
+    # the mean steady step: 1 / steps/s, what tune and verify judge
+    assert r["ratio"] == pytest.approx(mean_b / mean_a, rel=1e-6)  # (whole nanoseconds)
+    thr = r["throughput"]
+    assert r["ratio"] == pytest.approx(thr["a_steps_per_s"] / thr["b_steps_per_s"], rel=1e-9)
+    assert r["ratio"] == pytest.approx(0.663, abs=0.005)
+    assert r["verdict"] == "faster" and r["ci"][0] < r["ratio"] < r["ci"][1] < 0.8
+    assert r["median_ratio"] == pytest.approx(1.25, rel=0.02)
+    # the phases add up to the change of the mean: the evaluations gone explain it
+    assert r["explains"] == "other"
+    assert sum(v["share_of_change"] for v in r["phases"].values()) == pytest.approx(1.0)
+    assert r["phases"]["forward"]["share_of_change"] < 0 < r["phases"]["forward"]["delta"]
     (note,) = [n for n in r["notes"] if "moved apart" in n]
-    assert "median step changed +24.7%" in note and "mean step -33.7%" in note
+    assert "median step changed +24.7% and the mean -33.7%" in note
+    assert not exceeds_slowdown(r, 5) and exceeds_slowdown(compare_runs(b, a), 5)
     render_compare(r)
     head = capsys.readouterr().out.splitlines()[0]
-    assert "accounts for" not in head
+    assert head == ("B is faster than A: -33.7% time per step (mean 199.9 ms → 132.6 ms, "
+                    "×0.66, 95% CI ×0.58–×0.75; median step ×1.25); other accounts for 137% "
+                    "of the change")
+    # the CI gate reads the same figure: a speed-up passes, its reverse fails
+    assert trainprof("compare", "a", "b", "--fail-if-slower", "5", cwd=tmp_path).returncode == 0
+    res = trainprof("compare", "b", "a", "--fail-if-slower", "5", cwd=tmp_path)
+    assert res.returncode == 1 and res.stdout.startswith("B is slower than A: +50.8% time per")
+
+
+def test_steps_of_more_work_are_compared_per_flop_or_per_sample(tmp_path: Path) -> None:
+    """Gradient accumulation over 4 micro-batches: B's step is 4 times A's FLOPs in 2.14 times
+    its time, 1.87 times as fast per FLOP. With no samples counted it had read "B is slower
+    than A: +114.3% time per step" (examples/ddp_allreduce.py --accumulate 4); with samples
+    counted the same runs are compared per sample."""
+    rng = np.random.default_rng(11)
+    base = 100 + rng.normal(0, 2, 200)
+    for name, scale, flops in (("a", 1.0, 2e9), ("b", 2.143, 8e9)):
+        for samples in (0, 32):
+            run = _write_run(tmp_path / f"{name}{samples}", base * scale,
+                             samples=samples * (4 if name == "b" else 1))
+            (run / "ops.json").write_text(json.dumps(
+                {"steps": 2, "flops_by_kind_per_step": {"cpu float32": flops}}))
+    r = compare_runs(load_run(tmp_path / "a0"), load_run(tmp_path / "b0"))
+    assert r["a"]["compute"]["flops_per_step"] == 2e9
+    assert (r["metric"], r["unit"]) == ("time_per_flop", "s/GFLOP")
+    assert r["ratio"] == pytest.approx(2.143 / 4, rel=1e-6)
+    assert r["verdict"] == "faster" and r["ci"][1] < 0.6
+    # seconds a GFLOP: A's mean step over its 2 GFLOP a step, and the phases add up to it
+    assert r["mean_a"] == pytest.approx(base[r["a"]["steps"]["warmup"]:].mean() / 1e3 / 2)
+    assert sum(v["a"] for v in r["phases"].values()) == pytest.approx(r["mean_a"])
+    assert any("×4.00 the FLOPs" in n and "per GFLOP" in n for n in r["notes"])
+    out = io.StringIO()
+    render_compare(r, file=out)
+    text = out.getvalue()
+    assert text.startswith("B is faster than A: -46.4% time per GFLOP (mean 50.")
+    row = next(ln for ln in text.splitlines() if ln.lstrip().startswith("time per GFLOP"))
+    assert row.split()[-5:] == ["50.0", "ms", "26.8", "ms", "×0.54"]
+    # samples counted: per sample, the same ratio as samples/s's
+    r = compare_runs(load_run(tmp_path / "a32"), load_run(tmp_path / "b32"))
+    assert r["metric"] == "time_per_sample"
+    assert r["ratio"] == pytest.approx(1 / r["throughput"]["samples_per_s_ratio"], rel=1e-9)
+    # the same work a step: the FLOPs change nothing
+    r = compare_runs(load_run(tmp_path / "a0"), load_run(tmp_path / "a32"))
+    assert r["metric"] == "step_time" and r["verdict"] == "no_difference"
+
+
+def test_time_per_sample_is_the_summarys_samples_per_second(tmp_path: Path) -> None:
+    """Samples a step that vary (a short last batch, an evaluation loader's pass in one step):
+    the time per sample is the steady steps' seconds over their training samples, what the
+    summary's samples/s counts, not the median of each step's own ratio."""
+    rng = np.random.default_rng(12)
+    base = 100 + rng.normal(0, 2, 120)
+    loaders = {"dataloaders": [{"index": 0, "batch_size": 32}, {"index": 1, "batch_size": 100}]}
+    a = _write_run(tmp_path / "a", base, samples=32, meta=loaders)
+    b = _write_run(tmp_path / "b", base * 1.5, samples=64, meta=loaders)
+    # B's every 10th step also iterates the evaluation loader's 500 samples, in 5x the time
+    rec = np.fromfile(b / "steps.bin", dtype=STEP_DTYPE)
+    rec["samples"][9::10] += 500
+    rec["dur_ns"][9::10] *= 5
+    rec["other_ns"] = rec["dur_ns"]
+    rec.tofile(b / "steps.bin")
+    r = compare_runs(load_run(a), load_run(b))
+    assert r["metric"] == "time_per_sample"
+    # the evaluation's samples are no training work: 64 a step, the time all of it
+    steady = rec[r["b"]["steps"]["warmup"]:]
+    assert r["mean_b"] == pytest.approx(steady["dur_ns"].sum() / 1e9 / (64 * len(steady)))
+    assert r["ratio"] == pytest.approx(1 / r["throughput"]["samples_per_s_ratio"], rel=1e-9)
 
 
 def test_a_run_that_shared_its_machine_is_noted(tmp_path: Path) -> None:
@@ -511,3 +590,159 @@ def test_a_batch_sampler_of_the_same_size_is_not_a_batch_size_change(tmp_path: P
     assert before["dataloader[0].batch_size"] == after["dataloader[0].batch_size"]
     assert "dataloader[0].batch_sampler_batch_size" not in after
     assert before["dataloader[0].batch_sampler"] != after["dataloader[0].batch_sampler"]
+
+
+def test_flops_utilization_is_rounded_as_the_summary_rounds_it(tmp_path: Path) -> None:
+    """An input-bound run at 0.38% of the peak and its fix at 1.02% read "0%" and "1%" in
+    compare, "0.4%" and "1.0%" in each run's summary (one decimal below 10%)."""
+    from trainprof.report.html import render_compare_html
+
+    rng = np.random.default_rng(10)
+    base = 100 + rng.normal(0, 2, 60)
+    result = compare_runs(load_run(_write_run(tmp_path / "a", base)),
+                          load_run(_write_run(tmp_path / "b", base * 0.4)))
+    for side, used in (("a", 0.0038), ("b", 0.0102)):
+        result[side]["compute"] = {"flops_per_step": 58.6e6, "flops_per_s": None,
+                                   "utilization": used}
+    out = io.StringIO()
+    render_compare(result, file=out)
+    row = next(ln for ln in out.getvalue().splitlines() if "FLOPs utilization" in ln)
+    assert row.split()[-2:] == ["0.4%", "1.0%"]
+    page = render_compare_html(result, tmp_path / "c.html").read_text()
+    row = page[page.index("<th>compute.utilization</th>"):]
+    assert row[:row.index("</tr>")].endswith("<td>0.4%</td><td>1.0%</td>")
+
+
+def _loader(**settings: object) -> dict:
+    """A DataLoader as the capture describes it (capture/hooks.describe_loader)."""
+    return {"index": 0, "dataset": "__main__.Batches", "len": None, "batch_size": None,
+            "num_workers": 0, "pin_memory": False, "prefetch_factor": None,
+            "persistent_workers": False, "drop_last": False, "timeout": 0,
+            "collate_fn": "torch.utils.data._utils.collate.default_convert",
+            "sampler": "torch.utils.data.dataloader._InfiniteConstantSampler",
+            "batch_sampler": None, "multiprocessing_context": None, "in_order": True,
+            "iterable_dataset": True, **settings}
+
+
+def test_what_changed_says_each_change_once_and_the_phase_only_where_known(
+        tmp_path: Path) -> None:
+    """examples/batches_in_loop.py --workers 2: its batches made in a DataLoader's workers,
+    where the plain run made them in the loop. The table listed 13 rows, one per attribute
+    of the new loader (``timeout``, ``in_order``, ...), each "acts on backward", and the
+    command line "acts on" whichever phase moved most."""
+    rng = np.random.default_rng(13)
+    base = 100 + rng.normal(0, 2, 120)
+    cmd = ["python", "batches_in_loop.py"]
+    fp = {"cpu": {"usable_cores": 2}}
+    # the loop's batch making is 'other' in A; B waits for the workers' batches instead
+    a = _write_run(tmp_path / "a", base, data_ms=base * 0.1, phase="forward",
+                   meta={"command": cmd, "fingerprint": fp})
+    b = _write_run(tmp_path / "b", base * 0.5, data_ms=base * 0.1,
+                   meta={"command": [*cmd, "--workers", "2"], "fingerprint": fp,
+                         "dataloaders": [_loader(num_workers=2, prefetch_factor=2)]})
+    r = compare_runs(load_run(a), load_run(b))
+    assert r["verdict"] == "faster" and r["explains"] == "other"
+    rows = {it["key"]: it for it in r["environment_diff"]}
+    assert set(rows) == {"dataloader[0]", "command"}
+    loader = rows["dataloader[0]"]
+    assert (loader["a"], loader["b"]) == (
+        "(none)", "num_workers=2, batch_size=None, dataset=__main__.Batches")
+    # a new loader and a command line can act on any phase: neither names one
+    assert loader["acts_on"] is None and rows["command"]["acts_on"] is None
+    out = io.StringIO()
+    render_compare(r, file=out)
+    table = out.getvalue()[out.getvalue().index("What changed"):]
+    assert len([ln for ln in table.splitlines()[2:] if ln.strip()]) == 2
+
+
+def test_a_loaders_changed_settings_are_one_row(tmp_path: Path) -> None:
+    """num_workers 0 -> 2 is one change: torch's prefetch_factor None -> 2 follows it. With
+    pin_memory changed too, the loader's row holds both, the setting that acts most first."""
+    rng = np.random.default_rng(14)
+    base = 100 + rng.normal(0, 2, 120)
+    a = _write_run(tmp_path / "a", base, data_ms=base * 0.8,
+                   meta={"dataloaders": [_loader()]})
+    b = _write_run(tmp_path / "b", base * 0.3, data_ms=base * 0.1,
+                   meta={"dataloaders": [_loader(num_workers=2, prefetch_factor=2)]})
+    c = _write_run(tmp_path / "c", base * 0.3, data_ms=base * 0.1,
+                   meta={"dataloaders": [_loader(num_workers=2, prefetch_factor=2,
+                                                 pin_memory=True, persistent_workers=True)]})
+    r = compare_runs(load_run(a), load_run(b))
+    (row,) = r["environment_diff"]
+    assert (row["key"], row["a"], row["b"], row["acts_on"]) == (
+        "dataloader[0].num_workers", 0, 2, "data_wait")
+    assert r["likely_cause"]["key"] == "dataloader[0].num_workers"
+    r = compare_runs(load_run(a), load_run(c))
+    (row,) = r["environment_diff"]
+    assert row["key"] == "dataloader[0]" and row["acts_on"] == "data_wait"
+    assert row["settings"] == {"num_workers": [0, 2], "pin_memory": [False, True],
+                               "persistent_workers": [False, True]}
+    assert (row["a"], row["b"]) == (
+        "num_workers=0, pin_memory=False, persistent_workers=False",
+        "num_workers=2, pin_memory=True, persistent_workers=True")
+    # the setting acts on the phase that carries the change: named before anything else
+    assert r["likely_cause"] == {"kind": "setting", "key": "dataloader[0]", "a": row["a"],
+                                 "b": row["b"], "also_load": None}
+
+
+def test_a_command_line_change_names_no_phase(tmp_path: Path) -> None:
+    """`--eval-interval 370` was marked "acts on data wait": the phase that happened to move
+    most. A command line can change anything and names no mechanism."""
+    rng = np.random.default_rng(15)
+    base = 100 + rng.normal(0, 2, 120)
+    a = _write_run(tmp_path / "a", base, data_ms=base * 0.5,
+                   meta={"command": ["python", "train.py", "--eval-interval", "10"]})
+    b = _write_run(tmp_path / "b", base * 0.7, data_ms=base * 0.2,
+                   meta={"command": ["python", "train.py", "--eval-interval", "370"]})
+    r = compare_runs(load_run(a), load_run(b))
+    assert r["explains"] == "data_wait"
+    (row,) = r["environment_diff"]
+    assert (row["change_a"], row["change_b"], row["acts_on"]) == (
+        "--eval-interval 10", "--eval-interval 370", None)
+    out = io.StringIO()
+    render_compare(r, file=out)
+    line = next(ln for ln in out.getvalue().splitlines() if "--eval-interval 370" in ln
+                and ln.lstrip().startswith("1"))
+    assert line.split()[-1] == "—"
+
+
+def test_op_timings_of_the_same_ops_are_no_change(tmp_path: Path) -> None:
+    """The same model's attention, timed op by op in two steps of each run under load, read
+    "attention op by op 420 µs → 6.4 ms ×15.4" as if it had changed. The same ops under the
+    same settings: the times of each run, no ratio; other ops (a longer sequence) or a
+    setting of the model's math (a torch upgrade): the ratio."""
+    rng = np.random.default_rng(16)
+    base = 100 + rng.normal(0, 2, 80)
+    shape = {"batch": 8, "query_len": 128, "key_len": 128, "head_dim": 64,
+             "dtype": "float32", "device": "cpu", "flops_per_step": 1.6e8}
+
+    def run(name: str, seconds: float, meta: dict | None = None, **changed: object) -> Run:
+        path = _write_run(tmp_path / name, base, meta=meta)
+        (path / "ops.json").write_text(json.dumps({"steps": 2, "eager_attention": [
+            {**shape, **changed, "s_per_step": seconds}]}))
+        return load_run(path)
+
+    from trainprof.store import Run
+
+    a = run("a", 420e-6)
+    r = compare_runs(a, run("b", 6.4e-3, meta={"command": ["python", "t.py", "--workers", "2"]}))
+    assert r["a"]["attention_s_per_step"] == pytest.approx(420e-6)
+    assert r["attention"] == {"same_ops": True, "settings_changed": [], "ratio": None}
+    out = io.StringIO()
+    render_compare(r, file=out)
+    row = next(ln for ln in out.getvalue().splitlines() if "attention op by op" in ln)
+    assert row.split()[-6:] == ["420", "µs", "6.4", "ms", "same", "ops"]
+    # longer sequences: other ops, a change
+    r = compare_runs(a, run("c", 6.4e-3, query_len=512, key_len=512, flops_per_step=2.6e9))
+    assert r["attention"]["same_ops"] is False
+    assert r["attention"]["ratio"] == pytest.approx(6.4e-3 / 420e-6)
+    out = io.StringIO()
+    render_compare(r, file=out)
+    assert "×15.2" in next(ln for ln in out.getvalue().splitlines() if "attention op by" in ln)
+    # the same ops on another torch: a setting of the model's math changed
+    torch = {"fingerprint": {"torch": {"version": "2.13.0"}, "gpus": []}}
+    base_torch = run("d", 420e-6, meta=torch)
+    r = compare_runs(base_torch, run("e", 6.4e-3, meta={
+        "fingerprint": {"torch": {"version": "2.14.0"}, "gpus": []}}))
+    assert r["attention"]["settings_changed"] == ["torch.version"]
+    assert r["attention"]["ratio"] == pytest.approx(6.4e-3 / 420e-6)

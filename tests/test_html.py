@@ -756,7 +756,7 @@ def test_compare_page_renders_whatever_it_gets(browser: Browser, tmp_path: Path)
             assert page.js("window.__pwned === undefined")
             if path.name == "partial.html":
                 body = page.js("document.body.innerText")
-                assert "median B / A = 1.120× (95% CI 1.080–1.170)" in body
+                assert "mean time per step B / A = 1.120× (95% CI 1.080–1.170)" in body
                 assert INJECT in page.js("document.getElementById('more').textContent")
                 assert INJECT in page.js("document.getElementById('tp-runs').textContent")
             if path.name == "odd.html":

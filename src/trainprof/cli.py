@@ -239,7 +239,8 @@ def build_parser() -> _Parser:
     compare.add_argument("--html", type=Path, metavar="PATH", help="also write an HTML report")
     compare.add_argument("--fail-if-slower", type=_positive_float, metavar="PCT",
                          help="exit 1 when B is significantly slower than A by more than PCT "
-                         "%%; exit 2 when too few steady steps left nothing to compare")
+                         "%% (the headline's time per step, sample or GFLOP); exit 2 when too "
+                         "few steady steps left nothing to compare")
 
     tune = sub.add_parser(
         "tune",

@@ -22,17 +22,17 @@ favouring the arms that happened to run last - the randomised block design of an
 :func:`trainprof.analysis.steps.detect_warmup`: the definition every trainprof report uses).
 Per arm, the steps of all its usable trials (finished, exit code 0) are pooled, and the
 compared statistic is their **mean** step time - seconds per steady step, i.e. 1 / steps/s,
-the same quantity as samples/s (samples / seconds over the pooled steady steps, the summary's
-definition). Not the median, which ``trainprof compare`` uses for one run against another:
-with DataLoader workers, step times often alternate (a step that finds its batch ready, one
-that waits for the next worker: 7, 20, 6, 19 ms ...), and the median of such a series lands on
-either mode by chance - measured here, two trials of one setting had medians of 17 and 7 ms
-and means of 13.4 and 13.2 ms. The mean is what a training run pays; rare hiccups widen its
-interval (the bootstrap sees them) rather than bias the comparison, and a knob that removes
-rare costs (``gc_freeze``) is credited for it. The median and p10/p90 are still reported.
-When the arms put different numbers of samples in a step (a ``batch_size`` knob), a step is
-not comparable across arms and **time per sample** is compared instead, as ``trainprof
-compare`` does.
+the same quantity as samples/s (samples / seconds over the pooled steady steps, the
+summary's definition), and what ``trainprof compare`` compares for one run against another.
+Not the median: with DataLoader workers, step times often alternate (a step that finds its
+batch ready, one that waits for the next worker: 7, 20, 6, 19 ms ...), and the median of
+such a series lands on either mode by chance - measured here, two trials of one setting had
+medians of 17 and 7 ms and means of 13.4 and 13.2 ms. The mean is what a training run pays;
+rare hiccups widen its interval (the bootstrap sees them) rather than bias the comparison,
+and a knob that removes rare costs (``gc_freeze``) is credited for it. The median and
+p10/p90 are still reported. When the arms put different numbers of samples in a step (a
+``batch_size`` knob), a step is not comparable across arms and **time per sample** is
+compared instead, as ``trainprof compare`` does.
 
 **Ratio, interval, verdict.** ``ratio`` = mean(arm) / mean(baseline); its 95% interval is
 the two-level bootstrap of :mod:`trainprof.experiments.stats` (trials, then blocks of steps):

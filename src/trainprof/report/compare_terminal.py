@@ -1,9 +1,10 @@
 """The terminal view of ``trainprof compare`` (rich). It renders a comparison; it computes nothing.
 
 The verdict comes first, on one line, because that is what a person (or a CI log) reads:
-faster, slower or no significant difference, by how much, with the interval, and the phase
-that explains it. Below it: step-time distributions side by side, the per-phase deltas and the
-environment diff, most likely explanation first.
+faster, slower or no significant difference in the time per unit of work (step, sample or
+GFLOP: the unit is named), by how much, with the interval, and the phase that explains it.
+Below it: step-time distributions side by side, the per-phase deltas and the environment
+diff, most likely explanation first.
 """
 
 from __future__ import annotations
@@ -16,10 +17,19 @@ from rich.text import Text
 
 from trainprof.analysis.compare import per_unit
 from trainprof.report.console import fmt_ratio, keep_numbers_whole, make_console
-from trainprof.report.terminal import fmt_bytes, fmt_flops, fmt_pct, fmt_time
+from trainprof.report.terminal import (
+    fmt_bytes,
+    fmt_flops,
+    fmt_pct,
+    fmt_time,
+    utilization_text,
+)
 
 #: Environment-diff rows shown; the rest is in --json.
 MAX_ENV_ROWS = 15
+#: The median's ratio joins the headline when it is this far from the compared mean's (either
+#: way): typical steps then tell another story than the run's total (an evaluation gone).
+MEDIAN_APART = 1.1
 
 _PHASE_LABEL = {
     "data_wait": "data wait",
@@ -60,12 +70,19 @@ def verdict_line(result: dict[str, Any]) -> Text:
     else:
         line.append("No significant difference between A and B", style="bold yellow")
         line.append(f": {change}")
+    # the compared figure: the runs' time per unit of work (the median ignores the rare
+    # long steps a run pays for, and read +11% on a 25% speed-up)
     line.append(
-        f" (median {fmt_time(result.get('median_a'))} → "
-        f"{fmt_time(result.get('median_b'))}, {fmt_ratio(ratio)}"
+        f" (mean {fmt_time(result.get('mean_a'))} → "
+        f"{fmt_time(result.get('mean_b'))}, {fmt_ratio(ratio)}"
     )
     if ci and ci[0] is not None:
         line.append(f", {conf}% CI {fmt_ratio(ci[0])}–{fmt_ratio(ci[1])}")
+    median = result.get("median_ratio")
+    if isinstance(median, int | float) and median > 0 and ratio > 0 and (
+            max(median / ratio, ratio / median) > MEDIAN_APART):
+        what = per if per in ("step", "iteration") else f"time per {per}"
+        line.append(f"; median {what} {fmt_ratio(median)}")
     line.append(")")
     explains = result.get("explains")
     if verdict == "no_difference":
@@ -144,6 +161,11 @@ def _steps_table(result: dict[str, Any]) -> Table:
             "—" if y is None else fmt.format(y),
             fmt_ratio(y / x) if x and y is not None else "—",
         )
+    per = per_unit(result)
+    if per in ("sample", "GFLOP"):  # the headline's figure, beside the steps it comes from
+        x, y = result.get("mean_a"), result.get("mean_b")
+        table.add_row(f"time per {per}", fmt_time(x), fmt_time(y),
+                      fmt_ratio(y / x) if x and y is not None else "—")
     if a.get("samples_per_step") is not None or b.get("samples_per_step") is not None:
         table.add_row("samples/step", _short(a.get("samples_per_step")),
                       _short(b.get("samples_per_step")), "")
@@ -153,12 +175,18 @@ def _steps_table(result: dict[str, Any]) -> Table:
         table.add_row("FLOPs/step", fmt_flops(x), fmt_flops(y),
                       fmt_ratio(y / x) if x and y is not None else "—")
         x, y = comp_a.get("utilization"), comp_b.get("utilization")
-        table.add_row("FLOPs utilization", "—" if x is None else f"{x * 100:.0f}%",
-                      "—" if y is None else f"{y * 100:.0f}%", "")
+        # the summary's own rounding: one decimal below 10% (0.3%, not 0%)
+        table.add_row("FLOPs utilization", "—" if x is None else utilization_text(x),
+                      "—" if y is None else utilization_text(y), "")
     x, y = a.get("attention_s_per_step"), b.get("attention_s_per_step")
     if x or y:
+        # a ratio only where the ops or a setting of the model's math changed: the same ops
+        # timed in two other steps differ by the window's noise (analysis/compare._attention)
+        att = result.get("attention") or {}
+        ratio = att.get("ratio")
         table.add_row("attention op by op", _attention(x), _attention(y),
-                      fmt_ratio(y / x) if x and y else "—")
+                      fmt_ratio(ratio) if ratio else "same ops" if att.get("same_ops") and (
+                          x and y) else "—")
     pad_a, pad_b = a.get("padding") or {}, b.get("padding") or {}
     for index in sorted(set(pad_a) | set(pad_b)):
         x, y = pad_a.get(index), pad_b.get(index)

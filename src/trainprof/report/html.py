@@ -1073,7 +1073,8 @@ def html_page(summary: dict[str, Any], run: Run) -> str:
 # -- compare -----------------------------------------------------------------------------------
 
 _COMPARE_KEYS = ("verdict", "ratio", "ci", "phases", "environment_diff", "a", "b", "notes",
-                 "explains", "median_a", "median_b", "metric", "unit", "change_pct",
+                 "explains", "median_a", "median_b", "mean_a", "mean_b", "median_ratio",
+                 "statistic", "metric", "unit", "change_pct",
                  "confidence", "significant")
 
 
@@ -1098,7 +1099,7 @@ def _compare_headline(result: dict[str, Any]) -> str:
         parts.append(f'<p class="headline{cls}" id="tp-verdict">{esc(verdict)}</p>')
     ratio, ci = result.get("ratio"), result.get("ci")
     if isinstance(ratio, int | float) and not isinstance(ratio, bool):
-        text = f"median B / A = {ratio:.3f}×"
+        text = f"mean time per {per_unit(result)} B / A = {ratio:.3f}×"
         lo = hi = None
         if isinstance(ci, list | tuple) and len(ci) == 2:
             lo, hi = ci
@@ -1203,10 +1204,11 @@ def _side_by_side(a: Any, b: Any) -> str:
         last = key.rsplit(".", 1)[-1]
         if key.startswith("breakdown."):
             last += "_share"
-        rows.append(
-            f"<tr><th>{esc(key)}</th><td>{_cell(last, fa.get(key))}</td>"
-            f"<td>{_cell(last, fb.get(key))}</td></tr>"
-        )
+        cells = [_cell(last, side.get(key)) for side in (fa, fb)]
+        if key == "compute.utilization":  # a fraction of the peak, as the summary writes it
+            cells = [utilization_text(v) if _number(v) is not None else c
+                     for v, c in zip((fa.get(key), fb.get(key)), cells, strict=True)]
+        rows.append(f"<tr><th>{esc(key)}</th><td>{cells[0]}</td><td>{cells[1]}</td></tr>")
     return (
         '<div class="scroll"><table class="kv" id="tp-runs"><thead><tr><th></th><th>A</th>'
         f"<th>B</th></tr></thead><tbody>{''.join(rows)}</tbody></table></div>"
