@@ -15,6 +15,9 @@ finding estimated:
 * ``not confirmed``: no significant difference: the fix does not matter here, or more
   ``--trials`` are needed (the interval says which);
 * ``refuted``: significantly slower: keep the current setting;
+* ``did not help``: significantly slower, where the knob is only an aside of the finding
+  (its main fix is a code change: :func:`knob_role`): the verdict is the knob's, and the
+  finding stands or falls by its main fix, measured as its verify line says;
 * ``not applicable``: the knob changed nothing in this script (a DataLoader knob where
   the script makes none);
 * ``unsettled``: the fastest arm's trials disagree too much to size the change (one ran
@@ -47,6 +50,7 @@ VERDICTS = {
     "beyond the bound": "faster than the estimate allowed",
     "not confirmed": "no significant difference",
     "refuted": "significantly slower",
+    "did not help": "an aside knob, not the finding's main fix, was significantly slower",
     "not applicable": "the knob changed nothing in this script",
     "unsettled": "the trials disagree too much to size the change",
     "no data": "no arm has a usable measurement",
@@ -63,6 +67,29 @@ def measures_fix(verify: str) -> bool:
     change") has a fix that is a code change; a knob further on is an aside (a worker for a
     thread) or the bound (``synthetic_data``: the most any input fix can gain)."""
     return verify.lstrip("` ").startswith("trainprof tune")
+
+
+def knob_role(verify: str) -> str:
+    """What the knob verify measures is to the finding, by its verify line
+    (:func:`knob_specs` picks it): ``fix`` (the line starts with its ``trainprof tune``: the
+    knob applies the fix itself, judged against the estimate), ``bound`` (a fix that is a
+    code change, measured by ``synthetic_data``: the most any input fix can give, a ceiling
+    to set against the estimate, not a fix to apply) or ``aside`` (a fix that is a code
+    change, measured by another knob of its line: a worker for a thread, 16-bit gradients
+    beside gradient accumulation; what it says is the knob's, not the finding's). A finding
+    whose knob is only part of its fix writes the code change first, as the convention of
+    :func:`measures_fix` says."""
+    if "trainprof tune" not in verify or measures_fix(verify):
+        return "fix"
+    specs, _ = knob_specs(verify)
+    return "bound" if any(s.startswith("synthetic_data=") for s in specs) else "aside"
+
+
+def main_measure(verify: str) -> str:
+    """How a verify line measures the finding's main fix: its first part, up to the first
+    ``;`` (the asides and the bound come after it) - "`trainprof run t.py` after the
+    change, then trainprof compare ..." where the fix is a code change."""
+    return verify.split(";", 1)[0].strip()
 
 
 def knob_specs(verify: str) -> tuple[list[str], int | None]:
@@ -192,11 +219,13 @@ def judge(finding: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
     bound = float(finding.get("estimated_gain") or 0.0)
     unknown = bool((finding.get("evidence") or {}).get("gain_unknown"))
     verify = str(finding.get("verify") or "")
+    role = knob_role(verify)
     # a knob beside a fix that is a code change: the estimate is not this knob's to meet
-    aside = ("trainprof tune" in verify and not measures_fix(verify)
-             and "--knob synthetic_data" not in verify)
+    aside = role == "aside"
     out: dict[str, Any] = {"estimated_gain": bound, "gain_unknown": unknown or aside,
-                           "aside": aside}
+                           "aside": aside, "role": role}
+    if role != "fix":  # the knob is not the fix: the verdict names how to measure that
+        out["main_fix"] = main_measure(verify)
     if not measured:
         return {**out, "verdict": "no data", "arm": None}
     best = min(measured, key=lambda a: a["ratio"])
@@ -219,7 +248,10 @@ def judge(finding: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
                   and least > bound)
         verdict = "beyond the bound" if beyond else "confirmed"
     elif best.get("verdict") == "slower":  # even the fastest arm: all of them are
-        verdict = "refuted"
+        # an aside's cost refutes the aside, not the finding (DDP's 16-bit gradients
+        # between ranks of one host, beside gradient accumulation: "refuted" dropped a
+        # sound diagnosis)
+        verdict = "did not help" if aside else "refuted"
     elif best.get("verdict") == "no_effect":  # the knob did not apply: nothing measured
         verdict = "not applicable"
     elif best.get("verdict") == "unsettled":  # its rounds disagree: no size to judge
