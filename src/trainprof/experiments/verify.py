@@ -22,7 +22,10 @@ finding estimated:
   the script makes none);
 * ``unsettled``: the fastest arm's trials disagree too much to size the change (one ran
   far slower than the others: outside load), whatever its interval says - rerun with more
-  ``--trials`` on a quieter machine (:data:`trainprof.experiments.tune.UNSETTLED_SPREAD`).
+  ``--trials`` on a quieter machine (:data:`trainprof.experiments.tune.UNSETTLED_SPREAD`);
+  or it or the baseline has one usable trial (``--trials 1``, Ctrl-C after the first
+  round), whose interval is within that trial, blind to the noise between trials
+  (:data:`trainprof.experiments.tune.MIN_TRIALS`).
 
 The first value of a knob is the baseline: the run's own setting where its record tells it
 (a DataLoader's ``num_workers``, the training thread's ``torch_threads``), else as the
@@ -52,7 +55,8 @@ VERDICTS = {
     "refuted": "significantly slower",
     "did not help": "an aside knob, not the finding's main fix, was significantly slower",
     "not applicable": "the knob changed nothing in this script",
-    "unsettled": "the trials disagree too much to size the change",
+    "unsettled": "the trials disagree too much, or are too few (one a side), to size the "
+                 "change",
     "no data": "no arm has a usable measurement",
 }
 
@@ -254,9 +258,10 @@ def judge(finding: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
         verdict = "did not help" if aside else "refuted"
     elif best.get("verdict") == "no_effect":  # the knob did not apply: nothing measured
         verdict = "not applicable"
-    elif best.get("verdict") == "unsettled":  # its rounds disagree: no size to judge
+    elif best.get("verdict") == "unsettled":  # its rounds disagree, or one trial: no size
         verdict = "unsettled"
         out["round_ratios"] = best.get("round_ratios")
+        out["unsettled_by"] = best.get("unsettled_by")
     else:
         verdict = "not confirmed"
     return {**out, "verdict": verdict}

@@ -50,8 +50,11 @@ def verdict_line(result: dict[str, Any]) -> Text:
     # trials flagged under outside load, named in the verdict (tune's notes list each one)
     load = load_text([{"outside_load": x} for x in result.get("outside_load") or []])
     per = "time per sample" if result.get("metric") == "time_per_sample" else "step time"
+    one_trial = verdict == "unsettled" and result.get("unsettled_by") == "one_trial"
     measured = (f"{result['arm']} ran at {fmt_ratio(result['ratio'])} of the baseline's {per} "
-                f"(95% CI {fmt_ratio(lo)}–{fmt_ratio(hi)})")
+                + (f"(one trial a side: its 95% CI {fmt_ratio(lo)}–{fmt_ratio(hi)} is within "
+                   "that trial only)" if one_trial
+                   else f"(95% CI {fmt_ratio(lo)}–{fmt_ratio(hi)})"))
     if verdict in ("confirmed", "beyond the bound"):
         measured += (f", {_pct(result.get('saving'))} off with the input made free"
                      if role == "bound" else f", {_pct(result.get('saving'))} saved")
@@ -67,6 +70,10 @@ def verdict_line(result: dict[str, Any]) -> Text:
                      f"than the others: {load or 'outside load?'}); rerun with more --trials "
                      "on a quieter machine",
     }.get(verdict, "")
+    if one_trial:  # an interval over one trial's steps says nothing of the next trial
+        advice = ("one trial per arm cannot tell the fix from the noise between trials (trials "
+                  "of one setting can differ by tens of percent): rerun with --trials 3 or "
+                  "more")
     if role == "aside" and verdict == "not confirmed":
         advice = "no significant difference: more --trials, or the knob does not matter here"
     if role == "bound":  # the step with the input free: what it says of the estimate
@@ -78,7 +85,7 @@ def verdict_line(result: dict[str, Any]) -> Text:
             "refuted": "the step was no faster with the input made free: no input fix can "
                        "help here",
         }.get(verdict, advice)
-    if load and verdict != "unsettled":
+    if load and (verdict != "unsettled" or one_trial):
         advice += f" ({load})" if advice else load
     rounds = result.get("round_ratios")
     if verdict == "unsettled" and rounds:
