@@ -487,3 +487,54 @@ def test_a_gone_interpreter_is_named_and_another_torch_refused(tmp_path, monkeyp
     assert "OMP_NUM_THREADS" not in setting.environ()
     with pytest.raises(UsageError, match="no such script: missing.py"):
         run_setting(meta, "missing.py", False, tmp_path)
+
+
+def test_a_crashed_runs_trials_stop_before_the_crash():
+    """A script that raised at its step 50: verify's trials of 60 steps crashed there too,
+    and it said "no data", throwing away their 50 steps each."""
+    from trainprof.experiments.verify import trial_steps
+    from trainprof.report.terminal import verify_hint
+
+    crashed = {"run_dir": "R", "status": "crashed", "steps": {"count": 50}}
+    assert trial_steps(crashed, None, None) == (50, "the run crashed after 50 steps: its "
+                                                    "trials run 50 steps, to stop before the "
+                                                    "crash (--steps to choose)")
+    assert trial_steps(crashed, None, 30)[0] == 30  # the verify line's, already short enough
+    assert trial_steps(crashed, None, 400)[0] == 50
+    # --steps as given (the script may have been fixed), said up front
+    assert trial_steps(crashed, 80, None) == (80, "the run crashed after 50 steps: trials of "
+                                                  "--steps 80 go past that point and crash "
+                                                  "there too unless the script was fixed "
+                                                  "since")
+    assert trial_steps(crashed, 40, None)[1].endswith("trials of --steps 40 stop before that")
+    assert trial_steps({"status": "finished"}, None, None) == (60, None)
+    assert trial_steps({"status": "interrupted", "steps": {"count": 5}}, None, 400) == (400,
+                                                                                        None)
+    too_soon = {"run_dir": "R", "status": "crashed", "steps": {"count": 3}}
+    with pytest.raises(UsageError, match=r"^the run crashed after 3 steps, too few for trials "
+                       r"that stop before the crash \(at least 10\): fix the crash, run the "
+                       r"script again and verify that run$"):
+        trial_steps(too_soon, None, None)
+    # the summary names verify as it works, and not where it cannot
+    fix = _finding("float64", "trainprof tune --knob float32=false,true t.py")
+    assert verify_hint(crashed, [fix]).endswith(
+        "(its knob on this script, against its estimate; the run crashed after 50 steps: its "
+        "trials stop before that)")
+    assert verify_hint(too_soon, [fix]) is None
+
+
+def test_verify_of_a_crashed_run_measures_the_steps_before_the_crash(tmp_path):
+    crashing = DOUBLE.replace("for step in range(60):\n", "for step in range(100):\n"
+                              "    if step == 30:\n        raise RuntimeError('a bad batch')\n")
+    write_script(tmp_path, "train.py", crashing)
+    run = trainprof("run", "--no-html", "train.py", cwd=tmp_path)
+    assert run.returncode != 0 and "a bad batch" in run.stderr
+    res = trainprof("verify", "--trials", "1", "--out", str(tmp_path / "v"), str(run.run_dir),
+                    cwd=tmp_path, timeout=240)
+    assert res.returncode == 0, res.stderr
+    assert ("the run crashed after 30 steps: its trials run 30 steps, to stop before the "
+            "crash") in res.stdout
+    tune = json.loads((tmp_path / "v" / "tune.json").read_text())
+    trials = [t for arm in tune["arms"] for t in arm["trials"]]
+    assert [(t["status"], t["exit_code"], t["steps"]) for t in trials] == [("finished", 0, 30)] * 2
+    assert json.loads((tmp_path / "v" / "verify.json").read_text())["verdict"] != "no data"

@@ -31,7 +31,8 @@ The first value of a knob is the baseline: the run's own setting where its recor
 (a DataLoader's ``num_workers``, the training thread's ``torch_threads``), else as the
 finding wrote it (the current setting first: ``channels_last=false,true``). With several
 values or knobs, the fastest arm is the one judged. Launch folders (torchrun, srun:
-``ranks/`` without a record of their own) are refused: their command is one rank's.
+``ranks/`` without a record of their own) are refused: their command is one rank's. A run
+that crashed is rerun to the step it crashed after, not past it (:func:`trial_steps`).
 """
 
 from __future__ import annotations
@@ -59,6 +60,12 @@ VERDICTS = {
                  "change",
     "no data": "no arm has a usable measurement",
 }
+
+#: Steps per trial where neither ``--steps`` nor the verify line says.
+DEFAULT_STEPS = 60
+#: A run that crashed after fewer complete steps than this is refused: trials that stop
+#: before the crash would have too few steady steps to measure anything.
+MIN_CRASH_STEPS = 10
 
 #: ``--knob NAME=V1,V2`` and ``--steps N`` in a verify line's tune command.
 _KNOB = re.compile(r"--knob\s+([a-z_0-9]+=[A-Za-z0-9_.,\-]+)")
@@ -165,6 +172,47 @@ def current_first(specs: list[str], meta: dict[str, Any]) -> list[str]:
             texts.insert(0, current)
         out.append(f"{name}={','.join(texts)}")
     return out
+
+
+def crashed_after(summary: dict[str, Any]) -> int | None:
+    """The complete steps a run made before it crashed (its summary's count), None where it
+    did not crash."""
+    if summary.get("status") != "crashed":
+        return None
+    return int((summary.get("steps") or {}).get("count") or 0)
+
+
+def trial_steps(summary: dict[str, Any], asked: int | None, line_steps: int | None
+                ) -> tuple[int, str | None]:
+    """How many steps each trial runs (``--steps``, else the verify line's, else
+    :data:`DEFAULT_STEPS`), and what to say of it up front.
+
+    The trials rerun the run's own command, so a script that raised at its step 50 raises
+    there again: trials of 60 steps all crashed, and verify said "no data" having thrown
+    their 50 steps away. For a crashed run the trials stop at the steps it completed (the
+    stop comes at a step's end, before the next one starts); ``--steps`` as given is kept
+    (the script may have been fixed since), with a warning if it goes past the crash. A run
+    that crashed after fewer than :data:`MIN_CRASH_STEPS` is refused (UsageError)."""
+    steps = asked or line_steps or DEFAULT_STEPS
+    done = crashed_after(summary)
+    if done is None:
+        return steps, None
+    if asked is not None:
+        return asked, (f"the run crashed after {_steps_text(done)}: trials of --steps {asked} "
+                       + ("stop before that" if asked <= done else
+                          "go past that point and crash there too unless the script was "
+                          "fixed since"))
+    if done < MIN_CRASH_STEPS:
+        raise UsageError(f"the run crashed after {_steps_text(done)}, too few for trials that "
+                         f"stop before the crash (at least {MIN_CRASH_STEPS}): fix the crash, "
+                         "run the script again and verify that run")
+    steps = min(steps, done)
+    return steps, (f"the run crashed after {_steps_text(done)}: its trials run {steps} steps, "
+                   "to stop before the crash (--steps to choose)")
+
+
+def _steps_text(n: int) -> str:
+    return f"{n} step" if n == 1 else f"{n} steps"
 
 
 def _main_rank_meta(run_dir: Path) -> dict[str, Any]:
@@ -285,6 +333,7 @@ def verify_command(run_dir: Path, *, finding: int | None, steps: int | None, tri
     run = load_run(run_dir)  # its words for a folder that is missing or holds no run, as report's
     summary, _ = analyse_folder(run_dir)
     number, chosen, specs, verify_steps = pick_finding(summary.get("findings") or [], finding)
+    steps, crash_note = trial_steps(summary, steps, verify_steps)
     # the settings the finding read: the main rank's where the script spawned its ranks
     # (the launching process kept its own: 2 threads where each rank set 1); the command
     # stays the launching process's, the one the user ran
@@ -296,12 +345,15 @@ def verify_command(run_dir: Path, *, finding: int | None, steps: int | None, tri
     head = {"run_dir": str(run_dir), "finding_number": number,
             "finding": {k: chosen.get(k) for k in ("category", "cause", "title", "severity",
                                                    "estimated_gain", "verify")},
-            "knobs": specs, "cwd": str(cwd) if cwd else None}
+            "knobs": specs, "cwd": str(cwd) if cwd else None, "steps": steps,
+            "crashed_after": crashed_after(summary)}
     if not json_out:
         print(f"trainprof verify: finding {number} of {run_dir}: {chosen.get('title')}\n"
               f"  measuring {' '.join('--knob ' + s for s in specs)} on "
               f"{' '.join([('-m ' if module else '') + target, *args])}"
               + (f" (in {cwd})" if cwd else ""), flush=True)
+    if crash_note:  # before any trial: why they are shorter, or why they may crash
+        print(f"  {crash_note}", file=sys.stderr if json_out else sys.stdout, flush=True)
     here = Path.cwd()
     captured = io.StringIO()
     try:
@@ -318,7 +370,7 @@ def verify_command(run_dir: Path, *, finding: int | None, steps: int | None, tri
             print(f"  {line}", file=sys.stderr if json_out else sys.stdout, flush=True)
         with contextlib.redirect_stdout(captured) if json_out else contextlib.nullcontext():
             code = tune_command(target, args, module=module, knobs=specs,
-                                steps=steps or verify_steps or 60, trials=trials,
+                                steps=steps, trials=trials,
                                 json_out=False, out=tune_dir, baseline=None, setting=setting)
     except UsageError:
         if out is None:  # refused before any trial (the script is gone): no empty folder left

@@ -738,11 +738,13 @@ def verify_hint(summary: dict[str, Any], findings: list[dict[str, Any]]) -> str 
     """The command that measures the first finding a knob can measure (``trainprof
     verify``), for a single-process run (a launch's command is one rank's), said as what
     the knob is to the finding: its fix, an aside of a fix that is a code change, or the
-    most any input fix can give (experiments/verify.knob_role)."""
-    from trainprof.experiments.verify import knob_role
+    most any input fix can give (experiments/verify.knob_role). For a run that crashed, its
+    trials stop before the crash, said so; none where it crashed too soon for verify."""
+    from trainprof.experiments.verify import MIN_CRASH_STEPS, crashed_after, knob_role
 
     run_dir = summary.get("run_dir")
-    if not run_dir or summary.get("ranks"):
+    done = crashed_after(summary)
+    if not run_dir or summary.get("ranks") or (done is not None and done < MIN_CRASH_STEPS):
         return None
     for i, f in enumerate(findings, 1):
         verify = str(f.get("verify") or "")
@@ -757,7 +759,9 @@ def verify_hint(summary: dict[str, Any], findings: list[dict[str, Any]]) -> str 
             "bound": (f"Measure the most finding {i}'s fix can give", "the input made free: "
                       "a ceiling, not the fix"),
         }[knob_role(verify)]
-        return f"{what}: trainprof verify {run_dir}{which}  ({why})"
+        crash = ("" if done is None else
+                 f"; the run crashed after {done} steps: its trials stop before that")
+        return f"{what}: trainprof verify {run_dir}{which}  ({why}{crash})"
     return None
 
 
