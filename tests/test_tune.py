@@ -872,3 +872,33 @@ def test_no_arm_is_best_while_an_unsettled_one_ran_faster(tmp_path: Path) -> Non
     assert doc["arms"][2]["verdict"] == "unsettled"
     assert doc["best"]["name"] == "num_workers=1"
     assert headline(doc).plain.startswith("Best: num_workers=1 is 1.8")
+
+
+def test_the_header_says_steps_are_a_cap_and_where_the_script_ended_trials(tmp_path) -> None:
+    """"2 arms × 3 trials of 60 steps" over a script whose own --steps 40 ended each trial
+    sooner (16-37 steady steps seen): --steps is a cap, and the trials tell the rest."""
+    from trainprof.experiments.tune import _result_text, plan_text
+
+    assert plan_text(2, 3, 60) == ("trainprof tune: 2 arms × 3 trials of up to 60 steps, in "
+                                   "shuffled rounds")
+    arms = build_arms(parse_knobs(["num_workers=0,2"]))
+    rng = np.random.default_rng(13)
+    trials = [_trial(a, t, rng.normal(0.010, 0.0002, 37), 8, tmp_path)
+              for t in range(2) for a in range(2)]
+    for t in trials:
+        t.count = 40  # the script's own loop: 40 steps, 3 of them warm-up
+    trials[1].count = 38
+    assert _result_text(trials[0], 60).endswith("(37 steady steps; the script ended after "
+                                                "40 steps)")
+    assert _result_text(trials[0], 40) == _result_text(trials[0])  # ran to the cap
+    doc = analyse_tune(arms, trials, arms[0], steps=60)
+    assert doc["script_ended_after"] == [38, 40]
+    doc.update(target="train.py", design="one knob", trials_per_arm=2, steps=60,
+               trials_done=4, trials_planned=4, status="finished", tune_dir="T")
+    out = io.StringIO()
+    render_tune(doc, out)
+    assert ("train.py: 2 arms (one knob), 2 trials each of up to 60 steps (the script ended "
+            "them after 38–40 steps); 4/4 trials run") in " ".join(out.getvalue().split())
+    for t in trials:
+        t.count = 60
+    assert analyse_tune(arms, trials, arms[0], steps=60)["script_ended_after"] is None

@@ -850,6 +850,9 @@ def analyse_tune(
                                  if row["samples_per_s"] and base_sps else None),
         )
 
+    # the steps of the trials the script's own loop ended before --steps (for the header)
+    ended = sorted({t.count for t in trials
+                    if not t.stopped and steps is not None and 0 < t.count < steps})
     faster = [r for r in rows if r["verdict"] == "faster"]
     best = min(faster, key=lambda r: r["ratio"]) if faster else None
     if best is not None and any(r["verdict"] == "unsettled" and r["ratio"] < best["ratio"]
@@ -864,6 +867,7 @@ def analyse_tune(
         "metric": "time_per_sample" if per_sample else "step_time",
         "unit": "s/sample" if per_sample else "s/step",
         "baseline": baseline.name,
+        "script_ended_after": [ended[0], ended[-1]] if ended else None,
         "arms": rows,
         "best": None if best is None else {
             "name": best["name"],
@@ -891,10 +895,22 @@ def _clock(seconds: float) -> str:
         f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}")
 
 
-def _result_text(trial: Trial) -> str:
+def plan_text(n_arms: int, trials: int, steps: int) -> str:
+    """The first progress line: what will run. ``--steps`` is a cap (``trainprof run
+    --max-steps``): a script whose own loop is shorter ends its trials sooner, which only
+    the trials tell ("3 trials of 60 steps" over a script of 40 steps read as a promise)."""
+    return (f"trainprof tune: {n_arms} arms × {_plural(trials, 'trial')} of up to "
+            f"{_plural(steps, 'step')}, in shuffled rounds")
+
+
+def _result_text(trial: Trial, steps: int | None = None) -> str:
+    """A trial's progress line: its mean step and steady steps, and where the script ended
+    it before ``steps`` (the cap) - or how it failed."""
     if trial.usable:
+        short = (f"; the script ended after {_plural(trial.count, 'step')}"
+                 if steps is not None and 0 < trial.count < steps else "")
         return (f"{float(trial.dur_s.mean()) * 1e3:.1f} ms/step "
-                f"({len(trial.dur_s)} steady steps)")
+                f"({len(trial.dur_s)} steady steps{short})")
     return f"{trial.status}, exit code {trial.exit_code}"
 
 
@@ -988,7 +1004,8 @@ class _Session:
         trial.stopped = False
         elapsed = time.perf_counter() - self.t_start
         left = elapsed / n * (total - n)
-        self.say(f"{_result_text(trial)}, {trial.wall_s:.1f} s · elapsed {_clock(elapsed)}"
+        self.say(f"{_result_text(trial, self.steps)}, {trial.wall_s:.1f} s · elapsed "
+                 f"{_clock(elapsed)}"
                  + (f", about {_clock(left)} left" if n < total else ""))
         self._explain_failure(trial)
         self._save_progress()
@@ -1094,7 +1111,7 @@ class _Session:
                 trial.exit_code, trial.wall_s = got["exit_code"], float(got["wall_s"])
                 trial.host, trial.job_id = got["host"], str(got["job_id"] or job.job_id)
             self.say(f"[round {t + 1}/{self.trials}] {self.arms[trial.arm].name}: "
-                     f"{_result_text(trial)}, {trial.wall_s:.1f} s"
+                     f"{_result_text(trial, self.steps)}, {trial.wall_s:.1f} s"
                      + (f" on {trial.host}" if trial.host else "")
                      + f" · elapsed {_clock(elapsed)}")
             self._explain_failure(trial)
@@ -1188,8 +1205,7 @@ def tune_command(
         header["executor"] = {"parameters": runner.parameters, "jobs": []}
     session = _Session(target, args, module, steps, trials, tune_dir, arms, base, header,
                        progress if progress is not None else sys.stderr, setting)
-    session.say(f"trainprof tune: {len(arms)} arms × {_plural(trials, 'trial')} of "
-                f"{_plural(steps, 'step')}, in shuffled rounds"
+    session.say(plan_text(len(arms), trials, steps)
                 + (f", each a job ({runner.cluster}, submitit)" if runner else "")
                 + f" → {tune_dir}")
     if runner is not None:

@@ -103,6 +103,16 @@ def _unsettled_why(row: dict[str, Any]) -> str:
     return "its trials disagree too much to size the change"
 
 
+def _ended_text(ended: list[int] | None) -> str:
+    """Where the script's own loop ended trials before ``--steps`` (tune's
+    ``script_ended_after``), in the header's words."""
+    if not ended:
+        return ""
+    low, high = ended
+    return (f" (the script ended them after {low} steps)" if low == high
+            else f" (the script ended them after {low}–{high} steps)")
+
+
 def load_text(rows: list[dict[str, Any]]) -> str:
     """Trials that ran while other processes kept cores busy (tune's ``outside_load``), in
     a few words for a verdict: "" where none did."""
@@ -188,7 +198,8 @@ def render_tune(doc: dict[str, Any], file: IO[str] | None = None) -> None:
     metric = "time per sample" if doc.get("metric") == "time_per_sample" else "time per step"
     console.print(Text(
         f"{doc.get('target')}: {len(doc.get('arms') or [])} arms ({doc.get('design')}), "
-        f"{per_arm} trial{'s' if per_arm != 1 else ''} each of {doc.get('steps')} steps; "
+        f"{per_arm} trial{'s' if per_arm != 1 else ''} each of up to {doc.get('steps')} steps"
+        + _ended_text(doc.get("script_ended_after")) + "; "
         f"{done}/{planned} trials run"
         + (f" ({status})" if status != "finished" else "")
         + f"; mean steady-state {metric} compared",
