@@ -56,7 +56,7 @@ VERDICTS = {
     "refuted": "significantly slower",
     "did not help": "an aside knob, not the finding's main fix, was significantly slower",
     "not applicable": "the knob changed nothing in this script",
-    "unsettled": "the trials disagree too much, or are too few (one a side), to size the "
+    "unsettled": "the trials disagree too much, or one a side is too few, to size the "
                  "change",
     "no data": "no arm has a usable measurement",
 }
