@@ -191,6 +191,8 @@ def _found(ddp: list[dict], **parts) -> list[dict]:
 
 
 def test_exposed_communication_bands_and_fixes():
+    from trainprof.experiments.verify import knob_role as verify_knob_role
+
     # 0.9 ms exposed of a 10 ms step: under the 10% band
     assert _found([_model(comm=2.9, overlap=2.0, backward=6.0)]) == []
     # 1.5 ms exposed, backward longer than the all-reduce: smaller buckets
@@ -198,6 +200,7 @@ def test_exposed_communication_bands_and_fixes():
     assert f["severity"] == "medium" and f["estimated_gain"] == pytest.approx(0.15, rel=0.05)
     assert "bucket_cap_mb=6" in f["fix"]["snippet"]
     assert "--knob ddp_bucket_cap_mb=script,6" in f["verify"]
+    assert verify_knob_role(f["verify"]) == "fix"  # smaller buckets are the fix itself
     # the all-reduce longer than the backward: less often, fewer bytes (bf16 on CUDA)
     (f,) = _found([_model(comm=9.0, overlap=5.0, backward=5.0)],
                   device={"steps": 40})
@@ -205,6 +208,13 @@ def test_exposed_communication_bands_and_fixes():
     assert "model.no_sync()" in f["fix"]["snippet"]
     assert "default_hooks.bf16_compress_hook" in f["fix"]["snippet"]
     assert "--knob ddp_comm_hook=script,bf16" in f["verify"]
+    # the fix is fewer all-reduces, a code change: the line leads with it and the hook is
+    # an aside, judged as the knob's by trainprof verify (not "refuted" of the finding)
+    from trainprof.experiments.verify import knob_role, main_measure
+
+    assert knob_role(f["verify"]) == "aside"
+    assert "model.no_sync()" in main_measure(f["verify"])
+    assert "should fall" in main_measure(f["verify"])
     # GPUs over gloo: NCCL first
     (f,) = _found([_model(comm=9.0, overlap=5.0, backward=5.0, backend_name="gloo")],
                   device={"steps": 40})

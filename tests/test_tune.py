@@ -783,3 +783,122 @@ def test_the_headline_and_table_of_an_unsettled_arm_under_load(monkeypatch) -> N
     words = out.getvalue().split()
     for setting in ("autocast=false", "channels_last=true", "autocast=bf16", "channels_last=false"):
         assert setting in words, out.getvalue()
+
+
+def test_one_trial_a_side_gets_no_verdict(tmp_path: Path) -> None:
+    """``verify --trials 1`` said "beyond the bound ... ×0.73 (95% CI ×0.72–×0.74)" where one
+    setting's trial means differed by 43-52% between trials, and Ctrl-C after the first
+    round said "confirmed": an interval over one trial's steps is blind to the noise
+    between trials, so neither side of one trial gets a verdict."""
+    from trainprof.experiments.verify import judge
+    from trainprof.report.tune_terminal import headline
+    from trainprof.report.verify_terminal import verdict_line
+
+    arms = build_arms(parse_knobs(["num_workers=0,4"]))
+    rng = np.random.default_rng(11)
+    trials = [_trial(0, 0, rng.normal(0.0100, 0.0001, 40), 8, tmp_path),
+              _trial(1, 0, rng.normal(0.0073, 0.0001, 40), 8, tmp_path)]
+    doc = analyse_tune(arms, trials, arms[0], steps=40)
+    row = doc["arms"][1]
+    assert row["ci"][1] < 0.75  # the interval alone: within the one trial, tight
+    assert row["verdict"] == "unsettled" and row["unsettled_by"] == "one_trial"
+    assert doc["best"] is None
+    assert ("num_workers=4: num_workers=4 and the baseline num_workers=0 have one usable "
+            "trial, so its interval covers the steps within a trial only, not the noise "
+            "between trials (trials of one setting can differ by tens of percent): it gets "
+            "no verdict; run --trials 2 or more") in doc["notes"]
+    assert headline(doc).plain.startswith(
+        "No arm is settled as faster than the baseline num_workers=0: num_workers=4 ran at "
+        "×0.73 (95% CI within one trial ×0.7")
+    assert headline(doc).plain.endswith(
+        "but one trial a side cannot tell a change from the noise between trials")
+    result = judge({"estimated_gain": 0.2, "verify": "trainprof tune --knob num_workers=0,4 "
+                    "t.py"}, doc)
+    assert result["verdict"] == "unsettled" and result["unsettled_by"] == "one_trial"
+    line = verdict_line({**result, "metric": "step_time"}).plain
+    assert line.startswith("Verdict: unsettled - num_workers=4 ran at ×0.73 of the baseline's "
+                           "step time (one trial a side: its 95% CI ×0.7")
+    assert "is within that trial only)" in line
+    assert line.endswith("one trial per arm cannot tell the fix from the noise between trials "
+                         "(trials of one setting can differ by tens of percent): rerun with "
+                         "--trials 3 or more")
+    assert "saved" not in line and "far slower" not in line
+    # Ctrl-C in the second round: its trials cut short are left out, one usable trial a side
+    trials += [Trial(0, 1, tmp_path / "0-1", status="interrupted", exit_code=130,
+                     stopped=True)]
+    doc = analyse_tune(arms, trials, arms[0], steps=40)
+    assert doc["arms"][1]["verdict"] == "unsettled" and doc["best"] is None
+    # two trials of the baseline do not settle an arm of one
+    trials[2] = _trial(0, 1, rng.normal(0.0100, 0.0001, 40), 8, tmp_path)
+    doc = analyse_tune(arms, trials, arms[0], steps=40)
+    assert doc["arms"][1]["unsettled_by"] == "one_trial"
+    assert any(n.startswith("num_workers=4: num_workers=4 has one usable trial")
+               for n in doc["notes"])
+    # a second round settles it
+    trials.append(_trial(1, 1, rng.normal(0.0073, 0.0001, 40), 8, tmp_path))
+    doc = analyse_tune(arms, trials, arms[0], steps=40)
+    assert doc["arms"][1]["verdict"] == "faster" and doc["arms"][1]["unsettled_by"] is None
+    assert doc["best"]["name"] == "num_workers=4"
+
+
+def test_no_arm_is_best_while_an_unsettled_one_ran_faster(tmp_path: Path) -> None:
+    """"Best: num_workers=1 is 1.90× as fast" while num_workers=4 ran at ×0.30 (95% CI
+    ×0.13–×0.43), unsettled: the best named was not the fastest arm measured."""
+    from trainprof.report.tune_terminal import headline
+
+    arms = build_arms(parse_knobs(["num_workers=0,1,4"]))
+    rng = np.random.default_rng(12)
+    trials = []
+    for t, four in enumerate((0.0015, 0.0045, 0.0030)):  # its rounds: ×0.15, ×0.45, ×0.30
+        trials.append(_trial(0, t, rng.normal(0.0100, 0.0001, 40), 8, tmp_path))
+        trials.append(_trial(1, t, rng.normal(0.0053, 0.0001, 40), 8, tmp_path))
+        trials.append(_trial(2, t, rng.normal(four, 0.00003, 40), 8, tmp_path))
+    doc = analyse_tune(arms, trials, arms[0], steps=40)
+    one, four = doc["arms"][1], doc["arms"][2]
+    assert one["verdict"] == "faster" and four["verdict"] == "unsettled"
+    assert four["ratio"] < one["ratio"] and doc["best"] is None
+    assert four["unsettled_by"] == "spread"
+    text = headline(doc).plain
+    assert text.startswith("No arm is settled as the fastest: num_workers=4 ran at ×0.30 of "
+                           "the baseline num_workers=0 (95% CI ×0.")
+    assert ("but its trials disagree too much to size the change; num_workers=1 is settled "
+            "as faster: 1.8") in text and "as fast (mean time per step ×0.53, 95% CI ×0.5" in text
+    assert "Best" not in text
+    # an unsettled arm slower than the best leaves the best the best
+    for t in trials:
+        if t.arm == 2:
+            t.dur_s = t.dur_s * 2.5  # rounds at ×0.38, ×1.13, ×0.75: unsettled, slower
+    doc = analyse_tune(arms, trials, arms[0], steps=40)
+    assert doc["arms"][2]["verdict"] == "unsettled"
+    assert doc["best"]["name"] == "num_workers=1"
+    assert headline(doc).plain.startswith("Best: num_workers=1 is 1.8")
+
+
+def test_the_header_says_steps_are_a_cap_and_where_the_script_ended_trials(tmp_path) -> None:
+    """"2 arms × 3 trials of 60 steps" over a script whose own --steps 40 ended each trial
+    sooner (16-37 steady steps seen): --steps is a cap, and the trials tell the rest."""
+    from trainprof.experiments.tune import _result_text, plan_text
+
+    assert plan_text(2, 3, 60) == ("trainprof tune: 2 arms × 3 trials of up to 60 steps, in "
+                                   "shuffled rounds")
+    arms = build_arms(parse_knobs(["num_workers=0,2"]))
+    rng = np.random.default_rng(13)
+    trials = [_trial(a, t, rng.normal(0.010, 0.0002, 37), 8, tmp_path)
+              for t in range(2) for a in range(2)]
+    for t in trials:
+        t.count = 40  # the script's own loop: 40 steps, 3 of them warm-up
+    trials[1].count = 38
+    assert _result_text(trials[0], 60).endswith("(37 steady steps; the script ended after "
+                                                "40 steps)")
+    assert _result_text(trials[0], 40) == _result_text(trials[0])  # ran to the cap
+    doc = analyse_tune(arms, trials, arms[0], steps=60)
+    assert doc["script_ended_after"] == [38, 40]
+    doc.update(target="train.py", design="one knob", trials_per_arm=2, steps=60,
+               trials_done=4, trials_planned=4, status="finished", tune_dir="T")
+    out = io.StringIO()
+    render_tune(doc, out)
+    assert ("train.py: 2 arms (one knob), 2 trials each of up to 60 steps (the script ended "
+            "them after 38–40 steps); 4/4 trials run") in " ".join(out.getvalue().split())
+    for t in trials:
+        t.count = 60
+    assert analyse_tune(arms, trials, arms[0], steps=60)["script_ended_after"] is None

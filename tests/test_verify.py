@@ -50,8 +50,98 @@ def test_an_aside_knob_is_not_judged_against_the_findings_estimate():
     result = judge(finding, doc)
     assert result["aside"] and result["verdict"] == "confirmed"
     line = verdict_line({**result, "metric": "step_time"}).plain
-    assert "the finding's fix is a code change, not measured here" in line
-    assert line.endswith("keep that setting") and "66%" not in line
+    assert "the finding's main fix is a code change, not measured here" in line
+    assert line.split("\n")[0].endswith("keep that setting") and "66%" not in line
+
+
+#: DDP's exposed all-reduce where it outlasts the backward, as the rule writes its line: the
+#: fix is fewer all-reduces (a code change), 16-bit gradients an aside of it.
+DDP_VERIFY = ("`trainprof run ddp.py` after the change (the gradients of several micro-batches "
+              "accumulated under model.no_sync(), one all-reduce for them all), then trainprof "
+              "compare RUN <the new run>  (DDP's exposed all-reduce, now 9.0 ms a step, 40% of "
+              "it, should fall); 16-bit gradients alone: trainprof tune --knob "
+              "ddp_comm_hook=script,fp16 ddp.py")
+
+
+def test_an_aside_that_costs_more_is_the_knobs_verdict_not_the_findings():
+    """examples/ddp_allreduce.py: 16-bit gradients between two ranks of one host ran at
+    ×1.09 (95% CI ×1.02–×1.17), and verify said "refuted ... keep the current setting" of a
+    finding whose fix is gradient accumulation: a user drops a sound diagnosis."""
+    finding = {**_finding("exposed_communication", DDP_VERIFY, gain=0.4),
+               "category": "distributed"}
+    doc = {"metric": "step_time", "arms": [
+        {"name": "ddp_comm_hook=script", "baseline": True, "ratio": 1.0},
+        {"name": "ddp_comm_hook=fp16", "ratio": 1.09, "ci": [1.02, 1.17], "verdict": "slower"}]}
+    result = judge(finding, doc)
+    assert result["role"] == "aside" and result["verdict"] == "did not help"
+    assert result["main_fix"].startswith("`trainprof run ddp.py` after the change (the "
+                                         "gradients of several micro-batches accumulated "
+                                         "under model.no_sync()")
+    line = verdict_line(result).plain
+    assert "refuted" not in line and "up to 40%" not in line
+    assert line.startswith("Verdict: did not help - ddp_comm_hook=fp16 ran at ×1.09")
+    assert line.split("\n")[0] == ("Verdict: did not help - ddp_comm_hook=fp16 ran at ×1.09 "
+                                   "of the baseline's step time (95% CI ×1.02–×1.17): keep "
+                                   "the current setting")
+    assert ("ddp_comm_hook=fp16 measures only an aside of this finding, and the verdict is "
+            "the knob's: the finding's main fix is a code change, not measured here - measure "
+            "it as its verify line says: `trainprof run ddp.py` after the change") in line
+    assert "then trainprof compare RUN <the new run>" in line
+    # no significant difference: the knob may not matter, not "the fix"
+    doc["arms"][1].update(ratio=1.01, ci=[0.95, 1.07], verdict="no_difference")
+    line = verdict_line(judge(finding, doc)).plain
+    assert "the knob does not matter here" in line and "the fix does not" not in line
+    # a knob that is the fix itself is still refuted by a slowdown
+    fix = _finding("x", "trainprof tune --knob ddp_comm_hook=script,fp16 ddp.py", gain=0.4)
+    doc["arms"][1].update(ratio=1.09, ci=[1.02, 1.17], verdict="slower")
+    assert judge(fix, doc)["verdict"] == "refuted" and judge(fix, doc)["role"] == "fix"
+
+
+def test_the_bound_is_a_ceiling_to_measure_the_fix_against_not_a_fix():
+    """synthetic_data=true measured for a fix that is a code change said "beyond the bound -
+    ... 89% saved; the finding said up to 75%: apply the fix": it is the most any input fix
+    can give, and the fix itself is measured as the verify line says."""
+    verify = ("after the change, trainprof compare RUN <the new run> (data wait now 75%); "
+              "`trainprof tune --knob num_workers=0,2 t.py` shows whether workers help; the "
+              "most any input fix can give: trainprof tune --knob synthetic_data=false,true t.py")
+    finding = {**_finding("per_sample_overhead", verify, gain=0.75), "category": "input_pipeline"}
+    doc = _doc(0.11, (0.10, 0.12), "faster")
+    doc["arms"][1]["name"] = "synthetic_data=true"
+    result = judge(finding, doc)
+    assert result["role"] == "bound" and result["verdict"] == "beyond the bound"
+    line = verdict_line(result).plain
+    assert "apply the fix" not in line and "saved" not in line
+    assert ("89% off with the input made free; the finding said up to 75%: the estimate was "
+            "too low (worth reporting)") in line
+    assert ("synthetic_data=true makes the input free: this is the most any input fix can "
+            "give here, a ceiling, not a fix to apply. Measure the fix itself next, as its "
+            "verify line says: after the change, trainprof compare RUN <the new run> (data "
+            "wait now 75%)") in line
+    assert "confirmed: " not in line
+    doc = _doc(0.4, (0.35, 0.45), "faster")
+    line = verdict_line(judge(finding, doc)).plain
+    assert line.startswith("Verdict: confirmed") and "the estimate holds as the ceiling" in line
+    # the step no faster with the input free: the finding is refuted, nothing to measure next
+    line = verdict_line(judge(finding, _doc(1.1, (1.05, 1.15), "slower"))).plain
+    assert line.startswith("Verdict: refuted") and "no input fix can help here" in line
+    assert "Measure the fix itself" not in line
+
+
+def test_the_summary_names_what_the_knob_verify_measures_is_to_the_finding():
+    from trainprof.report.terminal import verify_hint
+
+    summary = {"run_dir": "R", "status": "finished", "steps": {"count": 100}}
+    fix = _finding("float64", "trainprof tune --knob float32=false,true t.py")
+    aside = _finding("exposed_communication", DDP_VERIFY)
+    assert verify_hint(summary, [fix]) == ("Measure finding 1's fix: trainprof verify R  (its "
+                                           "knob on this script, against its estimate)")
+    assert verify_hint(summary, [_finding("noise", "trainprof run"), aside]) == (
+        "Measure finding 2's knob: trainprof verify R --finding 2  (an aside: its fix is a "
+        "code change, measured as its verify line says)")
+    bound = _finding("per_sample_overhead", "after the change, trainprof compare; the most any "
+                     "input fix can give: trainprof tune --knob synthetic_data=false,true t.py")
+    assert verify_hint(summary, [bound]).startswith(
+        "Measure the most finding 1's fix can give: trainprof verify R  (the input made free")
 
 
 def test_a_trials_own_knobs_are_kept_in_every_arm():
@@ -199,7 +289,8 @@ def test_help_lists_every_verdict_judge_gives(capsys):
     given = {judge(_finding("x", "", gain=0.30), _doc(0.75, (0.7, 0.8), tune_verdict))["verdict"]
              for tune_verdict in ("faster", "slower", "no_effect", "unsettled", "no_difference")}
     given |= {judge(_finding("x", "", gain=0.10), _doc(0.5, (0.4, 0.6), "faster"))["verdict"],
-              judge(_finding("x", ""), {"arms": []})["verdict"]}
+              judge(_finding("x", ""), {"arms": []})["verdict"],
+              judge(_finding("x", DDP_VERIFY), _doc(1.1, (1.05, 1.15), "slower"))["verdict"]}
     assert given == set(VERDICTS) == set(_STYLE)  # and the terminal styles each one
     with pytest.raises(SystemExit):
         main(["verify", "--help"])
@@ -396,3 +487,54 @@ def test_a_gone_interpreter_is_named_and_another_torch_refused(tmp_path, monkeyp
     assert "OMP_NUM_THREADS" not in setting.environ()
     with pytest.raises(UsageError, match="no such script: missing.py"):
         run_setting(meta, "missing.py", False, tmp_path)
+
+
+def test_a_crashed_runs_trials_stop_before_the_crash():
+    """A script that raised at its step 50: verify's trials of 60 steps crashed there too,
+    and it said "no data", throwing away their 50 steps each."""
+    from trainprof.experiments.verify import trial_steps
+    from trainprof.report.terminal import verify_hint
+
+    crashed = {"run_dir": "R", "status": "crashed", "steps": {"count": 50}}
+    assert trial_steps(crashed, None, None) == (50, "the run crashed after 50 steps: its "
+                                                    "trials run 50 steps, to stop before the "
+                                                    "crash (--steps to choose)")
+    assert trial_steps(crashed, None, 30)[0] == 30  # the verify line's, already short enough
+    assert trial_steps(crashed, None, 400)[0] == 50
+    # --steps as given (the script may have been fixed), said up front
+    assert trial_steps(crashed, 80, None) == (80, "the run crashed after 50 steps: trials of "
+                                                  "--steps 80 go past that point and crash "
+                                                  "there too unless the script was fixed "
+                                                  "since")
+    assert trial_steps(crashed, 40, None)[1].endswith("trials of --steps 40 stop before that")
+    assert trial_steps({"status": "finished"}, None, None) == (60, None)
+    assert trial_steps({"status": "interrupted", "steps": {"count": 5}}, None, 400) == (400,
+                                                                                        None)
+    too_soon = {"run_dir": "R", "status": "crashed", "steps": {"count": 3}}
+    with pytest.raises(UsageError, match=r"^the run crashed after 3 steps, too few for trials "
+                       r"that stop before the crash \(at least 10\): fix the crash, run the "
+                       r"script again and verify that run$"):
+        trial_steps(too_soon, None, None)
+    # the summary names verify as it works, and not where it cannot
+    fix = _finding("float64", "trainprof tune --knob float32=false,true t.py")
+    assert verify_hint(crashed, [fix]).endswith(
+        "(its knob on this script, against its estimate; the run crashed after 50 steps: its "
+        "trials stop before that)")
+    assert verify_hint(too_soon, [fix]) is None
+
+
+def test_verify_of_a_crashed_run_measures_the_steps_before_the_crash(tmp_path):
+    crashing = DOUBLE.replace("for step in range(60):\n", "for step in range(100):\n"
+                              "    if step == 30:\n        raise RuntimeError('a bad batch')\n")
+    write_script(tmp_path, "train.py", crashing)
+    run = trainprof("run", "--no-html", "train.py", cwd=tmp_path)
+    assert run.returncode != 0 and "a bad batch" in run.stderr
+    res = trainprof("verify", "--trials", "1", "--out", str(tmp_path / "v"), str(run.run_dir),
+                    cwd=tmp_path, timeout=240)
+    assert res.returncode == 0, res.stderr
+    assert ("the run crashed after 30 steps: its trials run 30 steps, to stop before the "
+            "crash") in res.stdout
+    tune = json.loads((tmp_path / "v" / "tune.json").read_text())
+    trials = [t for arm in tune["arms"] for t in arm["trials"]]
+    assert [(t["status"], t["exit_code"], t["steps"]) for t in trials] == [("finished", 0, 30)] * 2
+    assert json.loads((tmp_path / "v" / "verify.json").read_text())["verdict"] != "no data"

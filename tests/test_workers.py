@@ -933,6 +933,11 @@ def test_pre_decoded_samples_get_no_advice_to_add_workers(tmp_path, mode, cause)
     (f,) = hits
     assert f["cause"] == cause, (f["cause"], f["title"])
     assert "num_workers=4" not in f["fix"]["snippet"] and "num_workers=3" not in f["fix"]["snippet"]
+    # where the fix is a code change, the num_workers knob only checks that workers do not
+    # help: verify must not judge it as the fix ("refuted" when they did not, as predicted)
+    from trainprof.experiments.verify import knob_role
+
+    assert knob_role(f["verify"]) == ("fix" if cause == "worker_handoff" else "bound"), f
 
 
 # -- an IterableDataset every worker iterates whole -------------------------------------------

@@ -299,7 +299,8 @@ def build_parser() -> _Parser:
                         help="the finding's number as printed (default: the first whose "
                              "verify line has a knob)")
     verify.add_argument("--steps", type=_positive_int, metavar="N",
-                        help="steps per trial (default: the verify line's, else 60)")
+                        help="steps per trial (default: the verify line's, else 60; for a "
+                             "run that crashed, no more than it completed)")
     verify.add_argument("--trials", type=_positive_int, default=3, metavar="K",
                         help="trials per value, run in shuffled rounds (default: 3)")
     verify.add_argument("--out", type=Path, metavar="DIR", help="the trials' runs")

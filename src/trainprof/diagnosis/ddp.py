@@ -26,7 +26,10 @@ ranks where there are several.
   (the first starts sooner); else fewer all-reduces (``no_sync()`` accumulation, a larger
   batch per rank) or 16-bit gradients - which two Gloo ranks of one host measured slower
   (the casts cost more than the bytes saved), so the text says to measure it with the
-  ``ddp_comm_hook`` / ``ddp_bucket_cap_mb`` knobs.
+  ``ddp_comm_hook`` / ``ddp_bucket_cap_mb`` knobs. Where the fix is fewer all-reduces, a
+  code change, the verify line leads with it and the ``ddp_comm_hook`` knob comes after as
+  an aside: ``trainprof verify`` then judges the knob, not the finding (led by the knob,
+  it called the finding "refuted" when 16-bit gradients cost more than they saved).
 * ``find_unused_parameters`` (expert-rules.md D5's flag; DDP's own runtime warning): a
   DDP model built with ``find_unused_parameters=True`` whose sampled iterations found no
   unused parameter. Low, no gain claimed (the graph walk is not timed on its own); the
@@ -182,6 +185,7 @@ def exposed_communication(ctx: Context) -> Finding | None:
     on_cuda = bool(ctx.summary.get("device")) or any(
         bool(r.get("on_cuda")) for r in ctx.summary.get("ranks") or [])
     hook = "bf16_compress_hook" if on_cuda else "fp16_compress_hook"
+    aside = ""
     if on_cuda and backend == "gloo":
         text += ("The model is on GPUs but its gradients go through Gloo, which copies "
                  "them to the host: NCCL all-reduces on the GPUs. ")
@@ -205,7 +209,15 @@ def exposed_communication(ctx: Context) -> Finding | None:
             "from torch.distributed.algorithms.ddp_comm_hooks import default_hooks\n"
             f"model.register_comm_hook(None, default_hooks.{hook})"
         )
-        verify = f"trainprof tune --knob ddp_comm_hook=script,{hook[:4]} {ctx.script}"
+        # the fix is a code change, written first; the hook is only an aside of it (a
+        # verify that led with it said "refuted" of a sound finding when 16-bit gradients
+        # cost more than they saved between two ranks of one host)
+        verify = (f"`trainprof run {ctx.script}` after the change (the gradients of several "
+                  "micro-batches accumulated under model.no_sync(), one all-reduce for them "
+                  f"all), then trainprof compare {ctx.summary.get('run_dir') or 'RUN'} <the "
+                  "new run>")
+        aside = f"; 16-bit gradients alone: trainprof tune --knob ddp_comm_hook=script," \
+                f"{hook[:4]} {ctx.script}"
     else:
         cap = m.get("bucket_cap_bytes")
         smaller = max(1, int(float(cap or 25 * 2**20) / 2**20 / 4))
@@ -221,7 +233,7 @@ def exposed_communication(ctx: Context) -> Finding | None:
                    "                                gradient_as_bucket_view=True)")
         verify = f"trainprof tune --knob ddp_bucket_cap_mb=script,{smaller} {ctx.script}"
     verify += (f"  (DDP's exposed all-reduce, now {exposed_s * 1e3:.1f} ms a step, "
-               f"{share * 100:.0f}% of it, should fall)")
+               f"{share * 100:.0f}% of it, should fall)") + aside
     title = (f"The step waits {share * 100:.0f}% of its time for DDP's gradient all-reduce "
              f"after the backward pass ({exposed_s * 1e3:.1f} ms of {comm:.1f} ms not hidden)")
     return Finding(category="distributed", cause="exposed_communication", title=title,

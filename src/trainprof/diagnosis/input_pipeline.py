@@ -391,8 +391,10 @@ def _batched_read_finding(ctx: Context, evidence: dict[str, Any], share: float,
     return Finding(  # low: no change is known to remove it, but workers are ruled out
         category="input_pipeline", cause=cause, title=title, severity="low",
         evidence=evidence, estimated_gain=share, fix=Fix(text=text, snippet=snippet),
-        verify=(f"trainprof tune --knob num_workers=0,2 {ctx.script} (workers should not "
-                f"help); after a change, trainprof compare {run_dir} <the new run>"),
+        # the change first: the knob only checks that workers are ruled out (led by it,
+        # verify read workers that did not help, as predicted, as "refuted")
+        verify=(f"after a change, trainprof compare {run_dir} <the new run>; workers should "
+                f"not help: trainprof tune --knob num_workers=0,2 {ctx.script}"),
     )
 
 

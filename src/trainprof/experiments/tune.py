@@ -42,8 +42,11 @@ baseline have a usable trial in the same rounds: each resample draws the same ro
 so a round that ran slower for every arm cancels in the ratio - the analysis of the rounds'
 block design (with ``--slurm``, a comparison within each node). ``faster`` / ``slower`` when
 the interval excludes 1 and the change is at least ``compare``'s practical threshold (2%),
-else ``no_difference``. The **best arm** is the significantly faster arm with the lowest
-ratio, its speed-up ``1 / ratio``; none when no arm beats the baseline.
+else ``no_difference``; ``unsettled`` where the arm or the baseline has fewer than
+:data:`MIN_TRIALS` usable trials (the interval is then within one trial) or its rounds
+disagree by far (:data:`UNSETTLED_SPREAD`). The **best arm** is the significantly faster
+arm with the lowest ratio, its speed-up ``1 / ratio``; none when no arm beats the baseline,
+or when an unsettled arm was measured faster still (its size unknown, it may be the fastest).
 
 The **baseline** is the first arm (the first value of every knob - list the script's own
 setting first, or write ``script`` for "leave it as the script has it"), or ``--baseline``.
@@ -98,6 +101,11 @@ TRIAL_SPREAD_NOTE = 0.10
 #: a 2-round sweep "×0.20, 95% CI ×0.10-×0.81" where its steps' medians said ×0.86.
 UNSETTLED_ROUNDS = 5
 UNSETTLED_SPREAD = 1.5
+#: Fewer usable trials than this on either side (``--trials 1``, or Ctrl-C after the first
+#: round): "unsettled" too. The interval then resamples the steps of one trial, blind to the
+#: noise between trials - one setting's trial means differed by 43-52% on a shared 2-core
+#: machine, where one trial a side read "×0.73 (95% CI ×0.72-×0.74)".
+MIN_TRIALS = 2
 #: How long a child gets to close its record after Ctrl-C before it is killed.
 STOP_GRACE_S = 20.0
 #: How often the state of submitted jobs is looked at (``--slurm``).
@@ -709,6 +717,8 @@ def analyse_tune(
             "ratio": None, "ci": None, "paired": None, "change_pct": None, "speedup": None,
             # each round's ratio to the baseline, where paired by round
             "round_ratios": None,
+            # why an "unsettled" arm is: "spread" (its rounds disagree) or "one_trial"
+            "unsettled_by": None,
             "samples_per_s_ratio": None,
             "verdict": None,
             "actual": {},
@@ -802,10 +812,23 @@ def analyse_tune(
                           and max(side) / min(side) > UNSETTLED_SPREAD), None)
         verdict = ("faster" if ratio < 1 else "slower") if significant else "no_difference"
         meta = next((t.meta for t in ts if t.meta), {})
+        few = [who for who, n in ((arm.name, len(ts)), (f"the baseline {baseline.name}",
+                                                        len(base_values)))
+               if n < MIN_TRIALS]
         if _inert(arm, baseline, meta):
             verdict = "no_effect"  # the knob changed nothing: the runs are the baseline's
+        elif few:  # an interval within one trial: no verdict, whatever it says
+            verdict = "unsettled"
+            row["unsettled_by"] = "one_trial"
+            notes.append(
+                f"{arm.name}: {' and '.join(few)} "
+                f"{'have' if len(few) > 1 else 'has'} one usable trial, so its interval "
+                "covers the steps within a trial only, not the noise between trials (trials "
+                "of one setting can differ by tens of percent): it gets no verdict; run "
+                f"--trials {MIN_TRIALS} or more")
         elif unsettled is not None:  # whether or not the interval clears 1: its size is moot
             verdict = "unsettled"
+            row["unsettled_by"] = "spread"
             what = ("its rounds' ratios to the baseline" if paired
                     else "its trials' or the baseline's mean step times")
             low, high = min(unsettled), max(unsettled)
@@ -827,14 +850,24 @@ def analyse_tune(
                                  if row["samples_per_s"] and base_sps else None),
         )
 
+    # the steps of the trials the script's own loop ended before --steps (for the header)
+    ended = sorted({t.count for t in trials
+                    if not t.stopped and steps is not None and 0 < t.count < steps})
     faster = [r for r in rows if r["verdict"] == "faster"]
     best = min(faster, key=lambda r: r["ratio"]) if faster else None
+    if best is not None and any(r["verdict"] == "unsettled" and r["ratio"] < best["ratio"]
+                                for r in rows):
+        # an arm measured faster still, of unsettled size, may be the fastest: no arm is
+        # settled as the best ("Best: num_workers=1 ... 1.90× as fast" beside num_workers=4
+        # at ×0.30, unsettled)
+        best = None
     if not usable[baseline.index]:
         notes.insert(0, f"the baseline {baseline.name} has no usable trial: nothing to compare")
     return {
         "metric": "time_per_sample" if per_sample else "step_time",
         "unit": "s/sample" if per_sample else "s/step",
         "baseline": baseline.name,
+        "script_ended_after": [ended[0], ended[-1]] if ended else None,
         "arms": rows,
         "best": None if best is None else {
             "name": best["name"],
@@ -862,10 +895,22 @@ def _clock(seconds: float) -> str:
         f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}")
 
 
-def _result_text(trial: Trial) -> str:
+def plan_text(n_arms: int, trials: int, steps: int) -> str:
+    """The first progress line: what will run. ``--steps`` is a cap (``trainprof run
+    --max-steps``): a script whose own loop is shorter ends its trials sooner, which only
+    the trials tell ("3 trials of 60 steps" over a script of 40 steps read as a promise)."""
+    return (f"trainprof tune: {n_arms} arms × {_plural(trials, 'trial')} of up to "
+            f"{_plural(steps, 'step')}, in shuffled rounds")
+
+
+def _result_text(trial: Trial, steps: int | None = None) -> str:
+    """A trial's progress line: its mean step and steady steps, and where the script ended
+    it before ``steps`` (the cap) - or how it failed."""
     if trial.usable:
+        short = (f"; the script ended after {_plural(trial.count, 'step')}"
+                 if steps is not None and 0 < trial.count < steps else "")
         return (f"{float(trial.dur_s.mean()) * 1e3:.1f} ms/step "
-                f"({len(trial.dur_s)} steady steps)")
+                f"({len(trial.dur_s)} steady steps{short})")
     return f"{trial.status}, exit code {trial.exit_code}"
 
 
@@ -959,7 +1004,8 @@ class _Session:
         trial.stopped = False
         elapsed = time.perf_counter() - self.t_start
         left = elapsed / n * (total - n)
-        self.say(f"{_result_text(trial)}, {trial.wall_s:.1f} s · elapsed {_clock(elapsed)}"
+        self.say(f"{_result_text(trial, self.steps)}, {trial.wall_s:.1f} s · elapsed "
+                 f"{_clock(elapsed)}"
                  + (f", about {_clock(left)} left" if n < total else ""))
         self._explain_failure(trial)
         self._save_progress()
@@ -1065,7 +1111,7 @@ class _Session:
                 trial.exit_code, trial.wall_s = got["exit_code"], float(got["wall_s"])
                 trial.host, trial.job_id = got["host"], str(got["job_id"] or job.job_id)
             self.say(f"[round {t + 1}/{self.trials}] {self.arms[trial.arm].name}: "
-                     f"{_result_text(trial)}, {trial.wall_s:.1f} s"
+                     f"{_result_text(trial, self.steps)}, {trial.wall_s:.1f} s"
                      + (f" on {trial.host}" if trial.host else "")
                      + f" · elapsed {_clock(elapsed)}")
             self._explain_failure(trial)
@@ -1159,8 +1205,7 @@ def tune_command(
         header["executor"] = {"parameters": runner.parameters, "jobs": []}
     session = _Session(target, args, module, steps, trials, tune_dir, arms, base, header,
                        progress if progress is not None else sys.stderr, setting)
-    session.say(f"trainprof tune: {len(arms)} arms × {_plural(trials, 'trial')} of "
-                f"{_plural(steps, 'step')}, in shuffled rounds"
+    session.say(plan_text(len(arms), trials, steps)
                 + (f", each a job ({runner.cluster}, submitit)" if runner else "")
                 + f" → {tune_dir}")
     if runner is not None:

@@ -15,17 +15,24 @@ finding estimated:
 * ``not confirmed``: no significant difference: the fix does not matter here, or more
   ``--trials`` are needed (the interval says which);
 * ``refuted``: significantly slower: keep the current setting;
+* ``did not help``: significantly slower, where the knob is only an aside of the finding
+  (its main fix is a code change: :func:`knob_role`): the verdict is the knob's, and the
+  finding stands or falls by its main fix, measured as its verify line says;
 * ``not applicable``: the knob changed nothing in this script (a DataLoader knob where
   the script makes none);
 * ``unsettled``: the fastest arm's trials disagree too much to size the change (one ran
   far slower than the others: outside load), whatever its interval says - rerun with more
-  ``--trials`` on a quieter machine (:data:`trainprof.experiments.tune.UNSETTLED_SPREAD`).
+  ``--trials`` on a quieter machine (:data:`trainprof.experiments.tune.UNSETTLED_SPREAD`);
+  or it or the baseline has one usable trial (``--trials 1``, Ctrl-C after the first
+  round), whose interval is within that trial, blind to the noise between trials
+  (:data:`trainprof.experiments.tune.MIN_TRIALS`).
 
 The first value of a knob is the baseline: the run's own setting where its record tells it
 (a DataLoader's ``num_workers``, the training thread's ``torch_threads``), else as the
 finding wrote it (the current setting first: ``channels_last=false,true``). With several
 values or knobs, the fastest arm is the one judged. Launch folders (torchrun, srun:
-``ranks/`` without a record of their own) are refused: their command is one rank's.
+``ranks/`` without a record of their own) are refused: their command is one rank's. A run
+that crashed is rerun to the step it crashed after, not past it (:func:`trial_steps`).
 """
 
 from __future__ import annotations
@@ -47,10 +54,18 @@ VERDICTS = {
     "beyond the bound": "faster than the estimate allowed",
     "not confirmed": "no significant difference",
     "refuted": "significantly slower",
+    "did not help": "an aside knob, not the finding's main fix, was significantly slower",
     "not applicable": "the knob changed nothing in this script",
-    "unsettled": "the trials disagree too much to size the change",
+    "unsettled": "the trials disagree too much, or one a side is too few, to size the "
+                 "change",
     "no data": "no arm has a usable measurement",
 }
+
+#: Steps per trial where neither ``--steps`` nor the verify line says.
+DEFAULT_STEPS = 60
+#: A run that crashed after fewer complete steps than this is refused: trials that stop
+#: before the crash would have too few steady steps to measure anything.
+MIN_CRASH_STEPS = 10
 
 #: ``--knob NAME=V1,V2`` and ``--steps N`` in a verify line's tune command.
 _KNOB = re.compile(r"--knob\s+([a-z_0-9]+=[A-Za-z0-9_.,\-]+)")
@@ -63,6 +78,29 @@ def measures_fix(verify: str) -> bool:
     change") has a fix that is a code change; a knob further on is an aside (a worker for a
     thread) or the bound (``synthetic_data``: the most any input fix can gain)."""
     return verify.lstrip("` ").startswith("trainprof tune")
+
+
+def knob_role(verify: str) -> str:
+    """What the knob verify measures is to the finding, by its verify line
+    (:func:`knob_specs` picks it): ``fix`` (the line starts with its ``trainprof tune``: the
+    knob applies the fix itself, judged against the estimate), ``bound`` (a fix that is a
+    code change, measured by ``synthetic_data``: the most any input fix can give, a ceiling
+    to set against the estimate, not a fix to apply) or ``aside`` (a fix that is a code
+    change, measured by another knob of its line: a worker for a thread, 16-bit gradients
+    beside gradient accumulation; what it says is the knob's, not the finding's). A finding
+    whose knob is only part of its fix writes the code change first, as the convention of
+    :func:`measures_fix` says."""
+    if "trainprof tune" not in verify or measures_fix(verify):
+        return "fix"
+    specs, _ = knob_specs(verify)
+    return "bound" if any(s.startswith("synthetic_data=") for s in specs) else "aside"
+
+
+def main_measure(verify: str) -> str:
+    """How a verify line measures the finding's main fix: its first part, up to the first
+    ``;`` (the asides and the bound come after it) - "`trainprof run t.py` after the
+    change, then trainprof compare ..." where the fix is a code change."""
+    return verify.split(";", 1)[0].strip()
 
 
 def knob_specs(verify: str) -> tuple[list[str], int | None]:
@@ -136,6 +174,47 @@ def current_first(specs: list[str], meta: dict[str, Any]) -> list[str]:
     return out
 
 
+def crashed_after(summary: dict[str, Any]) -> int | None:
+    """The complete steps a run made before it crashed (its summary's count), None where it
+    did not crash."""
+    if summary.get("status") != "crashed":
+        return None
+    return int((summary.get("steps") or {}).get("count") or 0)
+
+
+def trial_steps(summary: dict[str, Any], asked: int | None, line_steps: int | None
+                ) -> tuple[int, str | None]:
+    """How many steps each trial runs (``--steps``, else the verify line's, else
+    :data:`DEFAULT_STEPS`), and what to say of it up front.
+
+    The trials rerun the run's own command, so a script that raised at its step 50 raises
+    there again: trials of 60 steps all crashed, and verify said "no data" having thrown
+    their 50 steps away. For a crashed run the trials stop at the steps it completed (the
+    stop comes at a step's end, before the next one starts); ``--steps`` as given is kept
+    (the script may have been fixed since), with a warning if it goes past the crash. A run
+    that crashed after fewer than :data:`MIN_CRASH_STEPS` is refused (UsageError)."""
+    steps = asked or line_steps or DEFAULT_STEPS
+    done = crashed_after(summary)
+    if done is None:
+        return steps, None
+    if asked is not None:
+        return asked, (f"the run crashed after {_steps_text(done)}: trials of --steps {asked} "
+                       + ("stop before that" if asked <= done else
+                          "go past that point and crash there too unless the script was "
+                          "fixed since"))
+    if done < MIN_CRASH_STEPS:
+        raise UsageError(f"the run crashed after {_steps_text(done)}, too few for trials that "
+                         f"stop before the crash (at least {MIN_CRASH_STEPS}): fix the crash, "
+                         "run the script again and verify that run")
+    steps = min(steps, done)
+    return steps, (f"the run crashed after {_steps_text(done)}: its trials run {steps} steps, "
+                   "to stop before the crash (--steps to choose)")
+
+
+def _steps_text(n: int) -> str:
+    return f"{n} step" if n == 1 else f"{n} steps"
+
+
 def _main_rank_meta(run_dir: Path) -> dict[str, Any]:
     """The metadata of the record a folder's figures come from (``load_ranks``' main)."""
     from trainprof.analysis.ranks import load_ranks
@@ -192,11 +271,13 @@ def judge(finding: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
     bound = float(finding.get("estimated_gain") or 0.0)
     unknown = bool((finding.get("evidence") or {}).get("gain_unknown"))
     verify = str(finding.get("verify") or "")
+    role = knob_role(verify)
     # a knob beside a fix that is a code change: the estimate is not this knob's to meet
-    aside = ("trainprof tune" in verify and not measures_fix(verify)
-             and "--knob synthetic_data" not in verify)
+    aside = role == "aside"
     out: dict[str, Any] = {"estimated_gain": bound, "gain_unknown": unknown or aside,
-                           "aside": aside}
+                           "aside": aside, "role": role}
+    if role != "fix":  # the knob is not the fix: the verdict names how to measure that
+        out["main_fix"] = main_measure(verify)
     if not measured:
         return {**out, "verdict": "no data", "arm": None}
     best = min(measured, key=lambda a: a["ratio"])
@@ -219,12 +300,16 @@ def judge(finding: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
                   and least > bound)
         verdict = "beyond the bound" if beyond else "confirmed"
     elif best.get("verdict") == "slower":  # even the fastest arm: all of them are
-        verdict = "refuted"
+        # an aside's cost refutes the aside, not the finding (DDP's 16-bit gradients
+        # between ranks of one host, beside gradient accumulation: "refuted" dropped a
+        # sound diagnosis)
+        verdict = "did not help" if aside else "refuted"
     elif best.get("verdict") == "no_effect":  # the knob did not apply: nothing measured
         verdict = "not applicable"
-    elif best.get("verdict") == "unsettled":  # its rounds disagree: no size to judge
+    elif best.get("verdict") == "unsettled":  # its rounds disagree, or one trial: no size
         verdict = "unsettled"
         out["round_ratios"] = best.get("round_ratios")
+        out["unsettled_by"] = best.get("unsettled_by")
     else:
         verdict = "not confirmed"
     return {**out, "verdict": verdict}
@@ -248,6 +333,7 @@ def verify_command(run_dir: Path, *, finding: int | None, steps: int | None, tri
     run = load_run(run_dir)  # its words for a folder that is missing or holds no run, as report's
     summary, _ = analyse_folder(run_dir)
     number, chosen, specs, verify_steps = pick_finding(summary.get("findings") or [], finding)
+    steps, crash_note = trial_steps(summary, steps, verify_steps)
     # the settings the finding read: the main rank's where the script spawned its ranks
     # (the launching process kept its own: 2 threads where each rank set 1); the command
     # stays the launching process's, the one the user ran
@@ -259,12 +345,15 @@ def verify_command(run_dir: Path, *, finding: int | None, steps: int | None, tri
     head = {"run_dir": str(run_dir), "finding_number": number,
             "finding": {k: chosen.get(k) for k in ("category", "cause", "title", "severity",
                                                    "estimated_gain", "verify")},
-            "knobs": specs, "cwd": str(cwd) if cwd else None}
+            "knobs": specs, "cwd": str(cwd) if cwd else None, "steps": steps,
+            "crashed_after": crashed_after(summary)}
     if not json_out:
         print(f"trainprof verify: finding {number} of {run_dir}: {chosen.get('title')}\n"
               f"  measuring {' '.join('--knob ' + s for s in specs)} on "
               f"{' '.join([('-m ' if module else '') + target, *args])}"
               + (f" (in {cwd})" if cwd else ""), flush=True)
+    if crash_note:  # before any trial: why they are shorter, or why they may crash
+        print(f"  {crash_note}", file=sys.stderr if json_out else sys.stdout, flush=True)
     here = Path.cwd()
     captured = io.StringIO()
     try:
@@ -281,7 +370,7 @@ def verify_command(run_dir: Path, *, finding: int | None, steps: int | None, tri
             print(f"  {line}", file=sys.stderr if json_out else sys.stdout, flush=True)
         with contextlib.redirect_stdout(captured) if json_out else contextlib.nullcontext():
             code = tune_command(target, args, module=module, knobs=specs,
-                                steps=steps or verify_steps or 60, trials=trials,
+                                steps=steps, trials=trials,
                                 json_out=False, out=tune_dir, baseline=None, setting=setting)
     except UsageError:
         if out is None:  # refused before any trial (the script is gone): no empty folder left

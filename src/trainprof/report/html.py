@@ -53,6 +53,7 @@ import orjson
 from trainprof.analysis.compare import per_unit
 from trainprof.analysis.series import MAX_POINTS, sample_series, step_series, telemetry_series
 from trainprof.errors import UsageError
+from trainprof.experiments.verify import MIN_CRASH_STEPS, crashed_after
 from trainprof.report.html_assets import CSS, JS
 from trainprof.report.impact import impact_text
 from trainprof.report.terminal import (
@@ -496,8 +497,11 @@ def _verdict(s: dict[str, Any]) -> str:
                  else "Where its steps go (no steady state)")
         body += (f"<h3>{where}</h3>"
                  + _breakdown_bar(s["breakdown"], regions_in_other(s)))
-    # (a launch's command is one rank's: trainprof verify refuses it)
-    run_dir = None if s.get("ranks") else s.get("run_dir")
+    # (a launch's command is one rank's: trainprof verify refuses it, as it does a run that
+    # crashed too soon for trials that stop before the crash)
+    done = crashed_after(s)
+    run_dir = (None if s.get("ranks") or (done is not None and done < MIN_CRASH_STEPS)
+               else s.get("run_dir"))
     body += "".join(_finding(i, f, run_dir) for i, f in enumerate(findings, 1))
     return body
 

@@ -735,18 +735,40 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
 
 def _print_verify_hint(console: Console, summary: dict[str, Any],
                        findings: list[dict[str, Any]]) -> None:
-    """The command that measures the first fix a knob can apply (``trainprof verify``), for
-    a single-process run (a launch's command is one rank's)."""
+    hint = verify_hint(summary, findings)
+    if hint:
+        console.print(Text(f"\n{hint}", style="bold cyan"), soft_wrap=False)
+
+
+def verify_hint(summary: dict[str, Any], findings: list[dict[str, Any]]) -> str | None:
+    """The command that measures the first finding a knob can measure (``trainprof
+    verify``), for a single-process run (a launch's command is one rank's), said as what
+    the knob is to the finding: its fix, an aside of a fix that is a code change, or the
+    most any input fix can give (experiments/verify.knob_role). For a run that crashed, its
+    trials stop before the crash, said so; none where it crashed too soon for verify."""
+    from trainprof.experiments.verify import MIN_CRASH_STEPS, crashed_after, knob_role
+
     run_dir = summary.get("run_dir")
-    if not run_dir or summary.get("ranks"):
-        return
+    done = crashed_after(summary)
+    if not run_dir or summary.get("ranks") or (done is not None and done < MIN_CRASH_STEPS):
+        return None
     for i, f in enumerate(findings, 1):
-        if "trainprof tune --knob" in str(f.get("verify") or ""):
-            which = "" if i == 1 else f" --finding {i}"
-            console.print(Text(f"\nMeasure finding {i}'s fix: trainprof verify {run_dir}{which}"
-                               "  (its knob on this script, against its estimate)",
-                               style="bold cyan"), soft_wrap=False)
-            return
+        verify = str(f.get("verify") or "")
+        if "trainprof tune --knob" not in verify:
+            continue
+        which = "" if i == 1 else f" --finding {i}"
+        what, why = {
+            "fix": (f"Measure finding {i}'s fix", "its knob on this script, against its "
+                    "estimate"),
+            "aside": (f"Measure finding {i}'s knob", "an aside: its fix is a code change, "
+                      "measured as its verify line says"),
+            "bound": (f"Measure the most finding {i}'s fix can give", "the input made free: "
+                      "a ceiling, not the fix"),
+        }[knob_role(verify)]
+        crash = ("" if done is None else
+                 f"; the run crashed after {done} steps: its trials stop before that")
+        return f"{what}: trainprof verify {run_dir}{which}  ({why}{crash})"
+    return None
 
 
 _TB_LABELS = {"Kernel": "kernel", "Memcpy": "memcpy", "Memset": "memset",

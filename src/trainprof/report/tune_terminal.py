@@ -2,7 +2,8 @@
 
 The answer comes first, on one line: the best arm and its speed-up over the baseline with the
 interval, or that no arm was significantly faster (settled as faster, where an unsettled arm's
-interval clears ×1), and how many trials ran under outside load. Below it one row per arm: the
+interval clears ×1; settled as the fastest, where an unsettled arm ran faster than the fastest
+significantly faster one), and how many trials ran under outside load. Below it one row per arm: the
 setting asked for and the setting the runs recorded, trials used, mean time per step (or per
 sample: what is compared) and the median step, samples/s, the ratio to the baseline with its
 interval, and the verdict.
@@ -56,22 +57,60 @@ def headline(doc: dict[str, Any]) -> Text:
         line.append("No verdict", style="bold yellow")
         line.append(f": the baseline {base} has no usable trial")
         return line
+    unsettled = [r for r in rows if r.get("verdict") == "unsettled"
+                 and r.get("ratio") is not None]
+    faster = [r for r in rows if r.get("verdict") == "faster"]
     # an unsettled arm's interval may clear ×1: "significantly faster" would contradict it
-    cleared = [r for r in rows if r.get("verdict") == "unsettled"
-               and (r.get("ci") or [None, None])[1] is not None and r["ci"][1] < 1]
-    if cleared:
+    cleared = [r for r in unsettled
+               if (r.get("ci") or [None, None])[1] is not None and r["ci"][1] < 1]
+    if faster and unsettled:  # no best: an unsettled arm ran faster than the fastest settled
+        r, f = (min(x, key=lambda r: r["ratio"]) for x in (unsettled, faster))
+        fci = f.get("ci") or [None, None]
+        line.append("No arm is settled as the fastest", style="bold yellow")
+        line.append(f": {r['name']} ran at {fmt_ratio(r['ratio'])} of the baseline {base} "
+                    f"({_unsettled_ci(r, conf)}), but {_unsettled_why(r)}; {f['name']} is "
+                    f"settled as faster: {f['speedup']:.2f}× as fast (mean time per {per} "
+                    f"{fmt_ratio(f['ratio'])}, {conf}% CI {fmt_ratio(fci[0])}–"
+                    f"{fmt_ratio(fci[1])})")
+    elif cleared:
         r = min(cleared, key=lambda r: r.get("ratio") or 1.0)
         line.append("No arm is settled as faster", style="bold yellow")
         line.append(f" than the baseline {base}: {r['name']} ran at {fmt_ratio(r.get('ratio'))} "
-                    f"({conf}% CI {fmt_ratio(r['ci'][0])}–{fmt_ratio(r['ci'][1])}), but its trials "
-                    "disagree too much to size the change")
+                    f"({_unsettled_ci(r, conf)}), but {_unsettled_why(r)}")
     else:
         line.append("No arm is significantly faster", style="bold yellow")
         line.append(f" than the baseline {base}")
+        if any(r.get("unsettled_by") == "one_trial" for r in unsettled):
+            line.append(" (one trial a side: too few to tell a change from the noise between "
+                        "trials; run --trials 2 or more)")
     load = load_text(rows)
     if load:
         line.append(f"; {load}")
     return line
+
+
+def _unsettled_ci(row: dict[str, Any], conf: int) -> str:
+    """An unsettled arm's interval, said as within one trial where it is."""
+    lo, hi = row.get("ci") or [None, None]
+    within = " within one trial" if row.get("unsettled_by") == "one_trial" else ""
+    return f"{conf}% CI{within} {fmt_ratio(lo)}–{fmt_ratio(hi)}"
+
+
+def _unsettled_why(row: dict[str, Any]) -> str:
+    """Why an arm is unsettled, in a few words (tune's notes say more)."""
+    if row.get("unsettled_by") == "one_trial":
+        return "one trial a side cannot tell a change from the noise between trials"
+    return "its trials disagree too much to size the change"
+
+
+def _ended_text(ended: list[int] | None) -> str:
+    """Where the script's own loop ended trials before ``--steps`` (tune's
+    ``script_ended_after``), in the header's words."""
+    if not ended:
+        return ""
+    low, high = ended
+    return (f" (the script ended them after {low} steps)" if low == high
+            else f" (the script ended them after {low}–{high} steps)")
 
 
 def load_text(rows: list[dict[str, Any]]) -> str:
@@ -159,7 +198,8 @@ def render_tune(doc: dict[str, Any], file: IO[str] | None = None) -> None:
     metric = "time per sample" if doc.get("metric") == "time_per_sample" else "time per step"
     console.print(Text(
         f"{doc.get('target')}: {len(doc.get('arms') or [])} arms ({doc.get('design')}), "
-        f"{per_arm} trial{'s' if per_arm != 1 else ''} each of {doc.get('steps')} steps; "
+        f"{per_arm} trial{'s' if per_arm != 1 else ''} each of up to {doc.get('steps')} steps"
+        + _ended_text(doc.get("script_ended_after")) + "; "
         f"{done}/{planned} trials run"
         + (f" ({status})" if status != "finished" else "")
         + f"; mean steady-state {metric} compared",
