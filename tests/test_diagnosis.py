@@ -113,12 +113,18 @@ def test_finding_validates_the_contract():
           "fix": Fix("do this", "code()"), "verify": "measure"}
     d = Finding(**ok).to_dict()
     assert set(d) == {"category", "cause", "title", "severity", "evidence", "estimated_gain",
-                      "fix", "verify", "rule"}
+                      "fix", "verify", "verify_commands", "rule"}
     assert d["estimated_gain"] == 1.0  # an upper bound on a share: clipped
     assert d["evidence"] == {"x": 0.1235} and type(d["evidence"]["x"]) is float
     assert d["fix"] == {"text": "do this", "snippet": "code()"}
+    assert d["verify_commands"] == []
+    # the verify line's commands, each as it stands in the line
+    cmd = "trainprof run train.py"
+    assert Finding(**{**ok, "verify": f"`{cmd}` after the change",
+                      "verify_commands": (cmd,)}).to_dict()["verify_commands"] == [cmd]
     for bad in ({"category": "speed"}, {"severity": "critical"}, {"evidence": {}},
-                {"verify": ""}, {"estimated_gain": float("nan")}):
+                {"verify": ""}, {"estimated_gain": float("nan")},
+                {"verify_commands": ("trainprof run other.py",)}, {"verify_commands": ("",)}):
         with pytest.raises(ValueError):
             Finding(**{**ok, **bad})
     assert len(CATEGORIES) == 12 and "periodic_overhead" in CATEGORIES
