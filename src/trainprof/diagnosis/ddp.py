@@ -73,12 +73,14 @@ def allreduce_every_micro_step(ctx: Context) -> Finding | None:
         "saving is that communication: a --deep window shows its time."
     )
     snippet = _no_sync_snippet(k)
-    verify = (f"re-run `trainprof run {ctx.script}` with no_sync() and `trainprof compare` "
-              "the two runs (or `trainprof run --deep` on each: the communication time "
-              f"should fall by about {(k - 1) / k:.0%})")
+    run = f"trainprof run {ctx.script}"
+    verify = (f"re-run `{run}` with no_sync() and `trainprof compare` the two runs (or "
+              "`trainprof run --deep` on each: the communication time should fall by about "
+              f"{(k - 1) / k:.0%})")
     return Finding(category="distributed", cause="allreduce_every_micro_step", title=title,
                    severity="low", evidence=evidence, estimated_gain=0.0,
-                   fix=Fix(text=text, snippet=snippet), verify=verify)
+                   fix=Fix(text=text, snippet=snippet), verify=verify,
+                   verify_commands=(run,))
 
 
 def _no_sync_snippet(k: int) -> str:
@@ -186,7 +188,8 @@ def exposed_communication(ctx: Context) -> Finding | None:
         text += ("The model is on GPUs but its gradients go through Gloo, which copies "
                  "them to the host: NCCL all-reduces on the GPUs. ")
         snippet = 'dist.init_process_group("nccl")  # was: "gloo"'
-        verify = f"re-run `trainprof run {ctx.script}` after the change and `trainprof compare`"
+        command = f"trainprof run {ctx.script}"
+        verify = f"re-run `{command}` after the change and `trainprof compare`"
     elif comm >= bwd:
         hosts = {r.get("host") for r in ctx.summary.get("ranks") or [] if r.get("host")}
         text += (
@@ -205,7 +208,7 @@ def exposed_communication(ctx: Context) -> Finding | None:
             "from torch.distributed.algorithms.ddp_comm_hooks import default_hooks\n"
             f"model.register_comm_hook(None, default_hooks.{hook})"
         )
-        verify = f"trainprof tune --knob ddp_comm_hook=script,{hook[:4]} {ctx.script}"
+        command = verify = f"trainprof tune --knob ddp_comm_hook=script,{hook[:4]} {ctx.script}"
     else:
         cap = m.get("bucket_cap_bytes")
         smaller = max(1, int(float(cap or 25 * 2**20) / 2**20 / 4))
@@ -219,14 +222,15 @@ def exposed_communication(ctx: Context) -> Finding | None:
         )
         snippet = (f"model = DistributedDataParallel(model, ..., bucket_cap_mb={smaller},\n"
                    "                                gradient_as_bucket_view=True)")
-        verify = f"trainprof tune --knob ddp_bucket_cap_mb=script,{smaller} {ctx.script}"
+        command = verify = f"trainprof tune --knob ddp_bucket_cap_mb=script,{smaller} {ctx.script}"
     verify += (f"  (DDP's exposed all-reduce, now {exposed_s * 1e3:.1f} ms a step, "
                f"{share * 100:.0f}% of it, should fall)")
     title = (f"The step waits {share * 100:.0f}% of its time for DDP's gradient all-reduce "
              f"after the backward pass ({exposed_s * 1e3:.1f} ms of {comm:.1f} ms not hidden)")
     return Finding(category="distributed", cause="exposed_communication", title=title,
                    severity=severity, evidence=evidence, estimated_gain=share,
-                   fix=Fix(text=text, snippet=snippet), verify=verify)
+                   fix=Fix(text=text, snippet=snippet), verify=verify,
+                   verify_commands=(command,))
 
 
 @rule("distributed.find_unused_parameters")
@@ -266,11 +270,12 @@ def find_unused_parameters(ctx: Context) -> Finding | None:
     )
     snippet = ("args = TrainingArguments(..., ddp_find_unused_parameters=False)" if hf else
                "model = DistributedDataParallel(model, ..., find_unused_parameters=False)")
-    verify = (f"trainprof tune --knob ddp_find_unused_parameters=script,false {ctx.script}  "
-              "(the step time with the flag off; a run that needs it fails, and tune says so)")
+    tune = f"trainprof tune --knob ddp_find_unused_parameters=script,false {ctx.script}"
+    verify = (f"{tune}  (the step time with the flag off; a run that needs it fails, and tune "
+              "says so)")
     return Finding(
         category="distributed", cause="find_unused_parameters",
         title=("DDP looks for unused parameters after every forward pass "
                "(find_unused_parameters=True) and found none"),
         severity="low", evidence=evidence, estimated_gain=0.0,
-        fix=Fix(text=text.rstrip(), snippet=snippet), verify=verify)
+        fix=Fix(text=text.rstrip(), snippet=snippet), verify=verify, verify_commands=(tune,))
