@@ -825,7 +825,8 @@ def test_terminal_shows_every_part_of_a_finding():
     assert "[high]" in text and " ".join(f["title"].split()) in " ".join(text.split())
     assert "could save up to" in text and "evidence: data_wait_share=" in text
     assert "    num_workers=4,  # was 0; 2 usable cores" in text  # the snippet, unwrapped
-    assert "verify: trainprof tune --knob num_workers=0,1,2,4" in text
+    # the verify line's commands, each whole on a line of its own under its prose
+    assert "   verify:\n      trainprof tune --knob num_workers=0,1,2,4 train.py\n" in text
     # off a terminal: 120 columns, and no line padded with blanks to the table's width
     lines = text.splitlines()
     assert max(len(line) for line in lines) <= 120

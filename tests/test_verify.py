@@ -239,7 +239,8 @@ def test_verify_measures_the_first_findings_knob_from_anywhere(tmp_path):
     summary, record = analyse_folder(run.run_dir)
     text = io.StringIO()
     render_summary(summary, file=text)
-    assert f"Measure finding 1's fix: trainprof verify {run.run_dir}" in text.getvalue()
+    assert ("Measure finding 1's fix (its knob on this script, against its estimate):\n"
+            f"   trainprof verify {run.run_dir}\n") in text.getvalue()
     page = write_html(summary, record, tmp_path / "report.html").read_text()
     assert f"trainprof verify {run.run_dir} --finding 1" in page
     elsewhere = tmp_path / "elsewhere"

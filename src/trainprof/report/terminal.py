@@ -12,7 +12,8 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from trainprof.report.console import make_console
+from trainprof.report.command_lines import verify_parts
+from trainprof.report.console import make_console, print_command, print_prose
 from trainprof.report.impact import impact_text
 
 _PHASE_STYLE = {
@@ -416,6 +417,25 @@ _PART_SEP = " · "
 MAX_RANK_ROWS = 16
 
 
+def _own_findings(r: dict[str, Any], summary: dict[str, Any]) -> list[str]:
+    """What another rank's own diagnosis found that the merged view does not show (the
+    main rank's are the merged view's)."""
+    if r.get("label") == summary.get("main_rank"):
+        return []
+    shown = {f"{f.get('category')}/{f.get('cause')}" for f in summary.get("findings") or []}
+    return [f for f in r.get("findings") or [] if f not in shown
+            and not f.startswith("measurement_noise")]
+
+
+def _rank_reports(summary: dict[str, Any]) -> list[str]:
+    """``trainprof report RANK_DIR`` of each rank listed with findings of its own (its row
+    says "its report: below"), to print under the table: in a cell the command would wrap."""
+    rows = dict(_rank_rows(summary))
+    return [f"trainprof report {r['run_dir']}" for r in summary.get("ranks") or []
+            if r.get("run_dir") and f"Rank {r.get('label')}" in rows
+            and _own_findings(r, summary)]
+
+
 def _rank_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     """A line per rank of a merged run (analysis.ranks), then how far apart they are."""
     rows: list[tuple[str, str]] = []
@@ -426,8 +446,6 @@ def _rank_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     if not (summary.get("steps") or {}).get("count"):
         idle = []
     shown = [r for r in ranks if r not in idle]
-    shown_findings = {f"{f.get('category')}/{f.get('cause')}"
-                      for f in summary.get("findings") or []}
     for r in shown[:MAX_RANK_ROWS]:
         parts = [str(r.get("status"))]
         if r.get("exit_code") not in (0, None):
@@ -445,11 +463,10 @@ def _rank_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         if r.get("samples_per_s"):
             parts.append(f"{r['samples_per_s']:,.0f} samples/s")
         # what another rank's own diagnosis found that the figures above do not show
-        extra = [f for f in r.get("findings") or [] if f not in shown_findings
-                 and not f.startswith("measurement_noise")]
-        if extra and r.get("label") != summary.get("main_rank"):
-            parts.append(f"its own findings: {', '.join(extra[:3])} (trainprof report "
-                         f"{r.get('run_dir')})")
+        extra = _own_findings(r, summary)
+        if extra:
+            parts.append(f"its own findings: {', '.join(extra[:3])}"
+                         + (" (its report: below)" if r.get("run_dir") else ""))
         rows.append((f"Rank {r['label']}", " · ".join(parts)))
     if len(shown) > MAX_RANK_ROWS:
         rows.append(("", f"... {len(shown) - MAX_RANK_ROWS} more ranks (every one in --json)"))
@@ -716,6 +733,11 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
         table.add_row("Note", str(note))
     table.add_row("Run folder", str(summary.get("run_dir")))
     console.print(table.layout(console.width))
+    reports = _rank_reports(summary)
+    if reports:
+        print_prose(console, "The reports of the ranks with findings of their own:", style="dim")
+        for command in reports:
+            print_command(console, command, indent=3)
     python_profile = summary.get("python_profile")
     if python_profile:
         from trainprof.report.python_profile_terminal import render_python_profile
@@ -737,9 +759,11 @@ def _print_verify_hint(console: Console, summary: dict[str, Any],
     for i, f in enumerate(findings, 1):
         if "trainprof tune --knob" in str(f.get("verify") or ""):
             which = "" if i == 1 else f" --finding {i}"
-            console.print(Text(f"\nMeasure finding {i}'s fix: trainprof verify {run_dir}{which}"
-                               "  (its knob on this script, against its estimate)",
-                               style="bold cyan"), soft_wrap=False)
+            console.print()
+            print_prose(console, f"Measure finding {i}'s fix (its knob on this script, against "
+                                 "its estimate):", style="bold cyan")
+            print_command(console, f"trainprof verify {run_dir}{which}", indent=3,
+                          style="bold cyan")
             return
 
 
@@ -875,10 +899,25 @@ def _print_finding(console: Console, i: int, f: dict[str, Any]) -> None:
         console.print(Padding(Text(f"evidence: {ev}", style="dim"), (0, 0, 0, 3)), soft_wrap=False)
     fix = f.get("fix") or {}
     if fix.get("text"):
-        console.print(Padding(Text(f"fix: {fix['text']}"), (0, 0, 0, 3)), soft_wrap=False)
+        # its quotes in backticks (`trainprof run --py train.py`) are never broken
+        print_prose(console, f"fix: {fix['text']}", indent=3)
     for line in str(fix.get("snippet") or "").splitlines():
         # Code is printed unwrapped (soft wrap), so it can be copied as it is.
         console.print(Text(f"      {line}", style="green"), soft_wrap=True)
     if f.get("verify"):
-        verify = Text(f"verify: {f['verify']}", style="cyan")
-        console.print(Padding(verify, (0, 0, 0, 3)), soft_wrap=False)
+        _print_verify(console, f)
+
+
+def _print_verify(console: Console, f: dict[str, Any]) -> None:
+    """The verify line: its prose wrapped, each of its commands whole on a line of its own
+    under the prose that leads to it ("verify:" alone when the line starts with one)."""
+    label = "verify:"
+    for part, is_command in verify_parts(f):
+        if is_command:
+            if label:
+                print_prose(console, label, indent=3, style="cyan")
+                label = ""
+            print_command(console, part, indent=6, style="bold cyan")
+        else:
+            print_prose(console, f"{label} {part}" if label else part, indent=3, style="cyan")
+            label = ""
