@@ -140,6 +140,27 @@ def test_prose_wraps_between_words_and_never_inside_a_quote():
     assert wrap_prose("one two\nthree", 80) == ["one two", "three"]  # its own breaks stay
 
 
+def test_the_html_report_puts_each_command_in_a_code_block():
+    from trainprof.report.html import _finding as html_finding
+
+    page = html_finding(1, _finding(**SHAPES[0]), run_dir=RUN_DIR)
+
+    for command in SHAPES[0]["verify_commands"]:
+        assert f'<code class="cmd">{command.replace("<", "&lt;").replace(">", "&gt;")}</code>' \
+            in page
+    assert "after the change (twice: the first run fills the cache)" in page
+    assert f'<code class="cmd">trainprof verify {RUN_DIR} --finding 1</code>' in page
+
+
+def test_the_tensorboard_findings_give_each_command_a_code_block():
+    from trainprof.report.tensorboard import findings_markdown
+
+    text = findings_markdown([_finding(**SHAPES[1])])
+    for command in SHAPES[1]["verify_commands"]:
+        assert f"```sh\n{command}\n```" in text
+    assert "**verify**:\n" in text and "\nthen\n" in text
+
+
 @pytest.mark.parametrize("columns", [80, 120])
 def test_a_ranks_own_report_is_a_whole_command_under_the_table(monkeypatch, columns):
     monkeypatch.setenv("COLUMNS", str(columns))
