@@ -162,6 +162,23 @@ def test_the_tensorboard_findings_give_each_command_a_code_block():
 
 
 @pytest.mark.parametrize("columns", [80, 120])
+def test_the_verify_verdict_wraps_and_its_folder_stays_whole(monkeypatch, columns):
+    from trainprof.report.verify_terminal import render_verdict
+
+    monkeypatch.setenv("COLUMNS", str(columns))
+    folder = f"{RUN_DIR}/verify-slow_input/20261128-101500-num_workers"
+    result = {"verdict": "confirmed", "arm": "num_workers=4", "ratio": 0.21, "ci": [0.20, 0.23],
+              "saving": 0.79, "estimated_gain": 0.79, "metric": "step_time",
+              "outside_load": [{"trials": 3, "max_cores": 1.4}], "tune_dir": folder}
+    buf = io.StringIO()
+    render_verdict(result, file=buf)
+    lines = buf.getvalue().splitlines()
+    assert f"trials and verify.json: {folder}" in lines
+    assert [line for line in lines if len(line) > columns and folder not in line] == []
+    assert "Verdict: confirmed - num_workers=4 ran at ×0.21" in " ".join(buf.getvalue().split())
+
+
+@pytest.mark.parametrize("columns", [80, 120])
 def test_a_ranks_own_report_is_a_whole_command_under_the_table(monkeypatch, columns):
     monkeypatch.setenv("COLUMNS", str(columns))
     steps = make_steps(60)
@@ -175,3 +192,22 @@ def test_a_ranks_own_report_is_a_whole_command_under_the_table(monkeypatch, colu
     buf = io.StringIO()
     render_summary(summary, file=buf)
     assert f"   trainprof report {RUN_DIR}/ranks/1" in buf.getvalue().splitlines()
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_packs_usage_line_is_whole(monkeypatch, columns):
+    """The Python line ``trainprof pack`` prints to use the pack, split in its table cell,
+    was a syntax error pasted line by line."""
+    from trainprof.report.pack_terminal import render_pack
+
+    monkeypatch.setenv("COLUMNS", str(columns))
+    out = "/srv/experiments/exp1work/data/slow_input_images_train_split.pack"
+    usage = (f'from trainprof.fixes import PackedDataset; dataset = PackedDataset("{out}", '
+             "transform=...)  # same samples and order as ImageFolder")
+    manifest = {"source": {"bytes": 10_000}, "shards": [{}], "count": 20, "write_s": 0.1,
+                "classes": ["a", "b"], "default_fields": ["image"],
+                "fields": [{"name": "image", "kind": "blob", "codec": "image"}]}
+    buf = io.StringIO()
+    render_pack({"source": "data/slow_input", "out": out, "pack_bytes": 9_000, "columns": [],
+                 "manifest": manifest, "reads": None, "usage": usage}, file=buf)
+    assert f"  {usage}" in buf.getvalue().splitlines()
