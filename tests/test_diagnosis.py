@@ -113,12 +113,18 @@ def test_finding_validates_the_contract():
           "fix": Fix("do this", "code()"), "verify": "measure"}
     d = Finding(**ok).to_dict()
     assert set(d) == {"category", "cause", "title", "severity", "evidence", "estimated_gain",
-                      "fix", "verify", "rule"}
+                      "fix", "verify", "verify_commands", "rule"}
     assert d["estimated_gain"] == 1.0  # an upper bound on a share: clipped
     assert d["evidence"] == {"x": 0.1235} and type(d["evidence"]["x"]) is float
     assert d["fix"] == {"text": "do this", "snippet": "code()"}
+    assert d["verify_commands"] == []
+    # the verify line's commands, each as it stands in the line
+    cmd = "trainprof run train.py"
+    assert Finding(**{**ok, "verify": f"`{cmd}` after the change",
+                      "verify_commands": (cmd,)}).to_dict()["verify_commands"] == [cmd]
     for bad in ({"category": "speed"}, {"severity": "critical"}, {"evidence": {}},
-                {"verify": ""}, {"estimated_gain": float("nan")}):
+                {"verify": ""}, {"estimated_gain": float("nan")},
+                {"verify_commands": ("trainprof run other.py",)}, {"verify_commands": ("",)}):
         with pytest.raises(ValueError):
             Finding(**{**ok, **bad})
     assert len(CATEGORIES) == 12 and "periodic_overhead" in CATEGORIES
@@ -819,7 +825,8 @@ def test_terminal_shows_every_part_of_a_finding():
     assert "[high]" in text and " ".join(f["title"].split()) in " ".join(text.split())
     assert "could save up to" in text and "evidence: data_wait_share=" in text
     assert "    num_workers=4,  # was 0; 2 usable cores" in text  # the snippet, unwrapped
-    assert "verify: trainprof tune --knob num_workers=0,1,2,4" in text
+    # the verify line's commands, each whole on a line of its own under its prose
+    assert "   verify:\n      trainprof tune --knob num_workers=0,1,2,4 train.py\n" in text
     # off a terminal: 120 columns, and no line padded with blanks to the table's width
     lines = text.splitlines()
     assert max(len(line) for line in lines) <= 120

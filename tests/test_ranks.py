@@ -720,7 +720,7 @@ def test_wait_for_ranks_returns_those_still_open_when_time_runs_out(tmp_path):
 
 
 def test_the_terminal_lists_ranks_and_folds_helpers_that_ran_no_step():
-    from trainprof.report.terminal import MAX_RANK_ROWS, _rank_rows
+    from trainprof.report.terminal import MAX_RANK_ROWS, _rank_reports, _rank_rows
 
     def row(label: str, steps: int, status: str = "finished") -> dict:
         return {"label": label, "status": status, "exit_code": 0, "steps": steps,
@@ -730,14 +730,17 @@ def test_the_terminal_lists_ranks_and_folds_helpers_that_ran_no_step():
     ranks = [row("0", 50), row("1", 50), row("2", 0), row("3", 0), row("4", 0, "crashed")]
     ranks[1]["findings"] = ["input_pipeline/too_few_workers", "gc/full_collections"]
     ranks[1]["run_dir"] = "r/ranks/1"
-    rows = _rank_rows({"steps": {"count": 50}, "ranks": ranks, "main_rank": "0",
-                       "findings": [{"category": "gc", "cause": "full_collections"}]})
+    merged = {"steps": {"count": 50}, "ranks": ranks, "main_rank": "0",
+              "findings": [{"category": "gc", "cause": "full_collections"}]}
+    rows = _rank_rows(merged)
     assert [label for label, _ in rows] == ["Rank 0", "Rank 1", "Rank 4", "Processes"]
     assert rows[0][1] == "finished · 50 steps · median 10.0 ms (p90 12.0 ms) · data wait 10.0% " \
                          "· 100 samples/s"
-    # another rank's own findings, less those the merged view already shows
+    # another rank's own findings, less those the merged view already shows; the command
+    # for its report under the table, whole (a cell would wrap it)
     assert rows[1][1].endswith("· its own findings: input_pipeline/too_few_workers "
-                               "(trainprof report r/ranks/1)")
+                               "(its report: below)")
+    assert _rank_reports(merged) == ["trainprof report r/ranks/1"]
     assert rows[2][1].startswith("crashed · no step")  # a helper that crashed stays in view
     assert rows[3][1] == "2 started by the script ran no step (ranks/ 2, 3): helpers, not training"
     # nothing stepped anywhere: every process is shown

@@ -133,15 +133,17 @@ def test_the_summary_names_what_the_knob_verify_measures_is_to_the_finding():
     summary = {"run_dir": "R", "status": "finished", "steps": {"count": 100}}
     fix = _finding("float64", "trainprof tune --knob float32=false,true t.py")
     aside = _finding("exposed_communication", DDP_VERIFY)
-    assert verify_hint(summary, [fix]) == ("Measure finding 1's fix: trainprof verify R  (its "
-                                           "knob on this script, against its estimate)")
+    assert verify_hint(summary, [fix]) == (
+        "Measure finding 1's fix (its knob on this script, against its estimate):",
+        "trainprof verify R")
     assert verify_hint(summary, [_finding("noise", "trainprof run"), aside]) == (
-        "Measure finding 2's knob: trainprof verify R --finding 2  (an aside: its fix is a "
-        "code change, measured as its verify line says)")
+        "Measure finding 2's knob (an aside: its fix is a code change, measured as its verify "
+        "line says):", "trainprof verify R --finding 2")
     bound = _finding("per_sample_overhead", "after the change, trainprof compare; the most any "
                      "input fix can give: trainprof tune --knob synthetic_data=false,true t.py")
-    assert verify_hint(summary, [bound]).startswith(
-        "Measure the most finding 1's fix can give: trainprof verify R  (the input made free")
+    prose, command = verify_hint(summary, [bound])
+    assert prose.startswith("Measure the most finding 1's fix can give (the input made free")
+    assert command == "trainprof verify R"
 
 
 def test_a_trials_own_knobs_are_kept_in_every_arm():
@@ -330,7 +332,8 @@ def test_verify_measures_the_first_findings_knob_from_anywhere(tmp_path):
     summary, record = analyse_folder(run.run_dir)
     text = io.StringIO()
     render_summary(summary, file=text)
-    assert f"Measure finding 1's fix: trainprof verify {run.run_dir}" in text.getvalue()
+    assert ("Measure finding 1's fix (its knob on this script, against its estimate):\n"
+            f"   trainprof verify {run.run_dir}\n") in text.getvalue()
     page = write_html(summary, record, tmp_path / "report.html").read_text()
     assert f"trainprof verify {run.run_dir} --finding 1" in page
     elsewhere = tmp_path / "elsewhere"
@@ -517,9 +520,9 @@ def test_a_crashed_runs_trials_stop_before_the_crash():
         trial_steps(too_soon, None, None)
     # the summary names verify as it works, and not where it cannot
     fix = _finding("float64", "trainprof tune --knob float32=false,true t.py")
-    assert verify_hint(crashed, [fix]).endswith(
+    assert verify_hint(crashed, [fix])[0].endswith(
         "(its knob on this script, against its estimate; the run crashed after 50 steps: its "
-        "trials stop before that)")
+        "trials stop before that):")
     assert verify_hint(too_soon, [fix]) is None
 
 

@@ -119,6 +119,8 @@ def eager_attention(ctx: Context) -> Finding | None:
             f"{share * 100:.0f}% of it ({float(top.get('ops_per_step') or 0):.0f} ops a "
             f"step around {float(top.get('calls_per_step') or 0):.0f} attention calls); "
             f"{how}. " + text)
+    command = (f"trainprof tune --knob mha_need_weights=true,false {ctx.script}"
+               if top.get("multihead_attention") else f"trainprof run {ctx.script}")
     return Finding(
         category="compute", cause="eager_attention",
         title=(f"Attention is computed op by op ({share * 100:.0f}% of step time): "
@@ -138,11 +140,11 @@ def eager_attention(ctx: Context) -> Finding | None:
         },
         estimated_gain=gain,
         fix=Fix(text=text, snippet=snippet),
-        verify=(f"trainprof tune --knob mha_need_weights=true,false {ctx.script}  "
-                "(nn.MultiheadAttention's calls on the fused path, the script unchanged; "
-                f"{att['s_per_step'] * 1e3:.1f} ms a step of attention ops now)"
+        verify=(f"{command}  (nn.MultiheadAttention's calls on the fused path, the script "
+                f"unchanged; {att['s_per_step'] * 1e3:.1f} ms a step of attention ops now)"
                 if top.get("multihead_attention") else
-                f"re-run `trainprof run {ctx.script}` after the change and `trainprof compare` "
-                f"the two runs: the step should lose about {gain * 100:.0f}% "
+                f"re-run `{command}` after the change and `trainprof compare` the two runs: "
+                f"the step should lose about {gain * 100:.0f}% "
                 f"({att['s_per_step'] * 1e3:.1f} ms a step of attention ops now)"),
+        verify_commands=(command,),
     )

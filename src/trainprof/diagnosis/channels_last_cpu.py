@@ -91,12 +91,14 @@ def nchw_convolutions(ctx: Context) -> Finding | None:
     evidence = {"conv2d_per_step": conv, "conv2d_channels_last_per_step": nhwc,
                 "mflop_per_nchw_conv": per_conv, "nchw_conv_flop_share": conv_share,
                 "model_share": model, "step_median_s": ctx.median_step_s}
+    tune = f"trainprof tune --knob channels_last=false,true {ctx.script}"
     return Finding(
         category="compute", cause="channels_last",
         title=(f"{conv - nhwc:.0f} convolutions a step run in NCHW on the CPU: channels_last "
                f"could save up to {gain * 100:.0f}% of step time"),
         severity=severity, evidence=evidence, estimated_gain=gain,
         fix=Fix(text=text, snippet=snippet),
-        verify=(f"trainprof tune --knob channels_last=false,true {ctx.script}  (the model and "
-                "its 4-D inputs converted at its calls, the script unchanged)"),
+        verify=f"{tune}  (the model and its 4-D inputs converted at its calls, the script "
+               "unchanged)",
+        verify_commands=(tune,),
     )

@@ -108,11 +108,12 @@ def activation_checkpointing(ctx: Context) -> Finding | None:
         "memory_total_bytes": total, "memory_used_share": used,
         "step_median_s": ctx.median_step_s,
     }
+    tune = f"trainprof tune --knob activation_checkpointing=true,false {ctx.script}"
     return Finding(
         category="compute", cause="activation_checkpointing", title=title,
         severity=severity, evidence=evidence, estimated_gain=share,
         fix=Fix(text=text, snippet=snippet),
-        verify=(f"trainprof tune --knob activation_checkpointing=true,false {ctx.script}  "
-                "(false runs each checkpointed function directly; each trial's run folder "
-                "keeps its memory peak: trainprof report RUN)"),
+        verify=(f"{tune}  (false runs each checkpointed function directly; each trial's run "
+                "folder keeps its memory peak: `trainprof report RUN`)"),
+        verify_commands=(tune,),
     )

@@ -211,6 +211,7 @@ def oversubscribed_cores(ctx: Context) -> Finding | None:
         estimated_gain=gain,
         fix=Fix(text=text, snippet=snippet),
         verify=verify,
+        verify_commands=(verify,),  # a command, all of it
     )
 
 
@@ -298,5 +299,5 @@ def spinning_threads(ctx: Context) -> Finding | None:
     return Finding(
         category="cpu_contention", cause="spinning_threads", title=title,
         severity=severity, evidence=evidence, estimated_gain=gain,
-        fix=Fix(text=text, snippet=snippet), verify=verify,
+        fix=Fix(text=text, snippet=snippet), verify=verify, verify_commands=(verify,),
     )

@@ -125,7 +125,7 @@ def too_few_threads(ctx: Context) -> Finding | None:
     return Finding(
         category="compute", cause="too_few_threads", title=title, severity=severity,
         evidence=evidence, estimated_gain=gain, fix=Fix(text=text, snippet=snippet),
-        verify=verify,
+        verify=verify, verify_commands=(verify,),
     )
 
 

@@ -76,12 +76,14 @@ def allreduce_every_micro_step(ctx: Context) -> Finding | None:
         "saving is that communication: a --deep window shows its time."
     )
     snippet = _no_sync_snippet(k)
-    verify = (f"re-run `trainprof run {ctx.script}` with no_sync() and `trainprof compare` "
-              "the two runs (or `trainprof run --deep` on each: the communication time "
-              f"should fall by about {(k - 1) / k:.0%})")
+    run = f"trainprof run {ctx.script}"
+    verify = (f"re-run `{run}` with no_sync() and `trainprof compare` the two runs (or "
+              "`trainprof run --deep` on each: the communication time should fall by about "
+              f"{(k - 1) / k:.0%})")
     return Finding(category="distributed", cause="allreduce_every_micro_step", title=title,
                    severity="low", evidence=evidence, estimated_gain=0.0,
-                   fix=Fix(text=text, snippet=snippet), verify=verify)
+                   fix=Fix(text=text, snippet=snippet), verify=verify,
+                   verify_commands=(run,))
 
 
 def _no_sync_snippet(k: int) -> str:
@@ -186,11 +188,13 @@ def exposed_communication(ctx: Context) -> Finding | None:
         bool(r.get("on_cuda")) for r in ctx.summary.get("ranks") or [])
     hook = "bf16_compress_hook" if on_cuda else "fp16_compress_hook"
     aside = ""
+    commands: tuple[str, ...] = ()
     if on_cuda and backend == "gloo":
         text += ("The model is on GPUs but its gradients go through Gloo, which copies "
                  "them to the host: NCCL all-reduces on the GPUs. ")
         snippet = 'dist.init_process_group("nccl")  # was: "gloo"'
-        verify = f"re-run `trainprof run {ctx.script}` after the change and `trainprof compare`"
+        command = f"trainprof run {ctx.script}"
+        verify = f"re-run `{command}` after the change and `trainprof compare`"
     elif comm >= bwd:
         hosts = {r.get("host") for r in ctx.summary.get("ranks") or [] if r.get("host")}
         text += (
@@ -212,12 +216,14 @@ def exposed_communication(ctx: Context) -> Finding | None:
         # the fix is a code change, written first; the hook is only an aside of it (a
         # verify that led with it said "refuted" of a sound finding when 16-bit gradients
         # cost more than they saved between two ranks of one host)
+        run_dir = ctx.summary.get("run_dir") or "RUN"
+        tune = f"trainprof tune --knob ddp_comm_hook=script,{hook[:4]} {ctx.script}"
         verify = (f"`trainprof run {ctx.script}` after the change (the gradients of several "
                   "micro-batches accumulated under model.no_sync(), one all-reduce for them "
-                  f"all), then trainprof compare {ctx.summary.get('run_dir') or 'RUN'} <the "
-                  "new run>")
-        aside = f"; 16-bit gradients alone: trainprof tune --knob ddp_comm_hook=script," \
-                f"{hook[:4]} {ctx.script}"
+                  f"all), then trainprof compare {run_dir} <the new run>")
+        aside = f"; 16-bit gradients alone: {tune}"
+        commands = (f"trainprof run {ctx.script}", f"trainprof compare {run_dir} <the new run>",
+                    tune)
     else:
         cap = m.get("bucket_cap_bytes")
         smaller = max(1, int(float(cap or 25 * 2**20) / 2**20 / 4))
@@ -231,14 +237,15 @@ def exposed_communication(ctx: Context) -> Finding | None:
         )
         snippet = (f"model = DistributedDataParallel(model, ..., bucket_cap_mb={smaller},\n"
                    "                                gradient_as_bucket_view=True)")
-        verify = f"trainprof tune --knob ddp_bucket_cap_mb=script,{smaller} {ctx.script}"
+        command = verify = f"trainprof tune --knob ddp_bucket_cap_mb=script,{smaller} {ctx.script}"
     verify += (f"  (DDP's exposed all-reduce, now {exposed_s * 1e3:.1f} ms a step, "
                f"{share * 100:.0f}% of it, should fall)") + aside
     title = (f"The step waits {share * 100:.0f}% of its time for DDP's gradient all-reduce "
              f"after the backward pass ({exposed_s * 1e3:.1f} ms of {comm:.1f} ms not hidden)")
     return Finding(category="distributed", cause="exposed_communication", title=title,
                    severity=severity, evidence=evidence, estimated_gain=share,
-                   fix=Fix(text=text, snippet=snippet), verify=verify)
+                   fix=Fix(text=text, snippet=snippet), verify=verify,
+                   verify_commands=commands or (command,))
 
 
 @rule("distributed.find_unused_parameters")
@@ -278,11 +285,12 @@ def find_unused_parameters(ctx: Context) -> Finding | None:
     )
     snippet = ("args = TrainingArguments(..., ddp_find_unused_parameters=False)" if hf else
                "model = DistributedDataParallel(model, ..., find_unused_parameters=False)")
-    verify = (f"trainprof tune --knob ddp_find_unused_parameters=script,false {ctx.script}  "
-              "(the step time with the flag off; a run that needs it fails, and tune says so)")
+    tune = f"trainprof tune --knob ddp_find_unused_parameters=script,false {ctx.script}"
+    verify = (f"{tune}  (the step time with the flag off; a run that needs it fails, and tune "
+              "says so)")
     return Finding(
         category="distributed", cause="find_unused_parameters",
         title=("DDP looks for unused parameters after every forward pass "
                "(find_unused_parameters=True) and found none"),
         severity="low", evidence=evidence, estimated_gain=0.0,
-        fix=Fix(text=text.rstrip(), snippet=snippet), verify=verify)
+        fix=Fix(text=text.rstrip(), snippet=snippet), verify=verify, verify_commands=(tune,))

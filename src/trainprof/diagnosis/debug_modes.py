@@ -31,6 +31,8 @@ MIN_ON = 0.10
 #: ... and the fewest samples: one alone can be a debugging block around a few steps
 #: (3 steps under detect_anomaly() took 1 sample of 9 in a 2-second run: 11%)
 MIN_ON_SAMPLES = 2
+#: how a verify line compares the runs before and after a change
+COMPARE = "trainprof compare RUN_BEFORE RUN_AFTER"
 
 
 def _phases(ctx: Context, *names: str) -> float:
@@ -91,11 +93,12 @@ def anomaly_detection(ctx: Context) -> Finding | None:
         "if step % 100 == 0 and not torch.isfinite(loss):  # a cheap NaN check instead\n"
         '    raise FloatingPointError(f"loss is {loss.item()} at step {step}")'
     )
-    verify = (f"trainprof tune --knob anomaly_detection=script,false {ctx.script}  "
-              "(forward and backward should shrink)")
+    tune = f"trainprof tune --knob anomaly_detection=script,false {ctx.script}"
+    verify = f"{tune}  (forward and backward should shrink)"
     return Finding(category="host_launch", cause="anomaly_detection", title=title,
                    severity=severity, evidence=evidence, estimated_gain=gain,
-                   fix=Fix(text=text, snippet=snippet), verify=verify)
+                   fix=Fix(text=text, snippet=snippet), verify=verify,
+                   verify_commands=(tune,))
 
 
 @rule("debug_modes.profiler")
@@ -123,12 +126,13 @@ def profiler_left_on(ctx: Context) -> Finding | None:
         "        ...  # the training step\n"
         "        prof.step()"
     )
-    verify = (f"trainprof run {ctx.script} with the profiler scheduled or removed, then "
-              "trainprof compare RUN_BEFORE RUN_AFTER")
+    run = f"trainprof run {ctx.script}"
+    verify = f"{run} with the profiler scheduled or removed, then {COMPARE}"
     return Finding(category="host_launch", cause="profiler_left_on", title=title,
                    severity=severity,
                    evidence=_evidence(ctx, "profiler", on, phases), estimated_gain=gain,
-                   fix=Fix(text=text, snippet=snippet), verify=verify)
+                   fix=Fix(text=text, snippet=snippet), verify=verify,
+                   verify_commands=(run, COMPARE))
 
 
 #: the switches the summary keeps (trainprof.analysis.summary.DEBUG_ENV), what each does
@@ -153,6 +157,7 @@ def cuda_env(ctx: Context) -> list[Finding]:
         return []
     out: list[Finding] = []
     phases = ctx.compute_share
+    run = f"trainprof run {ctx.script}"
     for name, value in env.items():
         if name not in _ENV_SWITCHES:
             continue
@@ -169,7 +174,7 @@ def cuda_env(ctx: Context) -> list[Finding]:
             estimated_gain=phases,
             fix=Fix(text=f"With {name} set, {what} Unset it for training.",
                     snippet=f"unset {name}  # in the job script or shell profile that sets it"),
-            verify=(f"env -u {name} trainprof run {ctx.script}, then trainprof compare "
-                    "RUN_BEFORE RUN_AFTER"),
+            verify=f"env -u {name} {run}, then {COMPARE}",
+            verify_commands=(f"env -u {name} {run}", COMPARE),
         ))
     return out

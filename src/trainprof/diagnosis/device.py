@@ -124,6 +124,16 @@ def _run_dir(ctx: Context) -> str:
     return str(ctx.summary.get("run_dir") or "RUN_DIR")
 
 
+def _compare(ctx: Context, other: str = "NEW_RUN") -> str:
+    """The verify line's comparison of this run with the next one."""
+    return f"trainprof compare {_run_dir(ctx)} {other}"
+
+
+def _expandable_run(ctx: Context) -> str:
+    """The run again with the allocator's expandable segments (memory verify lines)."""
+    return f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True trainprof run {ctx.script}"
+
+
 def _batch(ctx: Context) -> int | None:
     loader = ctx.train_loader or {}
     bs = loader.get("batch_size")
@@ -256,6 +266,7 @@ def pageable_batches(ctx: Context) -> Finding | None:
         "them with non_blocking=True. If pinning does not close the gap, the rest is host "
         "work between the phases (logging, metrics, Python): `trainprof run --py` shows it."
     )
+    tune = f"trainprof tune --knob pin_memory=false,true {ctx.script}"
     return Finding(
         category="host_to_device",
         cause="pageable_batches",
@@ -268,10 +279,10 @@ def pageable_batches(ctx: Context) -> Finding | None:
         estimated_gain=g.gain,
         fix=Fix(text=text, snippet=snippet),
         verify=(
-            f"trainprof tune --knob pin_memory=false,true {ctx.script} (add non_blocking=True "
-            f"to the .to() calls first): the device gap (now {_pct(g.gap)} of the device "
-            "step) should shrink and the step with it"
+            f"{tune} (add non_blocking=True to the .to() calls first): the device gap (now "
+            f"{_pct(g.gap)} of the device step) should shrink and the step with it"
         ),
+        verify_commands=(tune,),
     )
 
 
@@ -332,14 +343,15 @@ def idle_between_phases(ctx: Context) -> Finding | None:
         "        log(running.item() / 50)",
         "        running.zero_()",
     ]
+    commands = (f"trainprof run --py {ctx.script}", _compare(ctx))
     verify = (
-        f"`trainprof run --py {ctx.script}` names the host work between steps; after the "
-        f"change, `trainprof compare {_run_dir(ctx)} NEW_RUN`: the device gap (now "
-        f"{_pct(g.gap)}) and the step time should fall"
+        f"`{commands[0]}` names the host work between steps; after the change, "
+        f"`{commands[1]}`: the device gap (now {_pct(g.gap)}) and the step time should fall"
     )
     if bs:
-        verify = (f"trainprof tune --knob batch_size={bs},{2 * bs},{4 * bs} {ctx.script} "
-                  "(time per sample falls if the host sets the pace); then " + verify)
+        tune = f"trainprof tune --knob batch_size={bs},{2 * bs},{4 * bs} {ctx.script}"
+        verify = f"{tune} (time per sample falls if the host sets the pace); then " + verify
+        commands = (tune, *commands)
     return Finding(
         category="host_launch",
         cause="device_idle_between_phases",
@@ -352,6 +364,7 @@ def idle_between_phases(ctx: Context) -> Finding | None:
         estimated_gain=g.gain,
         fix=Fix(text=text, snippet="\n".join(lines)),
         verify=verify,
+        verify_commands=commands,
     )
 
 
@@ -529,11 +542,10 @@ def allocator_retries(ctx: Context) -> Finding | None:
         estimated_gain=gain,
         fix=Fix(text=text, snippet=_memory_snippet(ctx.script, _batch(ctx), _by_trainer(ctx))),
         verify=(
-            f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True trainprof run {ctx.script}, "
-            f"then `trainprof compare {_run_dir(ctx)} NEW_RUN`: num_alloc_retries in "
-            "run.json's cuda_memory (now "
-            f"{retries}) should be 0 and the slow steps gone"
+            f"{_expandable_run(ctx)}, then `{_compare(ctx)}`: num_alloc_retries in run.json's "
+            f"cuda_memory (now {retries}) should be 0 and the slow steps gone"
         ),
+        verify_commands=(_expandable_run(ctx), _compare(ctx)),
     )
 
 
@@ -571,10 +583,10 @@ def memory_near_capacity(ctx: Context) -> Finding | None:
         estimated_gain=0.0,
         fix=Fix(text=text, snippet=_memory_snippet(ctx.script, _batch(ctx), _by_trainer(ctx))),
         verify=(
-            f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True trainprof run {ctx.script}, "
-            f"then `trainprof compare {_run_dir(ctx)} NEW_RUN`: the GPU memory peak (now "
+            f"{_expandable_run(ctx)}, then `{_compare(ctx)}`: the GPU memory peak (now "
             f"{_pct(peak.ratio)}) should fall with the step time unchanged"
         ),
+        verify_commands=(_expandable_run(ctx), _compare(ctx)),
     )
 
 
@@ -629,12 +641,10 @@ def memory_underused(ctx: Context) -> Finding | None:
         snippet = (f"loader = DataLoader(..., batch_size={size})  # was {bs or 'B'}\n"
                    f"lr = base_lr * {times}  # linear scaling rule, with a warm-up")
     sizes = ",".join(str(bs * k) for k in (1, 2, 4) if k <= factor) if bs else None
-    verify = (
-        f"trainprof tune --knob batch_size={sizes} {ctx.script}: time per sample should fall"
-        if sizes else
-        f"re-run with a larger batch and `trainprof compare {_run_dir(ctx)} NEW_RUN`: "
-        "samples per second should rise"
-    )
+    command = (f"trainprof tune --knob batch_size={sizes} {ctx.script}" if sizes
+               else _compare(ctx))
+    verify = (f"{command}: time per sample should fall" if sizes else
+              f"re-run with a larger batch and `{command}`: samples per second should rise")
     return Finding(
         category="memory",
         cause="underused",
@@ -647,6 +657,7 @@ def memory_underused(ctx: Context) -> Finding | None:
         estimated_gain=gain,
         fix=Fix(text=text, snippet=snippet),
         verify=verify,
+        verify_commands=(command,),
     )
 
 
@@ -744,8 +755,9 @@ def data_parallel(ctx: Context) -> Finding | None:
             f"run the DDP version under torchrun and compare its global samples per second "
             f"(per-rank samples/s x {n}) with this run's"
             + (f" ({sps:.1f} samples/s)" if sps else "")
-            + f": `trainprof compare {_run_dir(ctx)} RANK0_RUN`"
+            + f": `{_compare(ctx, 'RANK0_RUN')}`"
         ),
+        verify_commands=(_compare(ctx, "RANK0_RUN"),),
     )
 
 
@@ -771,6 +783,7 @@ def cudnn_benchmark(ctx: Context) -> Finding | None:
     conv = number(ops.get("conv2d_per_step")) or 0.0
     if conv <= 0 or env.get("cudnn_benchmark") is not False or env.get("cudnn_deterministic"):
         return None
+    tune = f"trainprof tune --knob cudnn_benchmark=false,true {ctx.script}"
     return Finding(
         category="compute",
         cause="cudnn_benchmark_off",
@@ -791,8 +804,9 @@ def cudnn_benchmark(ctx: Context) -> Finding | None:
             ),
             snippet="torch.backends.cudnn.benchmark = True  # before the training loop",
         ),
-        verify=(f"trainprof tune --knob cudnn_benchmark=false,true {ctx.script}  (steps past "
-                "the first few: the forward and backward shares should fall)"),
+        verify=(f"{tune}  (steps past the first few: the forward and backward shares should "
+                "fall)"),
+        verify_commands=(tune,),
     )
 
 
@@ -832,6 +846,7 @@ def channels_last(ctx: Context) -> Finding | None:
         "device_forward_backward_share": compute,
         "gpu": ctx.environment.get("gpu"),
     }
+    run = f"trainprof run {ctx.script}"
     return Finding(
         category="compute",
         cause="channels_last",
@@ -859,8 +874,8 @@ def channels_last(ctx: Context) -> Finding | None:
             ),
         ),
         verify=(
-            f"re-run `trainprof run {ctx.script}` after the change and `trainprof compare "
-            f"{_run_dir(ctx)} NEW_RUN`: the forward and backward device time (now "
-            f"{_pct(compute)} of the device step) should fall"
+            f"re-run `{run}` after the change and `{_compare(ctx)}`: the forward and backward "
+            f"device time (now {_pct(compute)} of the device step) should fall"
         ),
+        verify_commands=(run, _compare(ctx)),
     )

@@ -236,6 +236,8 @@ def ranks_oversubscribe_cores(ctx: Context) -> Finding | None:
         # cores is the DataLoader workers' - fewer of them, not fewer threads
         return _workers_over_cores(ctx, n, cores, threads, worker_cores, current, title,
                                    severity, gain, evidence)
+    threads_sweep = ",".join(str(v) for v in sorted(set(sweep(per_rank, current))))
+    tune = f"trainprof tune --knob torch_threads={threads_sweep} {ctx.script}"
     return Finding(
         category="distributed",
         cause="ranks_oversubscribe_cores",
@@ -258,9 +260,8 @@ def ranks_oversubscribe_cores(ctx: Context) -> Finding | None:
                 "    ..."
             ),
         ),
-        verify=(f"trainprof tune --knob torch_threads="
-                f"{','.join(str(v) for v in sorted(set(sweep(per_rank, current))))} "
-                f"{ctx.script} (the knob applies in every rank)"),
+        verify=f"{tune} (the knob applies in every rank)",
+        verify_commands=(tune,),
     )
 
 
@@ -308,12 +309,13 @@ def _workers_over_cores(ctx: Context, n: int, cores: int, threads: int, worker_c
         snippet = (f"loader = DataLoader(dataset, ..., num_workers={suggested})  # was {nw}: "
                    f"{n} ranks' workers within {cores} cores")
         knob = f"{suggested},{nw}"
+    tune = f"trainprof tune --knob num_workers={knob} {ctx.script}"
     return Finding(
         category="distributed", cause="ranks_oversubscribe_cores", title=title,
         severity=severity, evidence={**evidence, **extra},
         estimated_gain=gain, fix=Fix(text=text, snippet=snippet),
-        verify=(f"trainprof tune --knob num_workers={knob} {ctx.script} "
-                "(the knob applies in every rank)"),
+        verify=f"{tune} (the knob applies in every rank)",
+        verify_commands=(tune,),
     )
 
 
@@ -370,6 +372,7 @@ def every_rank_reads_all_data(ctx: Context) -> Finding | None:
         fix=Fix(text=text, snippet=snippet),
         verify=(f"trainprof run {ctx.script}: this finding is gone, and the steps of an epoch "
                 f"fall to 1/{world}"),
+        verify_commands=(f"trainprof run {ctx.script}",),
     )
 
 

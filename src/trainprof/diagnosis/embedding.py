@@ -59,6 +59,17 @@ MIN_ROWS = 10_000
 MAX_TOUCHED = 0.1
 
 
+def _rerun_commands(ctx: Context) -> tuple[str, str]:
+    """A verify line's commands for a code change: the run again, and the comparison."""
+    return f"trainprof run {ctx.script}", "trainprof compare RUN_BEFORE RUN_AFTER"
+
+
+def _rerun(ctx: Context) -> str:
+    """"after the change, `trainprof run ...`, then `trainprof compare ...`"."""
+    run, compare = _rerun_commands(ctx)
+    return f"after the change, `{run}`, then `{compare}`"
+
+
 def _tables(ops: dict[str, Any]) -> list[dict[str, Any]]:
     """The large trainable tables of which a step looks up few rows."""
     tables = []
@@ -238,8 +249,8 @@ def dense_embedding_gradient(ctx: Context) -> Finding | None:
     return Finding(
         category="compute", cause="dense_embedding_gradient", title=title, severity=severity,
         evidence=evidence, estimated_gain=gain, fix=Fix(text=text, snippet=snippet),
-        verify=(f"trainprof run {ctx.script}  # after the change; then trainprof compare "
-                "RUN_BEFORE RUN_AFTER (backward and optimizer should fall)"),
+        verify=f"{_rerun(ctx)}: backward and optimizer should fall",
+        verify_commands=_rerun_commands(ctx),
         # a faster implementation of the same dense update is moot where the tables are most
         # of what the optimizer steps; torch.compile does not make the dense gradient's
         # writes cheaper either
@@ -291,7 +302,7 @@ def gradient_of_untrained_table(ctx: Context) -> Finding | None:
                   "lookup_share": lookup, "untrained_share_of_tables": of_tables,
                   "step_median_s": ctx.median_step_s},
         estimated_gain=gain, fix=Fix(text=text, snippet=snippet),
-        verify=(f"trainprof run {ctx.script}  # after the change; then trainprof compare "
-                "RUN_BEFORE RUN_AFTER (backward should fall)"),
+        verify=f"{_rerun(ctx)}: backward should fall",
+        verify_commands=_rerun_commands(ctx),
         supersedes=(("compute", "unfused_ops"),),
     )

@@ -83,9 +83,9 @@ def eval_without_no_grad(ctx: Context) -> Finding | None:
     # default of 60 steps may hold none); this run's length, within 60..TUNE_STEPS_MAX
     steps = int(ctx.step_info.get("count") or 0)
     trial = min(max(60, steps), TUNE_STEPS_MAX)
-    verify = (f"trainprof tune --knob eval_no_grad=false,true --steps {trial} {ctx.script}  "
-              "(runs those calls with autograd off: the steps that evaluate should shorten; "
-              "each trial must hold several evaluations)")
+    tune = f"trainprof tune --knob eval_no_grad=false,true --steps {trial} {ctx.script}"
+    verify = (f"{tune}  (runs those calls with autograd off: the steps that evaluate should "
+              "shorten; each trial must hold several evaluations)")
     return Finding(category="memory", cause="eval_autograd", title=title, severity=severity,
                    evidence=evidence, estimated_gain=round(gain, 4),
-                   fix=Fix(text=text, snippet=snippet), verify=verify)
+                   fix=Fix(text=text, snippet=snippet), verify=verify, verify_commands=(tune,))

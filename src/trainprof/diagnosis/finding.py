@@ -4,8 +4,8 @@ The fields are a **contract** (DESIGN.md, "Findings"): the ``--json`` output of
 ``run``, ``report`` and ``trace`` is a list of :meth:`Finding.to_dict` documents,
 highest ``estimated_gain`` first. Validation happens here, at construction, so a
 rule cannot emit a category outside the vocabulary, a finding without evidence
-("no finding without evidence", DESIGN.md principles) or a gain that is not a
-fraction of step time.
+("no finding without evidence", DESIGN.md principles), a gain that is not a
+fraction of step time, or a verify command its verify line does not hold.
 """
 
 from __future__ import annotations
@@ -84,6 +84,12 @@ class Finding:
     #: contradict it (the registry drops them and names them in this one's evidence):
     #: "num_workers=0" leaves no workers to compete for cores.
     supersedes: tuple[tuple[str, str], ...] = field(default=())
+    #: The commands in ``verify`` for the user to run, each exactly as it stands there, in
+    #: order: a report prints each whole on a line of its own and wraps only the prose
+    #: around it (wrapped with the prose, "... --data" / "/data/train" pasted its first
+    #: line without the argument). A field beside ``verify``, whose text stays as it was:
+    #: ``trainprof verify`` and JSON readers parse that line.
+    verify_commands: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
         if self.category not in CATEGORIES:
@@ -94,6 +100,9 @@ class Finding:
             raise ValueError("a finding needs the evidence that fired it")
         if not self.cause or not self.title or not self.verify or not self.fix.text:
             raise ValueError("a finding needs a cause, a title, a fix and a way to verify it")
+        for command in self.verify_commands:
+            if not command or command not in self.verify:
+                raise ValueError(f"verify command {command!r} is not in the verify line")
         gain = float(self.estimated_gain)
         if not math.isfinite(gain):
             raise ValueError("estimated_gain must be finite")
@@ -111,6 +120,7 @@ class Finding:
             "estimated_gain": round(self.estimated_gain, 4),
             "fix": {"text": self.fix.text, "snippet": self.fix.snippet},
             "verify": self.verify,
+            "verify_commands": list(self.verify_commands),
             "rule": self.rule,
         }
 

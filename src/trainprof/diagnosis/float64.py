@@ -105,4 +105,5 @@ def model_in_float64(ctx: Context) -> Finding | None:
         fix=Fix(text=text, snippet=snippet),
         verify=(f"trainprof tune --knob float32=false,true {ctx.script}  (a float64 model "
                 "and its float64 inputs converted at its calls, the script unchanged)"),
+        verify_commands=(f"trainprof tune --knob float32=false,true {ctx.script}",),
     )

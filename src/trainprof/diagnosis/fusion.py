@@ -73,6 +73,7 @@ def unfused_ops(ctx: Context) -> Finding | None:
         "measures it with the script unchanged (the compiling steps fall in the warm-up "
         "that tune leaves out)."
     )
+    tune = f"trainprof tune --knob compile=false,true {ctx.script}"
     return Finding(
         category="compute", cause="unfused_ops",
         title=(f"Forward and backward spend {of_model * 100:.0f}% of their op time in "
@@ -84,6 +85,6 @@ def unfused_ops(ctx: Context) -> Finding | None:
                   "gain_unknown": True},
         estimated_gain=0.0,
         fix=Fix(text=text, snippet="model = torch.compile(model)  # fuses the pointwise ops"),
-        verify=(f"trainprof tune --knob compile=false,true {ctx.script}  (the model "
-                "compiled at its first call, the script unchanged)"),
+        verify=f"{tune}  (the model compiled at its first call, the script unchanged)",
+        verify_commands=(tune,),
     )

@@ -113,10 +113,9 @@ def collector_time(ctx: Context) -> Finding | None:
         "gc.freeze()  # set-up objects move to a generation that is never scanned\n"
         "gc.set_threshold(50_000, 50, 100)  # CPython's default is (700, 10, 10)"
     )
-    verify = (
-        f"trainprof tune --knob gc_freeze=false,true --knob gc_threshold=700,50000 "
-        f"{ctx.script}  (the gc share, now {share * 100:.1f}%, should fall below 1%)"
-    )
+    tune = (f"trainprof tune --knob gc_freeze=false,true --knob gc_threshold=700,50000 "
+            f"{ctx.script}")
+    verify = f"{tune}  (the gc share, now {share * 100:.1f}%, should fall below 1%)"
     return Finding(
         category="gc",
         cause=cause,
@@ -126,6 +125,7 @@ def collector_time(ctx: Context) -> Finding | None:
         estimated_gain=share,
         fix=Fix(text=text, snippet=snippet),
         verify=verify,
+        verify_commands=(tune,),
     )
 
 
@@ -170,12 +170,12 @@ def _explicit_finding(ctx: Context, share: float, severity: str, evidence: dict[
         "gc.freeze()  # set-up objects are never scanned again, by any collection\n\n"
         "# in the loop: no gc.collect() (or once per epoch)"
     )
-    verify = (f"trainprof tune --knob explicit_gc=true,false {ctx.script}  (false: the "
-              "script's gc.collect() calls do nothing; the gc share, now "
-              f"{share * 100:.1f}%, should fall below 1%); with the calls kept: trainprof "
-              f"tune --knob gc_freeze=false,true {ctx.script}")
+    tune = f"trainprof tune --knob explicit_gc=true,false {ctx.script}"
+    kept = f"trainprof tune --knob gc_freeze=false,true {ctx.script}"
+    verify = (f"{tune}  (false: the script's gc.collect() calls do nothing; the gc share, now "
+              f"{share * 100:.1f}%, should fall below 1%); with the calls kept: {kept}")
     return Finding(
         category="gc", cause="explicit_collect", title=title, severity=severity,
         evidence=evidence, estimated_gain=share, fix=Fix(text=text, snippet=snippet),
-        verify=verify,
+        verify=verify, verify_commands=(tune, kept),
     )

@@ -121,12 +121,14 @@ def shared_memory_handoff_finding(ctx: Context, loader: dict[str, Any] | None,
             f"loader = DataLoader(..., collate_fn=PackedCollate({inner}))  # one tensor per "
             "dtype crosses",
         ]
-    verify = (f"trainprof tune --knob sharing_strategy=file_descriptor,file_system "
-              f"{ctx.script}" if by_fd else
-              f"after the change, `trainprof run {ctx.script}`: the receiving share (now "
+    command = (f"trainprof tune --knob sharing_strategy=file_descriptor,file_system "
+               f"{ctx.script}" if by_fd else f"trainprof run {ctx.script}")
+    verify = (command if by_fd else
+              f"after the change, `{command}`: the receiving share (now "
               f"{handoff_share * 100:.0f}% of step time) should fall")
     return Finding(
         category="input_pipeline", cause="shared_memory_handoff", title=title,
         severity=band(gain, 0.20, 0.05) or "low", evidence=evidence, estimated_gain=gain,
         fix=Fix(text=text, snippet="\n".join(lines)), verify=verify,
+        verify_commands=(command,),
     )

@@ -388,13 +388,15 @@ def _batched_read_finding(ctx: Context, evidence: dict[str, Any], share: float,
         "for x, y in loader:\n"
         "    x = x.to(device).float().div_(255)  # convert after the read, on the device"
     )
+    tune = f"trainprof tune --knob num_workers=0,2 {ctx.script}"
+    compare = f"trainprof compare {run_dir} <the new run>"
     return Finding(  # low: no change is known to remove it, but workers are ruled out
         category="input_pipeline", cause=cause, title=title, severity="low",
         evidence=evidence, estimated_gain=share, fix=Fix(text=text, snippet=snippet),
         # the change first: the knob only checks that workers are ruled out (led by it,
         # verify read workers that did not help, as predicted, as "refuted")
-        verify=(f"after a change, trainprof compare {run_dir} <the new run>; workers should "
-                f"not help: trainprof tune --knob num_workers=0,2 {ctx.script}"),
+        verify=f"after a change, {compare}; workers should not help: {tune}",
+        verify_commands=(compare, tune),
     )
 
 
@@ -468,9 +470,10 @@ def _cheap_samples_finding(ctx: Context, cause: str, loader: dict[str, Any] | No
             f"is the per-sample path itself: {batch_txt}`__getitem__` calls and a collate of "
             f"{collate_ms:.2f} ms per batch. {read_at_once}"
         )
-        verify = (f"after the change, trainprof compare {run_dir} <the new run> (data wait now "
-                  f"{pct}); `trainprof tune --knob num_workers=0,2 {ctx.script}` shows whether "
-                  "workers help")
+        commands: tuple[str, ...] = (f"trainprof compare {run_dir} <the new run>",
+                                     f"trainprof tune --knob num_workers=0,2 {ctx.script}")
+        verify = (f"after the change, {commands[0]} (data wait now {pct}); `{commands[1]}` "
+                  "shows whether workers help")
         gain = share
     else:
         # what a batch costs to make (a typical sample's cost times the batch, collate
@@ -508,6 +511,7 @@ def _cheap_samples_finding(ctx: Context, cause: str, loader: dict[str, Any] | No
         if evidence.get("batch_handoff"):
             text += " " + handoff_sentence(evidence["batch_handoff"])
         verify = f"trainprof tune --knob num_workers=0,{nw} {ctx.script}"
+        commands = (verify,)
         severity = band(gain, HIGH, MEDIUM) or "low"
     snippet = (loader_snippet(loader, num_workers=0, pin_memory=False,
                               comment=f"was {nw}: samples cost {us:.0f} µs, less than a "
@@ -517,7 +521,7 @@ def _cheap_samples_finding(ctx: Context, cause: str, loader: dict[str, Any] | No
     return Finding(
         category="input_pipeline", cause=cause, title=title, severity=severity,
         evidence=evidence, estimated_gain=gain, fix=Fix(text=text, snippet=snippet),
-        verify=verify,
+        verify=verify, verify_commands=commands,
         # no workers left to compete with the model's threads for the cores
         supersedes=((("cpu_contention", "workers_oversubscribe_cores"),
                      ("cpu_contention", "spinning_threads"))
@@ -629,8 +633,9 @@ def data_wait(ctx: Context) -> Finding | None:
     ``synthetic_data=true``, is the most any fix of the input pipeline can give."""
     finding = _data_wait(ctx)
     if finding is not None and ctx.loaders:
-        finding.verify += (f"; the most any input fix can give: trainprof tune --knob "
-                           f"synthetic_data=false,true {ctx.script}")
+        bound = f"trainprof tune --knob synthetic_data=false,true {ctx.script}"
+        finding.verify += f"; the most any input fix can give: {bound}"
+        finding.verify_commands += (bound,)
     return finding
 
 
@@ -843,6 +848,7 @@ def _data_wait(ctx: Context) -> Finding | None:
     counts = [0, nw, 2 * nw] if idle_workers else sweep(nw, suggested)
     knob = f"trainprof tune --knob num_workers={','.join(map(str, counts))}"
     verify = f"{knob} {ctx.script}"
+    commands: tuple[str, ...] = (verify,)  # the commands in verify, as it stands there
     # per-sample costs as measured in the workers (means: they add up to the fetch time)
     blocked_ms = cpu_ms = collate_ms = reads_ms = 0.0
     if measured and split:
@@ -889,6 +895,7 @@ def _data_wait(ctx: Context) -> Finding | None:
             )
         comment = "unchanged"
         verify = f"trainprof tune --knob persistent_workers=false,true {ctx.script}"
+        commands = (verify,)
     elif cause == "too_few_workers":
         if nw == 0:
             title = (
@@ -1004,25 +1011,30 @@ def _data_wait(ctx: Context) -> Finding | None:
         run_dir = ctx.summary.get("run_dir") or "RUN"
         filled = ("once the pack is written" if iterable
                   else "(twice: the first run fills the cache)")
+        commands = (f"trainprof run {ctx.script}", f"trainprof compare {run_dir} <the new run>")
         verify = (
-            f"`trainprof run {ctx.script}` after the change {filled}, then trainprof "
-            f"compare {run_dir} <the new run>: the data wait share "
-            f"(now {pct}) should fall"
+            f"`{commands[0]}` after the change {filled}, then {commands[1]}: the data wait "
+            f"share (now {pct}) should fall"
         )
         threads = ctx.environment.get("torch_num_threads")
         if spare is not None:
-            verify += (f"; one more worker on its own: trainprof tune --knob "
-                       f"num_workers={nw},{nw + 1} {ctx.script}")
+            aside = f"trainprof tune --knob num_workers={nw},{nw + 1} {ctx.script}"
+            verify += f"; one more worker on its own: {aside}"
+            commands += (aside,)
         elif nw == 0 and isinstance(threads, int) and threads > 1:
             # the trade a worker would make: a core from the model's threads
-            verify += (f"; a worker for a thread: trainprof tune --knob num_workers=0,1 "
-                       f"--knob torch_threads={threads - 1},{threads} {ctx.script}")
+            aside = (f"trainprof tune --knob num_workers=0,1 "
+                     f"--knob torch_threads={threads - 1},{threads} {ctx.script}")
+            verify += f"; a worker for a thread: {aside}"
+            commands += (aside,)
         elif nw > 0 and not ctx.on_cuda:
             # the reverse trade on a CPU run: workers that take cores from the model's
             # threads and add a hand-over (a dataset building samples in Python, 1 worker
             # on 2 cores: num_workers=0 ran ×0.59 of the step, `trainprof tune`, 3 trials)
-            verify += (f"; with no core free the workers may cost the model more than they "
-                       f"give: trainprof tune --knob num_workers=0,{nw} {ctx.script}")
+            aside = f"trainprof tune --knob num_workers=0,{nw} {ctx.script}"
+            verify += ("; with no core free the workers may cost the model more than they "
+                       f"give: {aside}")
+            commands += (aside,)
     elif cause == "shared_memory_handoff":
         return shared_memory_handoff_finding(ctx, loader, evidence, share, pct)
     elif cause in ("per_sample_overhead", "worker_handoff", "batched_read"):
@@ -1060,6 +1072,7 @@ def _data_wait(ctx: Context) -> Finding | None:
                 f"{ctx.script}`: collate (now {collate_ms:.2f} ms per batch) and the data wait "
                 f"share (now {pct}) should fall"
             ),
+            verify_commands=(f"trainprof run {ctx.script}",),
         )
     elif cause == "slow_reads":
         if decisive:
@@ -1139,4 +1152,5 @@ def _data_wait(ctx: Context) -> Finding | None:
         estimated_gain=gain,
         fix=Fix(text=text, snippet=snippet),
         verify=verify,
+        verify_commands=commands,
     )

@@ -131,6 +131,7 @@ def _finding(ctx: Context, loader: dict[str, Any], same: dict[str, Any]) -> Find
         fix=Fix(text=text, snippet=split_snippet(dataset)),
         verify=(f"trainprof run {ctx.script}: this finding is gone, and the steps of an "
                 f"epoch fall to 1/{n}"),
+        verify_commands=(f"trainprof run {ctx.script}",),
     )
 
 
@@ -184,5 +185,6 @@ def map_dataset_ignores_index(ctx: Context) -> Finding | None:
             fix=Fix(text=text, snippet=snippet),
             verify=(f"trainprof run {ctx.script}: this finding is gone (each worker's first "
                     "batch differs)"),
+            verify_commands=(f"trainprof run {ctx.script}",),
         )
     return None

@@ -118,4 +118,5 @@ def loader_in_thread(ctx: Context) -> Finding | None:
         estimated_gain=gain,
         fix=Fix(text=text, snippet=snippet),
         verify=f"trainprof tune --knob num_workers={knob} {ctx.script}",
+        verify_commands=(f"trainprof tune --knob num_workers={knob} {ctx.script}",),
     )

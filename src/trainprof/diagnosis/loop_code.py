@@ -234,11 +234,12 @@ def pageable_copy(ctx: Context) -> Finding | None:
         "into page-locked memory in the background, and the copy to the GPU then runs "
         "asynchronously (non_blocking=True), overlapped with the step."
     )
-    verify = (f"trainprof tune --knob pin_memory=false,true {ctx.script}  (the copy line's "
-              f"share of 'other', now {row['share'] * 100:.0f}%, should fall)")
+    tune = f"trainprof tune --knob pin_memory=false,true {ctx.script}"
+    verify = (f"{tune}  (the copy line's share of 'other', now {row['share'] * 100:.0f}%, "
+              "should fall)")
     return Finding(category="host_to_device", cause="pageable_copy", title=title,
                    severity=severity, evidence=evidence, estimated_gain=gain,
-                   fix=Fix(text=text, snippet=snippet), verify=verify)
+                   fix=Fix(text=text, snippet=snippet), verify=verify, verify_commands=(tune,))
 
 
 @rule("host_launch.loop_code")
@@ -359,11 +360,11 @@ def loop_code(ctx: Context) -> Finding | None:
     lines_target = None
     if inner and inner.get("function") and not str(inner["function"]).startswith("<"):
         lines_target = f"{_script_path(ctx, inner['file'])}:{inner['function']}"
-    measure = (f"trainprof run --lines {lines_target} {ctx.script}  (its time line by line); "
-               if lines_target else "")
-    run_dir = ctx.summary.get("run_dir") or "RUN"
+    lines = f"trainprof run --lines {lines_target} {ctx.script}" if lines_target else ""
+    measure = f"{lines}  (its time line by line); " if lines else ""
+    compare = f"trainprof compare {ctx.summary.get('run_dir') or 'RUN'} <the new run>"
     verify = (
-        f"{measure}after the change: trainprof compare {run_dir} <the new run>  "
+        f"{measure}after the change: {compare}  "
         f"('other', now {other * 100:.0f}% of the step, should fall by up to "
         f"{gain * 100:.0f} points)"
     )
@@ -379,4 +380,5 @@ def loop_code(ctx: Context) -> Finding | None:
         estimated_gain=gain,
         fix=Fix(text=text, snippet=snippet),
         verify=verify,
+        verify_commands=tuple(c for c in (lines, compare) if c),
     )

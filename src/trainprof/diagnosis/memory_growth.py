@@ -76,11 +76,12 @@ def _growth_finding(ctx: Context, g: dict[str, Any], where: str, cause: str) -> 
         "running_loss += loss.item()  # not `+= loss`: that keeps every step's graph\n"
         "outputs.append(logits.detach().cpu())  # if outputs are needed at all"
     )
-    verify = (f"trainprof run {ctx.script} after the change, then trainprof report: this "
-              "finding should be gone")
+    run = f"trainprof run {ctx.script}"
+    verify = f"{run} after the change: this finding should be gone from its report"
     return Finding(category="memory", cause=cause, title=title, severity=_severity(full),
                    evidence=evidence, estimated_gain=0.0,
-                   fix=Fix(text=text, snippet=snippet), verify=verify)
+                   fix=Fix(text=text, snippet=snippet), verify=verify,
+                   verify_commands=(run,))
 
 
 @rule("memory_growth.leak")
@@ -200,11 +201,13 @@ def worker_copies(ctx: Context) -> Finding | None:
             "all workers (`trainprof.fixes.CachedDataset`)."
         )
         snippet = "dataset = CachedDataset(dataset, \"cache_dir\")  # one on-disk copy for all"
-    verify = (f"trainprof run {ctx.script} after the change: the workers' private memory "
+    run = f"trainprof run {ctx.script}"
+    verify = (f"{run} after the change: the workers' private memory "
               f"(now {per_worker / MIB:,.0f} MiB each"
               + ("" if copied else " grown after the first batch")
               + ") should fall, and this finding go")
     return Finding(category="memory",
                    cause="worker_copy_on_read" if copied else "worker_memory_growth",
                    title=title, severity=severity, evidence=evidence, estimated_gain=0.0,
-                   fix=Fix(text=text, snippet=snippet), verify=verify)
+                   fix=Fix(text=text, snippet=snippet), verify=verify,
+                   verify_commands=(run,))

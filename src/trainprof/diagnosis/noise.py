@@ -83,8 +83,9 @@ def step_time_stability(ctx: Context) -> Finding | None:
     steady = int(info.get("steady_count") or 0)
     if count == 0:
         return None  # no steps: nothing was measured, so nothing to qualify
+    run = f"trainprof run {ctx.script}"
     verify_more = (
-        f"re-run `trainprof run {ctx.script}` for more steps on an otherwise idle machine; "
+        f"re-run `{run}` for more steps on an otherwise idle machine; "
         "`trainprof tune` repeats trials and reports confidence intervals"
     )
     if steady < MIN_STEADY:
@@ -127,6 +128,7 @@ def step_time_stability(ctx: Context) -> Finding | None:
                 ),
             ),
             verify=verify_more,
+            verify_commands=(run,),
         )
     if not ctx.has_steps():
         return None
@@ -194,6 +196,7 @@ def step_time_stability(ctx: Context) -> Finding | None:
         estimated_gain=0.0,
         fix=Fix(text=text, snippet=snippet),
         verify=verify_more,
+        verify_commands=(run,),
     )
 
 
@@ -258,6 +261,7 @@ def long_steps(ctx: Context) -> Finding | None:
         ),
         verify=(f"re-run `trainprof run {ctx.script}` on an otherwise idle machine and "
                 "`trainprof compare` the two runs: their median steps should agree"),
+        verify_commands=(f"trainprof run {ctx.script}",),
     )
 
 
@@ -308,6 +312,7 @@ def warmup_under_load(ctx: Context) -> Finding | None:
         ),
         verify=(f"re-run `trainprof run {ctx.script}` on an otherwise idle machine: the "
                 "warm-up should be a few steps"),
+        verify_commands=(f"trainprof run {ctx.script}",),
     )
 
 

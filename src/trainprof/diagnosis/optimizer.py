@@ -229,8 +229,8 @@ def optimizer_implementation(ctx: Context) -> Finding | None:
         text += (f" The script builds more optimizers that could run faster ({listed}): "
                  f"pass {flag} to each; the knob below changes them all.")
         snippet += f"\n# and {flag} for every other optimizer: {listed}"
-    verify = (f"trainprof tune --knob optimizer=script,{target} {ctx.script}  (the optimizer "
-              f"share, now {share * 100:.1f}%, should fall)")
+    tune = f"trainprof tune --knob optimizer=script,{target} {ctx.script}"
+    verify = f"{tune}  (the optimizer share, now {share * 100:.1f}%, should fall)"
     return Finding(
         category="host_launch",
         cause=f"{impl.replace('-', '_')}_optimizer",
@@ -240,4 +240,5 @@ def optimizer_implementation(ctx: Context) -> Finding | None:
         estimated_gain=share,
         fix=Fix(text=text, snippet=snippet),
         verify=verify,
+        verify_commands=(tune,),
     )

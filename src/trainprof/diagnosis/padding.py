@@ -187,14 +187,13 @@ def padded_sequences(ctx: Context) -> Finding | None:
     text += (" The estimate is linear in the positions: "
              + ("the attention, quadratic, saves more; " if attends else "")
              + "a step too short for its math to matter saves less.")
-    verify = (f"trainprof tune --knob trim_padding=false,true {ctx.script}  (trims every batch "
-              f"as TrimPadding would: the step should fall by up to {model * trim * 100:.0f}%)"
-              if trims else
-              f"after the change, trainprof compare {ctx.summary.get('run_dir') or 'RUN_DIR'} "
-              f"NEW_RUN (padding now "
-              f"{pad * 100:.0f}% of the positions)")
+    command = (f"trainprof tune --knob trim_padding=false,true {ctx.script}" if trims else
+               f"trainprof compare {ctx.summary.get('run_dir') or 'RUN_DIR'} NEW_RUN")
+    verify = (f"{command}  (trims every batch as TrimPadding would: the step should fall by "
+              f"up to {model * trim * 100:.0f}%)" if trims else
+              f"after the change, {command} (padding now {pad * 100:.0f}% of the positions)")
     return Finding(
         category="compute", cause="padding", title=title, severity=severity,
         evidence=evidence, estimated_gain=gain, fix=Fix(text=text, snippet="\n".join(lines)),
-        verify=verify,
+        verify=verify, verify_commands=(command,),
     )

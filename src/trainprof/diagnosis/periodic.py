@@ -267,11 +267,11 @@ def every_n_steps(ctx: Context) -> Finding | None:
             "    saver.start()"
         )
     command = with_interval(ctx.script, period, interval)
+    run = f"trainprof run {command}"
     verify = (
-        (f"re-run with the interval raised to {interval} (`trainprof run {command}`)"
+        (f"re-run with the interval raised to {interval} (`{run}`)"
          if command != ctx.script else
-         f"re-run with the interval raised to {interval} (`trainprof run {ctx.script}` "
-         "after the change)")
+         f"re-run with the interval raised to {interval} in the script: `{run}`")
         + " and `trainprof compare` the two runs: the mean step should fall towards the "
         f"{'typical step' if k is not None else 'median'} ({step_s * 1e3:.1f} ms), "
         f"and the run's time by up to {share * 100:.0f}%"
@@ -285,4 +285,5 @@ def every_n_steps(ctx: Context) -> Finding | None:
         estimated_gain=share,
         fix=Fix(text=text, snippet=snippet),
         verify=verify,
+        verify_commands=(run,),
     )

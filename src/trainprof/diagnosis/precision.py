@@ -113,6 +113,7 @@ def cpu_float32(ctx: Context) -> Finding | None:
         evidence=evidence, estimated_gain=gain, fix=Fix(text=text, snippet=snippet),
         verify=(f"trainprof tune --knob autocast=off,bf16 {ctx.script}  (the model's calls "
                 "under bfloat16 autocast, the script unchanged)"),
+        verify_commands=(f"trainprof tune --knob autocast=off,bf16 {ctx.script}",),
     )
 
 
@@ -188,4 +189,5 @@ def cpu_autocast_small(ctx: Context) -> Finding | None:
         verify=(f"trainprof tune --knob autocast=script,off {ctx.script}  (script: the "
                 f"script's own {dtype} autocast, untouched; off: the model's calls with "
                 "autocast disabled, the script unchanged)"),
+        verify_commands=(f"trainprof tune --knob autocast=script,off {ctx.script}",),
     )

@@ -105,10 +105,11 @@ def loop_over_dimension(ctx: Context) -> Finding | None:
             snippet=snippet,
         ),
         verify=(
-            "re-run `trainprof run` after vectorising: the summary's torch calls per step "
-            f"(now {ops.get('calls_per_step') or 0:.0f}) should drop by about {calls:.0f} and "
-            "forward+backward time with it; `trainprof compare` the two runs"
+            f"re-run `trainprof run {ctx.script}` after vectorising: the summary's torch calls "
+            f"per step (now {ops.get('calls_per_step') or 0:.0f}) should drop by about "
+            f"{calls:.0f} and forward+backward time with it; `trainprof compare` the two runs"
         ),
+        verify_commands=(f"trainprof run {ctx.script}",),
     )
 
 
@@ -177,4 +178,5 @@ def hot_python_function(ctx: Context) -> Finding | None:
             f"re-run `trainprof run --py {ctx.script}`: {hot.get('function')}'s share "
             f"(now {share * 100:.0f}%) should drop; `trainprof compare` the step times"
         ),
+        verify_commands=(f"trainprof run --py {ctx.script}",),
     )

@@ -112,4 +112,5 @@ def recompilation(ctx: Context) -> Finding | None:
                 snippet="\n".join(snippet_lines) or "TORCH_LOGS=recompiles python train.py"),
         verify=(f"re-run `trainprof run {ctx.script}` after the change: its Compile row "
                 "should show no compilation after the warm-up"),
+        verify_commands=(f"trainprof run {ctx.script}",),
     )

@@ -112,6 +112,7 @@ def far_from_peak(ctx: Context) -> Finding | None:
         fix=Fix(text=text, snippet=snippet),
         verify=(f"trainprof tune --knob batch_size={sweep} {ctx.script}  (compared per "
                 "sample; the learning rate stays the script's)"),
+        verify_commands=(f"trainprof tune --knob batch_size={sweep} {ctx.script}",),
     )
 
 

@@ -96,4 +96,5 @@ def device_syncs(ctx: Context) -> Finding | None:
         estimated_gain=gain,
         fix=Fix(text=text, snippet=snippet),
         verify=verify,
+        verify_commands=(f"trainprof run {ctx.script}",),
     )

@@ -91,10 +91,11 @@ def fp32_matmuls_without_tf32(ctx: Context) -> Finding | None:
     )
     snippet = ('torch.set_float32_matmul_precision("high")  # TF32 for float32 matmuls\n'
                "torch.backends.cudnn.allow_tf32 = True        # and convolutions")
-    verify = (f"trainprof tune --knob tf32=false,true {ctx.script}  (the forward and "
-              "backward device time should fall); bfloat16 autocast, measured the same way: "
-              f"trainprof tune --knob autocast=off,bf16 {ctx.script}")
+    tune = f"trainprof tune --knob tf32=false,true {ctx.script}"
+    autocast = f"trainprof tune --knob autocast=off,bf16 {ctx.script}"
+    verify = (f"{tune}  (the forward and backward device time should fall); bfloat16 "
+              f"autocast, measured the same way: {autocast}")
     return Finding(category="compute", cause="fp32_without_tf32", title=title,
                    severity=band(gain, HIGH, MEDIUM) or "low", evidence=evidence,
                    estimated_gain=round(gain, 4), fix=Fix(text=text, snippet=snippet),
-                   verify=verify)
+                   verify=verify, verify_commands=(tune, autocast))

@@ -77,9 +77,9 @@ def zero_grad_writes_zeros(ctx: Context) -> Finding | None:
     )
     snippet = ("opt.zero_grad(set_to_none=True)  # the default: opt.zero_grad()\n"
                "# likewise model.zero_grad(), if the script zeroes through the model")
-    verify = (f"trainprof tune --knob zero_grad_set_to_none=false,true {ctx.script}  "
-              "(every zero_grad drops the gradients: the step should shorten by more than "
-              "zero_grad's share)")
+    tune = f"trainprof tune --knob zero_grad_set_to_none=false,true {ctx.script}"
+    verify = (f"{tune}  (every zero_grad drops the gradients: the step should shorten by more "
+              "than zero_grad's share)")
     return Finding(category="host_launch", cause="zero_grad_writes_zeros", title=title,
                    severity=severity, evidence=evidence, estimated_gain=round(gain, 4),
-                   fix=Fix(text=text, snippet=snippet), verify=verify)
+                   fix=Fix(text=text, snippet=snippet), verify=verify, verify_commands=(tune,))

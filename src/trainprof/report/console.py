@@ -4,12 +4,19 @@ On a terminal rich fits the terminal's width. In a log, a pipe or a file it
 uses 120 columns rather than rich's default 80, so evidence and fix lines are
 not chopped up; and there it drops the spaces rich pads table cells with up to
 the full width, which would otherwise end every line of a saved report.
+
+Rich wraps by writing newlines, so a command wrapped with the prose around it was cut in
+two, and its first line pasted alone ran without its last arguments. A command for the user
+to run is printed by :func:`print_command`, whole on a line of its own: a long one runs past
+the width, the terminal folds it on screen, and copying the line copies the command. Prose
+that quotes code in backticks is wrapped by :func:`print_prose`, which never breaks a quote.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 from typing import IO
 
 from rich.cells import cell_len
@@ -17,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-__all__ = ["keep_numbers_whole", "make_console"]
+__all__ = ["keep_numbers_whole", "make_console", "print_command", "print_prose"]
 
 #: Columns off a terminal (unless COLUMNS says otherwise).
 WIDTH_OFF_TERMINAL = 120
@@ -74,6 +81,43 @@ def make_console(out: IO[str]) -> Console:
     width = None if "COLUMNS" in os.environ else WIDTH_OFF_TERMINAL
     trimmed: IO[str] = _TrimmedLines(out)  # type: ignore[assignment]  # write/flush suffice
     return Console(file=trimmed, highlight=False, soft_wrap=True, width=width)
+
+
+#: A word of prose for :func:`print_prose`: a run of characters without a space, where a
+#: backticked quote counts as one character however many spaces it holds.
+_WORD = re.compile(r"(?:[^\s`]|`[^`]*`|`)+")
+
+
+def wrap_prose(text: str, width: int) -> list[str]:
+    """``text`` in lines of at most ``width`` cells, broken between words, never inside a
+    backticked quote (`trainprof run --py train.py`): a word or quote wider than a line
+    gets a line of its own, whole. Its own line breaks stay; its runs of spaces become one."""
+    lines: list[str] = []
+    for paragraph in text.split("\n"):
+        line = ""
+        for word in _WORD.findall(paragraph):
+            if line and cell_len(line) + 1 + cell_len(word) > width:
+                lines.append(line)
+                line = word
+            else:
+                line = f"{line} {word}" if line else word
+        lines.append(line)
+    return lines
+
+
+def print_prose(console: Console, text: str, indent: int = 0, style: str = "") -> None:
+    """``text`` wrapped at the console's width (less ``indent``), each line indented, with no
+    quote in backticks broken (:func:`wrap_prose`); the lines are printed as they are, so
+    rich adds no break of its own."""
+    for line in wrap_prose(text, max(20, console.width - indent)):
+        console.print(Text(" " * indent + line, style=style), soft_wrap=True)
+
+
+def print_command(console: Console, command: str, indent: int = 0, style: str = "") -> None:
+    """A command for the user to run, whole on one line however long: rich writes no break
+    into it (soft wrap), the terminal folds it on screen, and copying the line copies all of
+    it."""
+    console.print(Text(" " * indent + command, style=style), soft_wrap=True)
 
 
 def keep_numbers_whole(table: Table, cut: str | None = None,

@@ -54,6 +54,7 @@ from trainprof.analysis.compare import per_unit
 from trainprof.analysis.series import MAX_POINTS, sample_series, step_series, telemetry_series
 from trainprof.errors import UsageError
 from trainprof.experiments.verify import MIN_CRASH_STEPS, crashed_after
+from trainprof.report.command_lines import verify_parts
 from trainprof.report.html_assets import CSS, JS
 from trainprof.report.impact import impact_text
 from trainprof.report.terminal import (
@@ -364,10 +365,14 @@ def _finding(i: int, f: dict[str, Any], run_dir: str | None = None) -> str:
     elif fix:
         parts.append(f"<p><b>Fix.</b> {esc(fix)}</p>")
     if f.get("verify"):
-        parts.append(f"<p><b>Verify.</b> <code>{esc(f['verify'])}</code></p>")
+        # prose as prose, each command in a block of its own, unwrapped (command_lines.py)
+        verify = "".join(f'<code class="cmd">{esc(part)}</code>' if is_command else
+                         f" {esc(part)} " for part, is_command in verify_parts(f))
+        parts.append(f"<p><b>Verify.</b> {verify.strip()}</p>")
         if run_dir and "trainprof tune --knob" in str(f["verify"]):
             # the same measurement on the run's own command, set against the estimate
-            parts.append(f"<p><b>Measure it.</b> <code>trainprof verify {esc(run_dir)} "
+            parts.append(f"<p><b>Measure it</b> (its knob on this script, against its "
+                         f'estimate): <code class="cmd">trainprof verify {esc(run_dir)} '
                          f"--finding {i}</code></p>")
     if f.get("evidence"):
         parts.append(

@@ -64,6 +64,7 @@ code,.mono{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font
 .crash{border-left:4px solid #b91c1c;padding:4px 12px;margin:8px 0 14px;background:#fef2f2}
 .crash pre{margin:4px 0 8px;white-space:pre-wrap}
 p code,td code{background:var(--panel);padding:1px 4px;border-radius:3px}
+p code.cmd{display:block;white-space:pre;overflow-x:auto;margin:4px 0;padding:3px 6px}
 table{border-collapse:collapse;margin:6px 0;font-size:13px}
 th,td{border-bottom:1px solid var(--line);padding:3px 10px 3px 0;text-align:left;
 vertical-align:top}

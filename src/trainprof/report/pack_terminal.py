@@ -10,8 +10,9 @@ from typing import IO, Any
 
 import numpy as np
 from rich.table import Table
+from rich.text import Text
 
-from trainprof.report.console import make_console
+from trainprof.report.console import make_console, print_command
 
 _CODEC = {
     "image": "encoded image bytes, decoded when read",
@@ -84,5 +85,8 @@ def render_pack(doc: dict[str, Any], file: IO[str] | None = None) -> None:
             f"files {reads['files_per_s']:,.0f}/s · pack {reads['pack_per_s']:,.0f}/s "
             f"([bold]×{reads['speedup']:.1f}[/bold]); {check}",
         )
-    grid.add_row("Use it", doc["usage"])
     console.print(grid)
+    # the code on a line of its own, whole: wrapped in the grid's cell, its first line pasted
+    # alone was a syntax error
+    console.print(Text("Use it", style="bold"))
+    print_command(console, doc["usage"], indent=2)

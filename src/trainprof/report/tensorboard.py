@@ -49,6 +49,7 @@ from typing import Any
 
 from trainprof.analysis.scalars import MAX_POINTS, TUNE_METRICS, describe, scalar_series
 from trainprof.errors import missing_package
+from trainprof.report.command_lines import verify_parts
 from trainprof.report.terminal import fmt_evidence_value
 from trainprof.store import Run
 
@@ -173,9 +174,27 @@ def findings_markdown(findings: list[dict[str, Any]]) -> str:
         if fix.get("snippet"):
             lines += ["```python", str(fix["snippet"]).rstrip(), "```", ""]
         if f.get("verify"):
-            lines += [f"**verify**: `{f['verify']}`", ""]
+            lines += _verify_markdown(f)
         parts.append("\n".join(lines))
     return "\n\n".join(parts)
+
+
+def _verify_markdown(finding: dict[str, Any]) -> list[str]:
+    """The verify line as the terminal prints it: its prose as text, each command in a code
+    block of its own (the whole line in one inline code span broke at the backticks it
+    quotes commands with)."""
+    lines: list[str] = []
+    label = "**verify**:"
+    for part, is_command in verify_parts(finding):
+        if is_command:
+            if label:
+                lines += [label, ""]
+                label = ""
+            lines += ["```sh", part, "```", ""]
+        else:
+            lines += [f"{label} {part}" if label else part, ""]
+            label = ""
+    return lines
 
 
 def _short(value: Any) -> str:

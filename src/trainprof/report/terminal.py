@@ -12,7 +12,8 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from trainprof.report.console import make_console
+from trainprof.report.command_lines import verify_parts
+from trainprof.report.console import make_console, print_command, print_prose
 from trainprof.report.impact import impact_text
 
 _PHASE_STYLE = {
@@ -422,6 +423,25 @@ _PART_SEP = " · "
 MAX_RANK_ROWS = 16
 
 
+def _own_findings(r: dict[str, Any], summary: dict[str, Any]) -> list[str]:
+    """What another rank's own diagnosis found that the merged view does not show (the
+    main rank's are the merged view's)."""
+    if r.get("label") == summary.get("main_rank"):
+        return []
+    shown = {f"{f.get('category')}/{f.get('cause')}" for f in summary.get("findings") or []}
+    return [f for f in r.get("findings") or [] if f not in shown
+            and not f.startswith("measurement_noise")]
+
+
+def _rank_reports(summary: dict[str, Any]) -> list[str]:
+    """``trainprof report RANK_DIR`` of each rank listed with findings of its own (its row
+    says "its report: below"), to print under the table: in a cell the command would wrap."""
+    rows = dict(_rank_rows(summary))
+    return [f"trainprof report {r['run_dir']}" for r in summary.get("ranks") or []
+            if r.get("run_dir") and f"Rank {r.get('label')}" in rows
+            and _own_findings(r, summary)]
+
+
 def _rank_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     """A line per rank of a merged run (analysis.ranks), then how far apart they are."""
     rows: list[tuple[str, str]] = []
@@ -432,8 +452,6 @@ def _rank_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     if not (summary.get("steps") or {}).get("count"):
         idle = []
     shown = [r for r in ranks if r not in idle]
-    shown_findings = {f"{f.get('category')}/{f.get('cause')}"
-                      for f in summary.get("findings") or []}
     for r in shown[:MAX_RANK_ROWS]:
         parts = [str(r.get("status"))]
         if r.get("exit_code") not in (0, None):
@@ -451,11 +469,10 @@ def _rank_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         if r.get("samples_per_s"):
             parts.append(f"{r['samples_per_s']:,.0f} samples/s")
         # what another rank's own diagnosis found that the figures above do not show
-        extra = [f for f in r.get("findings") or [] if f not in shown_findings
-                 and not f.startswith("measurement_noise")]
-        if extra and r.get("label") != summary.get("main_rank"):
-            parts.append(f"its own findings: {', '.join(extra[:3])} (trainprof report "
-                         f"{r.get('run_dir')})")
+        extra = _own_findings(r, summary)
+        if extra:
+            parts.append(f"its own findings: {', '.join(extra[:3])}"
+                         + (" (its report: below)" if r.get("run_dir") else ""))
         rows.append((f"Rank {r['label']}", " · ".join(parts)))
     if len(shown) > MAX_RANK_ROWS:
         rows.append(("", f"... {len(shown) - MAX_RANK_ROWS} more ranks (every one in --json)"))
@@ -722,6 +739,11 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
         table.add_row("Note", str(note))
     table.add_row("Run folder", str(summary.get("run_dir")))
     console.print(table.layout(console.width))
+    reports = _rank_reports(summary)
+    if reports:
+        print_prose(console, "The reports of the ranks with findings of their own:", style="dim")
+        for command in reports:
+            print_command(console, command, indent=3)
     python_profile = summary.get("python_profile")
     if python_profile:
         from trainprof.report.python_profile_terminal import render_python_profile
@@ -735,14 +757,20 @@ def render_summary(summary: dict[str, Any], file: IO[str] | None = None) -> None
 
 def _print_verify_hint(console: Console, summary: dict[str, Any],
                        findings: list[dict[str, Any]]) -> None:
+    """The verify hint: what it measures, then the command whole on a line of its own."""
     hint = verify_hint(summary, findings)
     if hint:
-        console.print(Text(f"\n{hint}", style="bold cyan"), soft_wrap=False)
+        prose, command = hint
+        console.print()
+        print_prose(console, prose, style="bold cyan")
+        print_command(console, command, indent=3, style="bold cyan")
 
 
-def verify_hint(summary: dict[str, Any], findings: list[dict[str, Any]]) -> str | None:
-    """The command that measures the first finding a knob can measure (``trainprof
-    verify``), for a single-process run (a launch's command is one rank's), said as what
+def verify_hint(summary: dict[str, Any],
+                findings: list[dict[str, Any]]) -> tuple[str, str] | None:
+    """(what it measures, the command): the command that measures the first finding a knob
+    can measure (``trainprof verify``), for a single-process run (a launch's command is one
+    rank's), said as what
     the knob is to the finding: its fix, an aside of a fix that is a code change, or the
     most any input fix can give (experiments/verify.knob_role). For a run that crashed, its
     trials stop before the crash, said so; none where it crashed too soon for verify."""
@@ -767,7 +795,7 @@ def verify_hint(summary: dict[str, Any], findings: list[dict[str, Any]]) -> str 
         }[knob_role(verify)]
         crash = ("" if done is None else
                  f"; the run crashed after {done} steps: its trials stop before that")
-        return f"{what}: trainprof verify {run_dir}{which}  ({why}{crash})"
+        return f"{what} ({why}{crash}):", f"trainprof verify {run_dir}{which}"
     return None
 
 
@@ -903,10 +931,25 @@ def _print_finding(console: Console, i: int, f: dict[str, Any]) -> None:
         console.print(Padding(Text(f"evidence: {ev}", style="dim"), (0, 0, 0, 3)), soft_wrap=False)
     fix = f.get("fix") or {}
     if fix.get("text"):
-        console.print(Padding(Text(f"fix: {fix['text']}"), (0, 0, 0, 3)), soft_wrap=False)
+        # its quotes in backticks (`trainprof run --py train.py`) are never broken
+        print_prose(console, f"fix: {fix['text']}", indent=3)
     for line in str(fix.get("snippet") or "").splitlines():
         # Code is printed unwrapped (soft wrap), so it can be copied as it is.
         console.print(Text(f"      {line}", style="green"), soft_wrap=True)
     if f.get("verify"):
-        verify = Text(f"verify: {f['verify']}", style="cyan")
-        console.print(Padding(verify, (0, 0, 0, 3)), soft_wrap=False)
+        _print_verify(console, f)
+
+
+def _print_verify(console: Console, f: dict[str, Any]) -> None:
+    """The verify line: its prose wrapped, each of its commands whole on a line of its own
+    under the prose that leads to it ("verify:" alone when the line starts with one)."""
+    label = "verify:"
+    for part, is_command in verify_parts(f):
+        if is_command:
+            if label:
+                print_prose(console, label, indent=3, style="cyan")
+                label = ""
+            print_command(console, part, indent=6, style="bold cyan")
+        else:
+            print_prose(console, f"{label} {part}" if label else part, indent=3, style="cyan")
+            label = ""

@@ -1,7 +1,8 @@
 """The terminal view of ``trainprof verify``'s verdict (rich). It renders; it computes nothing.
 
-Printed after tune's own table: one line that sets the saving measured (with its interval)
-against the finding's estimate, and what to do about it.
+Printed after tune's own table: a line that sets the saving measured (with its interval)
+against the finding's estimate, and what to do about it, wrapped at the console's width as
+tune's prose is.
 """
 
 from __future__ import annotations
@@ -126,9 +127,10 @@ def render_verdict(result: dict[str, Any], file: IO[str] | None = None) -> None:
     """Print the verdict line and where the trials are."""
     console = make_console(file if file is not None else sys.stdout)
     console.print()
-    console.print(verdict_line(result))
+    # prose wraps at the console's width, as tune's headline above it does (unwrapped, the
+    # verdict ran 300 columns on); the path stays whole on its line, to be copied
+    console.print(verdict_line(result), soft_wrap=False)
     after = after_line(result)
     if after:
-        console.print(after)
-    console.print(Text(f"trials and verify.json: {result.get('tune_dir')}", style="dim"),
-                  soft_wrap=False)
+        console.print(after, soft_wrap=False)
+    console.print(Text(f"trials and verify.json: {result.get('tune_dir')}", style="dim"))
