@@ -221,6 +221,23 @@ def test_exposed_communication_bands_and_fixes():
     assert 'init_process_group("nccl")' in f["fix"]["snippet"]
 
 
+def test_a_ddp_row_says_when_its_samples_are_too_few_for_a_finding():
+    """A 40-step run: DDP's one sample, of iteration 10, showed "16.8 ms exposed (49% of
+    step)" in the summary and no finding, unexplained."""
+    from trainprof.report.terminal import _ddp_rows
+
+    warm = {"settings": {"module_name": "Net", "backend_name": "gloo", "world_size": 2,
+                         "bucket_cap_bytes": 25 * 2**20},
+            "samples": [[10, int(1 * MS), int(6 * MS), int(9 * MS), int(4 * MS)]]}
+    model = summarize_model(warm, 0.010)
+    assert _found([model]) == []
+    (row,) = _ddp_rows([model])
+    assert row.endswith(": too few past DDP's warm-up for a finding (a longer run samples "
+                        "more)"), row
+    (row,) = _ddp_rows([_model(comm=9.0, overlap=5.0, backward=5.0)])
+    assert "too few" not in row
+
+
 def test_exposed_communication_is_the_rank_that_waits_least():
     """A straggler's delay shows as every other rank's communication: the rank that waits
     least says what the all-reduce itself costs."""

@@ -132,6 +132,19 @@ def summarize_model(entry: dict[str, Any], step_median_s: float | None) -> dict[
     return out
 
 
+#: DDP's own timings needed, where none is past its warm-up iterations, to judge its
+#: all-reduce (diagnosis/ddp.py; the summary's DDP row says when there are fewer).
+MIN_WARMUP_SAMPLES = 3
+
+
+def judgeable(model: dict[str, Any]) -> bool:
+    """Do DDP's sampled iterations of ``model`` tell its all-reduce's cost: some past its
+    first ten iterations (bucket rebuilding, caches warming), or three at least? A 30-step
+    run's single sample of iteration 10 once put 39% of the step on the all-reduce."""
+    return (model.get("samples_from") == "steady"
+            or int(model.get("usable_samples", model.get("samples")) or 0) >= MIN_WARMUP_SAMPLES)
+
+
 def summarize_ddp(meta: dict[str, Any], step_median_s: float | None) -> list[dict[str, Any]]:
     """The ``ddp`` section of a run summary: one entry per DDP model that reported."""
     entries = meta.get("ddp")

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainprof.analysis.ddp import judgeable
 from trainprof.diagnosis.context import Context, number
 from trainprof.diagnosis.distributed import forward_root
 from trainprof.diagnosis.finding import Finding, Fix, band
@@ -121,9 +122,7 @@ def exposed_communication(ctx: Context) -> Finding | None:
     # iteration 10 in trainprof's op-count window once read "397% of step").
     models = [m for m in ctx.summary.get("ddp") or []
               if isinstance(m, dict) and isinstance(m.get("exposed_ms"), int | float)
-              and isinstance(m.get("exposed_share"), int | float)
-              and (m.get("samples_from") == "steady"
-                   or int(m.get("usable_samples", m.get("samples")) or 0) >= 3)]
+              and isinstance(m.get("exposed_share"), int | float) and judgeable(m)]
     step = number(ctx.step_info.get("median_s"))
     if not models or not step:
         return None

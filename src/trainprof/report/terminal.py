@@ -12,6 +12,7 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
+from trainprof.analysis.ddp import judgeable
 from trainprof.report.command_lines import verify_parts
 from trainprof.report.console import make_console, print_command, print_prose
 from trainprof.report.impact import impact_text
@@ -262,7 +263,10 @@ def _ddp_rows(models: list[dict[str, Any]]) -> list[str]:
                         " (no share of the step: DDP timed no steady iteration)"
                         if m.get("share_withheld") else "")
                      + f"  (DDP's timing of iteration{'s' if len(its) != 1 else ''} "
-                     + ", ".join(map(str, its[:4])) + ("..." if len(its) > 4 else "") + ")")
+                     + ", ".join(map(str, its[:4])) + ("..." if len(its) > 4 else "") + ")"
+                     + ("" if judgeable(m) else
+                        ": too few past DDP's warm-up for a finding (a longer run samples "
+                        "more)"))
         rows.append(head)
     return rows
 
