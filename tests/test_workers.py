@@ -1299,3 +1299,19 @@ def test_workers_started_from_a_thread_outlive_that_thread(tmp_path):
     res = trainprof("run", "train.py", cwd=tmp_path, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "steps 48" in res.stdout
+
+
+def test_a_loader_of_whole_batches_says_items_not_samples():
+    """An IterableDataset yielding ready-made 48-sample batches with batch_size=None: the
+    Loading row said "60 samples" while the throughput counted 2,880: each item is a batch."""
+    from trainprof.report.terminal import worker_rows
+
+    w = {"loader_index": 0, "mode": "main", "samples": 60, "samples_estimated": False,
+         "sample_blocked_ms": None, "sample_cpu_ms": None, "collate_ms": None}
+    whole = [{"index": 0, "batch_size": None, "batch_sampler": None}]
+    ((_, row),) = worker_rows({"loaders": [w]}, whole)
+    assert "60 items, each a whole batch (batch_size=None)" in row and "per item" in row
+    batched = [{"index": 0, "batch_size": 48,
+                "batch_sampler": "torch.utils.data.sampler.BatchSampler"}]
+    ((_, row),) = worker_rows({"loaders": [w]}, batched)
+    assert "60 samples" in row and "per sample" in row

@@ -352,6 +352,9 @@ def worker_rows(workers: dict[str, Any] | None,
     record keeps it, else all loaders together)."""
     rows: list[tuple[str, str]] = []
     threads = {d.get("index"): d.get("iterated_in_thread") for d in loaders or []}
+    # batch_size=None and no batch sampler: each item the dataset gives is a batch already
+    whole = {d.get("index") for d in loaders or []
+             if "batch_size" in d and d.get("batch_size") is None and not d.get("batch_sampler")}
     for w in (workers or {}).get("loaders") or []:
         if not w.get("samples"):
             continue
@@ -363,10 +366,13 @@ def worker_rows(workers: dict[str, Any] | None,
         else:
             who = (f"{w.get('num_workers')} workers ({w.get('start_method')}) × "
                    f"{w.get('generations')} generation(s)")
+        count = f"{'~' if w.get('samples_estimated') else ''}{w['samples']:,}"
+        item = "item" if idx in whole else "sample"
         parts = [
             who,
-            f"{'~' if w.get('samples_estimated') else ''}{w['samples']:,} samples",
-            f"per sample blocked {_ms_txt(w.get('sample_blocked_ms'))}, "
+            (f"{count} items, each a whole batch (batch_size=None)" if idx in whole
+             else f"{count} samples"),
+            f"per {item} blocked {_ms_txt(w.get('sample_blocked_ms'))}, "
             f"CPU {_ms_txt(w.get('sample_cpu_ms'))}",
             f"collate {_ms_txt(w.get('collate_ms'))}/batch",
         ]
