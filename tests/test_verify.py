@@ -144,6 +144,18 @@ def test_the_summary_names_what_the_knob_verify_measures_is_to_the_finding():
     prose, command = verify_hint(summary, [bound])
     assert prose.startswith("Measure the most finding 1's fix can give (the input made free")
     assert command == "trainprof verify R"
+    # code python read from stdin: nothing for verify to run again (it said `trainprof run -`)
+    assert verify_hint({**summary, "command": ["python", "-"]}, [fix]) is None
+
+
+def test_code_from_stdin_is_named_as_a_file_to_save_it_in():
+    from test_diagnosis import make_steps, make_summary
+
+    from trainprof.diagnosis.context import Context
+
+    steps = make_steps(20)
+    assert Context(make_summary(steps, command=["python", "-"]), steps).script == "SCRIPT.py"
+    assert Context(make_summary(steps), steps).script == "train.py"
 
 
 def test_a_trials_own_knobs_are_kept_in_every_arm():

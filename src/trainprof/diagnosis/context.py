@@ -239,9 +239,14 @@ class Context:
 
     @property
     def script(self) -> str:
-        """How the user ran the script (``train.py ARGS`` or ``-m pkg ARGS``), for verify lines."""
+        """How the user ran the script (``train.py ARGS`` or ``-m pkg ARGS``), for verify lines.
+        Code python read from stdin (``python -``) or a string (``python -c``) has no file to
+        run again: its lines name ``SCRIPT.py``, the file to save it in (they had said
+        ``trainprof run -``)."""
         cmd = self.summary.get("command")
         if isinstance(cmd, list) and len(cmd) >= 2:
+            if str(cmd[1]) in ("-", "-c"):
+                return "SCRIPT.py"
             return shlex.join(str(p) for p in cmd[1:])
         return "train.py"
 

@@ -790,6 +790,9 @@ def verify_hint(summary: dict[str, Any],
     done = crashed_after(summary)
     if not run_dir or summary.get("ranks") or (done is not None and done < MIN_CRASH_STEPS):
         return None
+    command = summary.get("command")
+    if isinstance(command, list) and len(command) >= 2 and str(command[1]) in ("-", "-c"):
+        return None  # code from stdin or a string: nothing for verify to run again
     for i, f in enumerate(findings, 1):
         verify = str(f.get("verify") or "")
         if "trainprof tune --knob" not in verify:
