@@ -409,6 +409,21 @@ def test_prof_step_twice_in_a_row_records_no_empty_step(tmp_path, where):
     assert prof.summary["steps"]["median_s"] > 20e-6
 
 
+def test_a_garbage_collection_between_two_calls_makes_no_step():
+    """prof.step() at the top of the loop and at its end: a collection set off in between
+    (by the op count's window, set up in the call before) had made one empty gap a step
+    (101 steps for 100 iterations)."""
+    from trainprof.capture.clock import StepClock
+    from trainprof.schema import GC, GC_N
+
+    clock = StepClock()
+    clock.manual_step()
+    clock.acc[GC_N] += 1
+    clock.acc[GC] += 5_000
+    clock.manual_step()
+    assert clock.n_steps == 0
+
+
 def test_a_step_of_untimed_work_is_still_a_step():
     """Only the gap between two calls is dropped: a longer step with nothing timed in it
     (a sleep, code outside any module) is closed as before."""

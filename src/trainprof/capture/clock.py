@@ -68,6 +68,9 @@ from trainprof.schema import (
     FLAG_MANUAL,
     FLAG_PARTIAL,
     FLAG_PROFILED,
+    GC,
+    GC_GEN2_N,
+    GC_N,
     HOST_READS,
     N_ACC,
     N_PHASES,
@@ -88,6 +91,9 @@ AUTO_DECIDE_AFTER = 64
 #: microseconds; the shortest real steps, tens of them and a timed phase.
 EMPTY_STEP_NS = 100_000
 
+
+#: Accumulators that say nothing of a manual step's work (:meth:`StepClock._empty`).
+_NOT_WORK = frozenset({OTHER, GC, GC_N, GC_GEN2_N})
 
 #: One step record as native int64s: ``array.frombytes`` of one packed record
 #: costs a tenth of ``array.extend`` of a tuple, which converts item by item.
@@ -497,13 +503,15 @@ class StepClock(_Core):  # type: ignore[misc, valid-type]
         phase, no region, no counter - and less than :data:`EMPTY_STEP_NS` passed since the
         last call returned: what separates two calls with no code between (from the return:
         the last call may have started a tool's window, whose cost is the new step's). A
-        step of untimed work (a sleep, plain tensor code outside any module) lasts longer
-        and is kept."""
+        garbage collection in between is no work of a step (the op count's window, set up in
+        the last call, once set one off there: 101 steps for 100 iterations). A step of
+        untimed work (a sleep, plain tensor code outside any module) lasts longer and is
+        kept."""
         since = max(self.step_start, self._manual_end)
         if self.current != OTHER or perf_counter_ns() - since >= EMPTY_STEP_NS:
             return False
         acc = self.acc
-        return not any(acc[i] for i in range(N_ACC) if i != OTHER)
+        return not any(acc[i] for i in range(N_ACC) if i not in _NOT_WORK)
 
     def _backward_boundary(self) -> None:
         if self.mode == "backward":
