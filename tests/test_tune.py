@@ -902,3 +902,20 @@ def test_the_header_says_steps_are_a_cap_and_where_the_script_ended_trials(tmp_p
     for t in trials:
         t.count = 60
     assert analyse_tune(arms, trials, arms[0], steps=60)["script_ended_after"] is None
+
+
+def test_a_long_trial_marks_its_progress_line_while_it_runs(tmp_path, monkeypatch):
+    """A trial slowed 80-fold by another process's load ran 84 s with nothing printed after
+    its "trial 1/3 …": the line gets the seconds so far every TICK_S."""
+    import sys
+
+    from trainprof.experiments import tune
+    from trainprof.experiments.tune import Trial, run_trial
+
+    monkeypatch.setattr(tune, "TICK_S", 0.25)
+    trial = Trial(0, 0, tmp_path / "t", stopped=True)
+    ticks: list[float] = []
+    run_trial(trial, [sys.executable, "-c", "import time; time.sleep(0.9)"], {},
+              tick=ticks.append)
+    assert len(ticks) >= 2 and ticks == sorted(ticks) and ticks[0] >= 0.25
+    assert trial.exit_code == 0

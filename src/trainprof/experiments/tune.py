@@ -72,7 +72,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -325,15 +325,22 @@ def stop_child(proc: subprocess.Popen[bytes], steps_file: Path) -> None:
         proc.wait()
 
 
+#: Seconds between the marks a trial still running leaves on its progress line.
+TICK_S = 15.0
+
+
 def run_trial(trial: Trial, command: list[str], overrides: dict[str, Any],
-              env_changes: dict[str, str | None] | None = None) -> Trial:
+              env_changes: dict[str, str | None] | None = None,
+              tick: Callable[[float], None] | None = None) -> Trial:
     """Run one trial and read back its Run folder (steady steps, run.json, findings).
 
     ``env_changes``: variables set (a value) or unset (None) over this process's environment
     (verify's: the run's own setting, :mod:`trainprof.experiments.trial_setting`); the
     knobs' variables come after them. The child's JSON summary is not read from its stdout:
     ``trainprof run`` also stores it in the Run folder, and a pipe nobody reads while the
-    child is being stopped could block it.
+    child is being stopped could block it. ``tick`` is called with the seconds the trial has
+    run every :data:`TICK_S` while it runs: a trial slowed 80-fold by another process's load
+    ran 84 s with nothing printed after its "trial 1/3 …".
     """
     from trainprof.capture.knobs import ENV_VAR, encode, knob_environment
     from trainprof.store import STEPS_BIN
@@ -349,7 +356,12 @@ def run_trial(trial: Trial, command: list[str], overrides: dict[str, Any],
         proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log,
                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         try:
-            proc.wait()
+            while True:
+                try:
+                    proc.wait(timeout=TICK_S if tick is not None else None)
+                    break
+                except subprocess.TimeoutExpired:
+                    tick(time.perf_counter() - t0)  # type: ignore[misc]  # set when timed
         except BaseException:
             stop_child(proc, trial.run_dir / STEPS_BIN)
             raise
@@ -997,7 +1009,8 @@ class _Session:
         trial, command = self._plan(arm, t)  # stopped until the child has ended on its own
         try:
             run_trial(trial, command, arm.overrides,
-                      self.setting.env if self.setting else None)
+                      self.setting.env if self.setting else None,
+                      tick=lambda s: self.say(f"{s:.0f} s … ", end=""))
         except BaseException:
             read_trial(trial)
             raise
