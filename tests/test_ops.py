@@ -54,6 +54,11 @@ def test_per_token_loss_loop_is_found_and_named(tmp_path: Path) -> None:
     assert finding["evidence"]["where"].endswith(f"python_loop.py:{loop['line']}")
     assert "cross_entropy(logits.reshape" in finding["fix"]["snippet"]
     assert 0.05 < finding["estimated_gain"] <= 1.0
+    # counted calls, not timed ones: an estimate, said as one (its fix measured past it)
+    from trainprof.report.impact import impact_text
+
+    assert impact_text(finding).startswith("could save about ")
+    assert impact_text(finding).endswith("(an estimate: often more)")
     # the optimizer's own per-parameter loop is not taken for the user's loop
     assert ops["loops"] == [lp for lp in ops["loops"] if lp["source"] != "opt.step()"]
     on_disk = json.loads((tmp_path / "run" / "ops.json").read_text())
