@@ -452,10 +452,13 @@ def _verdict(s: dict[str, Any]) -> str:
         if attention.get("share") is not None:
             tiles.append(_tile("attention op by op", f"{attention['share'] * 100:.0f}%",
                                attention_text(attention) or ""))
-        fusable = ((s.get("op_time") or {}).get("share_of_model") or {}).get("fusable")
+        # of forward+backward, as the row beside it: the share of the ops' own time read
+        # 48% for 350 µs of a DDP run's 19.4 ms
+        fusable = ((s.get("op_time") or {}).get("share_of_forward_backward") or {}).get(
+            "fusable")
         if fusable is not None:
-            tiles.append(_tile("model ops fusable", f"{fusable * 100:.0f}%",
-                               op_time_text(s.get("op_time")) or ""))
+            tiles.append(_tile("fusable ops, share of forward+backward",
+                               utilization_text(fusable), op_time_text(s.get("op_time")) or ""))
         compiles = s.get("compiles") or {}
         if compiles.get("count"):
             tiles.append(_tile("torch.compile recompilations",

@@ -137,24 +137,34 @@ def compiles_text(info: dict[str, Any] | None) -> str | None:
 
 def op_time_text(timed: dict[str, Any] | None) -> str | None:
     """The "Model ops" row: forward and backward's op time a step by kind (products,
-    attention, pointwise and other fusable ops, views), from the op count's window."""
+    attention, pointwise and other fusable ops, views), from the op count's window.
+
+    Every share is of forward+backward, the seconds the row opens with, time outside
+    torch's ops included, so the parts sum to 100%: the kinds' shares of the ops' own time
+    beside the outside part's share of forward+backward had summed to 128%."""
     if not timed:
         return None
     labels = (("product", "products"), ("fused_attention", "fused attention"),
               ("attention", "attention"), ("lookup", "embedding lookups"),
               ("fusable", "pointwise/reductions/norms"), ("view", "views"))
-    seconds, shares = timed.get("s_per_step") or {}, timed.get("share_of_model") or {}
-    parts = [f"{label} {fmt_time(seconds[k])} ({shares.get(k, 0) * 100:.0f}%)"
+    seconds = timed.get("s_per_step") or {}
+    total = timed.get("model_s_per_step")
+    if not isinstance(total, int | float) or total <= 0:
+        return None
+
+    def share(s: float) -> str:
+        # a sliver is said as one, not as 0% beside its microseconds
+        return "<1%" if 0 < s / total < 0.005 else f"{s / total * 100:.0f}%"
+
+    parts = [f"{label} {fmt_time(seconds[k])} ({share(seconds[k])})"
              for k, label in labels if seconds.get(k)]
     outside = timed.get("outside_ops_s_per_step")
-    total = timed.get("model_s_per_step")
-    if isinstance(outside, int | float) and isinstance(total, int | float) and total > 0 \
-            and outside >= 0.05 * total:
-        parts.append(f"outside torch's ops {fmt_time(outside)} ({outside / total * 100:.0f}% "
-                     "of forward+backward)")
+    # below 1% it is the clock's rounding, not Python between the ops
+    if isinstance(outside, int | float) and outside >= 0.01 * total:
+        parts.append(f"outside torch's ops {fmt_time(outside)} ({share(outside)})")
     load = timed.get("outside_load_cores")
-    return (f"forward+backward {fmt_time(timed['model_s_per_step'])} a step, by kind of op: "
-            + " · ".join(parts)
+    return (f"forward+backward {fmt_time(total)} a step, by kind of op (share of "
+            "forward+backward): " + " · ".join(parts)
             + (" (CUDA events)" if timed.get("timed_by") == "cuda events" else "")
             + (f" · timed while other processes kept ~{load:.1f} cores busy: the split may "
                "be off" if timed.get("disturbed") and isinstance(load, int | float) else ""))
