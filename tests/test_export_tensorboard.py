@@ -82,8 +82,12 @@ def test_steps_phases_samples_and_text_match_the_record(run_dir: Path, tmp_path:
     total = sum(_series(acc, t)[1] for t in phases)
     np.testing.assert_allclose(total, times, rtol=1e-5)
     # 8 samples a step
-    _, rate, _ = _series(acc, "step/samples_per_s")
+    _, rate, _ = _series(acc, "step/batch_samples_per_s")
     np.testing.assert_allclose(rate, 8 / (steps["dur_ns"] / 1e9), rtol=1e-5)
+    # a step's own rate, named so: "step/samples_per_s" read as the run's throughput (points
+    # up to 29,810 in a run of 787 samples/s)
+    assert "step/samples_per_s" not in scalars
+    assert "throughput" in acc.SummaryMetadata("step/batch_samples_per_s").summary_description
     assert "step/syncs" not in scalars  # a CPU run: nothing waits for a device
     assert "step/time_max_ms" not in scalars  # one step a point: nothing averaged
 
@@ -134,7 +138,7 @@ def test_a_long_run_is_written_as_bucket_means_with_each_buckets_slowest_step(
     acc = _read(tmp_path / "b")
     numbers, means, _ = _series(acc, "step/time_ms")
     _, slowest, _ = _series(acc, "step/time_max_ms")
-    _, rate, _ = _series(acc, "step/samples_per_s")
+    _, rate, _ = _series(acc, "step/batch_samples_per_s")
     dur = steps["dur_ns"] / 1e6
     starts = range(0, len(steps), size)
     assert numbers == [int(steps["step"][min(s + size, len(steps)) - 1]) for s in starts]

@@ -76,7 +76,7 @@ def test_steps_and_samples_are_history_rows_on_the_runs_own_clock(exported) -> N
     rows = [r for r in run.history if "step/time_ms" in r]
     np.testing.assert_allclose([sum(r.get(p, 0.0) for p in phases) for r in rows], times,
                                rtol=1e-9)
-    _, rate, _ = _column(run, "step/samples_per_s")
+    _, rate, _ = _column(run, "step/batch_samples_per_s")
     np.testing.assert_allclose(rate, 8 / (steps["dur_ns"] / 1e9), rtol=1e-12)
 
     # the system samples: a row each, at the step in progress, rows in time order
@@ -117,9 +117,18 @@ def test_summary_config_findings_and_report_come_from_the_runs_report(exported) 
     findings = summary["findings"]
     assert findings and s["trainprof/finding_count"] == len(findings)
     assert s["trainprof/top_finding"] == findings[0]["title"]
-    # each series' mean in the runs table
-    times = [r["step/time_ms"] for r in run.history if "step/time_ms" in r]
-    assert s["step/time_ms"]["mean"] == pytest.approx(np.mean(times), rel=1e-9)
+    assert s["trainprof/steps_per_s"] == pytest.approx(summary["steps_per_s"], rel=1e-12)
+    # a per-step series' mean in the runs table is the steady steps', as the report's: the
+    # mean of every point counted the warm-up (14.19 ms beside the report's 11.95 ms)
+    assert s["step/time_ms"]["mean"] == pytest.approx(steps["mean_s"] * 1e3, rel=1e-9)
+    assert s["trainprof/mean_step_ms"] == pytest.approx(s["step/time_ms"]["mean"], rel=1e-9)
+    phases = {k: v["mean"] for k, v in s.items() if k.startswith("phase/")}
+    assert sum(phases.values()) == pytest.approx(steps["mean_s"] * 1e3, rel=1e-6)
+    # no mean of per-step rates (2,787 beside a throughput of 787 samples/s)
+    assert "step/batch_samples_per_s" not in s and "step/samples_per_s" not in s
+    # the other series: the mean of their points
+    cpu = [r["process/cpu_pct"] for r in run.history if "process/cpu_pct" in r]
+    assert s["process/cpu_pct"]["mean"] == pytest.approx(np.mean(cpu), rel=1e-9)
 
     config = run.config
     assert config["trainprof"]["status"] == "finished"

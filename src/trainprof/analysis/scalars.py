@@ -8,7 +8,9 @@ write what this module computes (DESIGN.md: "report never computes a metric").
 clock time (seconds since the epoch) and ``(tag, value)`` pairs, only finite values.
 
 * **Steps** (:func:`step_points`), per complete step, at the step's number and the wall time
-  it ended: ``step/time_ms``, ``step/samples_per_s`` (the batch size seen / the step's time),
+  it ended: ``step/time_ms``, ``step/batch_samples_per_s`` (the batch size seen / that one
+  step's time: a step's own rate, which a 1 ms step sends to 29,810 in a run of 787 samples/s;
+  it was ``step/samples_per_s``, which read as the run's throughput),
   ``step/syncs`` and ``step/sync_ms``, ``step/gc_collections`` where any step had one;
   ``phase/<name>_ms``, each phase's exclusive time in the step (the step record's phases, which
   add up to the step's time: :mod:`trainprof.schema`), for the phases the run had;
@@ -63,8 +65,8 @@ from trainprof.analysis.system import load_samples
 from trainprof.schema import PHASE_NAMES
 from trainprof.store import Run
 
-__all__ = ["MAX_POINTS", "Point", "ScalarSeries", "TUNE_METRICS", "describe", "scalar_series",
-           "tune_metrics"]
+__all__ = ["MAX_POINTS", "PER_STEP_GROUPS", "Point", "ScalarSeries", "TUNE_METRICS", "describe",
+           "scalar_series", "steady_means", "tune_metrics"]
 
 #: Points per series before buckets are averaged (10x what the dashboards show by default).
 MAX_POINTS = 10_000
@@ -74,7 +76,9 @@ MIB = 1024 * 1024
 _DESCRIPTIONS = {
     "step/time_ms": "Wall-clock time of the step (optimizer step to optimizer step), ms.",
     "step/time_max_ms": "Slowest step of each bucket of steps averaged into one point, ms.",
-    "step/samples_per_s": "Batch size seen by the step (samples) / the step's time.",
+    "step/batch_samples_per_s": ("Batch size seen by the step (samples) / that one step's "
+                                 "time: a step's own rate, not the run's throughput "
+                                 "(trainprof/samples_per_s: steady samples / steady time)."),
     "step/syncs": "Calls that made the host wait for the device (.item(), .cpu(), ...).",
     "step/sync_ms": "Time the host spent in those calls, ms.",
     "step/gc_collections": "Python garbage collections during the step.",
@@ -187,6 +191,29 @@ def scalar_series(run: Run, max_points: int = MAX_POINTS) -> ScalarSeries:
     return out
 
 
+#: Per-step series whose mean over the steps is a report figure: their dashboard summary is
+#: the steady steps' mean (:func:`steady_means`), not the mean of every point.
+PER_STEP_GROUPS = ("step", "phase", "device")
+
+
+def steady_means(run: Run, warmup: int) -> dict[str, float]:
+    """Each per-step series' mean over the steady steps (complete steps after the report's
+    ``warmup``, :func:`trainprof.analysis.steps.step_statistics`), the figure the report's
+    mean step time is: a mean over every point counted the warm-up steps (14.19 ms beside the
+    report's 11.95 ms). The per-step rate ``step/batch_samples_per_s`` gets none: a mean of
+    rates weighs a 1 ms step like a slow one (2,787 beside a throughput of 787 samples/s),
+    and the run's throughput is the report's ``samples_per_s``."""
+    steps = complete_steps(run.steps)[max(0, warmup):]
+    if len(steps) == 0:
+        return {}
+    out = {}
+    for tag, col in _step_columns(run, steps).items():
+        present = col[~np.isnan(col)]
+        if tag != "step/batch_samples_per_s" and len(present):
+            out[tag] = float(present.mean())
+    return out
+
+
 def wall_origin(run: Run) -> float:
     """Wall-clock seconds at the step clock's origin (older records: the run's start)."""
     wall = run.meta.get("wall_origin_s")
@@ -252,7 +279,7 @@ def _step_columns(run: Run, steps: np.ndarray) -> dict[str, np.ndarray]:
     samples = steps["samples"].astype(np.float64)
     if samples.any():
         with np.errstate(invalid="ignore", divide="ignore"):
-            out["step/samples_per_s"] = np.where((samples > 0) & (dur > 0),
+            out["step/batch_samples_per_s"] = np.where((samples > 0) & (dur > 0),
                                                  samples / (dur / 1e9), np.nan)
     for phase in PHASE_NAMES:
         col = steps[f"{phase}_ns"].astype(np.float64)
@@ -291,11 +318,11 @@ def step_points(run: Run, steps: np.ndarray, origin: float,
     reduced = {tag: _reduce(col, starts).tolist() for tag, col in series.items()}
     if size > 1:
         # a mean of samples/s would weigh a fast step like a slow one: samples / time instead
-        if "step/samples_per_s" in series:
+        if "step/batch_samples_per_s" in series:
             samples = np.add.reduceat(steps["samples"].astype(np.float64), starts)
             seconds = np.add.reduceat(steps["dur_ns"].astype(np.float64), starts) / 1e9
             with np.errstate(invalid="ignore", divide="ignore"):
-                reduced["step/samples_per_s"] = np.where(
+                reduced["step/batch_samples_per_s"] = np.where(
                     (samples > 0) & (seconds > 0), samples / seconds, np.nan).tolist()
         reduced["step/time_max_ms"] = _reduce(series["step/time_ms"], starts, "max").tolist()
     return _points(numbers, walls, reduced), size

@@ -32,14 +32,19 @@ line plots sample 1,500 points), with ``step/time_max_ms`` for each bucket's slo
 
 **Summary** (the runs table's columns), from the run's report: ``trainprof/status``,
 ``trainprof/exit_code``, ``trainprof/steps``, ``trainprof/warmup_steps``,
-``trainprof/median_step_ms`` / ``p10`` / ``p90`` / ``mean``, ``trainprof/samples_per_s``,
+``trainprof/median_step_ms`` / ``p10`` / ``p90`` / ``mean``, ``trainprof/samples_per_s`` and
+``trainprof/steps_per_s`` (the steady steps' throughput; steps/s is the one a run without a
+DataLoader has),
 ``trainprof/breakdown/<phase>`` (the steady-state shares, adding up to 1),
 ``trainprof/compute/flops_per_step``, ``flops_per_s``, ``utilization`` (of the measured
 matmul peak), ``model_utilization`` and ``datasheet_utilization`` (the MFU, on a GPU with a
 datasheet figure), ``trainprof/attention/share``, ``s_per_step`` and ``saving_share``
 (attention computed op by op, and the fused kernel's measured saving, where found),
 ``trainprof/finding_count`` and ``trainprof/top_finding`` (its title); each series' mean of
-its points (``summary="mean"``). **Media**, in the
+its points (``summary="mean"``), except the per-step series (``step/*``, ``phase/*``,
+``device/*``): their mean over the report's steady steps, as ``trainprof/mean_step_ms`` is
+(a mean of every point counted the warm-up), and none for ``step/batch_samples_per_s``, a
+step's own rate, whose mean is no throughput. **Media**, in the
 last row: ``trainprof/findings`` as a table (each finding's severity, category, cause, title,
 estimated gain, evidence, fix, snippet and how to verify it) and ``trainprof/report``, the
 self-contained HTML report of ``trainprof report --html``.
@@ -62,7 +67,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from trainprof.analysis.scalars import MAX_POINTS, ScalarSeries, scalar_series
+from trainprof.analysis.scalars import (
+    MAX_POINTS,
+    PER_STEP_GROUPS,
+    ScalarSeries,
+    scalar_series,
+    steady_means,
+)
 from trainprof.errors import UsageError, missing_package
 from trainprof.report.html import html_page
 from trainprof.report.terminal import fmt_evidence_value
@@ -159,9 +170,11 @@ def run_summary(summary: dict[str, Any]) -> dict[str, Any]:
         value = _number(steps.get(f"{key}_s"))
         if value is not None:
             out[f"trainprof/{key}_step_ms"] = value * 1e3
-    rate = _number(summary.get("samples_per_s"))
-    if rate is not None:
-        out["trainprof/samples_per_s"] = rate
+    # the run's throughput: steps/s too, the only one a run without a DataLoader has
+    for key in ("samples_per_s", "steps_per_s"):
+        rate = _number(summary.get(key))
+        if rate is not None:
+            out[f"trainprof/{key}"] = rate
     for phase, share in (summary.get("breakdown") or {}).items():
         if _number(share) is not None:
             out[f"trainprof/breakdown/{phase}"] = float(share)
@@ -267,7 +280,11 @@ def write_run(
         wb.define_metric(TIME_KEY, step_metric=STEP_KEY)
         groups = {k.split("/", 1)[0] for row in rows for k in row if "/" in k}
         for prefix in sorted(groups - {"trainprof"}):
-            wb.define_metric(f"{prefix}/*", step_metric=STEP_KEY, summary="mean")
+            # a per-step series' summary is the steady steps' mean, written below: W&B's
+            # mean of every point counted the warm-up steps, and averaged per-step rates
+            # (2,787 samples/s beside the report's 787)
+            wb.define_metric(f"{prefix}/*", step_metric=STEP_KEY,
+                             summary="none" if prefix in PER_STEP_GROUPS else "mean")
         for row in rows:
             wb.log(row)
         # after everything else: samples go on past the last complete step
@@ -284,6 +301,10 @@ def write_run(
             rows.append(last)
         if summary is not None:
             wb.summary.update(run_summary(summary))
+            warmup = (summary.get("steps") or {}).get("warmup")
+            if isinstance(warmup, int):
+                wb.summary.update({tag: {"mean": value} for tag, value
+                                   in steady_means(run, warmup).items()})
         wb.summary.update(metrics or {})
         local = wb.offline or wb.disabled
         result = WandbExport(name=name, run_id=wb.id, url=None if local else wb.url,
