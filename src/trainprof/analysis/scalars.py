@@ -26,7 +26,8 @@ clock time (seconds since the epoch) and ``(tag, value)`` pairs, only finite val
   RSS, once ``workers/rss_mib``, counted a fork worker's copy-on-write view of the
   training process's heap once per worker: 1,765 MiB of "workers" for 46 MiB of their
   own), ``system/cpu_pct`` (mean of the cores), ``system/iowait_pct``,
-  ``system/disk_read_mb_per_s``, and per GPU ``gpu<i>/util_pct``, ``memory_used_mib``,
+  ``system/disk_read_mib_per_s`` (MiB/s, as the HTML report; it was ``disk_read_mb_per_s``,
+  decimal MB/s beside MiB everywhere else), and per GPU ``gpu<i>/util_pct``, ``memory_used_mib``,
   ``power_w``, ``temperature_c``, ``sm_clock_mhz``.
 * **DDP** (:func:`ddp_points`), per DDP model, at the step of each iteration DDP's reducer
   sampled (1-10, then every 100th). DDP counts its forward passes from 1 (its reducer's
@@ -96,7 +97,7 @@ _DESCRIPTIONS = {
                             "shares with the training process are not counted."),
     "system/cpu_pct": "Whole-machine CPU, mean over the cores, %.",
     "system/iowait_pct": "CPU time waiting for I/O, %.",
-    "system/disk_read_mb_per_s": "Disk reads of the machine, MB/s.",
+    "system/disk_read_mib_per_s": "Disk reads of the machine, MiB/s.",
 }
 
 _PHASE_TEXT = {
@@ -342,8 +343,8 @@ def _sample_values(s: dict[str, Any], workers_private: int | None) -> list[tuple
         ("process/rss_mib", None if num(s.get("rss_bytes")) is None else s["rss_bytes"] / MIB),
         ("process/ctx_switches_per_s", num(s.get("ctx_switches_ps"))),
         ("system/iowait_pct", num(s.get("iowait_pct"))),
-        ("system/disk_read_mb_per_s",
-         None if num(s.get("disk_read_bps")) is None else s["disk_read_bps"] / 1e6),
+        ("system/disk_read_mib_per_s",
+         None if num(s.get("disk_read_bps")) is None else s["disk_read_bps"] / MIB),
     ]
     workers = s.get("workers")
     if isinstance(workers, dict) and workers:

@@ -280,8 +280,9 @@ def _add_samples(
                           sum(core_values) / len(core_values))
             b.counter(PID_SYSTEM, "iowait", "%", ts, s.get("iowait_pct"))
             rd = s.get("disk_read_bps")
-            b.counter(PID_SYSTEM, "disk read", "MB/s",
-                      ts, rd / 1e6 if isinstance(rd, int | float) else None)
+            # MiB/s, as the HTML report's chart and every memory figure (it was decimal MB/s)
+            b.counter(PID_SYSTEM, "disk read", "MiB/s",
+                      ts, rd / MIB if isinstance(rd, int | float) else None)
 
         for dev in s.get("gpu") or []:
             if not isinstance(dev, dict) or not isinstance(dev.get("index"), int):
