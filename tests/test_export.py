@@ -240,3 +240,28 @@ def test_cli_export(run_dir: Path, tmp_path: Path) -> None:
     assert res.returncode == 2
     assert res.stderr.strip().startswith("error: no such run folder")
     assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_a_profile_runs_first_step_is_one_step_as_the_summary_counts_it(tmp_path: Path) -> None:
+    """The optimizer steps the clock saw before the script's first prof.step() belong to
+    that first step: the summary counted 120 steps where Perfetto drew 121 (an extra
+    'step 1' of other time only)."""
+    import torch
+
+    import trainprof
+
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with trainprof.profile(tmp_path / "r", report=False) as prof:
+        for _ in range(12):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step()
+    assert prof.summary["steps"]["count"] == 12
+    path = tmp_path / "p.json"
+    stats = export_perfetto(load_run(tmp_path / "r"), path)
+    doc = json.loads(path.read_text())
+    _check_structure(doc)
+    steps = [e for e in doc["traceEvents"] if e.get("cat") == "step"]
+    assert len(steps) == stats["steps"] == 12

@@ -109,18 +109,27 @@ def complete_steps(steps: np.ndarray) -> np.ndarray:
     """
     if len(steps) == 0:
         return steps
-    done = steps[(steps["flags"] & (FLAG_PARTIAL | FLAG_PROFILED)) == 0]
-    manual = (done["flags"] & FLAG_MANUAL) != 0
+    return merge_auto_prefix(steps[(steps["flags"] & (FLAG_PARTIAL | FLAG_PROFILED)) == 0])
+
+
+def merge_auto_prefix(steps: np.ndarray) -> np.ndarray:
+    """``steps`` with a manual run's automatic prefix (the optimizer steps the clock saw
+    before the script's first ``prof.step()``) merged into the first manual step: the
+    user's first step, as every view shows it (the Perfetto export had drawn it as two, 121
+    steps where the summary counted 120)."""
+    if len(steps) == 0:
+        return steps
+    manual = (steps["flags"] & FLAG_MANUAL) != 0
     if not manual.any() or manual[0]:
-        return done
+        return steps
     first = int(np.argmax(manual))
-    head = done[: first + 1]
+    head = steps[: first + 1]
     merged = head[-1:].copy()
-    for name in done.dtype.names:
+    for name in steps.dtype.names:
         if name not in ("step", "t_start_ns", "flags"):
             merged[name] = head[name].sum()
     merged["t_start_ns"] = head["t_start_ns"][0]
-    return np.concatenate([merged, done[first + 1 :]])
+    return np.concatenate([merged, steps[first + 1 :]])
 
 
 def detect_warmup(durations: np.ndarray) -> int:

@@ -66,7 +66,7 @@ import numpy as np
 import orjson
 
 from trainprof.analysis.memory_growth import workers_private_bytes
-from trainprof.analysis.steps import complete_steps, detect_warmup
+from trainprof.analysis.steps import complete_steps, detect_warmup, merge_auto_prefix
 from trainprof.analysis.system import load_samples
 from trainprof.errors import UsageError
 from trainprof.schema import FLAG_BACKWARD, FLAG_MANUAL, FLAG_PARTIAL, FLAG_PROFILED, FLAG_SKIPPED
@@ -452,8 +452,9 @@ def _add_deep(
 def _select_steps(
     run: Run, first_step: int | None, last_step: int | None, max_steps: int, notes: list[str]
 ) -> tuple[np.ndarray, tuple[float, float] | None]:
-    """The step records to export and, when that is not all of them, their time window (µs)."""
-    steps = run.steps
+    """The step records to export and, when that is not all of them, their time window (µs).
+    A manual run's first step is one, its automatic prefix merged, as the summary counts it."""
+    steps = merge_auto_prefix(run.steps)
     if first_step is not None:
         steps = steps[steps["step"] >= first_step]
     if last_step is not None:
@@ -465,7 +466,7 @@ def _select_steps(
             "`trainprof export RUN --perfetto PATH --steps FIRST:LAST`)"
         )
         steps = steps[:max_steps]
-    if len(steps) == len(run.steps):
+    if len(steps) == len(merge_auto_prefix(run.steps)):
         return steps, None
     if len(steps) == 0:
         notes.append("no step in the chosen range")
