@@ -915,6 +915,20 @@ def _cli(path: Path, *extra: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.parametrize("args", [("trace", "T", "--json"), ("trace", "T")])
+def test_a_reader_that_leaves_ends_the_command_quietly(tmp_path, args):
+    """``trainprof trace T --json | head -c 100``: the pipe is closed before trainprof
+    writes, so every write (and the last flush) meets it; no traceback, status 141."""
+    path = _write(tmp_path / "t.json", synthetic_trace())
+    argv = [str(path) if a == "T" else a for a in args]
+    proc = subprocess.Popen([sys.executable, "-m", "trainprof", *argv],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader leaves before anything is written
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141 and err == b""
+
+
 BAD_INPUTS = {
     "empty.json": b"",
     "blank.json": b"  \n\t ",
