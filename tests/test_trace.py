@@ -548,6 +548,93 @@ def test_cuda_sync_waits_are_hta_non_compute(tmp_path):
     assert res["breakdown_us"]["Kernel"] == pytest.approx(50, abs=1e-3)
 
 
+def test_the_profilers_closing_synchronize_is_not_the_users(tmp_path):
+    """Kineto synchronizes the device when the profiler stops: a cudaDeviceSynchronize
+    starting after the last step's host end waits for that step's queued kernels, inside
+    the step as moved onto the device timeline, but it is not the loop's sync."""
+    doc = synthetic_trace()
+    base, host = 1_700_000_000_000.125, {"pid": "host", "tid": "main"}
+    doc["traceEvents"] += [  # step 2 launches a kernel that runs until +500
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", **host,
+         "ts": base + 270, "dur": 5.0, "args": {"correlation": 5000}},
+        {"ph": "X", "cat": "kernel", "name": "long_kernel", "pid": 0, "tid": 7,
+         "ts": base + 290, "dur": 210.0, "args": {"correlation": 5000, "stream": 7}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaDeviceSynchronize", **host,
+         "ts": base + 350, "dur": 150.0, "args": {"correlation": 5001}},
+    ]
+    res = analyse_trace(_write(tmp_path / "t.json", doc))
+    assert res["window"]["end_us"] - res["window"]["start_us"] == pytest.approx(500)
+    sync = res["sync"]
+    assert [c["name"] for c in sync["calls"]] == ["cudaStreamSynchronize"]
+    assert sync["per_step_us"] == pytest.approx(35)  # the user's syncs only
+    assert sync["profiler_stop"] == {"name": "cudaDeviceSynchronize", "count": 1,
+                                     "total_us": pytest.approx(150)}
+    assert sum("profiler's own" in n for n in res["notes"]) == 1
+    out = io.StringIO()
+    render_trace(res, file=out)
+    assert "cudaDeviceSynchronize" not in out.getvalue().split("Note")[0]
+
+
+@needs_more
+@pytest.mark.parametrize("path", [
+    "hta/ns_res/rank-0.Apr_03_18_51_38.1102.pt.trace.json.gz",
+    "hta/negq/rank0.json.gz",
+    "tracelens/h100/Qwen_Qwen1.5-0.5B-Chat__1016005.json.gz",
+])
+def test_no_real_trace_blames_the_user_for_the_profilers_synchronize(path):
+    res = analyse_trace(MORE / path)
+    stop = res["sync"]["profiler_stop"]
+    assert stop["name"] == "cudaDeviceSynchronize" and stop["count"] == 1
+    names = [c["name"] for c in res["sync"]["calls"] if c["per_step"]]
+    assert "cudaDeviceSynchronize" not in names
+    titles = [f["title"] for f in res["findings"] if f["category"] == "synchronization"]
+    assert not any("cudaDeviceSynchronize" in t for t in titles)
+    if "ns_res" in path or "Qwen" in path:  # their only blocking time was the profiler's
+        assert res["sync"]["share_pct"] < 1 and not titles
+
+
+def _copy_back_trace(dst: str) -> dict:
+    """The synthetic trace whose per-step sync is a cudaMemcpyAsync from the device into
+    ``dst`` host memory (what ``loss.item()`` makes), its copy at +90 after the kernel."""
+    doc = synthetic_trace()
+    for e in list(doc["traceEvents"]):
+        if e["name"] == "cudaStreamSynchronize":
+            e["name"] = "cudaMemcpyAsync"
+            doc["traceEvents"].append({
+                "ph": "X", "cat": "gpu_memcpy", "name": f"Memcpy DtoH (Device -> {dst})",
+                "pid": 0, "tid": 7, "ts": e["ts"] + 30.0, "dur": 4.0,
+                "args": {"stream": 7, "device": 0, "bytes": 4,
+                         "correlation": e["args"]["correlation"]}})
+    return doc
+
+
+def test_an_async_copy_into_pageable_memory_blocks(tmp_path):
+    res = analyse_trace(_write(tmp_path / "t.json", _copy_back_trace("Pageable")))
+    (call,) = res["sync"]["calls"]
+    assert call["name"] == "cudaMemcpyAsync (DtoH to pageable)" and call["pageable_dtoh"]
+    assert call["count"] == 3 and call["per_step"] == pytest.approx(1)
+    assert res["sync"]["share_pct"] == pytest.approx(35)
+    (f,) = [f for f in res["findings"] if f["category"] == "synchronization"]
+    assert f["cause"] == "blocking_memcpy" and "pin_memory=True" in f["fix"]["snippet"]
+    assert "pageable" in f["fix"]["text"]
+    # into pinned memory the same call is asynchronous: no sync at all
+    res = analyse_trace(_write(tmp_path / "p.json", _copy_back_trace("Pinned")))
+    assert res["sync"]["calls"] == [] and res["sync"]["share_pct"] == 0
+    assert not [f for f in res["findings"] if f["category"] == "synchronization"]
+
+
+@needs_more
+def test_pageable_copies_back_are_the_syncs_of_negq():
+    """HTA's negq trace: 30 cudaMemcpyAsync into pageable memory take 758 of the 766 ms
+    of cudaMemcpyAsync, each blocking the host about 146 ms."""
+    res = analyse_trace(MORE / "hta" / "negq" / "rank0.json.gz")
+    top = res["sync"]["calls"][0]
+    assert top["name"] == "cudaMemcpyAsync (DtoH to pageable)" and top["count"] == 30
+    assert top["total_us"] == pytest.approx(758_000, rel=0.01)
+    (f,) = [f for f in res["findings"] if f["category"] == "synchronization"]
+    assert f["cause"] == "blocking_memcpy" and "pageable" in f["title"]
+
+
 def test_no_steps_is_one_window(tmp_path):
     doc = synthetic_trace(n_steps=1)
     doc["traceEvents"] = [e for e in doc["traceEvents"]
@@ -826,6 +913,20 @@ def _cli(path: Path, *extra: str) -> subprocess.CompletedProcess:
         [sys.executable, "-m", "trainprof", "trace", str(path), *extra],
         capture_output=True, text=True, timeout=120,
     )
+
+
+@pytest.mark.parametrize("args", [("trace", "T", "--json"), ("trace", "T")])
+def test_a_reader_that_leaves_ends_the_command_quietly(tmp_path, args):
+    """``trainprof trace T --json | head -c 100``: the pipe is closed before trainprof
+    writes, so every write (and the last flush) meets it; no traceback, status 141."""
+    path = _write(tmp_path / "t.json", synthetic_trace())
+    argv = [str(path) if a == "T" else a for a in args]
+    proc = subprocess.Popen([sys.executable, "-m", "trainprof", *argv],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader leaves before anything is written
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141 and err == b""
 
 
 BAD_INPUTS = {

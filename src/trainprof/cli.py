@@ -571,18 +571,37 @@ def _dispatch(argv: list[str]) -> int:
     raise AssertionError(f"command {ns.command!r} has no dispatch")
 
 
+#: exit status when the reader of stdout left: 128 + SIGPIPE, as the shell reports for
+#: ``cat`` or ``grep`` killed by the signal in ``cat big | head``
+EXIT_BROKEN_PIPE = 128 + 13
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Every command, its errors turned into exit statuses.
+
+    A reader that leaves early (``trainprof trace BIG --json | head -c 100``, ``report
+    --json | head``, ``run --json | head``: all output goes through here) ends the command
+    quietly, as C tools do when SIGPIPE kills them: no traceback, nothing on stderr, and
+    stdout pointed at /dev/null so that the interpreter's last flush cannot raise again
+    (Python's documented way, "Note on SIGPIPE" in the ``signal`` module). The status is
+    141 (128 + SIGPIPE), what the shell reports for ``cat`` in the same pipe, not 0: the
+    output was not all written, and a ``set -o pipefail`` script should see trainprof
+    fail there as it sees any other tool; ``head`` itself still succeeds, so a plain pipe
+    is unaffected. stdout is flushed here, inside the handler, since a document shorter
+    than the pipe's buffer only meets the closed pipe at that flush.
+    """
     argv = sys.argv[1:] if argv is None else argv
     try:
-        return _dispatch(argv)
+        status = _dispatch(argv)
+        sys.stdout.flush()
+        return status
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:
-        # `trainprof trace --json FILE | head`: the reader left; stop quietly, as cat does
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-        return 1
+        return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
         # Ctrl-C in trainprof's own work (analysing a trace, writing a report): a run's
         # record is closed before any of it starts (see commands.run_command)

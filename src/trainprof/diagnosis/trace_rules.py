@@ -17,9 +17,11 @@ diagnosis. Sources and thresholds:
   short-kernel threshold) make it launch-bound (CUDA graphs, fusion); otherwise the
   host code itself is slow.
 * ``synchronization`` — blocking runtime calls (``cudaDeviceSynchronize``,
-  ``cudaStreamSynchronize``, synchronous ``cudaMemcpy``; Nsight Systems' sync rule);
-  the gain is capped by the GPU's idle share, since time blocked while the GPU works
-  is not lost.
+  ``cudaStreamSynchronize``, synchronous ``cudaMemcpy``; Nsight Systems' sync rule),
+  and ``cudaMemcpyAsync`` into pageable host memory, which blocks as ``.item()`` does
+  (its fix is a pinned destination, not removing a synchronize); the profiler's own
+  closing synchronize is not the user's and is left out (``launches.py``); the gain is
+  capped by the GPU's idle share, since time blocked while the GPU works is not lost.
 * ``compute`` / tensor cores unused — the plugin's rule: compute capability >= 7.0, no
   kernel on tensor cores, and kernel time launched by tensor-core-eligible operators
   (convolution, matmul); the gain assumes those kernels at most halve with mixed
@@ -283,7 +285,25 @@ def _sync(doc: dict[str, Any]) -> Finding | None:
     }
     if util is not None:
         evidence["gpu_utilization"] = util
-    if blocking_copy:
+    if top.get("pageable_dtoh"):
+        # a .cpu()/.item() into pageable memory: cudaMemcpyAsync in name, blocking in effect
+        cause = "blocking_memcpy"
+        text = (
+            f"Copies from the GPU into pageable host memory ({name}: .cpu(), .item(), "
+            ".tolist(), .numpy() of a GPU tensor) block the host until the GPU has finished "
+            "all queued work and the copy, although the runtime call is cudaMemcpyAsync: the "
+            "driver cannot copy asynchronously into pageable memory. Copy into a pinned "
+            "buffer with non_blocking=True and wait on an event only where the value is "
+            "used, and copy less often (every N steps, or one stacked tensor instead of "
+            "many)."
+        )
+        snippet = (
+            "host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)  # once\n"
+            "host.copy_(x, non_blocking=True); done = torch.cuda.Event(); done.record()\n"
+            "...  # launch the next step's work\n"
+            "done.synchronize(); use(host)  # or: read it every N steps"
+        )
+    elif blocking_copy:
         cause = "blocking_memcpy"
         text = (
             f"Synchronous copies ({name}) block the host until the GPU has finished all "

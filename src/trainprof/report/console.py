@@ -70,6 +70,18 @@ def fmt_ratio(x: float | None) -> str:
     return f"×{x:.2f}" if x < 10 else f"×{x:.3g}"
 
 
+class _Console(Console):
+    """rich's console, but a closed pipe is left to ``trainprof.cli.main``.
+
+    rich answers a ``BrokenPipeError`` with ``SystemExit(1)``; raising the error on lets
+    the CLI end every command's closed pipe one way (quietly, status 141), whether the
+    output came through rich or through ``print``."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError
+
+
 def make_console(out: IO[str]) -> Console:
     """A console on ``out``: the terminal's width on a terminal, else 120 columns, trimmed."""
     try:
@@ -77,10 +89,10 @@ def make_console(out: IO[str]) -> Console:
     except (AttributeError, ValueError):
         tty = False
     if tty:
-        return Console(file=out, highlight=False, soft_wrap=True)
+        return _Console(file=out, highlight=False, soft_wrap=True)
     width = None if "COLUMNS" in os.environ else WIDTH_OFF_TERMINAL
     trimmed: IO[str] = _TrimmedLines(out)  # type: ignore[assignment]  # write/flush suffice
-    return Console(file=trimmed, highlight=False, soft_wrap=True, width=width)
+    return _Console(file=trimmed, highlight=False, soft_wrap=True, width=width)
 
 
 #: A word of prose for :func:`print_prose`: a run of characters without a space, where a

@@ -167,6 +167,13 @@ def analyse_file(path: Path, fallback_rank: int = 0) -> dict[str, Any]:
         flags["dataloader"][ev.name] & np.isin(ev.kind, [Kind.CPU_OP, Kind.ANNOTATION])
     )
     dl_names = sorted({ev.names[i] for i in ev.name[dl_rows].tolist()})
+    sync = sync_stats(ev, links, steps)
+    if sync.get("profiler_stop"):
+        stop = sync["profiler_stop"]
+        notes.append(
+            f"the {stop['name']} after the last step is the profiler's own (Kineto "
+            "synchronizes the device when it stops): left out of the syncs"
+        )
     doc: dict[str, Any] = {
         "kind": "trace",
         "schema_version": SCHEMA_VERSION,
@@ -208,7 +215,7 @@ def analyse_file(path: Path, fallback_rank: int = 0) -> dict[str, Any]:
         "memory": opk["memory"],
         "launch": launch_stats(ev, links, steps),
         "memcpy": memcpy_stats(ev, links, steps),
-        "sync": sync_stats(ev, links, steps),
+        "sync": sync,
         "communication": tb.communication_overlap(steps, roles),
         # torch.profiler's record of the process group (backend, rank, world size)
         "distributed_info": _distributed_info(info),

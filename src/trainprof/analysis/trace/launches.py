@@ -12,7 +12,19 @@
   driver and cannot overlap compute; pinned ones can).
 * **Syncs**: runtime calls that block the host until the device catches up:
   ``cudaDeviceSynchronize``, ``cudaStreamSynchronize``, ``cudaEventSynchronize``, and
-  synchronous (non-``Async``) ``cudaMemcpy*``; the HIP equivalents on ROCm.
+  synchronous (non-``Async``) ``cudaMemcpy*``; the HIP equivalents on ROCm. A
+  ``cudaMemcpyAsync`` whose copy goes from the device into *pageable* host memory
+  (``Memcpy DtoH (Device -> Pageable)``, what ``.cpu()`` / ``.item()`` / ``.tolist()``
+  make) blocks too: the driver cannot DMA into pageable memory, so the call returns only
+  once the copy, and everything queued before it on the stream, is done. It counts by its
+  host time, under its own label, so its fix (a pinned destination, fewer reads) can be
+  told apart from a synchronous ``cudaMemcpy``'s.
+* **The profiler's own synchronize**: Kineto synchronizes the device when the profiler
+  stops, so nearly every CUDA trace ends with one ``cudaDeviceSynchronize`` starting tens
+  of µs after the last ``ProfilerStep``'s host end, waiting for that step's queued work.
+  It is no part of the user's loop: a device synchronize that starts after the end of the
+  last step's host range (outside every step) is set apart (``profiler_stop``), not
+  counted in the syncs per step, their share or the finding.
 """
 
 from __future__ import annotations
@@ -25,7 +37,7 @@ import numpy as np
 from trainprof.analysis.trace import intervals as iv
 from trainprof.analysis.trace.correlate import Links
 from trainprof.analysis.trace.events import Events, Kind
-from trainprof.analysis.trace.steps import Steps
+from trainprof.analysis.trace.steps import Steps, step_rows
 
 SHORT_KERNEL_US = 10.0
 _MEMCPY = re.compile(r"^Memcpy\s+(\w+)(?:\s*\((\w+)\s*->\s*(\w+)\))?")
@@ -36,6 +48,11 @@ _SYNC = re.compile(
     r"Memcpy(Dto|Hto)\w*)$|^cu(CtxSynchronize|StreamSynchronize|EventSynchronize|"
     r"Memcpy\w*)$"
 )
+
+
+_DEVICE_SYNC = re.compile(r"^((cuda|hip)DeviceSynchronize|cuCtxSynchronize)$")
+#: label of the asynchronous copies into pageable host memory that block (module docstring)
+PAGEABLE_DTOH = "(DtoH to pageable)"
 
 
 def _is_sync_call(name: str) -> bool:
@@ -139,6 +156,52 @@ def memcpy_stats(ev: Events, links: Links, steps: Steps) -> dict[str, Any]:
     return {"kinds": kinds}
 
 
+def _pageable_dtoh_calls(ev: Events, links: Links) -> np.ndarray:
+    """``*MemcpyAsync`` runtime rows whose copy goes from the device into pageable memory.
+
+    These block the host as a synchronous copy does (module docstring), though their name
+    says ``Async``; a pinned destination makes them truly asynchronous."""
+    rows = ev.where(Kind.MEMCPY)
+    if rows.size == 0:
+        return rows
+    pageable_dtoh = np.fromiter(
+        (_host_memory(n, "DtoH") == "Pageable" for n in ev.names), bool, count=len(ev.names)
+    )
+    rows = rows[pageable_dtoh[ev.name[rows]]]
+    rt = links.runtime_of(rows)
+    rt = rt[rt >= 0]
+    is_async = np.fromiter(
+        (n.endswith("Async") and _SYNC.match(n[: -len("Async")]) is not None for n in ev.names),
+        bool, count=len(ev.names),
+    )
+    return np.unique(rt[is_async[ev.name[rt]]])
+
+
+def _host_memory(name: str, direction: str) -> str | None:
+    """The host memory kind of a Kineto memcpy name in ``direction`` (None: other kind)."""
+    m = _MEMCPY.match(name)
+    if m is None or m.group(1) != direction:
+        return None
+    return m.group(3) if direction == "DtoH" else m.group(2)
+
+
+def _profiler_stop_syncs(ev: Events, rows: np.ndarray, steps: Steps) -> np.ndarray:
+    """Which of the sync ``rows`` are the profiler's closing device synchronize.
+
+    Only with ProfilerStep ranges: after the last one's host end (kept or left-out tail
+    step alike, so that a user's sync inside a step is never taken for the profiler's),
+    the user's loop is over and what the host still does is the profiler stopping."""
+    out = np.zeros(rows.size, dtype=bool)
+    srows = step_rows(ev)
+    if not steps.found or srows.size == 0:
+        return out
+    last_host_end = int(ev.end[srows].max())
+    device_sync = np.fromiter(
+        (_DEVICE_SYNC.match(n) is not None for n in ev.names), bool, count=len(ev.names)
+    )
+    return device_sync[ev.name[rows]] & (ev.ts[rows] >= last_host_end)
+
+
 def sync_stats(ev: Events, links: Links, steps: Steps) -> dict[str, Any]:
     """Blocking runtime calls: count and time per name, per step, and share of step time."""
     rrows = links.runtime_rows
@@ -146,23 +209,36 @@ def sync_stats(ev: Events, links: Links, steps: Steps) -> dict[str, Any]:
         return {"calls": []}
     sync_name = np.fromiter((_is_sync_call(n) for n in ev.names), bool, count=len(ev.names))
     rows = rrows[sync_name[ev.name[rrows]]]
+    pageable = _pageable_dtoh_calls(ev, links)
+    rows = np.union1d(rows, pageable)
+    stop = _profiler_stop_syncs(ev, rows, steps)
+    profiler_stop = (
+        {"name": ev.names[int(ev.name[rows[stop][0]])], "count": int(stop.sum()),
+         "total_us": float(ev.dur[rows[stop]].sum() / 1000.0)}
+        if stop.any() else None
+    )
+    rows = rows[~stop]
     if rows.size == 0:
-        return {"calls": [], "per_step_us": 0.0, "share_pct": 0.0}
+        return {"calls": [], "per_step_us": 0.0, "share_pct": 0.0,
+                "profiler_stop": profiler_stop}
     n_steps = max(1, len(steps))
     windows = iv.union(steps.starts, steps.ends)
     step_total = iv.total(*windows)
     s, e = iv.union(ev.ts[rows], ev.end[rows])
     in_steps = iv.total(*iv.intersect((s, e), windows))
-    nid = ev.name[rows]
-    uniq, inv = np.unique(nid, return_inverse=True)
+    is_pageable = np.isin(rows, pageable)
+    labels = [ev.names[int(n)] + (f" {PAGEABLE_DTOH}" if p else "")
+              for n, p in zip(ev.name[rows].tolist(), is_pageable.tolist(), strict=True)]
+    uniq, inv = np.unique(np.array(labels, dtype=object), return_inverse=True)
     dur = ev.dur[rows].astype(np.float64)
     mid = ev.ts[rows] + ev.dur[rows] // 2
     inside = iv.covered(mid, *windows)
     calls = []
-    for j, u in enumerate(uniq.tolist()):
+    for j, label in enumerate(uniq.tolist()):
         sel = inv == j
         calls.append({
-            "name": ev.names[u],
+            "name": label,
+            "pageable_dtoh": label.endswith(PAGEABLE_DTOH),
             "count": int(sel.sum()),
             "per_step": float(inside[sel].sum() / n_steps),
             "total_us": float(dur[sel].sum() / 1000.0),
@@ -173,4 +249,5 @@ def sync_stats(ev: Events, links: Links, steps: Steps) -> dict[str, Any]:
         "calls": calls,
         "per_step_us": in_steps / 1000.0 / n_steps,
         "share_pct": in_steps / step_total * 100.0 if step_total else 0.0,
+        "profiler_stop": profiler_stop,
     }
