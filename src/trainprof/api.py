@@ -152,20 +152,27 @@ class Profile:
         tb: TracebackType | None,
     ) -> bool:
         from trainprof.capture.clock import StopTraining
+        from trainprof.capture.launcher import describe_exception, exit_code_of
 
         self._os_exit.__exit__(None, None, None)
+        crash = None
         if exc_type is None or issubclass(exc_type, StopTraining):
             status, code = "finished", 0
         elif issubclass(exc_type, KeyboardInterrupt):
             status, code = "interrupted", 130
+        elif issubclass(exc_type, SystemExit):  # sys.exit(n) in the block: as `trainprof run`
+            status, code = "finished", exit_code_of(getattr(exc, "code", None))[0]
         else:
             status, code = "crashed", 1
-        self._finish(status, code)
+            # what the block raised, kept in the record: the traceback is the caller's
+            # to print (or catch), and gone by the time the record is read
+            crash = describe_exception(exc) if exc is not None else None
+        self._finish(status, code, crash)
         return exc_type is not None and issubclass(exc_type, StopTraining)
 
-    def _finish(self, status: str, code: int) -> None:
+    def _finish(self, status: str, code: int, crash: dict[str, Any] | None = None) -> None:
         """Close the record, wait for the ranks it started, summarise and report."""
-        self._recorder.stop(status, code)
+        self._recorder.stop(status, code, crash)
         from trainprof.commands import finalize_run
 
         children = self._recorder.child_runs

@@ -263,10 +263,10 @@ def run_command(
 
     recorder.clock.on_terminated = terminate_now
 
-    def close(status: str, exit_code: int) -> None:
+    def close(status: str, exit_code: int, crash: dict[str, Any] | None = None) -> None:
         """Close the record, whatever signal arrives meanwhile."""
         with deferred_sigint(), finish_despite_sigterm() as held:
-            recorder.stop(status, exit_code)
+            recorder.stop(status, exit_code, crash)
         terminated.extend(held)
 
     # registered before the script's own: atexit runs last what came first (_end_by_sigint)
@@ -289,7 +289,7 @@ def run_command(
             # under python the signal would have ended it, with 143
             outcome = Outcome("interrupted", 143, "trainprof: terminated by SIGTERM (the "
                               "script caught the exception it raised)", terminated=True)
-        close(outcome.status, outcome.exit_code)
+        close(outcome.status, outcome.exit_code, outcome.crash)
         return outcome
 
     def nothing_ran() -> bool:

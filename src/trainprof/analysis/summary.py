@@ -338,7 +338,7 @@ def summarize_run(run: Run) -> dict[str, Any]:
     if "recorded_status" in meta:
         summary["recorded_status"] = meta["recorded_status"]
     crash = summarize_crash(meta.get("crash"))
-    if crash is not None:  # a death by a fatal signal: which, and where (analysis/crash.py)
+    if crash is not None:  # an exception or a fatal signal: which, and where (analysis/crash.py)
         summary["crash"] = crash
     return summary
 

@@ -31,9 +31,11 @@ then exits as asked (coverage.py's ``patch = _exit`` does the same for its data)
 
 A crash's traceback is printed as Python prints it: frames of trainprof and
 ``runpy`` are removed, so the user sees only their code and the libraries
-it called. A warning attributed beneath the script (a module-level
-``warnings.warn(msg, stacklevel=2)``) reads ``sys:1``, as under python
-(:mod:`trainprof.capture.warning_location`).
+it called. The terminal's traceback is gone once the run is over, so the same
+exception is also kept in the record (:func:`describe_exception`, ``run.json``'s
+``crash``): a crashed run read later says what it raised and where. A warning
+attributed beneath the script (a module-level ``warnings.warn(msg, stacklevel=2)``)
+reads ``sys:1``, as under python (:mod:`trainprof.capture.warning_location`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 import types
 import zipfile
 from collections.abc import Callable, Iterator
@@ -72,6 +75,8 @@ class Outcome:
     exit_code: int
     message: str | None = None
     terminated: bool = False
+    #: the exception a crashed script raised, for the record (:func:`describe_exception`)
+    crash: dict[str, Any] | None = None
 
 
 #: Launchers' console scripts, and the module each one runs (for ``trainprof run -m``).
@@ -142,6 +147,54 @@ def strip_own_frames(exc: BaseException | None, seen: set[int] | None = None) ->
         exc.__traceback__ = None
     strip_own_frames(exc.__cause__, seen)
     strip_own_frames(exc.__context__, seen)
+
+
+#: The longest exception message kept in the record: a message can hold a whole tensor
+#: or a config dump, and the record is read back at every report.
+MAX_MESSAGE = 2000
+#: The innermost frames of a traceback kept in the record; ``more`` counts the rest.
+MAX_FRAMES = 50
+
+
+def exception_name(exc_type: type[BaseException]) -> str:
+    """The exception's type as Python's traceback names it: ``RuntimeError``, but
+    ``torch.OutOfMemoryError`` (the module is left out for builtins and ``__main__``)."""
+    module = getattr(exc_type, "__module__", None)
+    name = getattr(exc_type, "__qualname__", None) or exc_type.__name__
+    return name if module in (None, "builtins", "__main__") else f"{module}.{name}"
+
+
+def describe_exception(exc: BaseException) -> dict[str, Any]:
+    """What a script died of, for the record: ``{"exception", "message", "site": {"file",
+    "line", "function"}, "frames": [[file, line, function], ...], "more": n}``.
+
+    Why: the traceback goes to the terminal and is gone afterwards; a crashed run read
+    later (``trainprof report``, the HTML, the exports) must say what it raised and where.
+    ``frames`` are the traceback's, most recent call last (as Python prints it), without
+    trainprof's or runpy's (a wrapper of trainprof's a module call went through is not
+    where the script failed); at most :data:`MAX_FRAMES`, the innermost. ``site`` is the
+    innermost of them, the line Python's traceback ends on. The message is cut at
+    :data:`MAX_MESSAGE` characters. Never raises: a ``__str__`` that fails is named so.
+    """
+    try:
+        message = str(exc)
+    except Exception as err:  # a broken __str__: Python prints "<exception str() failed>"
+        message = f"<exception str() failed: {type(err).__name__}>"
+    if len(message) > MAX_MESSAGE:
+        message = (message[:MAX_MESSAGE]
+                   + f"... ({len(message) - MAX_MESSAGE:,} more characters)")
+    frames = [[f.filename, f.lineno, f.name]
+              for f in traceback.extract_tb(exc.__traceback__)
+              if not is_launch_code(f.filename)]
+    shown = frames[-MAX_FRAMES:]
+    record: dict[str, Any] = {"exception": exception_name(type(exc)), "message": message,
+                              "site": None, "frames": shown, "more": len(frames) - len(shown)}
+    if shown:
+        file, line, function = shown[-1]
+        record["site"] = {"file": file, "line": line, "function": function}
+    elif isinstance(exc, SyntaxError) and exc.filename:  # the script did not compile
+        record["site"] = {"file": exc.filename, "line": exc.lineno, "function": "<module>"}
+    return record
 
 
 def print_exception(exc: BaseException) -> None:
@@ -445,5 +498,5 @@ def run_target(target: str, args: list[str], module: bool) -> Outcome:
                        terminated=True)
     except BaseException as exc:
         print_exception(exc)  # the traceback says it all; no extra line
-        return Outcome("crashed", 1)
+        return Outcome("crashed", 1, crash=describe_exception(exc))
     return Outcome("finished", 0)

@@ -144,7 +144,12 @@ def run_recorded(target: Callable[..., Any], spec: ChildSpec, /, *args: Any, **k
     """
     from trainprof.capture import recorder as recorder_module
     from trainprof.capture.clock import StopTraining, Terminated
-    from trainprof.capture.launcher import exit_code_of, sigterm_as_exception, strip_own_frames
+    from trainprof.capture.launcher import (
+        describe_exception,
+        exit_code_of,
+        sigterm_as_exception,
+        strip_own_frames,
+    )
     from trainprof.capture.tools import build_windows
 
     # A forked child holds a copy of the parent's recorder; its patches were
@@ -169,6 +174,7 @@ def run_recorded(target: Callable[..., Any], spec: ChildSpec, /, *args: Any, **k
         print(f"trainprof: process {spec.label} not recorded: {exc}", file=sys.stderr, flush=True)
         return target(*args, **kwargs)
     status, code = "finished", 0
+    crash = None
     try:
         with sigterm_as_exception():
             return target(*args, **kwargs)
@@ -188,9 +194,10 @@ def run_recorded(target: Callable[..., Any], spec: ChildSpec, /, *args: Any, **k
         status, code = "crashed", 1
         # the traceback multiprocessing (or spawn) prints: the user's frames, not ours
         strip_own_frames(exc)
+        crash = describe_exception(exc)  # kept in the rank's record: what it raised, where
         raise
     finally:
-        rec.stop(status, code)
+        rec.stop(status, code, crash)
         if status == "interrupted" and code == 143:  # SIGTERM: end as it ends a python
             sys.stdout.flush()
             sys.stderr.flush()

@@ -272,8 +272,14 @@ class Recorder:
                 if note not in self.writer.meta["missing"]:
                     self.writer.meta["missing"].append(note)
 
-    def stop(self, status: str, exit_code: int | None) -> Path:
-        """Close the record. Safe to call once; later calls return the folder."""
+    def stop(self, status: str, exit_code: int | None,
+             crash: dict[str, Any] | None = None) -> Path:
+        """Close the record. Safe to call once; later calls return the folder.
+
+        ``crash``: the exception a crashed script raised (capture.launcher's
+        ``describe_exception``), kept as ``crash`` in ``run.json`` with the step it was in
+        (the steps complete before it, None before the first step): the traceback printed
+        on the terminal is gone once the run is over."""
         if self._stopped:
             return self.run_dir
         self._stopped = True
@@ -281,6 +287,9 @@ class Recorder:
         if _active is self:
             _active = None
         n_done = self.clock.n_steps
+        if crash is not None:
+            self.writer.meta["crash"] = {**crash,
+                                         "step": n_done if self.clock.started else None}
         self.loop_stacks.stop()
         self.clock.finish()
         for runner in self.windows:

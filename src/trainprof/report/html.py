@@ -343,7 +343,10 @@ def _tile(label: str, value: str, detail: str = "") -> str:
     )
 
 
-def _finding(i: int, f: dict[str, Any], run_dir: str | None = None) -> str:
+def _finding(i: int, f: dict[str, Any], run_dir: str | None = None,
+             crashed_after: int | None = None) -> str:
+    """One finding's card; ``crashed_after``: the steps a crashed run made, said in its
+    "Measure it" line as the terminal's verify hint says it (its trials stop before)."""
     severity = str(f.get("severity") or "")
     gain = float(f.get("estimated_gain") or 0.0)
     impact = esc(impact_text(f)) + (
@@ -371,9 +374,11 @@ def _finding(i: int, f: dict[str, Any], run_dir: str | None = None) -> str:
         parts.append(f"<p><b>Verify.</b> {verify.strip()}</p>")
         if run_dir and "trainprof tune --knob" in str(f["verify"]):
             # the same measurement on the run's own command, set against the estimate
+            crash = ("" if crashed_after is None else f"; the run crashed after "
+                     f"{crashed_after} steps: its trials stop before that")
             parts.append(f"<p><b>Measure it</b> (its knob on this script, against its "
-                         f'estimate): <code class="cmd">trainprof verify {esc(run_dir)} '
-                         f"--finding {i}</code></p>")
+                         f'estimate{esc(crash)}): <code class="cmd">trainprof verify '
+                         f"{esc(run_dir)} --finding {i}</code></p>")
     if f.get("evidence"):
         parts.append(
             "<details><summary>Evidence: the numbers that fired it</summary>"
@@ -484,8 +489,10 @@ def _verdict(s: dict[str, Any]) -> str:
             )
         )
     crash = crash_text(s.get("crash"))
-    if crash:  # a death by a fatal signal: where, before anything measured
-        head = ('<div class="crash" id="tp-crash"><p class="headline">The process died of '
+    if crash:  # an exception or a fatal signal: what and where, before anything measured
+        how = "The script raised " if (s.get("crash") or {}).get("exception") else \
+            "The process died of "
+        head = (f'<div class="crash" id="tp-crash"><p class="headline">{how}'
                 f'{esc(crash.splitlines()[0])}</p>'
                 + (f'<pre class="mono">{esc(chr(10).join(crash.splitlines()[1:]))}</pre>'
                    if len(crash.splitlines()) > 1 else "")
@@ -510,7 +517,7 @@ def _verdict(s: dict[str, Any]) -> str:
     done = crashed_after(s)
     run_dir = (None if s.get("ranks") or (done is not None and done < MIN_CRASH_STEPS)
                else s.get("run_dir"))
-    body += "".join(_finding(i, f, run_dir) for i, f in enumerate(findings, 1))
+    body += "".join(_finding(i, f, run_dir, done) for i, f in enumerate(findings, 1))
     return body
 
 

@@ -208,11 +208,46 @@ def _status_line(s: dict[str, Any]) -> Text:
     return line
 
 
+#: The most of an exception's message the report's first line shows (the record keeps more).
+_MESSAGE_SHOWN = 300
+
+
+def crash_head(crash: dict[str, Any]) -> str:
+    """An exception's first line: ``RuntimeError: boom at train.py:12 in <module>, step 80``
+    (the step the run was in: the steps complete before it). The message's first line, cut
+    to :data:`_MESSAGE_SHOWN` characters: the row, or the HTML's headline, stays readable."""
+    message = str(crash.get("message") or "")
+    first = message.split("\n", 1)[0]
+    if len(first) > _MESSAGE_SHOWN:
+        first = first[:_MESSAGE_SHOWN]
+    if first != message:
+        first += " ..."
+    head = f"{crash['exception']}: {first}" if first else str(crash["exception"])
+    site = crash.get("site")
+    if isinstance(site, dict) and site.get("file"):
+        head += (f" at {os.path.basename(str(site['file']))}:{site.get('line')} "
+                 f"in {site.get('function')}")
+    step = crash.get("step")
+    head += f", step {step}" if isinstance(step, int) else ", before the first step"
+    return head
+
+
 def crash_text(crash: dict[str, Any] | None) -> str:
-    """``SIGSEGV (Segmentation fault) in its Python stack:`` and the frames, one a line,
-    the crash site last, as a Python traceback lists them."""
+    """``SIGSEGV (Segmentation fault) in its Python stack:`` (or ``RuntimeError: ... at
+    train.py:12 in <module>, step 80`` for an exception the script raised) and the frames,
+    one a line, the crash site last, as a Python traceback lists them."""
     if not crash:
         return ""
+    if crash.get("exception"):
+        head = crash_head(crash)
+        frames = crash.get("frames") or []
+        if len(frames) < 2:  # the site says it all
+            return head
+        lines = [f"{head}; the traceback, most recent call last:"]
+        if crash.get("more"):
+            lines.append(f"  ... {crash['more']} outer frames")
+        lines += [f"  {file}:{line} in {func}" for file, line, func in frames]
+        return "\n".join(lines)
     head = f"{crash['signal']} ({crash['message']})" if crash.get("message") else crash["signal"]
     frames = crash.get("frames") or []
     if not frames:
