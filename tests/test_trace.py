@@ -416,6 +416,22 @@ def test_directory_of_ranks_is_merged():
     assert "Per rank" in out.getvalue()
 
 
+@needs_traces
+def test_a_trace_copied_twice_into_a_folder_is_counted_once(tmp_path):
+    """One rank's trace twice in a folder (a copy, or a trace handler's folder that kept a
+    cycle twice) had read as "2 ranks", "slowest rank 0, fastest 0"."""
+    import shutil
+
+    src = TB / "nw0-steps5-10.pt.trace.json.gz"
+    shutil.copy(src, tmp_path / "a.pt.trace.json.gz")
+    shutil.copy(src, tmp_path / "b.pt.trace.json.gz")
+    doc = analyse_trace(tmp_path)
+    assert "ranks" not in doc or len(doc["ranks"]) == 1
+    assert any("b.pt.trace.json.gz is a copy of a.pt.trace.json.gz" in w
+               for w in doc["warnings"]), doc["warnings"]
+    assert doc["breakdown_us"]["Total"] == pytest.approx(177_592, abs=1)
+
+
 # --- a known-answer trace in every format generation -----------------------------------
 
 def synthetic_trace(modern: bool = True, gpu_annotations: bool = True, n_steps: int = 3,

@@ -34,7 +34,12 @@ def analyse_trace(path: Path) -> dict[str, Any]:
     :func:`trainprof.diagnosis.trace_rules.diagnose_trace`. Raises :class:`UsageError`
     (one line) for input that cannot be analysed: missing, empty, not JSON, not a trace.
     """
-    from trainprof.analysis.trace.analyse import analyse_file, merge_ranks, trace_files
+    from trainprof.analysis.trace.analyse import (
+        analyse_file,
+        drop_copies,
+        merge_ranks,
+        trace_files,
+    )
     from trainprof.diagnosis.trace_rules import diagnose_trace
 
     path = Path(path)
@@ -62,8 +67,10 @@ def analyse_trace(path: Path) -> dict[str, Any]:
             raise UsageError(skipped[0] if len(skipped) == 1 else
                              f"{path}: none of its {len(files)} JSON files is a trace "
                              f"({skipped[0]})")
+        docs, copies = drop_copies(docs)
         doc = docs[0] if len(docs) == 1 else merge_ranks(path, docs)
-        doc["warnings"] = [f"skipped {s}" for s in skipped] + list(doc["warnings"])
+        doc["warnings"] = ([f"skipped {s}" for s in skipped] + copies
+                           + list(doc["warnings"]))
     else:
         doc = _guarded(analyse_file, path, 0)
     doc["findings"] = diagnose_trace(doc)

@@ -236,6 +236,27 @@ def trace_files(directory: Path) -> list[Path]:
     return [p for p in entries if p.name.endswith(TRACE_SUFFIXES)]
 
 
+def drop_copies(docs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """``docs`` without the traces that are copies of an earlier one (same rank, same events,
+    same step times: a file copied, or a ``tensorboard_trace_handler`` folder that kept a
+    cycle twice), and a warning naming them. A folder of one trace twice had read as "2
+    ranks", "slowest rank 0, fastest 0"."""
+    seen: dict[tuple[Any, ...], str] = {}
+    kept, copies = [], []
+    for d in docs:
+        # the rank the trace says (a trace without distributedInfo is numbered by file order)
+        said = (d.get("distributed_info") or {}).get("rank")
+        key = (said, d["format"].get("events"), d["format"].get("complete_events"),
+               d["step_time_us"].get("mean"), tuple(d.get("steps") or ()))
+        if key in seen:
+            copies.append(f"{Path(d['source']).name} is a copy of {seen[key]} (the same rank, "
+                          "events and step times): counted once")
+            continue
+        seen[key] = Path(d["source"]).name
+        kept.append(d)
+    return kept, copies
+
+
 def merge_ranks(directory: Path, docs: list[dict[str, Any]]) -> dict[str, Any]:
     """The merged view of several ranks (see the module docstring)."""
     docs = sorted(docs, key=lambda d: d["rank"])
@@ -307,13 +328,13 @@ def merge_ranks(directory: Path, docs: list[dict[str, Any]]) -> dict[str, Any]:
             if max(means) > 0 else 0.0,
         },
         "merged_note": (
-            f"{len(docs)} ranks: breakdown averaged over ranks; operators, kernels, memory, "
-            f"launches, memcpy and syncs shown for rank {first['rank']} "
-            "(every rank's are under 'ranks')"
+            f"{len(docs)} ranks: breakdown averaged over ranks; the DataLoader and "
+            f"communication lines, operators, kernels, memory, launches, memcpy and syncs "
+            f"are rank {first['rank']}'s (every rank's are under 'ranks')"
         ) if one_job else (
             f"{len(docs)} traces with no distributedInfo and no communication: separate runs "
             "rather than ranks of one job, shown side by side (each under 'ranks', by file "
-            f"order); the breakdown is their average, operators and kernels those of "
-            f"{Path(first['source']).name}"
+            f"order); the breakdown is their average, the other lines (DataLoader, "
+            f"operators, kernels...) those of {Path(first['source']).name}"
         ),
     }
