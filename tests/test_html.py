@@ -804,3 +804,15 @@ def test_a_run_of_one_step_says_to_read_its_finding_not_that_nothing_was_found(
     assert '<p class="headline">Read this first: 1 step in all: no steady state' in page
     assert "No bottleneck found" not in page
     assert "<h3>Where its step goes</h3>" in page
+
+
+def test_generic_tables_head_their_columns_without_the_unit_their_values_carry():
+    """"median_s 19.2 ms", "rss_peak_bytes 337.2 MiB": a header named a unit the value was
+    not shown in."""
+    from trainprof.report.html import render_generic
+
+    page = render_generic([{"label": "0", "median_s": 0.0192, "rss_peak_bytes": 353_566_720,
+                            "samples_per_s": 1234.5}])
+    assert "<th>median</th>" in page and "<th>rss peak</th>" in page
+    assert "<th>samples per s</th>" in page  # a rate keeps its words
+    assert "19.2 ms" in page and "337.2 MiB" in page

@@ -174,6 +174,24 @@ def _fmt_number(key: str, value: float | int) -> str:
 _UNIT_SUFFIXES = ("_us", "_ms", "_ns", "_s", "_bytes", "_pct")
 
 
+#: Key endings whose unit :func:`_fmt_number` writes into the value ("19.2 ms", "337 MiB").
+_SAID_UNITS = ("_seconds", "_sec", "_s", "_ms", "_us", "_ns", "_bytes", "_bps", "_pct")
+
+
+def _label(key: str) -> str:
+    """A column or row header for ``key``: its words, without a unit suffix the value
+    carries itself ("median_s" over "19.2 ms" read as seconds shown in ms; "rss_peak_bytes"
+    over "337.2 MiB")."""
+    k = str(key)
+    lower = k.lower()
+    if not lower.endswith(("_per_s", "_ps")):
+        for unit in _SAID_UNITS:
+            if lower.endswith(unit) and len(k) > len(unit):
+                k = k[: -len(unit)]
+                break
+    return k.replace("_", " ")
+
+
 def _is_scalar(value: Any) -> bool:
     return value is None or isinstance(value, str | int | float | bool)
 
@@ -202,7 +220,7 @@ def _table(rows: list[dict[str, Any]], depth: int = 0, mono: Iterable[str] = ())
                 columns.append(str(key))
     columns = columns[:MAX_COLUMNS]
     mono_cols = {c for c in columns if c.lower() in _MONO_COLUMNS} | set(mono)
-    head = "".join(f"<th>{esc(c)}</th>" for c in columns)
+    head = "".join(f"<th>{esc(_label(c))}</th>" for c in columns)
     body = []
     for row in rows[:MAX_ROWS]:
         cells = []
@@ -255,7 +273,7 @@ def render_generic(value: Any, key: str = "", depth: int = 0) -> str:
         else:
             suffix = next((u for u in _UNIT_SUFFIXES if lower.endswith(u)), "")
         rows = "".join(
-            f"<tr><th>{esc(k)}</th><td>{_cell(f'{k}{suffix}', v, depth)}</td></tr>"
+            f"<tr><th>{esc(_label(k))}</th><td>{_cell(f'{k}{suffix}', v, depth)}</td></tr>"
             for k, v in list(value.items())[:MAX_ROWS]
         )
         more = (
