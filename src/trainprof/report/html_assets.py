@@ -70,6 +70,7 @@ th,td{border-bottom:1px solid var(--line);padding:3px 10px 3px 0;text-align:left
 vertical-align:top}
 th{color:var(--muted);font-weight:600}
 td.num{text-align:right;font-variant-numeric:tabular-nums}
+td.mono{overflow-wrap:anywhere}
 table.kv th{width:1%;white-space:nowrap}
 .scroll{overflow:auto;max-width:100%}
 details summary{cursor:pointer;color:var(--accent)}
