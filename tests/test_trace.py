@@ -284,6 +284,19 @@ def test_a_cpu_trace_counts_the_flops_torchs_counter_counts(tmp_path):
     assert "of their CPU time" in text.getvalue()
 
 
+@needs_traces
+def test_flop_ops_whose_shapes_do_not_say_their_flops_are_named(tb_results):
+    """ResNet-50 traced before torch 2.x: its convolutions lack their strides, so the FLOPs
+    line counted the fc layer alone ("2.36 GFLOP ... 31.8% of the V100's peak") and read as
+    the whole model's."""
+    from trainprof.report.trace_terminal import flops_line
+
+    flops = tb_results["nw0-steps5-10.pt.trace.json.gz"]["flops"]
+    (conv,) = [u for u in flops["uncounted"] if u["name"] == "aten::convolution"]
+    assert conv["calls"] == 318 and conv["kernel_us"] > 100_000
+    assert "not counted: convolution 318×" in flops_line(flops)
+
+
 def test_flops_of_a_call_follow_tracelens_definitions():
     from trainprof.analysis.trace.op_flops import call_flops
 

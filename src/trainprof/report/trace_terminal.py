@@ -313,6 +313,12 @@ def flops_line(flops: dict[str, Any] | None) -> str | None:
             text += (f"; {k['dtype']} at {k['of_datasheet_peak'] * 100:.1f}% of the "
                      f"{k['datasheet_gpu']} datasheet's dense peak "
                      f"({k['datasheet_tflops_per_s']:,.0f} TFLOP/s)")
+    left = flops.get("uncounted") or []
+    if left:
+        names = ", ".join(f"{u['name'].removeprefix('aten::')} {u['calls']}×" for u in left[:3])
+        text += (f"; not counted: {names} ({_us(sum(u['kernel_us'] for u in left))} of "
+                 "their time), whose shapes in this trace do not say their FLOPs (a "
+                 "convolution's stride: traces before torch 2.x lack it)")
     return text
 
 

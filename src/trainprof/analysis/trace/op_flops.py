@@ -95,6 +95,11 @@ def call_flops(name: str, dims: Any, concrete: Any) -> float | None:
     return None
 
 
+def _is_flop_op(name: str) -> bool:
+    """An op whose FLOPs :func:`call_flops` counts when its shapes say."""
+    return name in _GEMMS or name in _CONVS or name.removesuffix("_backward") in _ATTENTION
+
+
 def _ints(text: Any) -> list[int] | None:
     """``"[1, 1]"`` (a concrete input) -> [1, 1]."""
     try:
@@ -188,10 +193,17 @@ def op_flops(names: list[str], name_of_row: np.ndarray, shapes: dict[int, tuple[
     from trainprof.analysis.datasheet_peaks import datasheet_peak
 
     groups: dict[tuple[str, str, str], dict[str, Any]] = {}
+    # FLOP ops whose shapes did not tell their FLOPs (a convolution's stride, which traces
+    # before torch 2.x lack): ResNet-50's "2.36 GFLOP" was its fc layer alone, said as all
+    uncounted: dict[str, list[float]] = {}
     for row, (dims, types, concrete) in shapes.items():
         name = names[int(name_of_row[row])]
         flops = call_flops(name, dims, concrete)
         kernel = kernel_ns_of_row.get(row, 0.0)
+        if flops is None and kernel > 0 and _is_flop_op(name):
+            acc = uncounted.setdefault(name, [0, 0.0])
+            acc[0] += 1
+            acc[1] += kernel / 1e3
         if flops is None or kernel <= 0:
             continue
         dtype = _dtype(types)
@@ -243,4 +255,7 @@ def op_flops(names: list[str], name_of_row: np.ndarray, shapes: dict[int, tuple[
         "by_dtype": kinds,
         "gpu": gpu_name,
         "time_basis": time_basis,
+        # FLOP ops left out (their shapes did not say), by time: what the total misses
+        "uncounted": [{"name": n, "calls": int(c), "kernel_us": us}
+                      for n, (c, us) in sorted(uncounted.items(), key=lambda kv: -kv[1][1])],
     }
