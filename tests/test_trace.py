@@ -297,6 +297,18 @@ def test_flop_ops_whose_shapes_do_not_say_their_flops_are_named(tb_results):
     assert "not counted: convolution 318×" in flops_line(flops)
 
 
+@needs_traces
+def test_memcpy_counts_are_a_steps_beside_a_steps_time(tb_results):
+    """"HtoD: 12×, 1.9 ms per step" set the trace's count beside a time a step."""
+    from trainprof.report.trace_terminal import _memcpy_lines
+
+    doc = tb_results["nw0-steps5-10.pt.trace.json.gz"]
+    (htod,) = [k for k in doc["memcpy"]["kinds"] if k["kind"] == "HtoD"]
+    assert htod["count"] == 12 and htod["count_per_step"] == 2
+    assert _memcpy_lines(doc["memcpy"])[0].startswith(
+        "HtoD (Pageable → Device): 2× a step (12 in the trace), 1.9 ms per step")
+
+
 def test_flops_of_a_call_follow_tracelens_definitions():
     from trainprof.analysis.trace.op_flops import call_flops
 

@@ -156,13 +156,23 @@ def _launch_line(launch: dict[str, Any]) -> str | None:
     return text
 
 
+def _count_per_step(kind: dict[str, Any]) -> str:
+    """"2× a step (12 in the trace)," where the record has the count a step, else the
+    trace's count as before."""
+    per_step = kind.get("count_per_step")
+    if not isinstance(per_step, int | float):
+        return f"{kind['count']}×,"
+    return f"{per_step:.3g}× a step ({kind['count']} in the trace),"
+
+
 def _memcpy_lines(memcpy: dict[str, Any]) -> list[str]:
     lines = []
     for k in (memcpy.get("kinds") or [])[:4]:
         where = f" ({k['src']} → {k['dst']})" if k.get("src") else ""
         bw = f", {k['gb_per_s']:.1f} GB/s" if k.get("gb_per_s") else ""
         lines.append(
-            f"{k['kind']}{where}: {k['count']}×, {_us(k.get('per_step_us'))} per step{bw}"
+            f"{k['kind']}{where}: {_count_per_step(k)} {_us(k.get('per_step_us'))} per "
+            f"step{bw}"
             + ("  ← pageable" if k.get("pageable") else "")
         )
     return lines

@@ -134,6 +134,7 @@ def memcpy_stats(ev: Events, links: Links, steps: Steps) -> dict[str, Any]:
     nbytes = ev.nbytes[rows].astype(np.float64)
     win = ((ev.ts[rows] >= lo) & (ev.ts[rows] < hi)).astype(np.float64)
     count = np.bincount(inv, minlength=uniq.size)
+    count_in_steps = np.bincount(inv, weights=win, minlength=uniq.size)
     total = np.bincount(inv, weights=dur, minlength=uniq.size)
     per_step = np.bincount(inv, weights=dur * win, minlength=uniq.size) / n_steps
     byt = np.bincount(inv, weights=np.where(nbytes >= 0, nbytes, 0.0), minlength=uniq.size)
@@ -146,7 +147,10 @@ def memcpy_stats(ev: Events, links: Links, steps: Steps) -> dict[str, Any]:
             "dst": dst,
             "pageable": bool(host_mem == "Pageable"),
             "pinned": bool(host_mem == "Pinned"),
-            "count": int(count[j]),
+            "count": int(count[j]),  # in the whole trace
+            # in the analysed steps, a step: as the time beside it (the count had been the
+            # trace's beside a time a step, "12×, 1.9 ms per step")
+            "count_per_step": float(count_in_steps[j] / n_steps),
             "total_us": float(total[j] / 1000.0),
             "per_step_us": float(per_step[j] / 1000.0),
             "bytes": int(byt[j]),
