@@ -298,6 +298,17 @@ def test_flop_ops_whose_shapes_do_not_say_their_flops_are_named(tb_results):
 
 
 @needs_traces
+def test_a_cuda_trace_cut_before_its_device_events_is_still_a_cuda_trace(tmp_path):
+    """Cut at 300 kB, a V100 trace had read "CPU only", its FLOP rate over CPU time, beside
+    aten::cudnn_convolution in its own operator table."""
+    cut = tmp_path / "cut.json.gz"
+    cut.write_bytes((TB / "nw0-steps5-10.pt.trace.json.gz").read_bytes()[:300_000])
+    doc = analyse_trace(cut)
+    assert doc["format"]["truncated"] and doc["format"]["device_type"] == "CUDA"
+    assert doc["cpu_only"] is False
+
+
+@needs_traces
 def test_memcpy_counts_are_a_steps_beside_a_steps_time(tb_results):
     """"HtoD: 12×, 1.9 ms per step" set the trace's count beside a time a step."""
     from trainprof.report.trace_terminal import _memcpy_lines

@@ -69,7 +69,12 @@ def _device_type(ev: Events, info: LoadInfo) -> str:
     if any(c.startswith("mtia") for c in cats):
         return "MTIA"
     has_device = bool(np.isin(ev.kind, [Kind.KERNEL, Kind.MEMCPY, Kind.MEMSET]).any())
-    if not has_device:
+    # a trace cut before its device events (they come after the host's in the file) that
+    # launched kernels is a GPU trace still: it had read "CPU only", its FLOP rate over CPU
+    # time, beside aten::cudnn_convolution in its own operator table
+    launched = bool(np.isin(ev.kind, [Kind.RUNTIME, Kind.DEVICE_SYNC]).any()) or any(
+        "cudnn" in n or n.startswith(("cuda", "hip")) for n in ev.names)
+    if not has_device and not (info.truncated and launched):
         return "CPU only"
     props = info.metadata.get("deviceProperties") or []
     names = " ".join(str(p.get("name", "")) for p in props if isinstance(p, dict))
