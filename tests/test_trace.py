@@ -436,6 +436,42 @@ def test_separate_runs_in_one_folder_are_not_taken_for_ranks(tb_results):
 
 
 @needs_traces
+def test_a_rank_that_holds_the_others_up_is_named_not_their_communication(tb_results):
+    """Two gloo ranks, rank 1's dataset slow: "[high] Communication not hidden ... 47%" and
+    "[high] Training waits for data 42%" (an average that fits neither rank) counted one
+    wait twice. The rank the others wait for has the least Communication; its excess says
+    why."""
+    import copy
+
+    from trainprof.analysis.trace.analyse import merge_ranks
+
+    base = {k: v for k, v in tb_results["nw0-steps5-10.pt.trace.json.gz"].items()
+            if k != "findings"}
+    docs = []
+    for r in (0, 1):
+        d = copy.deepcopy(base) | {"rank": r, "distributed_info": {
+            "backend": "gloo", "rank": r, "world_size": 2}}
+        docs.append(d)
+    extra = 60_000.0  # rank 1 waits 60 ms more for data; rank 0 waits as long for it
+    docs[1]["breakdown_us"]["DataLoader"] += extra
+    docs[0]["breakdown_us"]["Communication"] += extra
+    for d in docs:
+        d["breakdown_us"]["Total"] += extra
+    doc = merge_ranks(TB, docs)
+    found = diagnose_trace(doc)
+    (held,) = [f for f in found if f["cause"] == "uneven_input_pipeline"]
+    assert held["title"].startswith("Rank 1 holds the others up: its waiting for data takes "
+                                    "60.0 ms a step more")
+    assert held["estimated_gain"] == pytest.approx(extra / (177_592 + extra), rel=0.01)
+    assert "exposed_communication" not in [f["cause"] for f in found]
+    # what every rank waits for data is the least-waiting rank's (nw0's own 33%), not
+    # the average of both
+    (common,) = [f for f in found if f["category"] == "input_pipeline"]
+    assert common["estimated_gain"] == pytest.approx(
+        59_262 / (177_592 + extra), rel=0.02), common["title"]
+
+
+@needs_traces
 @needs_more
 def test_directory_of_ranks_is_merged():
     doc = analyse_trace(MORE / "hta" / "trace_filter_2ranks")
