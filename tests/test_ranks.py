@@ -1114,13 +1114,14 @@ def test_ddps_own_timing_shows_the_all_reduce_the_step_waits_for_and_its_fix(tmp
     page = (tmp_path / "a.html").read_text()
     section = page[page.index('<section id="ddp">'):]
     section = section[:section.index("</section>")]
-    assert "Gradient all-reduce (DDP)" in section and "exposed_ms" in section
+    # the column headed by its words, the unit in its values ("exposed 1.2 ms")
+    assert "Gradient all-reduce (DDP)" in section and "<th>exposed</th>" in section
     assert ">Sequential<" in section and ">gloo<" in section and "16.0 MiB" in section
     from trainprof.report.terminal import fmt_time
 
     assert f">{fmt_time(exposed[str(doc['main_rank'])])}<" in section
     ranks = page[page.index('<section id="ranks">'):]
-    assert "ddp_exposed_comm_s" in ranks[:ranks.index("</section>")]
+    assert "<th>ddp exposed comm</th>" in ranks[:ranks.index("</section>")]
 
     # the fix: one all-reduce for 4 micro-batches (104 DDP iterations: 100 is sampled)
     fixed = trainprof("run", "--json", "--no-html", "--out", str(tmp_path / "b"),
