@@ -905,13 +905,15 @@ def test_a_gans_generator_steps_lines_are_counted_among_steps_of_their_kind(tmp_
     step: the generator's steps, ~4x as long as the critic's, were outliers against all
     steps, their samples left out, and the "other" lines named only the critic's
     bookkeeping. Judged among the steps of their own place in the iteration, they are
-    typical: the generator's line leads "other", with ~15/(15+6) of it."""
+    typical: the generator's line leads "other", with ~15/(15+6) of it. (The products are
+    large enough for the phases to get timer ticks: with none, the deepest function in
+    every "other" sample, busy() itself, was once taken for the loop.)"""
     write_script(tmp_path, "gan.py", """
         import time, torch
         from torch import nn
         torch.set_num_threads(1)
         K = 3
-        G = nn.Linear(16, 32); D = nn.Linear(32, 1)
+        G = nn.Linear(2048, 2048); D = nn.Linear(2048, 1)  # phases long enough for ticks
         og = torch.optim.SGD(G.parameters(), lr=1e-3)
         od = torch.optim.SGD(D.parameters(), lr=1e-3)
 
@@ -921,11 +923,11 @@ def test_a_gans_generator_steps_lines_are_counted_among_steps_of_their_kind(tmp_
 
         for it in range(40):
             for _ in range(K):
-                ld = D(G(torch.randn(8, 16)).detach()).mean()
+                ld = D(G(torch.randn(8, 2048)).detach()).mean()
                 od.zero_grad(); ld.backward(); od.step()
                 busy(0.002)
             busy(0.015)
-            lg = -D(G(torch.randn(8, 16))).mean()
+            lg = -D(G(torch.randn(8, 2048))).mean()
             og.zero_grad(); lg.backward(); og.step()
     """)
     res = trainprof("run", "--json", "--no-html", "gan.py", cwd=tmp_path, env=FAST_SAMPLING)
